@@ -1,0 +1,50 @@
+"""`specdecode` command line: one subcommand per module.
+
+Each command module defines ``add_arguments(parser)`` and ``main(args) -> int`` and keeps heavy
+imports (torch, transformers) inside ``main`` so that ``specdecode --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("specdecode.commands.generate", "generate text with or without a draft model"),
+    "models": ("specdecode.models.cli", "fetch and convert models (e.g. `models fetch qwen2.5-coder`)"),
+    "bench": ("specdecode.bench.cli", "benchmark speculation on Spec-Bench / HumanEval prompts"),
+    "check": ("specdecode.check.cli", "prove a draft/target pair is lossless on this machine"),
+    "serve": ("specdecode.server.cli", "OpenAI-compatible server with continuous batching"),
+    "load": ("specdecode.load.cli", "load generator against any OpenAI-compatible endpoint"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdecode", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module_name, help_text) in COMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name and module_name.startswith(exc.name):
+                continue  # command not built yet
+            raise
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args._module.main(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
