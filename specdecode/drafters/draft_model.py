@@ -1,0 +1,108 @@
+"""Drafting with a separate (smaller) causal LM sharing the target's vocabulary."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from specdecode.drafters.base import Proposal, SequenceView, common_prefix
+from specdecode.models.runner import ModelRunner
+from specdecode.sampling import params_tensors, sample, warp
+
+
+class DraftModelDrafter:
+    """Samples ``k`` tokens autoregressively from a draft model, warped like the target.
+
+    Per slot it remembers which tokens its KV cache holds (``_cached``); before drafting it rolls
+    back to the part that still agrees with the sequence and feeds the rest (one token after a
+    rejection, two when every draft token was accepted: the last draft token and the bonus token).
+    """
+
+    name = "draft-model"
+
+    def __init__(self, runner: ModelRunner, vocab_size: int | None = None) -> None:
+        self.runner = runner
+        # the target's vocabulary size: draft logits past it are never sampled, and the draft
+        # distribution is zero-padded up to it when the draft's embedding matrix is smaller
+        self.vocab_size = vocab_size or runner.vocab_size
+        self._cached: dict[int, list[int]] = {}
+        self._floor: dict[int, int] = {}  # a length known to agree with the sequence
+
+    def start(self, slot: int, token_ids: list[int]) -> None:
+        self.runner.prefill(slot, token_ids[:-1])
+        self._cached[slot] = list(token_ids[:-1])
+        self._floor[slot] = len(token_ids) - 1
+
+    def move(self, src: int, dst: int) -> None:
+        self.runner.cache.copy_slot(src, dst, len(self._cached[src]))
+        self._cached[dst] = self._cached.pop(src)
+        self._floor[dst] = self._floor.pop(src)
+
+    def release(self, slot: int) -> None:
+        self._cached.pop(slot, None)
+        self._floor.pop(slot, None)
+
+    @torch.inference_mode()
+    def propose(self, seqs: Sequence[SequenceView], num_tokens: list[int]) -> Proposal:
+        bsz, k_max = len(seqs), max(num_tokens, default=0)
+        tokens = torch.zeros(bsz, k_max, dtype=torch.long)
+        probs = None
+        rows = [b for b in range(bsz) if num_tokens[b] > 0]
+        if not rows:
+            return Proposal(tokens, None, torch.tensor(num_tokens, dtype=torch.long))
+        active = [seqs[b] for b in rows]
+        ks = [num_tokens[b] for b in rows]
+
+        # 1. roll back to the agreeing prefix and feed what the cache lacks (ragged, right-padded)
+        pending = []
+        for s in active:
+            keep = common_prefix(self._cached[s.slot], s.token_ids, self._floor[s.slot])
+            pending.append((keep, s.token_ids[keep:]))
+        width = max(len(p) for _, p in pending)
+        ids = torch.zeros(len(active), width, dtype=torch.long)
+        positions = torch.zeros(len(active), width, dtype=torch.long)
+        for i, (keep, p) in enumerate(pending):
+            ids[i, : len(p)] = torch.tensor(p)
+            positions[i] = keep + torch.arange(width)  # padding continues the positions
+        last = torch.tensor([len(p) - 1 for _, p in pending])
+        slots = torch.tensor([s.slot for s in active])
+        hidden = self.runner.forward(slots, ids, positions)[torch.arange(len(active)), last]
+
+        # 2. sample k tokens autoregressively with each sequence's own generator
+        params = [s.params for s in active]
+        temperature, top_k, top_p = params_tensors(params)
+        all_greedy = all(p.greedy for p in params)
+        uniforms = torch.zeros(len(active), k_max)
+        for i, s in enumerate(active):
+            if not s.params.greedy:
+                uniforms[i, : ks[i]] = torch.rand(ks[i], generator=s.generator)
+        step_probs = []
+        next_pos = torch.tensor([len(s.token_ids) for s in active])
+        for j in range(k_max):
+            logits = self._fit_vocab(self.runner.logits(hidden))  # [b, V]
+            if all_greedy:
+                tok = logits.argmax(-1)
+            else:
+                p = warp(logits, temperature, top_k, top_p)
+                tok = sample(p, uniforms[:, j])
+                step_probs.append(p)
+            tokens[rows, j] = tok
+            if j + 1 < k_max:
+                hidden = self.runner.forward(slots, tok[:, None], (next_pos + j)[:, None])[:, 0]
+
+        # 3. remember what the cache now holds (the last proposed token was never fed)
+        for i, s in enumerate(active):
+            fed = tokens[rows[i], : ks[i] - 1].tolist()
+            self._cached[s.slot] = s.token_ids + fed
+            self._floor[s.slot] = len(s.token_ids)
+        if not all_greedy:
+            probs = torch.zeros(bsz, k_max, step_probs[0].shape[-1])
+            probs[rows] = torch.stack(step_probs, dim=1)
+        return Proposal(tokens, probs, torch.tensor(num_tokens, dtype=torch.long))
+
+    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:  # [b, V_draft] -> [b, V_target]
+        extra = self.vocab_size - logits.shape[-1]
+        if extra > 0:
+            return torch.nn.functional.pad(logits, (0, extra), value=-float("inf"))
+        return logits[..., : self.vocab_size]

@@ -1,0 +1,118 @@
+"""Sampling parameters and the one place where logits become (warped) probabilities.
+
+Draft and target distributions are both produced by :func:`warp`, so speculative sampling compares
+like with like: the output follows the *warped* target distribution exactly.
+
+Warping order (same as Hugging Face's logits warpers): temperature, then top-k, then top-p.
+Greedy (``temperature == 0``) is represented as a one-hot distribution on the argmax (first index
+on ties), which makes greedy decoding a special case of the exact speculative rule.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+class SamplingError(ValueError):
+    """Impossible sampling arguments."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 means off
+    top_p: float = 1.0  # 1 means off
+    seed: int | None = None
+    max_new_tokens: int = 128
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise SamplingError(f"temperature must be a finite number >= 0, got {t!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise SamplingError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0 < p <= 1):
+            raise SamplingError(f"top_p must be in (0, 1], got {p!r}")
+        m = self.max_new_tokens
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise SamplingError(f"max_new_tokens must be an integer >= 1, got {m!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise SamplingError(f"seed must be an integer, got {self.seed!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise SamplingError("stop strings must be non-empty strings")
+        object.__setattr__(self, "stop", stop)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    """A per-request CPU generator; an unseeded request gets fresh OS entropy."""
+    g = torch.Generator()
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g
+
+
+def warp(
+    logits: torch.Tensor,  # [N, V]
+    temperature: torch.Tensor,  # [N] float, 0 = greedy
+    top_k: torch.Tensor,  # [N] long, 0 = off
+    top_p: torch.Tensor,  # [N] float, 1 = off
+) -> torch.Tensor:  # [N, V] float32 probabilities, rows sum to 1
+    logits = logits.float()
+    greedy = temperature == 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+
+    if bool((top_k > 0).any()):
+        vocab = scaled.shape[-1]
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+        kth = torch.topk(scaled, int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])  # [N, 1]
+        scaled = scaled.masked_fill(scaled < kth, -math.inf)  # ties with the k-th value are kept
+
+    rows = (top_p < 1).nonzero().flatten()
+    if rows.numel():
+        sub = scaled[rows]
+        sorted_logits, order = torch.sort(sub, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs  # mass of strictly more likely tokens
+        drop_sorted = mass_before >= top_p[rows][:, None]  # keep the smallest prefix reaching top_p
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        scaled[rows] = sub.masked_fill(drop, -math.inf)
+
+    probs = scaled.softmax(-1)
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None], one_hot, probs)
+    return probs
+
+
+def sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: ``probs`` [N, V] (need not be normalised), ``uniforms`` [N] in [0, 1).
+
+    Tokens of zero probability are never returned. All randomness comes from ``uniforms``, which the
+    caller draws from per-request generators.
+    """
+    cdf = probs.double().cumsum(-1)  # [N, V]
+    target = uniforms.double()[:, None] * cdf[:, -1:]
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return idx.clamp(max=probs.shape[-1] - 1)
+
+
+def params_tensors(params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row (temperature [N], top_k [N], top_p [N]) tensors for :func:`warp`."""
+    return (
+        torch.tensor([p.temperature for p in params], dtype=torch.float32),
+        torch.tensor([p.top_k for p in params], dtype=torch.long),
+        torch.tensor([p.top_p for p in params], dtype=torch.float32),
+    )

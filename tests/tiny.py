@@ -1,0 +1,66 @@
+"""Tiny models and tokenizers built from a config in code: no downloads, fast on CPU."""
+
+from __future__ import annotations
+
+import string
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from specdecode.engine import Engine
+from specdecode.models.runner import ModelRunner
+
+ALPHABET = string.ascii_lowercase + string.ascii_uppercase + string.digits  # 62 one-character tokens
+EOS = "<eos>"
+
+
+def make_tokenizer(vocab_size: int = 32) -> PreTrainedTokenizerFast:
+    """Token i is one character (ALPHABET[i]); the last id is <eos>. Decoding concatenates."""
+    chars = ALPHABET[: vocab_size - 1]
+    vocab = {c: i for i, c in enumerate(chars)} | {EOS: vocab_size - 1}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=EOS))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
+    return fast
+
+
+def make_model(vocab_size: int = 32, seed: int = 0, layers: int = 2, hidden: int = 32, arch: str = "qwen2",
+               dtype: torch.dtype = torch.float32, scale: float = 1.0):
+    """A random tiny causal LM. ``scale`` multiplies the output embedding (sharper logits when > 1)."""
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+              eos_token_id=vocab_size - 1, tie_word_embeddings=False)
+    cfg = Qwen2Config(**kw) if arch == "qwen2" else LlamaConfig(**kw)
+    cfg._attn_implementation = "sdpa"
+    model = (Qwen2ForCausalLM if arch == "qwen2" else LlamaForCausalLM)(cfg).to(dtype).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5 / p.shape[-1] ** 0.5 if p.dim() > 1 else 0.02)
+        model.get_output_embeddings().weight.mul_(scale * 8)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+    return model
+
+
+def perturbed_copy(model, noise: float, seed: int = 1):
+    """A draft that agrees with ``model`` more or less (noise 0 = identical)."""
+    torch.manual_seed(seed)
+    draft = type(model)(model.config).to(next(model.parameters()).dtype).eval()
+    draft.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.dim() > 1:
+                p.add_(noise * p.std() * torch.randn_like(p))
+    return draft
+
+
+def make_engine(target, tokenizer, draft=None, k: int = 0, num_slots: int = 4, max_len: int = 256, drafter=None):
+    from specdecode.drafters.draft_model import DraftModelDrafter
+
+    if draft is not None:
+        drafter = DraftModelDrafter(ModelRunner(draft, num_slots, max_len + k + 1))
+    return Engine(ModelRunner(target, num_slots, max_len + k + 1), tokenizer, drafter, k, max_context=max_len)
