@@ -1,0 +1,89 @@
+"""From model names to a ready :class:`Engine`: the one place commands (generate, bench, check,
+serve) turn their ``--target/--draft`` flags into models, runners and a drafter."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.engine import Engine
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+
+
+class PairError(ValueError):
+    """A draft/target pair that cannot be used together."""
+
+
+@dataclass
+class EngineConfig:
+    target: str
+    draft: str | None = None  # a model spec, "ngram" for prompt lookup, or None for target-only
+    num_draft_tokens: int = 4
+    dtype: str = "bfloat16"
+    max_batch_size: int = 1
+    max_context: int | None = None  # default: min(model context, 4096)
+
+
+@dataclass
+class LoadedPair:
+    target: torch.nn.Module
+    tokenizer: object
+    draft: torch.nn.Module | None
+    draft_tokenizer: object | None
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, draft_required: bool = False) -> None:
+    g = parser.add_argument_group("models")
+    g.add_argument("--target", required=True, help="alias, local dir, .gguf file or hub id of the target model")
+    g.add_argument("--draft", required=draft_required, default=None,
+                   help="draft model (alias/dir/.gguf/hub id) or 'ngram' for prompt lookup; omit for target-only")
+    g.add_argument("--num-draft-tokens", "-k", type=int, default=4, help="tokens drafted per step (default 4)")
+    g.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="weights dtype (default bfloat16)")
+    g.add_argument("--max-context", type=int, default=None, help="max prompt+generated tokens (default min(model, 4096))")
+
+
+def config_from_args(args: argparse.Namespace, max_batch_size: int = 1) -> EngineConfig:
+    return EngineConfig(args.target, args.draft, args.num_draft_tokens, args.dtype, max_batch_size, args.max_context)
+
+
+def load_pair(target: str, draft: str | None, dtype: str = "bfloat16") -> LoadedPair:
+    from specdecode.models.loading import load_model, tokenizers_compatible
+
+    torch_dtype = DTYPES[dtype]
+    target_model, tokenizer = load_model(target, torch_dtype)
+    if draft is None or draft == "ngram":
+        return LoadedPair(target_model, tokenizer, None, None)
+    draft_model, draft_tokenizer = load_model(draft, torch_dtype)
+    problem = tokenizers_compatible(tokenizer, draft_tokenizer, target_model, draft_model)
+    if problem:
+        raise PairError(f"draft {draft!r} cannot draft for target {target!r}: {problem}")
+    return LoadedPair(target_model, tokenizer, draft_model, draft_tokenizer)
+
+
+def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> Engine:
+    from specdecode.drafters.draft_model import DraftModelDrafter
+    from specdecode.drafters.ngram import NgramDrafter
+    from specdecode.models.runner import ModelRunner
+
+    if cfg.num_draft_tokens < 0:
+        raise ValueError(f"--num-draft-tokens must be >= 0, got {cfg.num_draft_tokens}")
+    model_ctx = getattr(pair.target.config, "max_position_embeddings", 4096)
+    max_context = cfg.max_context or min(model_ctx, 4096)
+    if max_context > model_ctx:
+        raise ValueError(f"max context {max_context} exceeds the model's {model_ctx}")
+    k = cfg.num_draft_tokens if cfg.draft else 0
+    cache_len = max_context + k + 1  # room for a padded verify window at the very end
+    target = ModelRunner(pair.target, cfg.max_batch_size, cache_len)
+    drafter = None
+    if cfg.draft == "ngram":
+        drafter = NgramDrafter()
+    elif pair.draft is not None:
+        drafter = DraftModelDrafter(ModelRunner(pair.draft, cfg.max_batch_size, cache_len), target.vocab_size)
+    return Engine(target, pair.tokenizer, drafter, k, max_batch_size=cfg.max_batch_size, max_context=max_context)
+
+
+def build_engine(cfg: EngineConfig) -> Engine:
+    return engine_from_pair(load_pair(cfg.target, cfg.draft, cfg.dtype), cfg)
