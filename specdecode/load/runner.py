@@ -1,0 +1,190 @@
+"""Drive load levels against one or two endpoints: closed loop (fixed concurrency) or open loop
+(Poisson arrivals at a request rate), bounded by a request count and a time limit per level and a
+time limit for the whole sweep.
+
+Every endpoint sees the same request plan (prompt order and output lengths, from ``seed``) and, in
+open loop, the same arrival times at a given rate. With two endpoints the levels are interleaved
+(A at level 1, B at level 1, A at level 2, ...) so that drift on the machine hits both alike.
+
+From Python: ``result = run_sweep(LoadConfig(targets=[Target("A", url)], prompts=...))``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import random
+import time
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import httpx
+import numpy as np
+
+from specdecode.bench.prompts import Prompt
+from specdecode.load.client import Target, first_model, make_client, stream_request
+from specdecode.load.records import LevelRun, RequestRecord, SweepResult
+
+DEFAULT_OUTPUT_LEN = 128
+
+
+@dataclass
+class LoadConfig:
+    """A sweep. ``levels`` are concurrencies (closed loop) or requests per second (open loop).
+
+    ``output_len`` is ``(low, high)``: each request's ``max_tokens`` is drawn uniformly from it
+    (``(n, n)`` for a fixed length); ``None`` uses each prompt's ``max_new_tokens`` or
+    :data:`DEFAULT_OUTPUT_LEN`. ``num_requests`` and ``duration_s`` bound each level;
+    ``time_limit_s`` bounds the whole sweep (levels not started by then are skipped).
+    """
+
+    targets: list[Target]
+    prompts: list[Prompt]
+    mode: Literal["closed", "open"] = "closed"
+    levels: list[float] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
+    num_requests: int = 100
+    duration_s: float = 60.0
+    time_limit_s: float = 3600.0
+    output_len: tuple[int, int] | None = None
+    request_timeout_s: float = 300.0
+    api_key: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        labels = {t.label for t in self.targets}
+        if not 1 <= len(self.targets) <= 2 or len(labels) != len(self.targets):
+            raise ValueError("need one or two targets with distinct labels")
+        if not self.prompts:
+            raise ValueError("need at least one prompt")
+        if self.mode not in ("closed", "open"):
+            raise ValueError(f"mode must be 'closed' or 'open', got {self.mode!r}")
+        if not self.levels or any(level <= 0 for level in self.levels):
+            raise ValueError("levels must be positive")
+        if self.mode == "closed" and any(level != int(level) for level in self.levels):
+            raise ValueError("closed-loop levels are concurrencies and must be whole numbers")
+        if self.num_requests < 1 or self.duration_s <= 0 or self.time_limit_s <= 0:
+            raise ValueError("num_requests, duration_s and time_limit_s must be positive")
+
+
+class Progress(Protocol):
+    """Receives progress events; the CLI shows them, tests ignore them."""
+
+    def level_started(self, run: LevelRun, total: int) -> None: ...
+
+    def request_done(self, run: LevelRun, record: RequestRecord) -> None: ...
+
+
+class NoProgress:
+    def level_started(self, run: LevelRun, total: int) -> None:
+        pass
+
+    def request_done(self, run: LevelRun, record: RequestRecord) -> None:
+        pass
+
+
+def run_sweep(config: LoadConfig, progress: Progress | None = None) -> SweepResult:
+    """Run the sweep to completion. On Ctrl-C it returns what finished with ``interrupted`` set."""
+    result = SweepResult()
+    try:
+        asyncio.run(run_sweep_async(config, result, progress or NoProgress()))
+    except KeyboardInterrupt:
+        result.interrupted = True
+    return result
+
+
+async def run_sweep_async(config: LoadConfig, result: SweepResult, progress: Progress) -> None:
+    """Fill ``result`` level by level, so that an interrupted sweep keeps what finished."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + config.time_limit_s
+    plan = plan_requests(config)
+    async with AsyncExitStack() as stack:
+        clients: dict[str, httpx.AsyncClient] = {}
+        targets: list[Target] = []
+        for target in config.targets:
+            client = make_client(target.url, config.api_key, config.request_timeout_s)
+            clients[target.label] = await stack.enter_async_context(client)
+            if target.model is None:
+                target = dataclasses.replace(target, model=await first_model(client))
+            result.endpoints[target.label] = {"url": str(client.base_url), "model": target.model}
+            targets.append(target)
+        for level, target in itertools.product(config.levels, targets):
+            if loop.time() >= deadline:
+                result.skipped.append((target.label, level))
+                continue
+            run = LevelRun(label=target.label, level=level, mode=config.mode)
+            result.levels.append(run)
+            progress.level_started(run, config.num_requests)
+            await run_level(clients[target.label], target, plan, config, run, deadline, progress)
+
+
+async def run_level(
+    client: httpx.AsyncClient,
+    target: Target,
+    plan: list[tuple[Prompt, int]],
+    config: LoadConfig,
+    run: LevelRun,
+    deadline: float,
+    progress: Progress,
+) -> None:
+    """Issue ``plan`` at ``run.level`` until it is done, ``duration_s`` passes or ``deadline``."""
+    loop = asyncio.get_running_loop()
+    t0 = time.perf_counter()
+    stop_at = min(loop.time() + config.duration_s, deadline)
+
+    async def one(index: int) -> None:
+        prompt, max_tokens = plan[index]
+        run.issued += 1
+        record = await stream_request(client, target, prompt, max_tokens, index, t0,
+                                      config.request_timeout_s)
+        run.records.append(record)
+        progress.request_done(run, record)
+
+    counter = itertools.count()
+
+    async def worker() -> None:
+        while (index := next(counter)) < len(plan):
+            await one(index)
+
+    async def arrivals(group: asyncio.TaskGroup) -> None:
+        for index, at in enumerate(arrival_times(run.level, len(plan), config.seed)):
+            await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+            group.create_task(one(index))
+
+    try:
+        async with asyncio.timeout_at(stop_at), asyncio.TaskGroup() as group:
+            if config.mode == "closed":
+                for _ in range(int(run.level)):
+                    group.create_task(worker())
+            else:
+                group.create_task(arrivals(group))
+    except TimeoutError:
+        run.hit_time_limit = True
+    finally:
+        run.wall_s = time.perf_counter() - t0
+        run.cancelled = run.issued - len(run.records)
+
+
+def plan_requests(config: LoadConfig) -> list[tuple[Prompt, int]]:
+    """``num_requests`` (prompt, max_tokens) pairs: prompts shuffled by ``seed``, then cycled."""
+    rng = random.Random(config.seed)
+    prompts = list(config.prompts)
+    rng.shuffle(prompts)
+    plan = []
+    for index in range(config.num_requests):
+        prompt = prompts[index % len(prompts)]
+        if config.output_len is not None:
+            max_tokens = rng.randint(*config.output_len)
+        else:
+            max_tokens = prompt.max_new_tokens or DEFAULT_OUTPUT_LEN
+        plan.append((prompt, max_tokens))
+    return plan
+
+
+def arrival_times(rate: float, n: int, seed: int) -> list[float]:
+    """Send times (s) of a Poisson process at ``rate`` per second; the first request goes at 0."""
+    rng = np.random.default_rng([seed, int(rate * 1000)])
+    gaps = rng.exponential(1.0 / rate, size=n)
+    gaps[0] = 0.0
+    return np.cumsum(gaps).tolist()

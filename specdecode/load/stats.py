@@ -1,0 +1,196 @@
+"""Per-level serving metrics and the two-endpoint comparison.
+
+Definitions (also written into every report):
+
+- **TTFT**: request start (just before the request is sent) to the first content chunk.
+- **TPOT**: ``(latency - TTFT) / (output_tokens - 1)``; undefined for fewer than two tokens.
+- **ITL**: the gaps between consecutive content chunks, pooled over all completed requests.
+  With speculation one chunk may carry several tokens, so ITL can exceed TPOT.
+- **Latency**: request start to ``[DONE]``.
+- **Percentiles**: ``numpy.percentile`` with linear interpolation, over completed requests.
+- **Throughput**: completed requests (or their output tokens) per second of the level's wall time,
+  from its start until its last request ends (or its time limit cuts it).
+- **Goodput**: completed requests that meet every given SLO (TTFT <= target, TPOT <= target; a
+  request without a defined TPOT meets the TPOT target), per second of wall time.
+- **Speculation**: summed ``drafted``/``accepted``; ``acceptance_rate = accepted / drafted``;
+  ``tokens_per_step = sum(tokens) / sum(tokens / tokens_per_step)`` over reporting requests.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from specdecode.load.records import LevelRun, RequestRecord
+
+QUANTILES = (50, 90, 99)
+Distribution = dict[str, float]
+
+# (metric, label, higher is better) compared as candidate / baseline.
+RATIO_METRICS: tuple[tuple[str, str, bool], ...] = (
+    ("output_throughput", "output tok/s", True),
+    ("request_throughput", "requests/s", True),
+    ("ttft.p50", "TTFT p50", False),
+    ("tpot.p50", "TPOT p50", False),
+    ("latency.p50", "latency p50", False),
+    ("latency.p99", "latency p99", False),
+)
+
+
+def distribution(values: Sequence[float]) -> Distribution | None:
+    """p50/p90/p99 (linear interpolation) and mean, or ``None`` for no values."""
+    if not values:
+        return None
+    arr = np.asarray(values, dtype=float)
+    stats = {f"p{q}": float(np.percentile(arr, q)) for q in QUANTILES}
+    stats["mean"] = float(arr.mean())
+    return stats
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Service-level targets in seconds; ``None`` means no target."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+    @property
+    def given(self) -> bool:
+        return self.ttft_s is not None or self.tpot_s is not None
+
+    def met(self, record: RequestRecord) -> bool:
+        if not record.ok:
+            return False
+        if self.ttft_s is not None and (record.ttft_s is None or record.ttft_s > self.ttft_s):
+            return False
+        tpot = record.tpot_s
+        return self.tpot_s is None or tpot is None or tpot <= self.tpot_s
+
+
+@dataclass
+class LevelSummary:
+    """The metrics of one :class:`LevelRun`; see the module docstring for definitions."""
+
+    label: str
+    level: float
+    wall_s: float
+    issued: int
+    completed: int
+    cancelled: int
+    errors: dict[str, int]
+    request_throughput: float | None
+    output_throughput: float | None
+    goodput: float | None
+    ttft: Distribution | None
+    tpot: Distribution | None
+    itl: Distribution | None
+    latency: Distribution | None
+    token_source: dict[str, int] = field(default_factory=dict)
+    speculation: dict[str, float] | None = None
+
+    def metric(self, name: str) -> float | None:
+        """A scalar by dotted name, e.g. ``"output_throughput"`` or ``"tpot.p50"``."""
+        head, _, key = name.partition(".")
+        value: Any = getattr(self, head)
+        if key:
+            value = None if value is None else value.get(key)
+        return None if value is None else float(value)
+
+
+def summarize(run: LevelRun, slo: Slo = Slo()) -> LevelSummary:
+    """Aggregate one level's records."""
+    done = [r for r in run.records if r.ok]
+    wall = run.wall_s or 0.0
+
+    def per_second(count: float) -> float | None:
+        return count / wall if wall > 0 else None
+
+    return LevelSummary(
+        label=run.label,
+        level=run.level,
+        wall_s=wall,
+        issued=run.issued,
+        completed=len(done),
+        cancelled=run.cancelled,
+        errors=dict(Counter(r.error for r in run.records if r.error is not None)),
+        request_throughput=per_second(len(done)),
+        output_throughput=per_second(sum(r.output_tokens for r in done)),
+        goodput=per_second(sum(slo.met(r) for r in done)) if slo.given else None,
+        ttft=distribution([r.ttft_s for r in done if r.ttft_s is not None]),
+        tpot=distribution([t for r in done if (t := r.tpot_s) is not None]),
+        itl=distribution([gap for r in done for gap in r.itl_s]),
+        latency=distribution([r.latency_s for r in done if r.latency_s is not None]),
+        token_source=dict(Counter(r.token_source for r in done)),
+        speculation=speculation_totals(done),
+    )
+
+
+def speculation_totals(records: Sequence[RequestRecord]) -> dict[str, float] | None:
+    """Server-reported speculation stats summed over requests, or ``None`` if none reported."""
+    reports = [(r.output_tokens, r.speculation) for r in records if r.speculation]
+    if not reports:
+        return None
+    drafted = sum(int(s.get("drafted", 0)) for _, s in reports)
+    accepted = sum(int(s.get("accepted", 0)) for _, s in reports)
+    steps = [(n, n / s["tokens_per_step"]) for n, s in reports
+             if n > 0 and float(s.get("tokens_per_step") or 0) > 0]
+    totals: dict[str, float] = {"requests": len(reports), "drafted": drafted, "accepted": accepted}
+    if drafted:
+        totals["acceptance_rate"] = accepted / drafted
+    if steps:
+        totals["tokens_per_step"] = sum(n for n, _ in steps) / sum(k for _, k in steps)
+    return totals
+
+
+@dataclass
+class Comparison:
+    """``candidate / baseline`` ratios per level, and where each ratio first crosses 1.0."""
+
+    baseline: str
+    candidate: str
+    levels: list[float]
+    ratios: dict[str, list[float | None]]
+    crossover: dict[str, float | None]
+
+
+def compare(baseline: Sequence[LevelSummary], candidate: Sequence[LevelSummary]) -> Comparison:
+    """Compare two endpoints level by level (levels both of them finished)."""
+    by_level = {s.level: s for s in candidate}
+    pairs = [(a, by_level[a.level]) for a in baseline if a.level in by_level]
+    levels = [a.level for a, _ in pairs]
+    ratios = {name: [_ratio(b.metric(name), a.metric(name)) for a, b in pairs]
+              for name, _, _ in RATIO_METRICS}
+    return Comparison(
+        baseline=baseline[0].label if baseline else "",
+        candidate=candidate[0].label if candidate else "",
+        levels=levels,
+        ratios=ratios,
+        crossover={name: crossover(levels, r) for name, r in ratios.items()},
+    )
+
+
+def crossover(levels: Sequence[float], ratios: Sequence[float | None]) -> float | None:
+    """The first level whose ratio lies on the other side of 1.0 than the first level's.
+
+    Levels without a ratio, and ratios of exactly 1.0, neither start nor end a side.
+    ``None`` means no crossover in the tested range.
+    """
+    side = 0.0
+    for level, ratio in zip(levels, ratios):
+        if ratio is None or ratio == 1.0:
+            continue
+        here = float(np.sign(ratio - 1.0))
+        if side and here != side:
+            return level
+        side = side or here
+    return None
+
+
+def _ratio(candidate: float | None, baseline: float | None) -> float | None:
+    if candidate is None or baseline is None or baseline == 0:
+        return None
+    return candidate / baseline

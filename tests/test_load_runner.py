@@ -1,0 +1,133 @@
+"""The load runner against a fake streaming server with known delays (127.0.0.1 only)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from fake_openai import Behaviour, FakeServer, free_port
+
+from specdecode.bench.prompts import Prompt
+from specdecode.load.client import Target
+from specdecode.load.records import SweepResult
+from specdecode.load.runner import (
+    LoadConfig,
+    NoProgress,
+    arrival_times,
+    run_sweep,
+    run_sweep_async,
+)
+from specdecode.load.stats import summarize
+
+CHAT = Prompt("chat/0", "qa", None, [{"role": "user", "content": "hello"}], "chat")
+CODE = Prompt("code/0", "humaneval", "def f():", None, "completion")
+
+
+def _chat(content: str) -> Prompt:
+    return Prompt(content, "test", None, [{"role": "user", "content": content}], "chat")
+
+
+def _config(url: str, prompts: list[Prompt], model: str | None = None,
+            extra_body: dict[str, object] | None = None, **kw: object) -> LoadConfig:
+    defaults: dict[str, object] = dict(levels=[1], num_requests=4, duration_s=10,
+                                       output_len=(8, 8), request_timeout_s=5)
+    target = Target("A", url, model, extra_body or {})
+    return LoadConfig(targets=[target], prompts=prompts, **{**defaults, **kw})  # type: ignore
+
+
+def test_timing_matches_the_server_schedule() -> None:
+    behaviour = Behaviour(first_token_s=0.05, token_interval_s=0.01,
+                          speculation={"drafted": 4, "accepted": 3, "acceptance_rate": 0.75,
+                                       "tokens_per_step": 2.0})
+    with FakeServer(behaviour) as server:
+        result = run_sweep(_config(server.url, [CHAT, CODE], levels=[1, 2],
+                                   extra_body={"temperature": 0}))
+    assert result.endpoints["A"]["model"] == "fake-model"
+    assert [(run.level, run.issued, run.cancelled) for run in result.levels] == [(1, 4, 0),
+                                                                                (2, 4, 0)]
+    records = [r for run in result.levels for r in run.records]
+    assert len(records) == 8 and all(r.ok for r in records)
+    for r in records:
+        assert r.output_tokens == 8 and r.token_source == "usage" and r.content_chunks == 8
+        assert r.speculation == behaviour.speculation and len(r.itl_s) == 7
+        # Hard bounds: the server never sends early. The empty role chunk sent at t=0 must not
+        # count as the first token.
+        assert r.ttft_s is not None and r.ttft_s >= 0.05 and r.latency_s >= 0.05 + 7 * 0.01
+    # Medians, robust to a late wake-up on a busy machine.
+    summary = summarize(result.levels[0])
+    assert summary.ttft is not None and 0.05 <= summary.ttft["p50"] < 0.075
+    assert summary.tpot is not None and summary.tpot["p50"] == pytest.approx(0.01, abs=0.003)
+    assert summary.itl is not None and summary.itl["p50"] == pytest.approx(0.01, abs=0.003)
+    assert {r.kind for r in records} == {"chat", "completion"}
+    body = behaviour.bodies[0]
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["model"] == "fake-model" and body["temperature"] == 0 and body["max_tokens"] == 8
+
+
+def test_tokens_from_usage_or_from_chunks() -> None:
+    with FakeServer(Behaviour(first_token_s=0, token_interval_s=0, tokens_per_chunk=2)) as server:
+        with_usage = run_sweep(_config(server.url, [CODE]))
+        server.behaviour.send_usage = False
+        from_chunks = run_sweep(_config(server.url, [CODE]))
+    r = with_usage.levels[0].records[0]
+    assert (r.output_tokens, r.content_chunks, r.token_source) == (8, 4, "usage")
+    r = from_chunks.levels[0].records[0]
+    assert (r.output_tokens, r.content_chunks, r.token_source) == (4, 4, "chunks")
+
+
+def test_errors_are_classified() -> None:
+    prompts = [_chat("status:500"), _chat("status:429"), _chat("stream-error"), _chat("hang"),
+               _chat("fine")]
+    with FakeServer(Behaviour(first_token_s=0, token_interval_s=0)) as server:
+        result = run_sweep(_config(server.url, prompts, levels=[5], num_requests=5,
+                                   request_timeout_s=0.3))
+    errors = {r.prompt_id: r.error for r in result.levels[0].records}
+    assert errors == {"status:500": "http_500", "status:429": "http_429",
+                      "stream-error": "stream_error", "hang": "timeout", "fine": None}
+    down = run_sweep(_config(f"http://127.0.0.1:{free_port()}", [CHAT], model="m",
+                             num_requests=2))
+    assert [r.error for r in down.levels[0].records] == ["connection", "connection"]
+
+
+def test_level_stops_at_its_duration_and_the_run_at_its_time_limit() -> None:
+    slow = Behaviour(first_token_s=0.01, token_interval_s=0.05)  # 8 tokens: ~0.36 s a request
+    with FakeServer(slow) as server:
+        t0 = time.perf_counter()
+        result = run_sweep(_config(server.url, [CHAT], levels=[2, 4, 8], num_requests=1000,
+                                   duration_s=0.5, time_limit_s=0.8))
+        elapsed = time.perf_counter() - t0
+    assert elapsed < 2.0
+    first, second = result.levels
+    assert first.hit_time_limit and 0.5 <= first.wall_s < 0.7
+    assert len(first.records) <= 4 and first.cancelled == 2  # both workers were mid-request
+    assert first.issued == len(first.records) + first.cancelled
+    assert second.wall_s < 0.45  # cut by the global limit
+    assert result.skipped == [("A", 8)]
+
+
+def test_open_loop_follows_seeded_poisson_arrivals() -> None:
+    times = arrival_times(rate=20, n=2000, seed=1)
+    assert times == arrival_times(rate=20, n=2000, seed=1) != arrival_times(20, 2000, seed=2)
+    assert times[0] == 0 and times[-1] / 1999 == pytest.approx(1 / 20, rel=0.1)
+    with FakeServer(Behaviour(first_token_s=0, token_interval_s=0)) as server:
+        result = run_sweep(_config(server.url, [CODE], mode="open", levels=[40], num_requests=6))
+    starts = sorted(r.start_s for r in result.levels[0].records)
+    assert starts == pytest.approx(arrival_times(40, 6, seed=0), abs=0.05)
+
+
+def test_cancel_keeps_what_finished() -> None:
+    async def cancel_midway(result: SweepResult) -> None:
+        with FakeServer(Behaviour(first_token_s=0.01, token_interval_s=0.02)) as server:
+            config = _config(server.url, [CHAT], num_requests=100)
+            task = asyncio.create_task(run_sweep_async(config, result, NoProgress()))
+            await asyncio.sleep(0.6)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    result = SweepResult()
+    asyncio.run(cancel_midway(result))
+    run = result.levels[0]
+    assert 1 <= len(run.records) < 100 and all(r.ok for r in run.records)
+    assert run.wall_s is not None and run.cancelled == 1
