@@ -1,0 +1,121 @@
+"""`specdecode load` end to end against fake servers on 127.0.0.1: outputs, comparison, errors,
+Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from fake_openai import Behaviour, FakeServer
+
+from specdecode.load import cli
+
+
+def _run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return cli.main(parser.parse_args(argv))
+
+
+def _prompt_file(tmp_path: Path) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": "def add(a, b):"}, {"messages": [{"role": "user", "content": "hi"}]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def test_compare_two_endpoints_writes_every_output(tmp_path: Path) -> None:
+    # "on" is faster alone but slows down with every other stream in flight.
+    off = Behaviour(first_token_s=0.01, token_interval_s=0.01)
+    on = Behaviour(first_token_s=0.01, token_interval_s=0.003, slowdown_s=0.01,
+                   speculation={"drafted": 6, "accepted": 3, "acceptance_rate": 0.5,
+                                "tokens_per_step": 1.5})
+    out = tmp_path / "out"
+    with FakeServer(off) as off_server, FakeServer(on) as on_server:
+        rc = _run(["--endpoint", f"off={off_server.url}", "--endpoint", f"on={on_server.url}/v1",
+                   "--prompts", str(_prompt_file(tmp_path)), "--levels", "1,4",
+                   "--num-requests", "4", "--output-len", "6", "--slo-ttft-ms", "1000",
+                   "--endpoint-body", 'on={"speculate": true}', "--extra-body", '{"seed": 1}',
+                   "--no-progress", "--out", str(out)])
+    assert rc == 0
+    assert {p.name for p in out.iterdir()} == {"requests.jsonl", "summary.json", "report.md",
+                                               "throughput.png", "latency.png"}
+    rows = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    assert len(rows) == 16 and all(r["error"] is None for r in rows)
+    assert [(r["endpoint"], r["level"]) for r in rows[::4]] == [("off", 1), ("on", 1),
+                                                                ("off", 4), ("on", 4)]
+    assert on.bodies[0]["speculate"] is True and "speculate" not in off.bodies[0]
+    assert off.bodies[0]["seed"] == on.bodies[0]["seed"] == 1
+    summary = json.loads((out / "summary.json").read_text())
+    comparison = summary["comparison"]
+    assert comparison["levels"] == [1, 4]
+    assert comparison["ratios"]["output_throughput"][0] > 1 > comparison["ratios"][
+        "output_throughput"][1]
+    assert comparison["crossover"]["output_throughput"] == 4
+    on_levels = [s for s in summary["levels"] if s["label"] == "on"]
+    assert on_levels[0]["speculation"]["acceptance_rate"] == 0.5
+    assert on_levels[0]["goodput"] == pytest.approx(on_levels[0]["request_throughput"])
+    report = (out / "report.md").read_text()
+    assert "## on / off" in report and "output tok/s: at concurrency 4" in report
+    assert "**TPOT**" in report
+
+
+HE = ["--prompts", "humaneval"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--endpoint", "ftp://127.0.0.1:1"], "expected [LABEL=]http(s)://host:port"),
+    (["--endpoint", "http://127.0.0.1:1", "--prompts", "mmlu"], "unknown prompt set 'mmlu'"),
+    (["--endpoint", "http://127.0.0.1:1", "--endpoint-body", 'C={"a": 1}'], "LABEL one of"),
+    (["--endpoint", "http://127.0.0.1:1", "--levels", "1.5", *HE], "whole numbers"),
+    (["--endpoint", "a=http://127.0.0.1:1", "--endpoint", "a=http://127.0.0.1:2", *HE],
+     "distinct labels"),
+])
+def test_bad_arguments_get_clear_errors(argv: list[str], message: str,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    assert _run(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_argument_values_are_rejected_by_the_parser() -> None:
+    for argv in (["--output-len", "9:3"], ["--levels", "one"], ["--extra-body", "[1]"]):
+        with pytest.raises(SystemExit):
+            _run(["--endpoint", "http://127.0.0.1:1", *argv])
+
+
+def test_unreachable_endpoint_fails_cleanly(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                            ) -> None:
+    from fake_openai import free_port
+
+    rc = _run(["--endpoint", f"http://127.0.0.1:{free_port()}", "--prompts", "humaneval",
+               "--no-progress", "--out", str(tmp_path)])
+    assert rc == 1 and "pass --model" in capsys.readouterr().err
+
+
+def test_ctrl_c_writes_what_finished(tmp_path: Path) -> None:
+    behaviour = Behaviour(first_token_s=0.01, token_interval_s=0.01)
+    out = tmp_path / "out"
+    with FakeServer(behaviour) as server:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "specdecode.cli", "load", "--endpoint", server.url,
+             "--prompts", str(_prompt_file(tmp_path)), "--levels", "1", "--num-requests", "1000",
+             "--output-len", "4", "--no-progress", "--out", str(out)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        deadline = time.monotonic() + 30
+        while len(behaviour.bodies) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] is True
+    done = len((out / "requests.jsonl").read_text().splitlines())
+    assert 2 <= done < 1000 and summary["levels"][0]["completed"] == done
+    assert "Interrupted" in (out / "report.md").read_text()
