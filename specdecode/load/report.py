@@ -13,7 +13,8 @@ from specdecode.load.records import SweepResult
 from specdecode.load.runner import LoadConfig
 from specdecode.load.stats import Comparison, LevelSummary, Slo
 
-DEFINITIONS = stats.__doc__.split("Definitions (also written into every report):", 1)[1].strip()
+_MARKER = "Definitions (also written into every report):"
+DEFINITIONS = (stats.__doc__ or "").partition(_MARKER)[2].strip()
 
 
 @dataclasses.dataclass
