@@ -98,12 +98,17 @@ def test_unreachable_endpoint_fails_cleanly(tmp_path: Path, capsys: pytest.Captu
     assert rc == 1 and "pass --model" in capsys.readouterr().err
 
 
+# `specdecode load` without the dispatcher, which imports every command (torch included).
+ENTRY = ("import argparse, sys; from specdecode.load import cli; p = argparse.ArgumentParser(); "
+         "cli.add_arguments(p); sys.exit(cli.main(p.parse_args()))")
+
+
 def test_ctrl_c_writes_what_finished(tmp_path: Path) -> None:
     behaviour = Behaviour(first_token_s=0.01, token_interval_s=0.01)
     out = tmp_path / "out"
     with FakeServer(behaviour) as server:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "specdecode.cli", "load", "--endpoint", server.url,
+            [sys.executable, "-c", ENTRY, "--endpoint", server.url,
              "--prompts", str(_prompt_file(tmp_path)), "--levels", "1", "--num-requests", "1000",
              "--output-len", "4", "--no-progress", "--out", str(out)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
