@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from specdecode.engine import Engine
+    from specdecode.engine import Engine
 
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
 
 
 class PairError(ValueError):
@@ -29,9 +31,9 @@ class EngineConfig:
 
 @dataclass
 class LoadedPair:
-    target: torch.nn.Module
+    target: "torch.nn.Module"
     tokenizer: object
-    draft: torch.nn.Module | None
+    draft: "torch.nn.Module | None"
     draft_tokenizer: object | None
 
 
@@ -50,9 +52,11 @@ def config_from_args(args: argparse.Namespace, max_batch_size: int = 1) -> Engin
 
 
 def load_pair(target: str, draft: str | None, dtype: str = "bfloat16") -> LoadedPair:
+    import torch
+
     from specdecode.models.loading import load_model, tokenizers_compatible
 
-    torch_dtype = DTYPES[dtype]
+    torch_dtype = getattr(torch, DTYPES[dtype])
     target_model, tokenizer = load_model(target, torch_dtype)
     if draft is None or draft == "ngram":
         return LoadedPair(target_model, tokenizer, None, None)
@@ -63,9 +67,10 @@ def load_pair(target: str, draft: str | None, dtype: str = "bfloat16") -> Loaded
     return LoadedPair(target_model, tokenizer, draft_model, draft_tokenizer)
 
 
-def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> Engine:
+def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
     from specdecode.drafters.draft_model import DraftModelDrafter
     from specdecode.drafters.ngram import NgramDrafter
+    from specdecode.engine import Engine
     from specdecode.models.runner import ModelRunner
 
     if cfg.num_draft_tokens < 0:
@@ -85,5 +90,5 @@ def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> Engine:
     return Engine(target, pair.tokenizer, drafter, k, max_batch_size=cfg.max_batch_size, max_context=max_context)
 
 
-def build_engine(cfg: EngineConfig) -> Engine:
+def build_engine(cfg: EngineConfig) -> "Engine":
     return engine_from_pair(load_pair(cfg.target, cfg.draft, cfg.dtype), cfg)

@@ -104,30 +104,45 @@ class Engine:
                 f"exceeds the context length {self.max_context}"
             )
 
+    def free_slots(self) -> int:
+        return self.max_batch_size - len(self.running)
+
     def has_capacity(self) -> bool:
-        return len(self.running) < self.max_batch_size
+        return self.free_slots() > 0
 
     def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
-        """Admit a request into a free slot: prefill target and drafter (everything but the last token)."""
-        self.validate(prompt_ids, params)
-        if not self.has_capacity():
-            raise RuntimeError("no free slot: check has_capacity() first")
-        seq = Sequence(
-            request_id=request_id or f"req-{next(self._ids)}",
-            prompt_ids=list(prompt_ids),
-            params=params,
-            slot=len(self.running),
-            generator=make_generator(params.seed),
-            text=IncrementalText(self.tokenizer, params.stop),
-            token_ids=list(prompt_ids),
-        )
+        """Admit one request (see :meth:`add_batch`)."""
+        return self.add_batch([(prompt_ids, params, request_id)])[0]
+
+    def add_batch(self, requests: list[tuple[list[int], SamplingParams, str | None]]) -> list[Sequence]:
+        """Admit requests into free slots and prefill target and drafter in one batched pass each
+        (every prompt token but the last, which becomes the pending token)."""
+        for prompt_ids, params, _ in requests:
+            self.validate(prompt_ids, params)
+        if len(self.running) + len(requests) > self.max_batch_size:
+            raise RuntimeError("not enough free slots: check free_slots() first")
+        seqs = [
+            Sequence(
+                request_id=request_id or f"req-{next(self._ids)}",
+                prompt_ids=list(prompt_ids),
+                params=params,
+                slot=len(self.running) + i,
+                generator=make_generator(params.seed),
+                text=IncrementalText(self.tokenizer, params.stop),
+                token_ids=list(prompt_ids),
+            )
+            for i, (prompt_ids, params, request_id) in enumerate(requests)
+        ]
         t0 = time.perf_counter()
-        self.target.prefill(seq.slot, prompt_ids[:-1])
+        slots = [s.slot for s in seqs]
+        self.target.prefill(slots, [s.prompt_ids[:-1] for s in seqs])
         if self.drafter is not None:
-            self.drafter.start(seq.slot, prompt_ids)
-        seq.stats.prefill_s += time.perf_counter() - t0
-        self.running.append(seq)
-        return seq
+            self.drafter.start(slots, [s.prompt_ids for s in seqs])
+        elapsed = time.perf_counter() - t0
+        for s in seqs:
+            s.stats.prefill_s += elapsed
+        self.running.extend(seqs)
+        return seqs
 
     def abort(self, seq: Sequence) -> None:
         if seq in self.running:
@@ -232,11 +247,11 @@ class Engine:
             raise ValueError("need one SamplingParams per prompt")
         for p, sp in zip(prompts, params_list):
             self.validate(p, sp)
-        queue = list(enumerate(zip(prompts, params_list)))
+        queue = [(p, sp, str(i)) for i, (p, sp) in enumerate(zip(prompts, params_list))]
         while queue or self.running:
-            while queue and self.has_capacity():
-                i, (p, sp) = queue.pop(0)
-                self.add(p, sp, request_id=str(i))
+            if queue and self.free_slots():
+                admit, queue = queue[: self.free_slots()], queue[self.free_slots() :]
+                self.add_batch(admit)
             yield from self.step()
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams) -> list[Output]:

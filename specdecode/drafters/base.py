@@ -38,8 +38,8 @@ class Proposal:
 class Drafter(Protocol):
     name: str
 
-    def start(self, slot: int, token_ids: list[int]) -> None:
-        """A new sequence occupies ``slot``; ``token_ids`` is its prompt."""
+    def start(self, slots: list[int], prompts: list[list[int]]) -> None:
+        """New sequences occupy ``slots``; ``prompts[i]`` is the prompt of ``slots[i]``."""
 
     def propose(self, seqs: Sequence[SequenceView], num_tokens: list[int]) -> Proposal:
         """Propose up to ``num_tokens[b]`` tokens continuing each sequence."""

@@ -29,10 +29,13 @@ class DraftModelDrafter:
         self._cached: dict[int, list[int]] = {}
         self._floor: dict[int, int] = {}  # a length known to agree with the sequence
 
-    def start(self, slot: int, token_ids: list[int]) -> None:
-        self.runner.prefill(slot, token_ids[:-1])
-        self._cached[slot] = list(token_ids[:-1])
-        self._floor[slot] = len(token_ids) - 1
+    def start(self, slots: list[int], prompts: list[list[int]]) -> None:
+        if isinstance(slots, int):  # TODO(lead): remove once callers use the batched form
+            slots, prompts = [slots], [prompts]
+        self.runner.prefill(slots, [p[:-1] for p in prompts])
+        for slot, p in zip(slots, prompts):
+            self._cached[slot] = list(p[:-1])
+            self._floor[slot] = len(p) - 1
 
     def move(self, src: int, dst: int) -> None:
         self.runner.cache.copy_slot(src, dst, len(self._cached[src]))

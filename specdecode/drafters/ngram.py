@@ -32,7 +32,7 @@ class NgramDrafter:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def start(self, slot: int, token_ids: list[int]) -> None:
+    def start(self, slots: list[int], prompts: list[list[int]]) -> None:
         pass
 
     def move(self, src: int, dst: int) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from specdecode.models.kv_cache import StaticKVCache
 
-PREFILL_CHUNK = 512  # bounds prefill attention memory on long prompts
+PREFILL_TOKENS = 2048  # tokens per prefill forward (all rows together): bounds attention memory
 
 
 class ModelRunner:
@@ -53,9 +53,10 @@ class ModelRunner:
         positions: torch.Tensor,  # [B, q] long; K/V of token (b, t) is written at positions[b, t]
     ) -> torch.Tensor:  # [B, q, hidden] final hidden states
         kv_len = int(positions.max()) + 1
-        masks = {"full_attention": self._mask(positions, kv_len, None)}
-        if "sliding_attention" in self.layer_types:
-            masks["sliding_attention"] = self._mask(positions, kv_len, self.sliding_window)
+        masks = {t: self._mask(positions, kv_len, self.sliding_window if t == "sliding_attention" else None)
+                 for t in set(self.layer_types)}
+        # a 4D tensor is used as-is by every HF model; the per-type dict only by hybrid-attention ones
+        masks = next(iter(masks.values())) if len(masks) == 1 else masks
         self.cache.bind(slots, positions)
         try:
             out = self.base(
@@ -74,10 +75,24 @@ class ModelRunner:
         return self.lm_head(hidden).float()
 
     @torch.inference_mode()
-    def prefill(self, slot: int, token_ids: list[int], start: int = 0) -> None:
-        """Write K/V for ``token_ids`` at positions ``start, start+1, ...`` of ``slot`` (no logits)."""
-        slots = torch.tensor([slot])
-        for lo in range(0, len(token_ids), PREFILL_CHUNK):
-            chunk = torch.tensor([token_ids[lo : lo + PREFILL_CHUNK]])
-            positions = torch.arange(start + lo, start + lo + chunk.shape[1])[None]
-            self.forward(slots, chunk, positions)
+    def prefill(self, slots: list[int], prompts: list[list[int]]) -> None:
+        """Write K/V for each ``prompts[i]`` at positions ``0..len-1`` of ``slots[i]`` (no logits).
+
+        Rows are right-padded (padding writes past a row's length, where it is masked and later
+        overwritten) and processed in chunks that bound attention memory.
+        """
+        if isinstance(slots, int):  # TODO(lead): remove once callers use the batched form
+            slots, prompts = [slots], [prompts]
+        rows = [(s, p) for s, p in zip(slots, prompts) if p]
+        if not rows:
+            return
+        width = max(len(p) for _, p in rows)
+        chunk = max(16, PREFILL_TOKENS // len(rows))
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, (_, p) in enumerate(rows):
+            ids[i, : len(p)] = torch.tensor(p)
+        slot_t = torch.tensor([s for s, _ in rows])
+        for lo in range(0, width, chunk):
+            hi = min(width, lo + chunk)
+            positions = torch.arange(lo, hi)[None].expand(len(rows), -1)
+            self.forward(slot_t, ids[:, lo:hi], positions)
