@@ -1,0 +1,84 @@
+"""`specdecode generate` end to end on tiny models saved to local directories."""
+
+import json
+
+import pytest
+
+from specdecode.cli import main
+from tiny import make_model, make_tokenizer, perturbed_copy
+
+V = 32
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    tok = make_tokenizer(V)
+    # llama architecture: for a qwen2 config transformers swaps in Qwen2Tokenizer, which adds tokens
+    target = make_model(V, seed=0, arch="llama")
+    dirs = {}
+    for name, model in (("target", target), ("draft", perturbed_copy(target, 0.1))):
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+        dirs[name] = str(root / name)
+    other = make_model(V + 4, seed=1, arch="llama")  # a different vocabulary
+    other.save_pretrained(root / "other")
+    make_tokenizer(V + 4).save_pretrained(root / "other")
+    dirs["other"] = str(root / "other")
+    return dirs
+
+
+def run(capsys, *argv):
+    code = main(["generate", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_speculative_json_output_equals_target_only(model_dirs, capsys):
+    common = ["--target", model_dirs["target"], "--prompt-ids", "1,2,3", "--max-new-tokens", "12", "--ignore-eos",
+              "--dtype", "float32", "--json"]
+    code, base, _ = run(capsys, *common)
+    assert code == 0
+    code, spec, _ = run(capsys, *common, "--draft", model_dirs["draft"], "-k", "3")
+    assert code == 0
+    base, spec = json.loads(base), json.loads(spec)
+    assert spec["token_ids"] == base["token_ids"] and len(spec["token_ids"]) == 12
+    assert spec["finish_reason"] == "length"
+    assert spec["stats"]["drafted"] > 0 and base["stats"]["drafted"] == 0
+    assert spec["text"] == make_tokenizer(V).decode(spec["token_ids"], skip_special_tokens=True)
+
+
+def test_num_samples_are_independent_and_seeded(model_dirs, capsys):
+    argv = ["--target", model_dirs["target"], "--draft", model_dirs["draft"], "--prompt", "abc", "--temperature", "1.0",
+            "--seed", "5", "--num-samples", "3", "--max-new-tokens", "10", "--ignore-eos", "--dtype", "float32", "--json"]
+    code, out, _ = run(capsys, *argv)
+    assert code == 0
+    first = [json.loads(line)["token_ids"] for line in out.splitlines()]
+    assert len(first) == 3 and len({tuple(t) for t in first}) > 1
+    _, again, _ = run(capsys, *argv)
+    assert [json.loads(line)["token_ids"] for line in again.splitlines()] == first
+
+
+@pytest.mark.parametrize("bad,message", [
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "0"], "top_p"),
+    (["-k", "-2"], "num-draft-tokens"),
+    (["--prompt-ids", "1,x"], None),
+])
+def test_bad_arguments_get_clear_errors(model_dirs, capsys, bad, message):
+    argv = ["--target", model_dirs["target"], "--draft", model_dirs["draft"], "--dtype", "float32"]
+    if "--prompt-ids" not in bad:
+        argv += ["--prompt-ids", "1,2"]
+    try:
+        code, _, err = run(capsys, *argv, *bad)
+    except SystemExit as exc:  # argparse-level errors
+        code, err = 2, str(exc)
+    assert code == 2
+    if message:
+        assert message in err
+
+
+def test_mismatched_vocabularies_are_refused(model_dirs, capsys):
+    code, _, err = run(capsys, "--target", model_dirs["target"], "--draft", model_dirs["other"], "--prompt-ids", "1,2",
+                       "--dtype", "float32")
+    assert code == 2 and "cannot draft for target" in err
