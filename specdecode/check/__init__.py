@@ -1,0 +1,11 @@
+"""`specdecode check`: evidence that speculation does not change what the target says.
+
+Five parts, each with a PASS/FAIL verdict (see docs/exactness.md): the verifier's law on the pair's
+real distributions, the end-to-end sampling law, greedy equality, stop/length accounting, seeds.
+"""
+
+from specdecode.check.common import CheckConfig, EngineFactory, Setting, parse_settings
+from specdecode.check.report import CheckReport, PartResult
+from specdecode.check.runner import run_check
+
+__all__ = ["CheckConfig", "CheckReport", "EngineFactory", "PartResult", "Setting", "parse_settings", "run_check"]

@@ -1,0 +1,159 @@
+"""`specdecode check --target T --draft D`: prove on this machine that speculation is lossless.
+
+Exit status: 0 when every selected part passes, 1 when a part fails (or lacks power), 2 when the
+check could not run (bad flags, models that do not load or do not pair).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from specdecode.check.common import DEFAULT_E2E_SETTINGS, DEFAULT_LAW_SETTINGS, CheckConfig, Setting
+
+# Short completion prompts (code and prose): cheap to prefill on a CPU, and they work for base and
+# instruct models alike. --prompts replaces them.
+DEFAULT_PROMPTS = [
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "The three primary colors are",
+    "import numpy as np\n\n# normalise each row of the matrix x\n",
+    "Once upon a time, in a small village by the sea,",
+    "SELECT name, email FROM users WHERE",
+    "class Stack:\n    def __init__(self):\n",
+]
+
+_DEFAULTS = CheckConfig()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from specdecode.build import add_model_arguments
+
+    add_model_arguments(parser, draft_required=True)
+    g = parser.add_argument_group("check")
+    g.add_argument("--prompts", default=None,
+                   help="a .jsonl prompt file, 'spec-bench' or 'humaneval' (default: six short built-in prompts)")
+    g.add_argument("--num-prompts", type=int, default=4, help="prompts used (default 4)")
+    g.add_argument("--max-prompt-tokens", type=int, default=64, help="keep the last N tokens of each prompt (default 64)")
+    g.add_argument("--parts", default="1,2,3,4,5", help="parts to run, e.g. 1,3 (default all)")
+    g.add_argument("--alpha", type=float, default=_DEFAULTS.alpha,
+                   help=f"false-alarm probability of the whole check, split over parts 1-2 (default {_DEFAULTS.alpha:g})")
+    g.add_argument("--seed", type=int, default=0, help="seed of every random draw the check makes (default 0)")
+    g.add_argument("--json", metavar="PATH", default=None, help="write the full evidence as JSON")
+    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+    b = parser.add_argument_group("budgets")
+    b.add_argument("--law-contexts", type=int, default=_DEFAULTS.law_contexts, help="part 1: contexts (default %(default)s)")
+    b.add_argument("--law-samples", type=int, default=_DEFAULTS.law_samples,
+                   help="part 1: verification steps per context and setting (default %(default)s)")
+    b.add_argument("--law-settings", default=_names(DEFAULT_LAW_SETTINGS),
+                   help="part 1: ';'-separated settings, 'greedy' or t=..,k=..,p=.. (default %(default)r)")
+    b.add_argument("--e2e-prompts", type=int, default=_DEFAULTS.e2e_prompts, help="part 2: prompts (default %(default)s)")
+    b.add_argument("--e2e-samples", type=int, default=_DEFAULTS.e2e_samples,
+                   help="part 2: samples per group, prompt and setting (default %(default)s)")
+    b.add_argument("--e2e-tokens", type=int, default=_DEFAULTS.e2e_tokens, help="part 2: tokens per sample (default %(default)s)")
+    b.add_argument("--e2e-batch", type=int, default=_DEFAULTS.e2e_batch, help="part 2: batch size (default %(default)s)")
+    b.add_argument("--e2e-settings", default=_names(DEFAULT_E2E_SETTINGS), help="part 2: settings (default %(default)r)")
+    b.add_argument("--greedy-tokens", type=int, default=_DEFAULTS.greedy_tokens,
+                   help="part 3: tokens per prompt (default %(default)s)")
+    b.add_argument("--greedy-batch", type=int, default=_DEFAULTS.greedy_batch,
+                   help="part 3: batch size > 1 (default %(default)s)")
+    b.add_argument("--stop-tokens", type=int, default=_DEFAULTS.stop_tokens,
+                   help="part 4: learning-run tokens (default %(default)s)")
+    b.add_argument("--seed-tokens", type=int, default=_DEFAULTS.seed_tokens,
+                   help="part 5: tokens per request (default %(default)s)")
+    b.add_argument("--seed-batch", type=int, default=_DEFAULTS.seed_batch, help="part 5: batch size (default %(default)s)")
+
+
+def _names(settings: tuple[Setting, ...]) -> str:
+    return ";".join("greedy" if s.greedy else ",".join(
+        [f"t={s.temperature:g}"] + ([f"k={s.top_k}"] if s.top_k else []) + ([f"p={s.top_p:g}"] if s.top_p < 1 else []))
+        for s in settings)
+
+
+def config_from_args(args: argparse.Namespace) -> CheckConfig:
+    from specdecode.check.common import parse_settings
+
+    parts = tuple(sorted({int(p) for p in args.parts.split(",") if p.strip()}))
+    if not parts or any(p not in range(1, 6) for p in parts):
+        raise ValueError(f"--parts must list numbers 1-5, got {args.parts!r}")
+    for name in ("law_contexts", "law_samples", "e2e_prompts", "e2e_samples", "e2e_tokens", "e2e_batch",
+                 "greedy_tokens", "greedy_batch", "stop_tokens", "seed_tokens", "seed_batch", "num_prompts",
+                 "max_prompt_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 < args.alpha < 1:
+        raise ValueError("--alpha must be in (0, 1)")
+    if args.num_draft_tokens < 1:
+        raise ValueError("--num-draft-tokens must be >= 1: the check compares speculation with target-only decoding")
+    return CheckConfig(
+        num_draft_tokens=args.num_draft_tokens, parts=parts, alpha=args.alpha, seed=args.seed,
+        law_contexts=args.law_contexts, law_samples=args.law_samples, law_settings=parse_settings(args.law_settings),
+        e2e_prompts=args.e2e_prompts, e2e_samples=args.e2e_samples, e2e_tokens=args.e2e_tokens,
+        e2e_batch=args.e2e_batch, e2e_settings=parse_settings(args.e2e_settings),
+        greedy_tokens=args.greedy_tokens, greedy_batch=args.greedy_batch, stop_tokens=args.stop_tokens,
+        seed_tokens=args.seed_tokens, seed_batch=args.seed_batch,
+    )
+
+
+def encode_prompts(tokenizer, prompts, max_tokens: int) -> list[list[int]]:
+    """Chat prompts go through the chat template; completion prompts are encoded as they are."""
+    out = []
+    for p in prompts:
+        if p.kind == "chat":
+            ids = tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True,
+                                                return_dict=True)["input_ids"]
+        else:
+            ids = tokenizer(p.text)["input_ids"]
+        ids = list(ids)[-max_tokens:]
+        if ids:
+            out.append(ids)
+    if not out:
+        raise ValueError("every prompt encoded to zero tokens")
+    return out
+
+
+def load_prompts(spec: str | None, n: int, seed: int):
+    from specdecode.bench.prompts import Prompt, load_prompt_set
+
+    if spec is None:
+        return [Prompt(id=f"builtin/{i}", category="builtin", text=t, messages=None, kind="completion")
+                for i, t in enumerate(DEFAULT_PROMPTS[:n])]
+    return load_prompt_set(spec, n=n, seed=seed)
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from specdecode.bench.prompts import PromptSetError
+    from specdecode.build import EngineConfig, PairError, engine_from_pair, load_pair
+    from specdecode.check.common import TqdmProgress
+    from specdecode.check.prefix import reuse_prefills
+    from specdecode.check.runner import run_check
+
+    try:
+        cfg = config_from_args(args)
+        prompts = load_prompts(args.prompts, args.num_prompts, args.seed)
+        pair = load_pair(args.target, args.draft, args.dtype)
+        ids = encode_prompts(pair.tokenizer, prompts, args.max_prompt_tokens)
+    except (ValueError, PromptSetError, PairError, OSError) as exc:
+        print(f"specdecode check: {exc}", file=sys.stderr)
+        return 2
+    longest_output = max(cfg.greedy_tokens, cfg.stop_tokens, cfg.seed_tokens + 4, cfg.e2e_tokens)
+    max_context = args.max_context or max(len(p) for p in ids) + longest_output + 8
+    store: dict = {}
+
+    def factory(k: int, batch: int):
+        engine = engine_from_pair(pair, EngineConfig(args.target, args.draft if k else None, k, args.dtype, batch, max_context))
+        reuse_prefills(engine, store)
+        return engine
+
+    meta = {"target": args.target, "draft": args.draft, "dtype": args.dtype, "num_draft_tokens": cfg.num_draft_tokens,
+            "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "prompts": [{"id": p.id, "tokens": len(t)} for p, t in zip(prompts, ids)]}
+    progress = None if args.no_progress else TqdmProgress()
+    report = run_check(factory, ids, cfg, progress=progress, meta=meta)
+    report.render()
+    if args.json:
+        report.write_json(args.json)
+        print(f"evidence written to {args.json}")
+    return 0 if report.passed else 1

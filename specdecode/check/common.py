@@ -1,0 +1,248 @@
+"""What every part of the check shares: its configuration, sampling settings, an engine pool, a
+progress hook, and small helpers to run requests and compare token lists."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+from specdecode.engine import Engine
+from specdecode.metrics import SpecStats
+from specdecode.sampling import SamplingParams
+
+# (num_draft_tokens, max_batch_size) -> a fresh Engine; num_draft_tokens == 0 means target-only
+EngineFactory = Callable[[int, int], Engine]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A sampling setting under test (temperature 0 = greedy)."""
+
+    temperature: float
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def name(self) -> str:
+        if self.greedy:
+            return "greedy"
+        parts = [f"T={self.temperature:g}"]
+        if self.top_k:
+            parts.append(f"top-k={self.top_k}")
+        if self.top_p < 1:
+            parts.append(f"top-p={self.top_p:g}")
+        return " ".join(parts)
+
+    def params(self, **kw) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, **kw)
+
+
+def parse_settings(spec: str) -> tuple[Setting, ...]:
+    """``"greedy;t=1;t=0.7,p=0.9;k=20"`` -> settings (t: temperature, k: top-k, p: top-p; t defaults to 1)."""
+    out = []
+    for item in filter(None, (s.strip() for s in spec.split(";"))):
+        if item.lower() == "greedy":
+            out.append(Setting(0.0))
+            continue
+        kw = {"t": 1.0, "k": 0, "p": 1.0}
+        for pair in item.split(","):
+            key, sep, value = pair.partition("=")
+            key = key.strip().lower()
+            if not sep or key not in kw:
+                raise ValueError(f"bad setting {item!r}: use 'greedy' or t=<temp>,k=<top-k>,p=<top-p>")
+            kw[key] = int(value) if key == "k" else float(value)
+        SamplingParams(temperature=kw["t"], top_k=kw["k"], top_p=kw["p"])  # validates
+        out.append(Setting(kw["t"], kw["k"], kw["p"]))
+    if not out:
+        raise ValueError("no sampling settings given")
+    return tuple(out)
+
+
+DEFAULT_LAW_SETTINGS = parse_settings("greedy;t=1;t=0.7,p=0.9;k=20;t=1.3")
+DEFAULT_E2E_SETTINGS = parse_settings("t=1")
+
+PART_NAMES = {
+    1: "verifier law",
+    2: "end-to-end sampling law",
+    3: "greedy equality",
+    4: "stop and length accounting",
+    5: "seeds",
+}
+
+
+@dataclass
+class CheckConfig:
+    """Budgets of every part (the CLI flags). ``alpha`` is the false-alarm probability of the whole
+    check: half goes to part 1 and half to part 2, Bonferroni-split across their tests; parts 3-5
+    are exact comparisons."""
+
+    num_draft_tokens: int = 4
+    parts: tuple[int, ...] = (1, 2, 3, 4, 5)
+    alpha: float = 1e-3
+    seed: int = 0
+    # part 1: verifier law on the pair's real distributions
+    law_contexts: int = 4
+    law_samples: int = 2000  # verification steps per (context, setting)
+    law_settings: tuple[Setting, ...] = DEFAULT_LAW_SETTINGS
+    # part 2: end-to-end two-sample test
+    e2e_prompts: int = 1
+    e2e_samples: int = 64  # per group (speculative, target-only) and per (prompt, setting)
+    e2e_tokens: int = 2
+    e2e_batch: int = 16
+    e2e_settings: tuple[Setting, ...] = DEFAULT_E2E_SETTINGS
+    # part 3: greedy equality
+    greedy_tokens: int = 16
+    greedy_batch: int = 4
+    # part 4: stops and length
+    stop_tokens: int = 16
+    # part 5: seeds
+    seed_tokens: int = 8
+    seed_batch: int = 3
+    seed_setting: Setting = Setting(1.0)
+
+    @property
+    def statistical_parts(self) -> list[int]:
+        return [p for p in (1, 2) if p in self.parts]
+
+    def part_alpha(self) -> float:
+        """Each statistical part gets an equal share of ``alpha``."""
+        return self.alpha / max(1, len(self.statistical_parts))
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        for key in ("law_settings", "e2e_settings"):
+            out[key] = [s.name for s in getattr(self, key)]
+        out["seed_setting"] = self.seed_setting.name
+        return out
+
+
+class Progress(Protocol):
+    def part(self, name: str, total: int) -> None: ...
+
+    def advance(self, n: int = 1) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class NullProgress:
+    def part(self, name: str, total: int) -> None:
+        pass
+
+    def advance(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class TqdmProgress:
+    """One tqdm bar per part."""
+
+    def __init__(self) -> None:
+        self._bar = None
+
+    def part(self, name: str, total: int) -> None:
+        from tqdm import tqdm
+
+        self.close()
+        self._bar = tqdm(total=total, desc=name, unit="step", leave=True, dynamic_ncols=True)
+
+    def advance(self, n: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+class EnginePool:
+    """Engines by (draft length, batch size), built once from the factory and reused by every part.
+
+    ``spec(b)`` drafts ``num_draft_tokens``; ``target_only(b)`` drafts nothing (the reference).
+    """
+
+    def __init__(self, factory: EngineFactory, num_draft_tokens: int) -> None:
+        self.factory = factory
+        self.k = num_draft_tokens
+        self._engines: dict[tuple[int, int], Engine] = {}
+        self._eos: dict[tuple[int, int], set[int]] = {}
+
+    def spec(self, batch: int) -> Engine:
+        return self._get(self.k, batch)
+
+    def target_only(self, batch: int) -> Engine:
+        return self._get(0, batch)
+
+    def _get(self, k: int, batch: int) -> Engine:
+        key = (k, batch)
+        if key not in self._engines:
+            self._engines[key] = self.factory(k, batch)
+            self._eos[key] = set(self._engines[key].eos_token_ids)
+        engine = self._engines[key]
+        for seq in list(engine.running):  # a part that failed half-way may leave requests behind
+            engine.abort(seq)
+        engine.eos_token_ids = set(self._eos[key])
+        return engine
+
+
+@dataclass
+class Run:
+    """One finished request, with how its tokens arrived (``blocks[i]`` = tokens added by step i)."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: SpecStats
+    blocks: list[int] = field(default_factory=list)
+
+    def block_of(self, index: int) -> tuple[int, int]:
+        """``[start, end)`` of the step block that emitted output token ``index``."""
+        start = 0
+        for size in self.blocks:
+            if index < start + size:
+                return start, start + size
+            start += size
+        raise IndexError(index)
+
+
+def run_requests(
+    engine: Engine,
+    prompts: list[list[int]],
+    params: list[SamplingParams] | SamplingParams,
+    on_finish: Callable[[], None] | None = None,
+) -> list[Run]:
+    """Like ``Engine.generate`` (same admission order and batching), but also records per-step blocks."""
+    blocks: dict[str, list[int]] = {}
+    done: dict[str, Run] = {}
+    for ev in engine.stream(prompts, params):
+        s = ev.seq
+        blocks.setdefault(s.request_id, []).append(len(ev.new_token_ids))
+        if ev.finished:
+            done[s.request_id] = Run(list(s.output_ids), s.text.finish(), s.finish_reason, s.stats, blocks[s.request_id])
+            if on_finish is not None:
+                on_finish()
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """First index where the lists differ (a length difference counts); None when equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+@torch.inference_mode()
+def next_token_logits(runner, token_ids: list[int], slot: int = 0) -> torch.Tensor:  # [V] float32
+    """The model's logits for the token after ``token_ids`` (teacher-forced, batch of one)."""
+    runner.prefill([slot], [token_ids[:-1]])
+    pos = torch.tensor([[len(token_ids) - 1]])
+    return runner.logits(runner.forward(torch.tensor([slot]), torch.tensor([[token_ids[-1]]]), pos))[0, 0]
