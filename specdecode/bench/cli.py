@@ -1,0 +1,238 @@
+"""`specdecode bench`: is speculation worth it for *this* draft/target pair on *these* prompts?
+
+Runs target-only, speculative decoding at each draft length and the `transformers` baselines side by
+side, interleaved, and writes ``records.jsonl`` (appended as runs finish; rerun the same command to
+resume), ``results.json``, ``report.md`` and PNG plots into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+SETTINGS_KEYS = ("target", "draft", "dtype", "max_new_tokens", "ignore_eos", "seed")
+
+
+def _csv(kind):
+    def parse(text: str) -> list:
+        try:
+            return [kind(x.strip()) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from None
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from specdecode.build import add_model_arguments
+
+    add_model_arguments(parser)
+    p = parser.add_argument_group("prompts")
+    p.add_argument("--prompts", action="append", default=None,
+                   help="'spec-bench', 'humaneval' or a .jsonl path; repeatable (default humaneval)")
+    p.add_argument("--spec-bench-path", default=None, help="Spec-Bench question.jsonl (default: $SPECDECODE_SPEC_BENCH "
+                   "or the shared data directory)")
+    p.add_argument("--num-prompts", "-n", type=int, default=None,
+                   help="prompts per category for spec-bench, in total otherwise (default all)")
+    p.add_argument("--categories", type=_csv(str), default=None, help="comma-separated categories to keep")
+    p.add_argument("--seed", type=int, default=0, help="prompt sampling and generation seed (default 0)")
+    p.add_argument("--skip-too-long", action="store_true", help="leave out prompts that do not fit the context")
+    r = parser.add_argument_group("runs")
+    r.add_argument("--draft-lengths", type=_csv(int), default=None,
+                   help="comma-separated draft lengths to sweep (default: --num-draft-tokens)")
+    r.add_argument("--sampling", type=_csv(str), default=["greedy"],
+                   help="comma-separated settings: greedy, t<T>[-p<top_p>] (e.g. greedy,t0.7-p0.95,t1.0)")
+    r.add_argument("--baselines", type=_csv(str), default=["hf", "hf-assisted"],
+                   help="transformers baselines: hf, hf-assisted, or 'none' (default both)")
+    r.add_argument("--repeats", type=int, default=1, help="runs per (prompt, config); medians are reported")
+    r.add_argument("--max-new-tokens", type=int, default=128)
+    r.add_argument("--stop-at-eos", action="store_true",
+                   help="stop at EOS (default: ignore EOS so every configuration generates the same number of tokens)")
+    r.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice; 1 is steadier on a shared machine)")
+    r.add_argument("--warmup-tokens", type=int, default=4, help="tokens per warm-up run of each config (0 = none)")
+    o = parser.add_argument_group("output")
+    o.add_argument("--out", type=Path, default=Path("runs/bench"), help="output directory (default runs/bench)")
+    o.add_argument("--report-only", action="store_true", help="rebuild the report from --out without running")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument("--memory-check", type=int, metavar="CONTEXT", default=None,
+                   help="only measure peak RSS of one batch-1 request at this context length (run it alone)")
+
+
+def main(args: argparse.Namespace) -> int:
+    from specdecode.bench.prompts import PromptSetError
+    from specdecode.bench.runner import BenchInputError
+
+    if args.threads is not None:
+        if args.threads < 1:
+            print("error: --threads must be >= 1", file=sys.stderr)
+            return 2
+        import torch
+
+        torch.set_num_threads(args.threads)
+    try:
+        if args.memory_check is not None:
+            return _memory_check(args)
+        return _run(args)
+    except (PromptSetError, BenchInputError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _settings(args: argparse.Namespace) -> dict:
+    return {"target": args.target, "draft": args.draft, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
+            "ignore_eos": not args.stop_at_eos, "seed": args.seed, "repeats": args.repeats,
+            "sampling": args.sampling, "draft_lengths": args.draft_lengths or [args.num_draft_tokens],
+            "baselines": args.baselines, "threads": args.threads}
+
+
+def _run(args: argparse.Namespace) -> int:
+    from specdecode.bench import env
+    from specdecode.bench.prompts import load_prompt_set
+    from specdecode.bench.report import write_report
+    from specdecode.bench.runner import BenchInputError, RecordStore, make_configs, parse_sampling
+
+    settings = _settings(args)
+    samplings = [parse_sampling(s) for s in args.sampling]
+    baselines = [] if args.baselines == ["none"] else args.baselines
+    configs = make_configs(settings["draft_lengths"] if args.draft else [], baselines)
+    if not args.draft or args.draft == "ngram":  # HF's assistant_model needs a model
+        configs = [c for c in configs if not c.assisted]
+    store = RecordStore(args.out / "records.jsonl")
+    meta = _meta(args.out, settings, env)
+    if args.report_only:
+        write_report(args.out, store.records, meta)
+        print(f"report written to {args.out / 'report.md'}", file=sys.stderr)
+        return 0
+
+    prompts = []
+    for spec in args.prompts or ["humaneval"]:
+        cats = args.categories if spec != "humaneval" else None
+        prompts += load_prompt_set(spec, args.num_prompts, args.seed, cats, args.spec_bench_path)
+    ids = [p.id for p in prompts]
+    if len(set(ids)) != len(ids):
+        raise BenchInputError(f"duplicate prompt ids across prompt sets: {sorted({i for i in ids if ids.count(i) > 1})[:5]}")
+    if store.dropped_lines:
+        print(f"warning: {store.dropped_lines} unreadable line(s) in {store.path} (a run cut short); they are redone",
+              file=sys.stderr)
+
+    import torch
+
+    from specdecode.bench.runner import BenchRunner, tokenize_prompts
+
+    from specdecode.build import load_pair
+
+    pair = load_pair(args.target, args.draft if args.draft != "ngram" else None, args.dtype)
+    model_ctx = getattr(pair.target.config, "max_position_embeddings", 4096)
+    limit = args.max_context or min(model_ctx, 4096)
+    if limit > model_ctx:
+        raise BenchInputError(f"--max-context {limit} exceeds the model's context of {model_ctx}")
+    bench_prompts, skipped = tokenize_prompts(prompts, pair.tokenizer, args.max_new_tokens, limit, args.skip_too_long)
+    if skipped:
+        print(f"skipped {len(skipped)} prompt(s) too long for {limit} tokens: {', '.join(skipped)}", file=sys.stderr)
+    meta["prompt_summary"] = _prompt_summary(bench_prompts, args, skipped)
+    _write_meta(args.out, meta)
+    backend = make_backend(pair, args, max(len(p.ids) + p.max_new_tokens for p in bench_prompts) + 8)
+    runner = BenchRunner(backend, bench_prompts, configs, samplings, args.repeats, store, args.seed,
+                         ignore_eos=not args.stop_at_eos, warmup_tokens=args.warmup_tokens,
+                         progress=not args.no_progress)
+    session = {"type": "session", "command": env.command_line(), "started": env.now(), "loadavg_start": env.loadavg()}
+    code = 0
+    try:
+        with torch.inference_mode():
+            runner.run()
+        meta["interrupted"] = False
+    except KeyboardInterrupt:
+        meta["interrupted"] = True
+        code = 130
+        print(f"\ninterrupted: finished runs are kept in {store.path}; rerun the same command to resume",
+              file=sys.stderr)
+    finally:
+        session.update({"ended": env.now(), "runs": runner.runs_done, "peak_rss_gib": env.peak_rss_gib(),
+                        "loadavg_end": env.loadavg(), "interrupted": code != 0})
+        store.append(session)
+        _write_meta(args.out, meta)
+        write_report(args.out, store.records, meta)
+        print(f"report written to {args.out / 'report.md'}", file=sys.stderr)
+    return code
+
+
+def make_backend(pair, args: argparse.Namespace, max_context: int):
+    import torch
+
+    from specdecode.bench.baselines import HFBaseline
+    from specdecode.bench.runner import Backend
+    from specdecode.build import EngineConfig, engine_from_pair
+    from specdecode.engine import default_eos_ids
+
+    engines: dict[int, object] = {}
+    hf: dict[bool, HFBaseline] = {}
+    pad = pair.tokenizer.pad_token_id if pair.tokenizer.pad_token_id is not None else pair.tokenizer.eos_token_id
+
+    def engine_for(k: int):
+        if k not in engines:
+            draft = args.draft if k else None
+            engines[k] = engine_from_pair(pair, EngineConfig(args.target, draft, k, args.dtype, 1, max_context))
+        return engines[k]
+
+    def hf_for(assisted: bool) -> HFBaseline:
+        if assisted not in hf:
+            hf[assisted] = HFBaseline(pair.target, pair.draft if assisted else None, pad)
+        return hf[assisted]
+
+    @torch.inference_mode()
+    def target_logits(ids: list[int]) -> torch.Tensor:  # [V]
+        return pair.target(torch.tensor([ids]), logits_to_keep=1).logits[0, -1].float()
+
+    dtype = next(pair.target.parameters()).dtype
+    return Backend(engine_for, hf_for, target_logits, sorted(default_eos_ids(pair.target, pair.tokenizer)),
+                   torch.finfo(dtype).eps)
+
+
+def _meta(out: Path, settings: dict, env) -> dict:
+    from specdecode.bench.runner import BenchInputError
+
+    path = out / "meta.json"
+    if path.exists():
+        meta = json.loads(path.read_text(encoding="utf-8"))
+        old = meta.get("settings", {})
+        changed = [k for k in SETTINGS_KEYS if old.get(k) != settings.get(k)]
+        if changed:
+            diff = ", ".join(f"{k}: {old.get(k)!r} -> {settings.get(k)!r}" for k in changed)
+            raise BenchInputError(f"{out} holds a run with other settings ({diff}); use another --out to start afresh")
+        meta["settings"] = settings  # configs, samplings, repeats may grow between sessions
+        meta["commands"] = meta.get("commands", []) + [env.command_line()]
+        meta["commit"] = env.commit()
+        return meta
+    return {"settings": settings, "commands": [env.command_line()], "commit": env.commit(),
+            "machine": env.machine(), "versions": env.versions()}
+
+
+def _write_meta(out: Path, meta: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+
+
+def _prompt_summary(prompts, args: argparse.Namespace, skipped: list[str]) -> str:
+    from collections import Counter
+
+    counts = Counter(p.category for p in prompts)
+    lengths = sorted(len(p.ids) for p in prompts)
+    text = ", ".join(f"{cat} {n}" for cat, n in counts.items())
+    text += f" ({len(prompts)} in all; sets {args.prompts or ['humaneval']}, seed {args.seed}; prompt lengths " \
+            f"{lengths[0]}–{lengths[-1]} tokens, median {lengths[len(lengths) // 2]})"
+    if skipped:
+        text += f"; {len(skipped)} skipped as too long"
+    return text
+
+
+def _memory_check(args: argparse.Namespace) -> int:
+    from specdecode.bench.memory import measure
+
+    result = measure(args.target, args.draft, args.dtype, args.memory_check, args.num_draft_tokens,
+                     min(args.max_new_tokens, 32))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "memory.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    print(json.dumps(result, indent=2))
+    return 0

@@ -1,0 +1,387 @@
+"""Turn a benchmark's records into ``results.json`` (every raw record plus the summaries),
+``report.md`` and four PNG plots."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from specdecode.bench import analysis as A
+
+PLOTS = ("speedup_vs_k.png", "acceptance_by_position.png", "speedup_vs_context.png", "predicted_vs_measured.png")
+
+
+@dataclasses.dataclass
+class Summary:
+    cells: list[A.Cell]
+    context: list[A.BucketCell]
+    break_even: dict[str, list[A.BreakEven]]  # completion category -> rows
+    checks: list[dict[str, Any]]
+    completion_categories: list[str]
+
+    def cell(self, sampling: str, config: str, group: str = "overall") -> A.Cell | None:
+        return next((c for c in self.cells if (c.sampling, c.config, c.group) == (sampling, config, group)), None)
+
+    def samplings(self) -> list[str]:
+        return list(dict.fromkeys(c.sampling for c in self.cells))
+
+    def configs(self, sampling: str) -> list[str]:
+        return list(dict.fromkeys(c.config for c in self.cells if c.sampling == sampling))
+
+    def groups(self) -> list[str]:
+        return list(dict.fromkeys(c.group for c in self.cells))
+
+    def spec_cells(self, sampling: str, group: str = "overall") -> list[A.Cell]:
+        return [c for c in self.cells if c.sampling == sampling and c.group == group and c.k > 0]
+
+
+def summarize(records: list[dict[str, Any]]) -> Summary:
+    runs = A.runs_of(records)
+    completion = sorted({r["category"] for r in runs if r.get("prompt_kind") == "completion"})
+    return Summary(
+        cells=A.summarize(records),
+        context=A.by_context(records),
+        break_even={cat: A.break_even_table(records, cat) for cat in completion},
+        checks=[r for r in records if r.get("type") == "check"],
+        completion_categories=completion,
+    )
+
+
+def write_report(out_dir: Path, records: list[dict[str, Any]], meta: dict[str, Any]) -> Summary:
+    summary = summarize(records)
+    sessions = [r for r in records if r.get("type") == "session"]
+    results = {
+        "meta": meta,
+        "definitions": A.DEFINITIONS,
+        "sessions": sessions,
+        "summary": {
+            "cells": [dataclasses.asdict(c) for c in summary.cells],
+            "context": [dataclasses.asdict(c) for c in summary.context],
+            "break_even": {cat: [dataclasses.asdict(r) | {"below": r.below} for r in rows]
+                           for cat, rows in summary.break_even.items()},
+            "checks": summary.checks,
+        },
+        "records": [r for r in records if r.get("type") in ("run", "check")],
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    (out_dir / "report.md").write_text(markdown(summary, meta, sessions), encoding="utf-8")
+    plot(summary, out_dir)
+    return summary
+
+
+# -- Markdown -------------------------------------------------------------------------------------
+def _n(value: float | None, fmt: str = ".2f") -> str:
+    return "–" if value is None else format(value, fmt)
+
+
+def markdown(summary: Summary, meta: dict[str, Any], sessions: list[dict[str, Any]]) -> str:
+    s = meta.get("settings", {})
+    lines = [f"# Speculative decoding benchmark: {s.get('target')} ← {s.get('draft')}", ""]
+    if meta.get("interrupted"):
+        lines += ["**Incomplete**: the run was interrupted; only finished runs are included. Rerun the same "
+                  "command to resume.", ""]
+    lines += _setup(meta, sessions)
+    for sampling in summary.samplings():
+        lines += ["", f"## Results: {sampling}", "", *_overall_table(summary, sampling)]
+        lines += ["", *_category_table(summary, sampling)]
+        lines += ["", *_position_table(summary, sampling)]
+        lines += ["", *_context_table(summary, sampling)]
+    for cat in summary.completion_categories:
+        lines += ["", *_break_even_section(summary, cat)]
+    lines += ["", *_peer_section(summary), "", *_checks_section(summary)]
+    lines += ["", "## Plots", ""] + [f"![{p[:-4]}]({p})" for p in PLOTS]
+    lines += ["", "## Definitions", "", A.DEFINITIONS, ""]
+    return "\n".join(lines)
+
+
+def _setup(meta: dict[str, Any], sessions: list[dict[str, Any]]) -> list[str]:
+    s, m = meta.get("settings", {}), meta.get("machine", {})
+    lines = ["## Setup", ""]
+    for cmd in meta.get("commands", []):
+        lines.append(f"- command: `{cmd}`")
+    lines += [
+        f"- commit: `{meta.get('commit')}`",
+        f"- machine: {m.get('cpu')}, {m.get('cores')} cores ({m.get('torch_threads')} torch threads), "
+        f"{m.get('ram_gib')} GiB RAM, CPU flags: {m.get('cpu_flags')}; {m.get('note', '')}",
+        f"- versions: " + ", ".join(f"{k} {v}" for k, v in meta.get("versions", {}).items()),
+        f"- models: target `{s.get('target')}`, draft `{s.get('draft')}`, {s.get('dtype')}, batch 1",
+        f"- {s.get('max_new_tokens')} new tokens per prompt, "
+        + ("EOS ignored (every run generates the full budget)" if s.get("ignore_eos") else "stop at EOS")
+        + f"; {s.get('repeats')} repeat(s) per (prompt, config), medians; warm-up excluded; seed {s.get('seed')}",
+        f"- prompts: {meta.get('prompt_summary', '')}",
+    ]
+    for sess in sessions:
+        lines.append(f"- session {sess.get('started')} → {sess.get('ended')}: {sess.get('runs')} runs, "
+                     f"peak RSS {_n(sess.get('peak_rss_gib'))} GiB, load average {sess.get('loadavg_start')} → "
+                     f"{sess.get('loadavg_end')}")
+    return lines
+
+
+def _overall_table(summary: Summary, sampling: str) -> list[str]:
+    lines = ["All prompts. Speedup is over this engine's target-only decoding; predicted = E / (k·c + 1), "
+             "predicted (v) = E / (k·c + v).", "",
+             "| config | prompts | tok/s | speedup | acceptance | α | tokens/step | E(α,k) | c | v "
+             "| predicted | predicted (v) | measured / predicted |", "|---" * 13 + "|"]
+    for c in summary.cells:
+        if c.sampling == sampling and c.group == "overall":
+            lines.append(f"| {c.config} | {c.n_prompts} | {c.tok_s:.3f} | {_n(c.speedup)} | {_n(c.acceptance_rate, '.3f')} "
+                         f"| {_n(c.alpha, '.3f')} | {_n(c.tokens_per_step)} | {_n(c.expected_tokens_per_step)} "
+                         f"| {_n(c.c, '.3f')} | {_n(c.v)} | {_n(c.predicted_speedup)} | {_n(c.predicted_speedup_v)} "
+                         f"| {_n(c.efficiency)} |")
+    return lines
+
+
+def _category_table(summary: Summary, sampling: str) -> list[str]:
+    groups = [g for g in summary.groups() if g != "overall"]
+    if not groups:
+        return []
+    configs = [c for c in summary.configs(sampling) if c != A.TARGET]
+    lines = ["Speedup per category (target-only tok/s in the second column; acceptance rate in brackets).", "",
+             "| category | target tok/s | " + " | ".join(configs) + " |", "|---" * (len(configs) + 2) + "|"]
+    for g in groups + ["overall"]:
+        base = summary.cell(sampling, A.TARGET, g)
+        row = [g, _n(base.tok_s if base else None, ".3f")]
+        for name in configs:
+            c = summary.cell(sampling, name, g)
+            acc = f" ({c.acceptance_rate:.2f})" if c is not None and c.acceptance_rate is not None else ""
+            row.append(_n(c.speedup if c else None) + acc)
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def _position_table(summary: Summary, sampling: str) -> list[str]:
+    cells = summary.spec_cells(sampling)
+    if not cells:
+        return []
+    width = max(len(c.acceptance_by_position) for c in cells)
+    lines = ["Acceptance by draft position (all prompts): the rate at which the j-th draft token was accepted "
+             "among steps that drafted it.", "",
+             "| config | " + " | ".join(f"j={j + 1}" for j in range(width)) + " |", "|---" * (width + 1) + "|"]
+    for c in cells:
+        vals = c.acceptance_by_position + [None] * (width - len(c.acceptance_by_position))
+        lines.append(f"| {c.config} | " + " | ".join(_n(v) for v in vals) + " |")
+    return lines
+
+
+def _context_table(summary: Summary, sampling: str) -> list[str]:
+    cells = [c for c in summary.context if c.sampling == sampling]
+    if not cells:
+        return []
+    buckets = [label for _, _, label in A.BUCKETS if any(c.bucket == label for c in cells)]
+    configs = list(dict.fromkeys(c.config for c in cells))
+    lines = ["By context length (prompt + generated so far) at each step: decode tok/s (speedup over target-only "
+             "in the same bucket).", "",
+             "| config | " + " | ".join(buckets) + " |", "|---" * (len(buckets) + 1) + "|"]
+    for name in configs:
+        row = [name]
+        for b in buckets:
+            c = next((x for x in cells if x.config == name and x.bucket == b), None)
+            row.append("–" if c is None else f"{c.tok_s:.2f}" + ("" if c.speedup is None or name == A.TARGET
+                                                                 else f" ({c.speedup:.2f}×)"))
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def _break_even_section(summary: Summary, category: str) -> list[str]:
+    rows = summary.break_even[category]
+    if not rows:
+        return []
+    lines = [f"## Break-even for code completion: {category}", "",
+             "Per draft length: the acceptance α at which drafting just pays for itself given the measured c "
+             "(formula, v = 1) and with the measured verification cost v; how many prompts fall below.", "",
+             "| sampling | config | prompts | median α | median c | break-even α | prompts below | "
+             "break-even α (v) | prompts below (v) | prompts with speedup < 1 |", "|---" * 10 + "|"]
+    by: dict[tuple[str, str], list[A.BreakEven]] = defaultdict(list)
+    for r in rows:
+        by[(r.sampling, r.config)].append(r)
+    for (sampling, config), rs in by.items():
+        alphas = [r.alpha for r in rs if r.alpha is not None]
+        cs = [r.c for r in rs if r.c is not None]
+        k, c_med = rs[0].k, A.median(cs)
+        v_med = A.median([r.v for r in rs if r.v is not None])
+        be = A.break_even_alpha(k, c_med) if c_med is not None else None
+        be_v = A.break_even_alpha(k, c_med, v_med) if c_med is not None and v_med is not None else None
+        below = sum(1 for r in rs if r.below)
+        below_v = sum(1 for r in rs if r.alpha is not None and r.c is not None
+                      and (r.break_even_v is None or r.alpha < r.break_even_v))
+        slow = sum(1 for r in rs if r.speedup is not None and r.speedup < 1)
+        lines.append(f"| {sampling} | {config} | {len(rs)} | {_n(A.median(alphas), '.3f')} | {_n(c_med, '.3f')} "
+                     f"| {_be(be)} | {below} | {_be(be_v)} | {below_v} | {slow} |")
+    lines += ["", *_verdict(summary, category), "", *_per_prompt_table(summary, category)]
+    return lines
+
+
+def _be(value: float | None) -> str:
+    return "never (k·c + v ≥ k + 1)" if value is None else f"{value:.3f}"
+
+
+def _per_prompt_table(summary: Summary, category: str) -> list[str]:
+    rows = summary.break_even[category]
+    best = {s: _best(summary, s, category) for s in summary.samplings()}
+    chosen = [r for r in rows if best.get(r.sampling) is not None and r.config == best[r.sampling].config]
+    if not chosen:
+        return []
+    lines = ["Per prompt at the best draft length of each sampling setting (below = α under the formula's "
+             "break-even):", "",
+             "| sampling | config | prompt | α | acceptance | c | v | break-even α | below | speedup |",
+             "|---" * 10 + "|"]
+    for r in chosen:
+        lines.append(f"| {r.sampling} | {r.config} | {r.prompt_id} | {_n(r.alpha, '.3f')} | {_n(r.acceptance_rate, '.3f')} "
+                     f"| {_n(r.c, '.3f')} | {_n(r.v)} | {_be(r.break_even)} | {'yes' if r.below else 'no'} "
+                     f"| {_n(r.speedup)} |")
+    return lines
+
+
+def _best(summary: Summary, sampling: str, group: str) -> A.Cell | None:
+    cells = [c for c in summary.spec_cells(sampling, group) if c.speedup is not None]
+    return max(cells, key=lambda c: c.speedup) if cells else None
+
+
+def _verdict(summary: Summary, category: str) -> list[str]:
+    out = ["**Verdict (generated from the numbers above).**"]
+    for sampling in summary.samplings():
+        best = _best(summary, sampling, category)
+        if best is None:
+            continue
+        be = A.break_even_alpha(best.k, best.c) if best.c is not None else None
+        rows = [r for r in summary.break_even[category] if r.sampling == sampling and r.config == best.config]
+        below = sum(1 for r in rows if r.below)
+        pays = best.speedup is not None and best.speedup > 1
+        text = (f"{sampling}: speculation {'pays' if pays else 'does not pay'} for {category} on this pair and machine; "
+                f"the best draft length is k = {best.k} at {best.speedup:.2f}× target-only "
+                f"(α = {_n(best.alpha, '.3f')}, c = {_n(best.c, '.3f')}, v = {_n(best.v)}). "
+                f"The formula predicts {_n(best.predicted_speedup)}×; "
+                f"the measured/predicted ratio {_n(best.efficiency)} is implementation overhead. "
+                f"At k = {best.k} drafting breaks even at α = {_be(be)}; {below} of {len(rows)} prompts fall below.")
+        out.append(f"- {text}")
+    return out
+
+
+def _peer_section(summary: Summary) -> list[str]:
+    lines = ["## Against `transformers`", ""]
+    found = False
+    for sampling in summary.samplings():
+        target, hf = summary.cell(sampling, A.TARGET), summary.cell(sampling, "hf")
+        assisted, best = summary.cell(sampling, "hf-assisted"), _best(summary, sampling, "overall")
+        if hf is not None and target is not None:
+            found = True
+            lines.append(f"- {sampling}: target-only, this engine {target.tok_s:.3f} tok/s vs `generate` "
+                         f"{hf.tok_s:.3f} tok/s: {target.tok_s / hf.tok_s:.2f}×")
+        if assisted is not None and best is not None:
+            found = True
+            lines.append(f"- {sampling}: best speculative setting {best.config} {best.tok_s:.3f} tok/s vs assisted "
+                         f"generation {assisted.tok_s:.3f} tok/s: {best.tok_s / assisted.tok_s:.2f}×")
+    return lines if found else []
+
+
+def _checks_section(summary: Summary) -> list[str]:
+    if not summary.checks:
+        return []
+    lines = ["## Greedy exactness", "",
+             "Every greedy output is compared with this engine's target-only output for the same prompt. "
+             "A mismatch is shown with the target's logits at the first diverging position (teacher-forced on "
+             "the common prefix): a near-tie (gap within two rounding units of the logit) is numerics, not a bug.",
+             "", "| config | compared | equal | mismatches | near-ties |", "|---" * 5 + "|"]
+    by: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for c in summary.checks:
+        by[c["config"]].append(c)
+    for config, cs in sorted(by.items(), key=lambda kv: A._config_order(kv[0])):
+        bad = [c for c in cs if not c["match"]]
+        lines.append(f"| {config} | {len(cs)} | {len(cs) - len(bad)} | {len(bad)} "
+                     f"| {sum(1 for c in bad if c.get('near_tie'))} |")
+    bad = [c for c in summary.checks if not c["match"]]
+    if bad:
+        lines += ["", "| config | prompt | repeat | position | target-only token | other token | logit gap "
+                  "| top-2 margin | near-tie |", "|---" * 9 + "|"]
+        for c in bad:
+            lines.append(f"| {c['config']} | {c['prompt_id']} | {c['repeat']} | {c['first_diff']} "
+                         f"| {c.get('expected_token', '–')} | {c.get('got_token', '–')} | {_n(c.get('logit_gap'), '.4f')} "
+                         f"| {_n(c.get('top2_margin'), '.4f')} | {c.get('near_tie', '–')} |")
+    return lines
+
+
+# -- plots -------------------------------------------------------------------------------------------
+def plot(summary: Summary, out_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    samplings = summary.samplings() or ["-"]
+    figs = {name: plt.subplots(1, len(samplings), figsize=(5.5 * len(samplings), 4), squeeze=False)
+            for name in PLOTS}
+    for i, sampling in enumerate(samplings):
+        _plot_speedup_vs_k(figs["speedup_vs_k.png"][1][0][i], summary, sampling)
+        _plot_positions(figs["acceptance_by_position.png"][1][0][i], summary, sampling)
+        _plot_context(figs["speedup_vs_context.png"][1][0][i], summary, sampling)
+        _plot_predicted(figs["predicted_vs_measured.png"][1][0][i], summary, sampling)
+    for name, (fig, _) in figs.items():
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=100)
+        plt.close(fig)
+
+
+def _finish(ax, title: str, xlabel: str, ylabel: str) -> None:
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+
+
+def _plot_speedup_vs_k(ax, summary: Summary, sampling: str) -> None:
+    for group in summary.groups():
+        cells = sorted(summary.spec_cells(sampling, group), key=lambda c: c.k)
+        pts = [(c.k, c.speedup) for c in cells if c.speedup is not None]
+        if pts:
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, marker="o", lw=2.5 if group == "overall" else 1.2, label=group)
+    hf = summary.cell(sampling, "hf-assisted")
+    if hf is not None and hf.speedup is not None:
+        ax.axhline(hf.speedup, color="grey", ls=":", label="HF assisted (overall)")
+    ax.axhline(1.0, color="black", lw=0.8)
+    _finish(ax, f"speedup vs draft length ({sampling})", "draft length k", "speedup over target-only")
+
+
+def _plot_positions(ax, summary: Summary, sampling: str) -> None:
+    for c in sorted(summary.spec_cells(sampling), key=lambda c: c.k):
+        pts = [(j + 1, v) for j, v in enumerate(c.acceptance_by_position) if v is not None]
+        if pts:
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, marker="o", label=c.config)
+    ax.set_ylim(0, 1.02)
+    _finish(ax, f"acceptance by position ({sampling})", "draft position j", "acceptance rate")
+
+
+def _plot_context(ax, summary: Summary, sampling: str) -> None:
+    order = [label for _, _, label in A.BUCKETS]
+    cells = [c for c in summary.context if c.sampling == sampling and c.config != A.TARGET and c.speedup is not None]
+    present = [b for b in order if any(c.bucket == b for c in cells)]
+    for config in dict.fromkeys(c.config for c in cells):
+        pts = [(present.index(c.bucket), c.speedup) for c in cells if c.config == config]
+        xs, ys = zip(*sorted(pts))
+        ax.plot(xs, ys, marker="o", label=config)
+    ax.set_xticks(range(len(present)), present)
+    ax.axhline(1.0, color="black", lw=0.8)
+    _finish(ax, f"decode speedup vs context ({sampling})", "context length (tokens)", "speedup over target-only")
+
+
+def _plot_predicted(ax, summary: Summary, sampling: str) -> None:
+    cells = [c for c in summary.cells if c.sampling == sampling and c.k > 0
+             and c.speedup is not None and c.predicted_speedup is not None]
+    for group in dict.fromkeys(c.group for c in cells):
+        mine = [c for c in cells if c.group == group]
+        ax.scatter([c.predicted_speedup for c in mine], [c.speedup for c in mine], label=group,
+                   marker="*" if group == "overall" else "o")
+        for c in mine:
+            if group == "overall":
+                ax.annotate(f"k={c.k}", (c.predicted_speedup, c.speedup), fontsize=7)
+    if cells:
+        hi = max(max(c.predicted_speedup for c in cells), max(c.speedup for c in cells)) * 1.1
+        ax.plot([0, hi], [0, hi], color="black", lw=0.8, ls="--", label="measured = predicted")
+    _finish(ax, f"predicted vs measured speedup ({sampling})", "predicted E/(k·c+1)", "measured speedup")

@@ -1,0 +1,321 @@
+"""The interleaved benchmark loop, its records on disk, and the greedy exactness check.
+
+For each prompt and each repeat, every (sampling setting, configuration) pair runs once, in an order
+rotated from one (prompt, repeat) to the next, so drift of a shared machine hits every configuration
+alike. Each finished run is appended to ``records.jsonl`` at once; a rerun with the same output
+directory skips every (prompt, sampling, config, repeat) already there, so an interrupted run loses
+at most the run in progress. Warm-up runs (each configuration once, on a short prompt) are never
+recorded.
+
+Configurations: ``target`` (this engine, target only), ``spec-k<k>`` (this engine drafting k tokens),
+``hf`` (``transformers`` ``generate``, target only) and ``hf-assisted`` (``generate`` with
+``assistant_model=`` the draft).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from specdecode.bench.analysis import TARGET, first_difference, is_near_tie
+
+
+class BenchInputError(ValueError):
+    """Bad benchmark input (a prompt too long, an unknown setting, an incompatible resume)."""
+
+
+# -- settings --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Sampling:
+    name: str
+    temperature: float
+    top_p: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+_SAMPLING_RE = re.compile(r"t(?P<t>\d+(?:\.\d+)?)(?:-p(?P<p>\d*\.?\d+))?")
+
+
+def parse_sampling(spec: str) -> Sampling:
+    """``greedy`` or ``t<temperature>[-p<top_p>]``, e.g. ``t0.7-p0.95``, ``t1.0``."""
+    if spec == "greedy":
+        return Sampling("greedy", 0.0)
+    m = _SAMPLING_RE.fullmatch(spec)
+    if not m:
+        raise BenchInputError(f"unknown sampling setting {spec!r}: use 'greedy' or t<T>[-p<top_p>], e.g. t0.7-p0.95")
+    t, p = float(m["t"]), float(m["p"]) if m["p"] else 1.0
+    if t <= 0 or not 0 < p <= 1:
+        raise BenchInputError(f"sampling setting {spec!r}: need T > 0 (use 'greedy' for T = 0) and 0 < top_p <= 1")
+    return Sampling(spec, t, p)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str
+    kind: str  # "engine" | "hf"
+    k: int = 0  # draft length (engine); 0 = target only
+    assisted: bool = False  # hf: with the draft as assistant_model
+
+
+def make_configs(draft_lengths: list[int], baselines: list[str]) -> list[RunConfig]:
+    configs = [RunConfig(TARGET, "engine")]
+    for k in draft_lengths:
+        if k < 1:
+            raise BenchInputError(f"draft lengths must be >= 1, got {k}")
+        configs.append(RunConfig(f"spec-k{k}", "engine", k))
+    for name in baselines:
+        if name not in ("hf", "hf-assisted"):
+            raise BenchInputError(f"unknown baseline {name!r}: use hf, hf-assisted")
+        configs.append(RunConfig(name, "hf", 0, name == "hf-assisted"))
+    return configs
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    id: str
+    category: str
+    kind: str  # "chat" | "completion"
+    ids: list[int]
+    max_new_tokens: int
+
+
+def tokenize_prompts(prompts, tokenizer, max_new_tokens: int, max_context: int,
+                     skip_too_long: bool = False) -> tuple[list[BenchPrompt], list[str]]:
+    """Chat prompts through the chat template, completion prompts raw; check they fit the context.
+
+    Returns the prompts and the ids of those skipped as too long (only with ``skip_too_long``).
+    """
+    out, too_long = [], []
+    for p in prompts:
+        if p.kind == "chat":
+            ids = list(tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False))
+        else:
+            ids = tokenizer(p.text, add_special_tokens=False).input_ids
+        new = p.max_new_tokens or max_new_tokens
+        if not ids:
+            raise BenchInputError(f"prompt {p.id!r} is empty after tokenization")
+        if len(ids) + new > max_context:
+            too_long.append(f"{p.id} ({len(ids)} + {new} tokens)")
+            continue
+        out.append(BenchPrompt(p.id, p.category, p.kind, ids, new))
+    if too_long and not skip_too_long:
+        raise BenchInputError(
+            f"{len(too_long)} prompt(s) do not fit the context of {max_context} tokens (prompt + max new tokens): "
+            f"{', '.join(too_long[:5])}{' ...' if len(too_long) > 5 else ''}; pass --skip-too-long to leave them out "
+            f"or lower --max-new-tokens")
+    if not out:
+        raise BenchInputError("no prompt fits the context")
+    return out, too_long
+
+
+def run_seed(base_seed: int, prompt_id: str, repeat: int) -> int:
+    """The seed every configuration uses for this (prompt, repeat): same randomness for all."""
+    digest = hashlib.sha256(f"{base_seed}:{prompt_id}:{repeat}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+# -- records on disk ---------------------------------------------------------------------------------
+class RecordStore:
+    """``records.jsonl``: one JSON object per finished run or check, appended and flushed at once."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.records: list[dict[str, Any]] = []
+        self.dropped_lines = 0
+        if path.exists():
+            for line in path.read_text(encoding="utf-8").splitlines():
+                if not line.strip():
+                    continue
+                try:
+                    self.records.append(json.loads(line))
+                except json.JSONDecodeError:  # a line cut by a hard kill: that run is simply redone
+                    self.dropped_lines += 1
+        self._keys = {self.key(r) for r in self.records}
+
+    @staticmethod
+    def key(rec: dict[str, Any]) -> tuple:
+        return (rec.get("type"), rec.get("prompt_id"), rec.get("sampling"), rec.get("config"), rec.get("repeat"))
+
+    def has(self, kind: str, prompt_id: str, sampling: str, config: str, repeat: int) -> bool:
+        return (kind, prompt_id, sampling, config, repeat) in self._keys
+
+    def append(self, rec: dict[str, Any]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a", encoding="utf-8") as fh:
+            fh.write(json.dumps(rec) + "\n")
+        self.records.append(rec)
+        self._keys.add(self.key(rec))
+
+    def find(self, kind: str, prompt_id: str, sampling: str, config: str, repeat: int) -> dict[str, Any] | None:
+        for r in self.records:
+            if self.key(r) == (kind, prompt_id, sampling, config, repeat):
+                return r
+        return None
+
+
+# -- one run -------------------------------------------------------------------------------------------
+def run_engine(engine, prompt_ids: list[int], params) -> dict[str, Any]:
+    """Drive ``engine.add/step`` for one request, timing every step.
+
+    ``steps`` rows are ``[context_len, emitted, drafted, accepted, seconds]``, with the context length
+    (prompt + generated so far) at the start of the step.
+    """
+    t0 = time.perf_counter()
+    seq = engine.add(prompt_ids, params)
+    steps = []
+    try:
+        while not seq.finished:
+            ctx, drafted0, accepted0 = len(seq.token_ids), seq.stats.drafted, seq.stats.accepted
+            ts = time.perf_counter()
+            events = engine.step()
+            dt = time.perf_counter() - ts
+            emitted = sum(len(ev.new_token_ids) for ev in events if ev.seq is seq)
+            steps.append([ctx, emitted, seq.stats.drafted - drafted0, seq.stats.accepted - accepted0, dt])
+    finally:
+        if not seq.finished:
+            engine.abort(seq)
+    wall = time.perf_counter() - t0
+    return {"token_ids": seq.output_ids, "wall_s": wall, "prefill_s": seq.stats.prefill_s,
+            "finish_reason": seq.finish_reason, "stats": seq.stats.to_dict(), "steps": steps}
+
+
+# -- the loop ------------------------------------------------------------------------------------------
+@dataclass
+class Backend:
+    """What the runner needs from the models: engines by draft length, the HF baselines, a teacher-forcing
+    function for mismatch analysis, and the EOS ids."""
+
+    engine_for: Callable[[int], Any]  # k -> Engine
+    hf_for: Callable[[bool], Any]  # assisted -> HFBaseline
+    target_logits: Callable[[list[int]], Any]  # token ids -> [V] float logits after the last id
+    eos_token_ids: list[int]
+    logit_eps: float  # machine epsilon of the target's dtype, for near-tie calls
+
+
+def rotated(items: list, offset: int) -> list:
+    if not items:
+        return []
+    offset %= len(items)
+    return items[offset:] + items[:offset]
+
+
+class BenchRunner:
+    def __init__(self, backend: Backend, prompts: list[BenchPrompt], configs: list[RunConfig],
+                 samplings: list[Sampling], repeats: int, store: RecordStore, seed: int = 0,
+                 ignore_eos: bool = True, warmup_tokens: int = 4, progress: bool = True,
+                 on_run: Callable[[dict[str, Any]], None] | None = None) -> None:
+        if repeats < 1:
+            raise BenchInputError(f"--repeats must be >= 1, got {repeats}")
+        self.backend, self.prompts, self.configs, self.samplings = backend, prompts, configs, samplings
+        self.repeats, self.store, self.seed, self.ignore_eos = repeats, store, seed, ignore_eos
+        self.warmup_tokens, self.progress, self.on_run = warmup_tokens, progress, on_run
+        self.runs_done = 0
+
+    def plan(self) -> Iterator[tuple[int, BenchPrompt, int, Sampling, RunConfig]]:
+        combos = [(s, c) for s in self.samplings for c in self.configs]
+        for i, prompt in enumerate(self.prompts):
+            for r in range(self.repeats):
+                for s, c in rotated(combos, i * self.repeats + r):
+                    yield i, prompt, r, s, c
+
+    def pending(self) -> list[tuple[int, BenchPrompt, int, Sampling, RunConfig]]:
+        return [t for t in self.plan() if not self.store.has("run", t[1].id, t[3].name, t[4].name, t[2])]
+
+    def run(self) -> None:
+        from tqdm import tqdm
+
+        plan = list(self.plan())
+        todo = self.pending()
+        if todo and self.warmup_tokens:
+            self.warmup()
+        bar = tqdm(total=len(plan), initial=len(plan) - len(todo), desc="bench", unit="run", mininterval=2.0,
+                   disable=not self.progress, dynamic_ncols=True)
+        try:
+            todo_keys = {(t[1].id, t[2], t[3].name, t[4].name) for t in todo}
+            for i, prompt in enumerate(self.prompts):
+                for _, _, r, s, c in (t for t in plan if t[0] == i):
+                    if (prompt.id, r, s.name, c.name) not in todo_keys:
+                        continue
+                    bar.set_postfix_str(f"{prompt.id} {s.name} {c.name}", refresh=False)
+                    rec = self.run_one(prompt, r, s, c)
+                    self.store.append(rec)
+                    self.runs_done += 1
+                    if self.on_run:
+                        self.on_run(rec)
+                    bar.update(1)
+                self.check_prompt(prompt)
+        finally:
+            bar.close()
+
+    def warmup(self) -> None:
+        prompt = self.prompts[0]
+        short = BenchPrompt(prompt.id, prompt.category, prompt.kind, prompt.ids[:16], self.warmup_tokens)
+        for s in self.samplings:
+            for c in self.configs:
+                self.run_one(short, 0, s, c)
+
+    def run_one(self, prompt: BenchPrompt, repeat: int, sampling: Sampling, config: RunConfig) -> dict[str, Any]:
+        from specdecode.sampling import SamplingParams
+
+        seed = run_seed(self.seed, prompt.id, repeat)
+        eos = None if self.ignore_eos else self.backend.eos_token_ids
+        if config.kind == "engine":
+            params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, seed=seed,
+                                    max_new_tokens=prompt.max_new_tokens, ignore_eos=self.ignore_eos)
+            out = run_engine(self.backend.engine_for(config.k), prompt.ids, params)
+        else:
+            hf = self.backend.hf_for(config.assisted).generate(
+                prompt.ids, sampling.temperature, sampling.top_p, prompt.max_new_tokens, seed, eos)
+            out = {"token_ids": hf.token_ids, "wall_s": hf.wall_s, "prefill_s": None, "finish_reason": None,
+                   "stats": None, "steps": None}
+        return {"type": "run", "prompt_id": prompt.id, "category": prompt.category, "prompt_kind": prompt.kind,
+                "sampling": sampling.name, "config": config.name, "k": config.k, "repeat": repeat, "seed": seed,
+                "prompt_tokens": len(prompt.ids), "new_tokens": len(out["token_ids"]), **out,
+                "finished_at": time.time()}
+
+    # -- greedy exactness ------------------------------------------------------------------------
+    def check_prompt(self, prompt: BenchPrompt) -> None:
+        """Greedy: every configuration's output must equal this engine's target-only output."""
+        for s in self.samplings:
+            if not s.greedy:
+                continue
+            for r in range(self.repeats):
+                base = self.store.find("run", prompt.id, s.name, TARGET, r)
+                if base is None:
+                    continue
+                for c in self.configs:
+                    run = self.store.find("run", prompt.id, s.name, c.name, r)
+                    if c.name == TARGET or run is None or self.store.has("check", prompt.id, s.name, c.name, r):
+                        continue
+                    self.store.append(self.compare(prompt, s.name, c.name, r, base["token_ids"], run["token_ids"]))
+
+    def compare(self, prompt: BenchPrompt, sampling: str, config: str, repeat: int,
+                expected: list[int], got: list[int]) -> dict[str, Any]:
+        rec: dict[str, Any] = {"type": "check", "prompt_id": prompt.id, "category": prompt.category,
+                               "sampling": sampling, "config": config, "repeat": repeat}
+        pos = first_difference(expected, got)
+        rec["match"] = pos is None
+        rec["first_diff"] = pos
+        if pos is None or pos >= min(len(expected), len(got)):
+            return rec  # equal, or one output is a prefix of the other (an early stop)
+        logits = self.backend.target_logits(prompt.ids + expected[:pos]).float()  # [V]
+        top2 = logits.topk(2)
+        want, have = expected[pos], got[pos]
+        rec.update({
+            "expected_token": want, "got_token": have,
+            "top1_token": int(top2.indices[0]), "top2_token": int(top2.indices[1]),
+            "top2_margin": float(top2.values[0] - top2.values[1]),
+            "logit_gap": float(logits[want] - logits[have]),
+            "top1_logit": float(top2.values[0]),
+        })
+        rec["near_tie"] = is_near_tie(abs(rec["logit_gap"]), rec["top1_logit"], self.backend.logit_eps)
+        return rec

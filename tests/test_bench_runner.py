@@ -1,0 +1,178 @@
+"""`specdecode bench` end to end on tiny models: outputs, the report, resume, the greedy check, bad input."""
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdecode.bench import cli
+from specdecode.bench import runner as R
+from tiny import make_model, make_tokenizer, perturbed_copy
+
+V = 40  # rows for the tokenizer's 32 tokens and the <|endoftext|> that saving/loading adds
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    """The runs below use ``--threads 1`` (steady on a busy CI box); give other tests their threads back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    tok = make_tokenizer(32)
+    target = make_model(V, seed=0)
+    for name, model in (("target", target), ("draft", perturbed_copy(target, noise=0.15))):
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    rows = [{"id": f"p{i}", "category": ("code", "chat")[i % 2], "prompt": "abcdefghij"[: 3 + i]} for i in range(4)]
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {"target": root / "target", "draft": root / "draft", "prompts": root / "prompts.jsonl"}
+
+
+def bench_args(models, out: Path, *extra: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return parser.parse_args([
+        "--target", str(models["target"]), "--draft", str(models["draft"]), "--dtype", "float32",
+        "--prompts", str(models["prompts"]), "--draft-lengths", "1,3", "--max-new-tokens", "10",
+        "--no-progress", "--warmup-tokens", "2", "--threads", "1", "--out", str(out), *extra,
+    ])
+
+
+def read_records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+
+
+def test_full_run_writes_records_report_and_plots(models, tmp_path):
+    out = tmp_path / "out"
+    assert cli.main(bench_args(models, out, "--sampling", "greedy,t0.7-p0.95")) == 0
+    recs = read_records(out)
+    runs = [r for r in recs if r["type"] == "run"]
+    # 4 prompts x 2 samplings x (target, spec-k1, spec-k3, hf, hf-assisted) x 1 repeat
+    assert len(runs) == 4 * 2 * 5
+    assert all(r["new_tokens"] == 10 for r in runs)  # EOS ignored everywhere: equal work
+    spec = [r for r in runs if r["config"] == "spec-k3"]
+    assert all(len(r["steps"]) == r["stats"]["target_steps"] for r in spec)
+    assert all(sum(s[1] for s in r["steps"]) == 10 for r in spec)
+
+    checks = [r for r in recs if r["type"] == "check"]
+    assert len(checks) == 4 * 4  # greedy only: every non-target config of every prompt
+    spec_checks = [c for c in checks if c["config"].startswith("spec")]
+    assert spec_checks and all(c["match"] for c in spec_checks)  # float32, lossless
+
+    for name in ("report.md", "results.json", "meta.json", "speedup_vs_k.png", "acceptance_by_position.png",
+                 "speedup_vs_context.png", "predicted_vs_measured.png"):
+        assert (out / name).stat().st_size > 0, name
+    results = json.loads((out / "results.json").read_text())
+    assert results["meta"]["commit"] and results["meta"]["versions"]["torch"]
+    assert len([r for r in results["records"] if r["type"] == "run"]) == len(runs)
+    report = (out / "report.md").read_text()
+    overall = next(c for c in results["summary"]["cells"]
+                   if (c["sampling"], c["config"], c["group"]) == ("greedy", "spec-k3", "overall"))
+    assert f"| spec-k3 | 4 | {overall['tok_s']:.3f} | {overall['speedup']:.2f} |" in report
+    for heading in ("## Results: greedy", "## Results: t0.7-p0.95", "Break-even for code completion: code",
+                    "Against `transformers`", "Greedy exactness", "## Definitions"):
+        assert heading in report
+
+
+def test_interrupted_run_resumes_without_recomputing(models, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    real = R.BenchRunner.run_one
+    calls: list[tuple] = []
+    interrupt_at = [7]
+
+    def counting(self, prompt, repeat, sampling, config):
+        calls.append((prompt.id, sampling.name, config.name, repeat))
+        if len(calls) == interrupt_at[0]:
+            raise KeyboardInterrupt
+        return real(self, prompt, repeat, sampling, config)
+
+    monkeypatch.setattr(R.BenchRunner, "run_one", counting)
+    args = bench_args(models, out, "--baselines", "none", "--warmup-tokens", "0", "--repeats", "2")
+    assert cli.main(args) == 130
+    first = [r for r in read_records(out) if r["type"] == "run"]
+    assert len(first) == 6
+    assert "Incomplete" in (out / "report.md").read_text()
+
+    calls.clear()
+    interrupt_at[0] = None
+    assert cli.main(args) == 0
+    total = 4 * 2 * 3  # prompts x repeats x (target, spec-k1, spec-k3)
+    assert len(calls) == total - 6  # nothing finished was run again
+    runs = [r for r in read_records(out) if r["type"] == "run"]
+    keys = [(r["prompt_id"], r["config"], r["repeat"]) for r in runs]
+    assert len(runs) == total and len(set(keys)) == total
+    assert runs[:6] == first
+    sessions = [r for r in read_records(out) if r["type"] == "session"]
+    assert [s["interrupted"] for s in sessions] == [True, False]
+    assert "Incomplete" not in (out / "report.md").read_text()
+
+
+def test_interleaving_rotates_the_order():
+    prompts = [R.BenchPrompt(f"p{i}", "c", "completion", [1, 2], 4) for i in range(3)]
+    configs = R.make_configs([1, 2], [])
+    runner = R.BenchRunner(None, prompts, configs, [R.Sampling("greedy", 0.0)], 1, None, progress=False)
+    firsts = [t[4].name for t in runner.plan() if t[0] == 0][:1] + [
+        next(t[4].name for t in runner.plan() if t[0] == i) for i in (1, 2)]
+    assert firsts == ["target", "spec-k1", "spec-k2"]
+
+
+def test_mismatch_reports_the_logit_margin():
+    logits = torch.zeros(8)
+    logits[3], logits[5] = 10.0, 9.95  # a near-tie between 3 and 5
+    backend = R.Backend(None, None, lambda ids: logits, [], 2**-7)
+    runner = R.BenchRunner(backend, [], [], [], 1, None, progress=False)
+    prompt = R.BenchPrompt("p", "c", "completion", [1, 2], 4)
+    rec = runner.compare(prompt, "greedy", "spec-k2", 0, [7, 3, 1], [7, 5, 1])
+    assert not rec["match"] and rec["first_diff"] == 1
+    assert rec["expected_token"] == 3 and rec["got_token"] == 5
+    assert rec["logit_gap"] == pytest.approx(0.05, abs=1e-5) and rec["top2_margin"] == pytest.approx(0.05, abs=1e-5)
+    assert rec["near_tie"]
+    logits[5] = 7.0
+    assert not runner.compare(prompt, "greedy", "spec-k2", 0, [7, 3, 1], [7, 5, 1])["near_tie"]
+    assert runner.compare(prompt, "greedy", "spec-k2", 0, [7, 3], [7, 3])["match"]
+
+
+def _fails(capsys, args, *needles):
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    for needle in needles:
+        assert needle in err, err
+
+
+def test_bad_input_errors_name_the_problem_and_keep_finished_runs(models, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert cli.main(bench_args(models, out, "--baselines", "none", "--draft-lengths", "2")) == 0
+    before = (out / "records.jsonl").read_text()
+
+    missing = tmp_path / "nope" / "question.jsonl"
+    _fails(capsys, bench_args(models, out, "--prompts", "spec-bench", "--spec-bench-path", str(missing)),
+           "Spec-Bench question.jsonl not found", str(missing))
+    spec_bench = tmp_path / "question.jsonl"
+    spec_bench.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["hi"]}) + "\n")
+    _fails(capsys, bench_args(models, out, "--prompts", "spec-bench", "--spec-bench-path", str(spec_bench),
+                              "--categories", "poetry"), "unknown category ['poetry']")
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"prompt": "abc"}\n{"prompt": "ab\n')
+    _fails(capsys, bench_args(models, out, "--prompts", str(broken)), f"{broken}:2: invalid JSON")
+    _fails(capsys, bench_args(models, out, "--max-context", "14"), "do not fit the context of 14 tokens",
+           "p2 (5 + 10 tokens)", "--skip-too-long")
+    _fails(capsys, bench_args(models, out, "--sampling", "hot"), "unknown sampling setting 'hot'")
+    _fails(capsys, bench_args(models, out, "--max-new-tokens", "11"),
+           "other settings (max_new_tokens: 10 -> 11)", "another --out")
+    assert (out / "records.jsonl").read_text() == before
+
+
+def test_too_long_prompts_can_be_skipped(models, tmp_path, capsys):
+    out = tmp_path / "out"
+    args = bench_args(models, out, "--max-context", "14", "--skip-too-long", "--baselines", "none",
+                      "--draft-lengths", "1")
+    assert cli.main(args) == 0
+    assert "skipped 2 prompt(s)" in capsys.readouterr().err
+    assert {r["prompt_id"] for r in read_records(out) if r["type"] == "run"} == {"p0", "p1"}
