@@ -1,0 +1,354 @@
+"""The OpenAI-compatible HTTP app: ``create_app(engine_or_factory, ServerConfig(...))``.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with SSE streaming),
+``GET /v1/models``, ``GET /health`` and ``GET /metrics``. Every route but those in
+``ServerConfig.public_paths`` needs ``Authorization: Bearer <api key>`` when a key is set.
+The request path is: auth -> body (size, content type, JSON) -> schema -> model name -> sampling
+parameters -> tokenization -> context check -> queue (429 when full) -> engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from specdecode.engine import Engine, RequestError
+from specdecode.server import protocol as P
+from specdecode.server.metrics import ServerMetrics
+from specdecode.server.protocol import APIError
+from specdecode.server.scheduler import Handle, QueueFull, Scheduler, Update
+
+log = logging.getLogger("specdecode.server")
+CLIENT_CLOSED = 499  # nginx's "client closed request"
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+@dataclass
+class ServerConfig:
+    model_name: str = "specdecode"
+    api_key: str | None = None
+    public_paths: tuple[str, ...] = ("/health",)  # the liveness allowlist: no API key needed
+    max_queue: int = 128  # requests waiting for a batch slot; more get 429
+    max_body_bytes: int = 1 << 20
+    speculation: bool = True  # server-wide; a request can still opt out with "speculation": false
+    wedge_timeout_s: float = 120.0  # /health fails when one engine call runs longer than this
+    retry_after_s: int = 1
+    completions_default_max_tokens: int = P.COMPLETIONS_DEFAULT_MAX_TOKENS
+
+
+def create_app(engine: Engine | Callable[[], Engine], config: ServerConfig | None = None) -> FastAPI:
+    config = config or ServerConfig()
+    metrics = ServerMetrics()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        eng = engine if isinstance(engine, Engine) else await asyncio.to_thread(engine)
+        scheduler = Scheduler(eng, metrics, config.max_queue, config.speculation)
+        app.state.scheduler = scheduler
+        scheduler.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(scheduler.stop)
+
+    app = FastAPI(title="specdecode", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.config, app.state.metrics = config, metrics
+    app.add_middleware(_AuthAndCount, config=config, metrics=metrics)
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        problem = _health_problem(request.app.state.scheduler, config.wedge_timeout_s)
+        if problem:
+            return _error(APIError(503, problem, "server_error", code="unhealthy"))
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
+                                            "owned_by": "specdecode"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = P.parse(P.CompletionRequest, await _read_json(request, config.max_body_bytes))
+        _check_model(req.model, config)
+        prompt = P.prompt_input(req.prompt)
+        tokenizer = request.app.state.scheduler.engine.tokenizer
+        prompt_ids = prompt if isinstance(prompt, list) else tokenizer(prompt).input_ids
+        params = P.sampling_params(req, req.max_tokens, config.completions_default_max_tokens)
+        return await _generate(request, req, prompt_ids, params, _CompletionFormat(config.model_name))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = P.parse(P.ChatCompletionRequest, await _read_json(request, config.max_body_bytes))
+        _check_model(req.model, config)
+        messages = P.chat_messages(req)
+        engine_ = request.app.state.scheduler.engine
+        prompt_ids = _apply_chat_template(engine_.tokenizer, messages)
+        room = engine_.max_context - len(prompt_ids)  # chat default: the rest of the context
+        params = P.sampling_params(req, P.requested_max_tokens(req), max(room, 1))
+        return await _generate(request, req, prompt_ids, params, _ChatFormat(config.model_name))
+
+    return app
+
+
+# -- request handling ---------------------------------------------------------------------------
+async def _read_json(request: Request, limit: int) -> Any:
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type != "application/json":
+        raise APIError(415, f"Content-Type must be application/json, got {content_type or 'none'!r}")
+    too_big = APIError(413, f"request body exceeds {limit} bytes", code="body_too_large")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_big
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_big
+    try:
+        return json.loads(body)
+    except ValueError as exc:  # includes bad UTF-8
+        raise P.bad_request(f"malformed JSON body: {exc}", code="invalid_json") from None
+
+
+def _check_model(name: str | None, config: ServerConfig) -> None:
+    if name is not None and name != config.model_name:
+        raise APIError(404, f"the model {name!r} does not exist; this server serves {config.model_name!r}",
+                       param="model", code="model_not_found")
+
+
+def _apply_chat_template(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise P.bad_request("this model has no chat template; use /v1/completions", "messages")
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # template errors (e.g. "roles must alternate") are the request's fault
+        raise P.bad_request(f"the chat template rejected these messages: {exc}", "messages") from None
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+async def _generate(request: Request, req: P._SamplingFields, prompt_ids: list[int], params, fmt) -> Response:
+    scheduler: Scheduler = request.app.state.scheduler
+    config: ServerConfig = request.app.state.config
+    try:
+        scheduler.engine.validate(prompt_ids, params)
+    except RequestError as exc:  # an empty prompt, an id outside the vocabulary, or too long
+        too_long = len(prompt_ids) + params.max_new_tokens > scheduler.engine.max_context
+        raise P.bad_request(str(exc), None if too_long else "prompt",
+                            "context_length_exceeded" if too_long else None) from None
+    try:
+        handle = scheduler.submit(prompt_ids, params, req.stream, req.speculation, fmt.new_id())
+    except QueueFull:
+        request.app.state.metrics.rejected.labels("queue_full").inc()
+        raise APIError(429, "the server is at capacity (request queue full); retry later", "rate_limit_error",
+                       code="queue_full", headers={"Retry-After": str(config.retry_after_s)}) from None
+    if req.stream:
+        return StreamingResponse(_stream(scheduler, handle, fmt, len(prompt_ids), req.include_usage),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    update = await _final_update(request, scheduler, handle)
+    if update is None:
+        return Response(status_code=CLIENT_CLOSED)  # nobody reads it; keeps the 5xx count honest
+    if update.error is not None:
+        raise update.error
+    return JSONResponse(fmt.response(handle.request_id, update, len(prompt_ids)))
+
+
+async def _final_update(request: Request, scheduler: Scheduler, handle: Handle) -> Update | None:
+    """Wait for the result; ``None`` (and the request cancelled) if the client disconnects first."""
+    waiter = asyncio.ensure_future(handle.updates.get())
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({waiter, gone}, return_when=asyncio.FIRST_COMPLETED)
+        return waiter.result() if waiter.done() else None
+    finally:
+        waiter.cancel()
+        gone.cancel()
+        scheduler.cancel(handle)  # no-op once finished
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def _stream(scheduler: Scheduler, handle: Handle, fmt, prompt_tokens: int, include_usage: bool):
+    """SSE events; Starlette cancels this generator when the client disconnects."""
+    rid = handle.request_id
+    try:
+        if (first := fmt.stream_start(rid)) is not None:
+            yield _sse(first)
+        while True:
+            update = await handle.updates.get()
+            if update.error is not None:
+                yield _sse(update.error.body())
+                break
+            if not update.final:
+                yield _sse(fmt.chunk(rid, update.text))
+                continue
+            last = fmt.chunk(rid, update.text, update.finish_reason)
+            if include_usage:
+                yield _sse(last)
+                last = fmt.chunk(rid, None) | {"usage": _usage(prompt_tokens, update.completion_tokens)}
+            yield _sse(last | {"speculation": update.speculation})
+            break
+    except Exception:  # a bug here must still end the stream properly
+        log.exception("streaming failed for request %s", rid)
+        yield _sse(APIError(500, "internal error while streaming", "server_error", code="internal_error").body())
+    finally:
+        scheduler.cancel(handle)
+    yield "data: [DONE]\n\n"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class _CompletionFormat:
+    object = "text_completion"
+
+    def __init__(self, model: str) -> None:
+        self.model, self.created = model, int(time.time())
+
+    def new_id(self) -> str:
+        return f"cmpl-{uuid.uuid4().hex}"
+
+    def _envelope(self, rid: str, choices: list) -> dict[str, Any]:
+        return {"id": rid, "object": self.object, "created": self.created, "model": self.model, "choices": choices}
+
+    def response(self, rid: str, u: Update, prompt_tokens: int) -> dict[str, Any]:
+        choice = {"index": 0, "text": u.text, "logprobs": None, "finish_reason": u.finish_reason}
+        return self._envelope(rid, [choice]) | {"usage": _usage(prompt_tokens, u.completion_tokens),
+                                                "speculation": u.speculation}
+
+    def stream_start(self, rid: str) -> dict[str, Any] | None:
+        return None
+
+    def chunk(self, rid: str, text: str | None, finish_reason: str | None = None) -> dict[str, Any]:
+        if text is None:  # the usage-only chunk
+            return self._envelope(rid, [])
+        return self._envelope(rid, [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}])
+
+
+class _ChatFormat(_CompletionFormat):
+    object = "chat.completion"
+
+    def new_id(self) -> str:
+        return f"chatcmpl-{uuid.uuid4().hex}"
+
+    def response(self, rid: str, u: Update, prompt_tokens: int) -> dict[str, Any]:
+        choice = {"index": 0, "message": {"role": "assistant", "content": u.text}, "logprobs": None,
+                  "finish_reason": u.finish_reason}
+        return self._envelope(rid, [choice]) | {"usage": _usage(prompt_tokens, u.completion_tokens),
+                                                "speculation": u.speculation}
+
+    def stream_start(self, rid: str) -> dict[str, Any]:
+        return self._chunk_envelope(rid, [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                           "logprobs": None, "finish_reason": None}])
+
+    def _chunk_envelope(self, rid: str, choices: list) -> dict[str, Any]:
+        return {"id": rid, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def chunk(self, rid: str, text: str | None, finish_reason: str | None = None) -> dict[str, Any]:
+        if text is None:
+            return self._chunk_envelope(rid, [])
+        delta = {"content": text} if text or finish_reason is None else {}
+        return self._chunk_envelope(rid, [{"index": 0, "delta": delta, "logprobs": None,
+                                           "finish_reason": finish_reason}])
+
+
+# -- health, auth, errors -----------------------------------------------------------------------
+def _health_problem(scheduler: Scheduler, wedge_timeout_s: float) -> str | None:
+    if not scheduler.alive():
+        return "the engine loop is not running"
+    busy = scheduler.busy_since
+    if busy is not None and time.monotonic() - busy > wedge_timeout_s:
+        return f"the engine has been stuck in one step for over {wedge_timeout_s:g} s"
+    return None
+
+
+def _error(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def api_error(request: Request, exc: APIError) -> Response:
+        return _error(exc)
+
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return _error(APIError(exc.status_code, str(exc.detail), code=kind))
+
+    async def client_gone(request: Request, exc: ClientDisconnect) -> Response:
+        return Response(status_code=CLIENT_CLOSED)  # left while sending its body; nobody reads this
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        log.error("unhandled error on %s", request.url.path, exc_info=exc)
+        return _error(APIError(500, "internal server error", "server_error", code="internal_error"))
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(ClientDisconnect, client_gone)
+    app.add_exception_handler(Exception, internal_error)
+
+
+class _AuthAndCount:
+    """ASGI middleware: bearer-key check (constant time) on every non-public path, and per-route
+    request counts by status code. Pure ASGI, so streaming and disconnects pass through untouched."""
+
+    def __init__(self, app, config: ServerConfig, metrics: ServerMetrics) -> None:
+        self.app, self.config, self.metrics = app, config, metrics
+        self.key = config.api_key.encode() if config.api_key else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        route = path if path in ROUTES else "other"
+        status = 500
+
+        async def counting_send(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            if self.key is not None and path not in self.config.public_paths and not self._authorized(scope):
+                response = _error(APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                                           code="invalid_api_key"))
+                response.headers["WWW-Authenticate"] = "Bearer"
+                return await response(scope, receive, counting_send)
+            await self.app(scope, receive, counting_send)
+        finally:
+            self.metrics.http_requests.labels(route, str(status)).inc()
+
+    def _authorized(self, scope) -> bool:
+        given = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                given = value
+        scheme, _, token = given.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)

@@ -1,0 +1,215 @@
+"""OpenAI request schemas, their validation into :class:`SamplingParams`, and the error shape.
+
+Requests are validated strictly: unknown fields, wrong JSON types (``"1"`` or ``true`` for a
+number) and out-of-range values are rejected with a 400 naming the parameter, in OpenAI's error
+shape ``{"error": {"message", "type", "param", "code"}}``. Parameters we do not implement
+(``logprobs``, penalties, ``logit_bias``, ``n > 1``, ...) are accepted only at their neutral value.
+
+Extensions beyond the OpenAI API: ``top_k`` (``0`` or ``-1`` = off), ``ignore_eos``, and
+``speculation: false`` to decode this request without a draft.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from specdecode.sampling import SamplingError, SamplingParams
+
+MAX_STOP_STRINGS = 16
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # as OpenAI's legacy completions endpoint
+
+
+class APIError(Exception):
+    """An error answered to the client as ``{"error": {...}}`` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class _SamplingFields(_Strict):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None  # default 1.0, as OpenAI
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: Any = None  # str | list[str]; checked by stop_strings() for a clear message
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    speculation: bool = True
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Any  # str | list[int] | [str] | [list[int]]; checked by prompt_input()
+    logprobs: int | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+def parse(model: type[BaseModel], body: Any) -> Any:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = [str(x) for x in err["loc"]]
+        param = ".".join(loc) if loc else None
+        if err["type"] == "missing":
+            raise bad_request(f"missing required parameter {param!r}", param) from None
+        if err["type"] == "extra_forbidden":
+            raise bad_request(f"unrecognized request argument {param!r}", param) from None
+        raise bad_request(f"invalid value for {param!r}: {err['msg']}", param) from None
+
+
+# -- prompts ------------------------------------------------------------------------------------
+def _is_token_list(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def prompt_input(prompt: Any) -> str | list[int]:
+    """The one prompt of a completions request: text, or token ids (range-checked by the engine)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or _is_token_list(prompt[0])):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("the prompt is empty", "prompt")
+        return prompt
+    if _is_token_list(prompt):
+        if not prompt:
+            raise bad_request("the prompt is empty", "prompt")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise bad_request("batched prompts are not supported: send one prompt per request", "prompt")
+    raise bad_request("'prompt' must be a non-empty string or a non-empty list of token ids", "prompt")
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+    if not req.messages:
+        raise bad_request("'messages' must be a non-empty list", "messages")
+    return [{"role": m.role, "content": m.text()} for m in req.messages]
+
+
+# -- sampling -----------------------------------------------------------------------------------
+def _unsupported(req: _SamplingFields) -> None:
+    neutral = {
+        "n": (req.n, (None, 1)),
+        "presence_penalty": (req.presence_penalty, (None, 0)),
+        "frequency_penalty": (req.frequency_penalty, (None, 0)),
+        "logit_bias": (req.logit_bias, (None, {})),
+    }
+    if isinstance(req, CompletionRequest):
+        neutral |= {"echo": (req.echo, (None, False)), "best_of": (req.best_of, (None, 1)),
+                    "suffix": (req.suffix, (None, "")), "logprobs": (req.logprobs, (None,))}
+    else:
+        neutral |= {"logprobs": (req.logprobs, (None, False)), "top_logprobs": (req.top_logprobs, (None,))}
+    for name, (value, allowed) in neutral.items():
+        if value not in allowed:
+            shown = " or ".join(repr(a) for a in allowed if a is not None) or "null"
+            raise bad_request(f"'{name}' is not supported by this server (only {shown} is accepted)", name,
+                              "unsupported")
+
+
+def stop_strings(stop: Any) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise bad_request("'stop' must be a non-empty string or a list of non-empty strings", "stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings are supported", "stop")
+    return tuple(stops)
+
+
+def _number(value: float | None, name: str, default: float, lo: float, hi: float, lo_open: bool) -> float:
+    if value is None:
+        return default
+    ok = math.isfinite(value) and (lo < value if lo_open else lo <= value) and value <= hi
+    if not ok:
+        interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        raise bad_request(f"'{name}' must be a number in {interval}, got {value!r}", name)
+    return float(value)
+
+
+def sampling_params(req: _SamplingFields, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
+    """Validated :class:`SamplingParams` for a request (context length is checked by the engine)."""
+    _unsupported(req)
+    temperature = _number(req.temperature, "temperature", 1.0, 0.0, 2.0, lo_open=False)
+    top_p = _number(req.top_p, "top_p", 1.0, 0.0, 1.0, lo_open=True)
+    top_k = 0 if req.top_k in (None, -1) else req.top_k
+    if top_k < 0:
+        raise bad_request(f"'top_k' must be an integer >= 0 (0 or -1 = off), got {req.top_k}", "top_k")
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    elif max_tokens < 1:
+        raise bad_request(f"'max_tokens' must be an integer >= 1, got {max_tokens}", "max_tokens")
+    if req.seed is not None and not -(2**63) <= req.seed < 2**64:
+        raise bad_request("'seed' must fit in 64 bits", "seed")
+    try:
+        return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=req.seed,
+                              max_new_tokens=max_tokens, stop=stop_strings(req.stop), ignore_eos=req.ignore_eos)
+    except SamplingError as exc:  # everything is checked above; this is a backstop
+        raise bad_request(str(exc)) from None
+
+
+def requested_max_tokens(req: _SamplingFields) -> int | None:
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        if req.max_tokens is not None and req.max_tokens != req.max_completion_tokens:
+            raise bad_request("'max_tokens' and 'max_completion_tokens' disagree", "max_completion_tokens")
+        return req.max_completion_tokens
+    return req.max_tokens

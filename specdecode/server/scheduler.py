@@ -1,0 +1,281 @@
+"""The engine loop: one thread owns the :class:`Engine`; requests reach it through a bounded queue.
+
+Each loop iteration, between two batched steps:
+
+1. queued requests are admitted into free slots (prefilled together in one batched pass);
+2. requests whose client went away (while queued, during prefill or while decoding) are dropped
+   from the queue or aborted, so their slot and KV are free before the next step;
+3. one speculative step advances every running sequence by its own accepted count.
+
+Results travel back to the asyncio side as immutable :class:`Update` objects through
+``loop.call_soon_threadsafe`` into each request's ``asyncio.Queue``. Streaming requests get one
+update per step that produced text; other requests only their final update.
+
+Faults stay local: a drafter failure is absorbed by :class:`GuardedDrafter` (target-only for the
+rows involved); a failing prefill fails that request; a failing step fails the requests in the
+batch and the loop keeps serving. If the loop itself dies, every waiting request is failed and
+``/health`` reports it; ``busy_since`` lets ``/health`` detect a step that never returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from specdecode.engine import Engine, RequestError, Sequence
+from specdecode.sampling import SamplingParams
+from specdecode.server.guard import GuardedDrafter
+from specdecode.server.metrics import ServerMetrics
+from specdecode.server.protocol import APIError
+
+log = logging.getLogger("specdecode.server")
+
+
+@dataclass(frozen=True)
+class Update:
+    text: str = ""  # new text (streaming), or the whole text (final update of a non-streaming request)
+    finish_reason: str | None = None  # set on the final update
+    completion_tokens: int = 0
+    speculation: dict | None = None
+    error: APIError | None = None
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass(eq=False)
+class Handle:
+    """One request as the scheduler sees it; created and cancelled on the asyncio side."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    speculate: bool
+    loop: asyncio.AbstractEventLoop
+    updates: asyncio.Queue = field(default_factory=asyncio.Queue)
+    arrival: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False
+    done: bool = False
+    # engine-thread state
+    seq: Sequence | None = None
+    first_token_at: float | None = None
+
+    def push(self, update: Update) -> None:
+        if update.final:
+            self.done = True
+        try:
+            self.loop.call_soon_threadsafe(self.updates.put_nowait, update)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+
+def speculation_summary(seq: Sequence) -> dict:
+    s = seq.stats
+    return {"drafted": s.drafted, "accepted": s.accepted, "acceptance_rate": s.acceptance_rate,
+            "tokens_per_step": s.tokens_per_step, "target_steps": s.target_steps}
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, metrics: ServerMetrics, max_queue: int = 128, speculation: bool = True) -> None:
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        self.engine = engine
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self.guard: GuardedDrafter | None = None
+        if engine.drafter is not None:
+            self.guard = engine.drafter = GuardedDrafter(engine.drafter, lambda where: metrics.draft_failures.inc())
+            self.guard.enabled = speculation
+        self._queue: collections.deque[Handle] = collections.deque()
+        self._running: dict[int, Handle] = {}  # id(seq) -> handle
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="specdecode-engine", daemon=True)
+        self.busy_since: float | None = None  # monotonic start of the engine call in progress
+        self._admitting = 0  # requests being prefilled (they already hold slots)
+        self.dead: BaseException | None = None
+        metrics.bind_state(self)
+
+    # -- asyncio side ---------------------------------------------------------------------------
+    @property
+    def speculation_enabled(self) -> bool:
+        return self.guard is not None and self.guard.enabled
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.dead is None
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, stream: bool, speculate: bool,
+               request_id: str) -> Handle:
+        handle = Handle(request_id, prompt_ids, params, stream, speculate, asyncio.get_running_loop())
+        with self._cond:
+            if not self.alive() or self._stopping:
+                raise APIError(503, "the engine is not running", "server_error", code="engine_unavailable")
+            if len(self._queue) >= self.max_queue:
+                raise QueueFull
+            self._queue.append(handle)
+            self._cond.notify()
+        return handle
+
+    def cancel(self, handle: Handle) -> None:
+        if handle.done or handle.cancelled:
+            return
+        handle.cancelled = True
+        with self._cond:
+            self._cond.notify()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # -- engine thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._stopping or self._queue or self._running):
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                self._admit()
+                self._reap_cancelled()  # after admission: a client gone during prefill never gets a step
+                self._step()
+        except BaseException as exc:  # noqa: BLE001 - report, fail everyone, and let /health say so
+            log.exception("the engine loop died")
+            self.dead = exc
+        finally:
+            self._fail_all(APIError(503, "the server is shutting down" if self.dead is None else "the engine stopped",
+                                    "server_error", code="engine_unavailable"))
+
+    def _reap_cancelled(self) -> None:
+        with self._cond:
+            gone = [h for h in self._queue if h.cancelled]
+            for h in gone:
+                self._queue.remove(h)
+        for h in gone:
+            self.metrics.finished(h, "abort")
+        for h in [h for h in self._running.values() if h.cancelled]:
+            self._finish(h, "abort")
+
+    def _admit(self) -> None:
+        """Admit as many queued requests as there are free slots, prefilled in one batched pass."""
+        batch: list[Handle] = []
+        with self._cond:
+            while self._queue and len(batch) < self.engine.free_slots():
+                h = self._queue.popleft()
+                if h.cancelled:
+                    self.metrics.finished(h, "abort")
+                    continue
+                try:
+                    self.engine.validate(h.prompt_ids, h.params)  # checked on arrival too; fail only this one
+                    batch.append(h)
+                except RequestError as exc:
+                    self._fail(h, APIError(400, str(exc)))
+        if not batch:
+            return
+        now = time.perf_counter()
+        for h in batch:
+            self.metrics.queue_time.observe(now - h.arrival)
+            if not h.speculate and self.guard is not None:
+                self.guard.opted_out.add(h.request_id)
+        self.busy_since, self._admitting = time.monotonic(), len(batch)
+        try:
+            seqs = self.engine.add_batch([(h.prompt_ids, h.params, h.request_id) for h in batch])
+        except Exception:
+            log.exception("prefill failed for %d request(s)", len(batch))
+            for h in batch:
+                self._fail(h, APIError(500, "internal error during prefill", "server_error", code="internal_error"))
+            return
+        finally:
+            self.busy_since, self._admitting = None, 0
+        for h, seq in zip(batch, seqs):
+            h.seq = seq
+            self._running[id(seq)] = h
+
+    def _step(self) -> None:
+        if not self.engine.running:
+            return
+        t0 = time.perf_counter()
+        self.busy_since = time.monotonic()
+        try:
+            events = self.engine.step()
+        except Exception:
+            log.exception("decoding step failed; failing the %d requests in the batch", len(self._running))
+            self.metrics.step_failures.inc()
+            error = APIError(500, "internal error during decoding", "server_error", code="internal_error")
+            for h in list(self._running.values()):
+                self._finish(h, "error", error)
+            return
+        finally:
+            self.busy_since = None
+        now = time.perf_counter()
+        self.metrics.step_time.observe(now - t0)
+        for ev in events:
+            h = self._running[id(ev.seq)]
+            if ev.new_token_ids and h.first_token_at is None:
+                h.first_token_at = now
+            if ev.finished:
+                self._finish(h, ev.seq.finish_reason)
+            elif h.stream:
+                text = ev.seq.text.delta()
+                if text:
+                    h.push(Update(text=text))
+
+    def _finish(self, h: Handle, reason: str, error: APIError | None = None) -> None:
+        """Leave the batch (aborting if still running) and send the final update."""
+        seq = h.seq
+        self._running.pop(id(seq), None)
+        self.engine.abort(seq)  # no-op when the engine already released it
+        if self.guard is not None:
+            self.guard.opted_out.discard(h.request_id)
+        self.metrics.finished(h, reason)
+        if error is not None:
+            h.push(Update(error=error))
+        elif reason != "abort":
+            text = seq.text.delta(final=True) if h.stream else seq.text.finish()
+            h.push(Update(text, reason, len(seq.output_ids), speculation_summary(seq)))
+
+    def _fail(self, h: Handle, error: APIError) -> None:
+        if self.guard is not None:
+            self.guard.opted_out.discard(h.request_id)
+        self.metrics.finished(h, "error")
+        h.push(Update(error=error))
+
+    def _fail_all(self, error: APIError) -> None:
+        with self._cond:
+            queued, self._queue = list(self._queue), collections.deque()
+        for h in queued:
+            self._fail(h, error)
+        for h in list(self._running.values()):
+            try:
+                self._finish(h, "error", error)
+            except Exception:  # the engine may be what broke; the client still gets its error
+                self._running.pop(id(h.seq), None)
+                h.push(Update(error=error))
+
+    def state(self) -> dict[str, int]:
+        """Batch and KV occupancy (read from other threads: a snapshot, not a transaction)."""
+        running = list(self.engine.running)
+        in_prefill = self._admitting
+        return {
+            "queued": len(self._queue),
+            "running": len(running) + in_prefill,
+            "kv_slots_used": len(running) + in_prefill,
+            "kv_tokens_used": sum(len(s.token_ids) - 1 for s in running),
+            "draft_slots_used": len(self.guard.live) if self.guard is not None else 0,
+        }
