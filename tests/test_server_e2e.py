@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from test_server_harness import one_torch_thread  # noqa: F401 (autouse fixture)
 from test_server_harness import KEY, MAX_LEN, MODEL, engine, reference, serve, sse_events, tokenizer
 
 PROMPTS = ["abc", "hello", "xyzzy", "q", "AbCdEf", "mmmm", "zyx", "Qq", "hi", "kitten", "B", "rst"]

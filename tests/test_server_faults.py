@@ -18,6 +18,7 @@ import pytest
 
 from specdecode.sampling import SamplingParams
 
+from test_server_harness import one_torch_thread  # noqa: F401 (autouse fixture)
 from test_server_harness import KEY, engine, pair, reference, serve, tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,5 +1,5 @@
 """Shared helpers for the server tests (no tests here): tiny engines, a real uvicorn server on
-loopback in a background thread, and Prometheus scraping."""
+loopback in a background thread, Prometheus scraping, and a one-thread torch fixture."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Iterator
 
 import httpx
 import openai
+import pytest
 import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
@@ -21,9 +22,6 @@ from specdecode.sampling import SamplingParams
 from specdecode.server.app import ServerConfig, create_app
 from tiny import make_engine, make_model, make_tokenizer, perturbed_copy
 
-# Tiny models run fastest on one thread, and the CPUs are shared: more threads only spin and wait.
-torch.set_num_threads(1)
-
 V = 32
 MAX_LEN = 128
 MODEL = "tiny"
@@ -31,6 +29,16 @@ KEY = "test-key"
 # role initial, content; the generation prompt is "A" (every character is one token of the tiny vocabulary)
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}{{ m['content'] }}{% endfor %}"
                  "{% if add_generation_prompt %}A{% endif %}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny models run fastest on one thread, and the CPUs are shared: more threads only spin and
+    wait (10-80x slower steps under load). Import this fixture into each server test module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @functools.cache

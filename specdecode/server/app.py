@@ -144,7 +144,7 @@ def _apply_chat_template(tokenizer, messages: list[dict[str, str]]) -> list[int]
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
-async def _generate(request: Request, req: P._SamplingFields, prompt_ids: list[int], params, fmt) -> Response:
+async def _generate(request: Request, req: P.SamplingFields, prompt_ids: list[int], params, fmt) -> Response:
     scheduler: Scheduler = request.app.state.scheduler
     config: ServerConfig = request.app.state.config
     try:

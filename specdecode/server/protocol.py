@@ -63,7 +63,7 @@ class ChatMessage(_Strict):
         return self.content or ""
 
 
-class _SamplingFields(_Strict):
+class SamplingFields(_Strict):
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None  # default 1.0, as OpenAI
@@ -86,7 +86,7 @@ class _SamplingFields(_Strict):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: Any  # str | list[int] | [str] | [list[int]]; checked by prompt_input()
     logprobs: int | None = None
     echo: bool | None = None
@@ -94,7 +94,7 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
@@ -146,7 +146,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
 
 
 # -- sampling -----------------------------------------------------------------------------------
-def _unsupported(req: _SamplingFields) -> None:
+def _unsupported(req: SamplingFields) -> None:
     neutral = {
         "n": (req.n, (None, 1)),
         "presence_penalty": (req.presence_penalty, (None, 0)),
@@ -186,7 +186,7 @@ def _number(value: float | None, name: str, default: float, lo: float, hi: float
     return float(value)
 
 
-def sampling_params(req: _SamplingFields, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
+def sampling_params(req: SamplingFields, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
     """Validated :class:`SamplingParams` for a request (context length is checked by the engine)."""
     _unsupported(req)
     temperature = _number(req.temperature, "temperature", 1.0, 0.0, 2.0, lo_open=False)
@@ -207,7 +207,7 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None, default_max_to
         raise bad_request(str(exc)) from None
 
 
-def requested_max_tokens(req: _SamplingFields) -> int | None:
+def requested_max_tokens(req: SamplingFields) -> int | None:
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         if req.max_tokens is not None and req.max_tokens != req.max_completion_tokens:
             raise bad_request("'max_tokens' and 'max_completion_tokens' disagree", "max_completion_tokens")
