@@ -32,7 +32,7 @@ class RequestError(ValueError):
     """A request the engine cannot serve (empty prompt, too long, bad token ids)."""
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: sequences are compared and looked up by object
 class Sequence:
     request_id: str
     prompt_ids: list[int]
