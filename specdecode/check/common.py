@@ -87,7 +87,7 @@ class CheckConfig:
     alpha: float = 1e-3
     seed: int = 0
     # part 1: verifier law on the pair's real distributions
-    law_contexts: int = 4
+    law_contexts: int = 3
     law_samples: int = 2000  # verification steps per (context, setting)
     law_settings: tuple[Setting, ...] = DEFAULT_LAW_SETTINGS
     # part 2: end-to-end two-sample test
@@ -97,10 +97,10 @@ class CheckConfig:
     e2e_batch: int = 16
     e2e_settings: tuple[Setting, ...] = DEFAULT_E2E_SETTINGS
     # part 3: greedy equality
-    greedy_tokens: int = 16
+    greedy_tokens: int = 12
     greedy_batch: int = 4
     # part 4: stops and length
-    stop_tokens: int = 16
+    stop_tokens: int = 12
     # part 5: seeds
     seed_tokens: int = 8
     seed_batch: int = 3

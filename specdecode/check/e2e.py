@@ -1,10 +1,11 @@
 """Part 2: end to end, speculative samples and target-only samples of the first few tokens agree.
 
-For each prompt and setting, ``e2e_samples`` requests go through the speculative engine and as many
+For each context (the prompt prefixes where draft and target disagree most, as in part 1) and
+setting, ``e2e_samples`` requests go through the speculative engine and as many
 through the target-only engine (``max_new_tokens = e2e_tokens``, distinct seeds, batches of
 ``e2e_batch``). The outcome of a request is its whole token tuple (shorter when it hit EOS). A
 two-sample chi-square test on the 2 x cells table (:func:`specdecode.check.stats.two_sample`) at
-level ``part alpha / (prompts x settings)`` decides; a correct engine fails this part with
+level ``part alpha / (contexts x settings)`` decides; a correct engine fails this part with
 probability at most the part's alpha.
 
 This is the wiring check: the drafter's real sampling, per-request parameters and generators, slot
@@ -16,26 +17,27 @@ Its power is modest at small budgets: it detects gross distortions; part 1 carri
 from __future__ import annotations
 
 from specdecode.check.common import CheckConfig, EnginePool, Progress, Setting, run_requests
+from specdecode.check.contexts import Context
 from specdecode.check.report import FAIL, PASS, PartResult
 from specdecode.check.stats import two_sample
 
 SPEC_SEEDS, BASE_SEEDS = 1_000_000, 2_000_000  # disjoint seed ranges for the two groups
 
 
-def check_e2e(pool: EnginePool, prompts: list[list[int]], cfg: CheckConfig, progress: Progress) -> PartResult:
-    prompts = prompts[: cfg.e2e_prompts]
-    num_tests = len(prompts) * len(cfg.e2e_settings)
+def check_e2e(pool: EnginePool, contexts: list[Context], cfg: CheckConfig, progress: Progress) -> PartResult:
+    num_tests = len(contexts) * len(cfg.e2e_settings)
     level = cfg.part_alpha() / max(1, num_tests)
     progress.part("2 end-to-end law", 2 * cfg.e2e_samples * num_tests)
     records = []
-    for pi, prompt in enumerate(prompts):
+    for pi, context in enumerate(contexts):
+        prompt = context.token_ids
         for si, setting in enumerate(cfg.e2e_settings):
             base_seed = cfg.seed * 10_000 + (pi * len(cfg.e2e_settings) + si) * cfg.e2e_samples
             spec = _samples(pool.spec(cfg.e2e_batch), prompt, setting, cfg, SPEC_SEEDS + base_seed, progress)
             base = _samples(pool.target_only(cfg.e2e_batch), prompt, setting, cfg, BASE_SEEDS + base_seed, progress)
             test, table = two_sample([r[0] for r in spec], [r[0] for r in base], level)
             records.append({
-                "prompt": pi, "setting": setting.name, **test.to_dict(),
+                "context": pi, **context.to_dict(), "setting": setting.name, **test.to_dict(),
                 "table": [{"cell": list(k) if isinstance(k, tuple) else k, "speculative": a, "target_only": b}
                           for k, a, b in table],
                 "speculative_tokens_per_step": _mean(r[1] for r in spec),
@@ -43,7 +45,7 @@ def check_e2e(pool: EnginePool, prompts: list[list[int]], cfg: CheckConfig, prog
     rejected = [r for r in records if r["rejected"]]
     if rejected:
         worst = min(rejected, key=lambda r: r["p_value"])
-        summary = (f"{len(rejected)}/{len(records)} two-sample tests rejected (worst: prompt {worst['prompt']}, "
+        summary = (f"{len(rejected)}/{len(records)} two-sample tests rejected (worst: context {worst['context']}, "
                    f"{worst['setting']}, p={worst['p_value']:.2g}, TV={worst['tv']:.3f})")
         status = FAIL
     else:

@@ -1,6 +1,7 @@
 """Part 1: the verification step follows the warped target law, on the pair's real distributions.
 
-For each context (a prompt) and sampling setting:
+For each context (a prefix of a prompt where draft and target disagree most, see
+:mod:`specdecode.check.contexts`) and sampling setting:
 
 1. the real drafter proposes a chain ``d_1..d_n`` (n = num_draft_tokens) with its warped draft
    distributions ``draft_probs[j]``, and one target forward over ``[last prompt token, d_1..d_n]``
@@ -42,6 +43,7 @@ import torch
 
 import specdecode.engine as engine_module
 from specdecode.check.common import CheckConfig, EnginePool, Progress, Setting
+from specdecode.check.contexts import Context
 from specdecode.check.report import FAIL, PASS, WEAK, PartResult
 from specdecode.check.stats import goodness_of_fit
 from specdecode.sampling import SamplingParams, make_generator, params_tensors, warp
@@ -69,7 +71,7 @@ class Chain:
 
 def check_law(
     pool: EnginePool,
-    contexts: list[list[int]],
+    contexts: list[Context],
     cfg: CheckConfig,
     progress: Progress,
     verify_fn=None,
@@ -84,14 +86,14 @@ def check_law(
     engine = pool.spec(1)
     if engine.drafter is None or pool.k == 0:
         raise ValueError("part 1 needs a drafter and --num-draft-tokens >= 1")
-    contexts = contexts[: cfg.law_contexts]
     sampled = [s for s in cfg.law_settings if not s.greedy]
     num_tests = len(contexts) * len(sampled) * (pool.k + 1)
     level = cfg.part_alpha() / max(1, num_tests)
     progress.part("1 verifier law", len(contexts) * len(cfg.law_settings))
 
     records = []
-    for ci, ctx in enumerate(contexts):
+    for ci, context in enumerate(contexts):
+        ctx = context.token_ids
         engine.target.prefill([0], [ctx[:-1]])
         for si, setting in enumerate(cfg.law_settings):
             seed = (cfg.seed * 1000 + ci) * 100 + si
@@ -253,7 +255,9 @@ def greedy_record(chain: Chain, warp_fn, verify_fn, greedy_fn, seed: int) -> dic
     return {"chains": m, "calls": len(results), "mismatches": mismatches[:10], "num_mismatches": len(mismatches)}
 
 
-def _verdict(records: list[dict], sampled: list[Setting], contexts, cfg: CheckConfig, level: float, num_tests: int) -> PartResult:
+def _verdict(
+    records: list[dict], sampled: list[Setting], contexts: list[Context], cfg: CheckConfig, level: float, num_tests: int
+) -> PartResult:
     greedy = [r for r in records if "chains" in r]
     law = [r for r in records if "positions" in r]
     tests = [t | {"context": r["context"], "setting": r["setting"]} for r in law for t in r["positions"]]
@@ -295,6 +299,7 @@ def _verdict(records: list[dict], sampled: list[Setting], contexts, cfg: CheckCo
         "part_alpha": cfg.part_alpha(),
         "samples_per_context_setting": cfg.law_samples,
         "control_detected_contexts": power,
+        "contexts": [c.to_dict() for c in contexts],
         "records": records,
     }
     return PartResult(1, "verifier law", status, summary, details)

@@ -6,6 +6,7 @@ import time
 import traceback
 
 from specdecode.check.common import PART_NAMES, CheckConfig, EngineFactory, EnginePool, NullProgress, Progress
+from specdecode.check.contexts import Context, rank_contexts
 from specdecode.check.e2e import check_e2e
 from specdecode.check.greedy import check_greedy
 from specdecode.check.law import check_law
@@ -35,9 +36,17 @@ def run_check(
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("the check needs at least one non-empty prompt")
     pool = EnginePool(engine_factory, cfg.num_draft_tokens)
+    ranked: list[Context] = []
+
+    def contexts(n: int) -> list[Context]:
+        if not ranked:
+            progress.part("choosing contexts", len(prompts))
+            ranked.extend(rank_contexts(pool.spec(1), prompts, progress.advance))
+        return ranked[:n]
+
     parts = {
-        1: lambda: check_law(pool, prompts, cfg, progress, verify_fn, greedy_fn, warp_fn),
-        2: lambda: check_e2e(pool, prompts, cfg, progress),
+        1: lambda: check_law(pool, contexts(cfg.law_contexts), cfg, progress, verify_fn, greedy_fn, warp_fn),
+        2: lambda: check_e2e(pool, contexts(cfg.e2e_prompts), cfg, progress),
         3: lambda: check_greedy(pool, prompts, cfg, progress),
         4: lambda: check_stops(pool, prompts, cfg, progress),
         5: lambda: check_seeds(pool, prompts, cfg, progress),
