@@ -119,7 +119,10 @@ def test_summarize_cells():
     e = A.expected_tokens_per_step(4 / 7, 2)
     assert spec.predicted_speedup == pytest.approx(e / (2 * 0.2 + 1))
     assert spec.predicted_speedup_v == pytest.approx(e / (2 * 0.2 + 1.5))
-    assert spec.efficiency == pytest.approx(1.25 / spec.predicted_speedup)
+    assert base.decode_speedup == pytest.approx(1.0)
+    assert spec.decode_tok_s == pytest.approx(8 / 0.76)  # prefill excluded: steps only
+    assert spec.decode_speedup == pytest.approx(8 / 0.76 / 10.0)
+    assert spec.efficiency == pytest.approx(spec.decode_speedup / spec.predicted_speedup)
 
 
 def test_repeats_reduce_to_medians():

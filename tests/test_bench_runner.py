@@ -2,6 +2,8 @@
 
 import argparse
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -90,7 +92,7 @@ def test_interrupted_run_resumes_without_recomputing(models, tmp_path, monkeypat
     def counting(self, prompt, repeat, sampling, config):
         calls.append((prompt.id, sampling.name, config.name, repeat))
         if len(calls) == interrupt_at[0]:
-            raise KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGTERM)  # like `kill` on a background run (Ctrl-C takes the same path)
         return real(self, prompt, repeat, sampling, config)
 
     monkeypatch.setattr(R.BenchRunner, "run_one", counting)
@@ -176,3 +178,17 @@ def test_too_long_prompts_can_be_skipped(models, tmp_path, capsys):
     assert cli.main(args) == 0
     assert "skipped 2 prompt(s)" in capsys.readouterr().err
     assert {r["prompt_id"] for r in read_records(out) if r["type"] == "run"} == {"p0", "p1"}
+
+
+def test_sampling_settings_and_configs_parse():
+    assert R.parse_sampling("greedy") == R.Sampling("greedy", 0.0)
+    assert R.parse_sampling("t0.7-p0.95") == R.Sampling("t0.7-p0.95", 0.7, 0.95)
+    assert R.parse_sampling("t1.0") == R.Sampling("t1.0", 1.0, 1.0)
+    for bad in ("t0", "t0.7-p1.5", "hot", "t-1"):
+        with pytest.raises(R.BenchInputError):
+            R.parse_sampling(bad)
+    assert [c.name for c in R.make_configs([2, 4], ["hf"])] == ["target", "spec-k2", "spec-k4", "hf"]
+    with pytest.raises(R.BenchInputError, match="draft lengths must be >= 1"):
+        R.make_configs([0], [])
+    with pytest.raises(R.BenchInputError, match="unknown baseline 'vllm'"):
+        R.make_configs([1], ["vllm"])

@@ -19,9 +19,11 @@ Definitions (also written into every report):
   target-only runs of the same prompts over their steps.
 * **v** (verification cost ratio) = target time of one speculative step (verify k + 1 tokens and
   the acceptance test) / target time of one target-only step. Leviathan et al. assume v = 1.
+* **decode speedup** = the same ratio over decode steps only (emitted tokens / step wall time,
+  prefill excluded), which is what the formula below describes.
 * **predicted speedup** (Leviathan et al. 2023, eq. 1 and thm. 3.8) = E / (k·c + 1) with
-  E = (1 − α^(k+1)) / (1 − α) the expected tokens per step; measured / predicted < 1 is overhead
-  the formula does not model (v > 1, prefill, Python, sampling).
+  E = (1 − α^(k+1)) / (1 − α) the expected tokens per step; measured decode speedup / predicted < 1
+  is overhead the formula does not model (v > 1, Python, sampling, bookkeeping).
 * **break-even α** for k and c: the α at which E(α, k) = k·c + 1, i.e. drafting just pays for
   itself; with the measured v in place of 1 it is the *overhead-aware* break-even.
 * **context length** of a step = prompt + tokens generated before the step; per-bucket tok/s is
@@ -183,6 +185,8 @@ class Cell:
     seconds: float
     tok_s: float
     speedup: float | None = None
+    decode_tok_s: float | None = None  # emitted / decode step time (prefill excluded), engine configs only
+    decode_speedup: float | None = None
     acceptance_rate: float | None = None
     alpha: float | None = None
     tokens_per_step: float | None = None
@@ -192,7 +196,7 @@ class Cell:
     v: float | None = None
     predicted_speedup: float | None = None
     predicted_speedup_v: float | None = None  # E / (k·c + v)
-    efficiency: float | None = None  # measured / predicted speedup
+    efficiency: float | None = None  # measured decode speedup / predicted speedup
 
 
 def runs_of(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -214,6 +218,21 @@ def per_prompt(records: Iterable[dict[str, Any]]) -> dict[tuple[str, str, str], 
         out[key] = {"tok_s": tok_s, "tokens": tokens, "seconds": tokens / tok_s, "repeats": len(runs),
                     "category": runs[0]["category"], "k": runs[0]["k"], "counts": counts}
     return out
+
+
+def prompt_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (sampling, config, prompt): median tok/s, speedup over target-only, acceptance, α, tokens/step."""
+    prompts = per_prompt(records)
+    rows = []
+    for (sampling, config, pid), p in sorted(prompts.items(), key=lambda kv: (kv[0][0], kv[0][2], _config_order(kv[0][1]))):
+        base, counts = prompts.get((sampling, TARGET, pid)), p["counts"]
+        rows.append({"sampling": sampling, "config": config, "prompt_id": pid, "category": p["category"], "k": p["k"],
+                     "repeats": p["repeats"], "tokens": p["tokens"], "tok_s": p["tok_s"],
+                     "speedup": p["tok_s"] / base["tok_s"] if base else None,
+                     "acceptance_rate": counts.acceptance_rate if p["k"] else None,
+                     "alpha": counts.alpha if p["k"] else None,
+                     "tokens_per_step": counts.tokens_per_step if p["k"] else None})
+    return rows
 
 
 def summarize(records: list[dict[str, Any]], group_by_category: bool = True) -> list[Cell]:
@@ -256,7 +275,11 @@ def _cell(prompts: dict, sampling: str, config: str, group: str, pids: set[str])
 
 
 def fill_speculation(cell: Cell, counts: Counts, base_counts: Counts) -> None:
-    """Acceptance, α, c, v and the predicted speedup of a speculative cell (k ≥ 1)."""
+    """Decode rate; for a speculative cell (k ≥ 1) also acceptance, α, c, v and the predicted speedup."""
+    if counts.step_s:
+        cell.decode_tok_s = counts.emitted / counts.step_s
+        if base_counts.step_s:
+            cell.decode_speedup = cell.decode_tok_s / (base_counts.emitted / base_counts.step_s)
     if cell.k < 1 or not counts.steps:
         return
     cell.acceptance_rate = counts.acceptance_rate
@@ -272,8 +295,8 @@ def fill_speculation(cell: Cell, counts: Counts, base_counts: Counts) -> None:
     if cell.alpha is not None and cell.c is not None:
         cell.predicted_speedup = predicted_speedup(cell.alpha, cell.k, cell.c)
         cell.predicted_speedup_v = predicted_speedup(cell.alpha, cell.k, cell.c, cell.v)
-        if cell.speedup is not None:
-            cell.efficiency = cell.speedup / cell.predicted_speedup
+        if cell.decode_speedup is not None:
+            cell.efficiency = cell.decode_speedup / cell.predicted_speedup
 
 
 def _merge(into: Counts, other: Counts) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -89,22 +90,40 @@ def _settings(args: argparse.Namespace) -> dict:
 
 def _run(args: argparse.Namespace) -> int:
     from specdecode.bench import env
-    from specdecode.bench.prompts import load_prompt_set
     from specdecode.bench.report import write_report
-    from specdecode.bench.runner import BenchInputError, RecordStore, make_configs, parse_sampling
+    from specdecode.bench.runner import BenchInputError, RecordStore
 
-    settings = _settings(args)
-    samplings = [parse_sampling(s) for s in args.sampling]
-    baselines = [] if args.baselines == ["none"] else args.baselines
-    configs = make_configs(settings["draft_lengths"] if args.draft else [], baselines)
-    if not args.draft or args.draft == "ngram":  # HF's assistant_model needs a model
-        configs = [c for c in configs if not c.assisted]
+    configs, samplings = _configs(args)
     store = RecordStore(args.out / "records.jsonl")
-    meta = _meta(args.out, settings, env)
-    if args.report_only:
-        write_report(args.out, store.records, meta)
+    if args.report_only:  # the settings are the stored run's, whatever the flags say
+        if not (args.out / "meta.json").exists():
+            raise BenchInputError(f"no benchmark in {args.out} (meta.json is missing)")
+        write_report(args.out, store.records, json.loads((args.out / "meta.json").read_text(encoding="utf-8")))
         print(f"report written to {args.out / 'report.md'}", file=sys.stderr)
         return 0
+    meta = _meta(args.out, _settings(args), env)
+    prompts = _load_prompts(args)
+    if store.dropped_lines:
+        print(f"warning: {store.dropped_lines} unreadable line(s) in {store.path} (a run cut short); they are redone",
+              file=sys.stderr)
+    runner = _prepare(args, meta, configs, samplings, prompts, store)
+    return _session(args, runner, store, meta)
+
+
+def _configs(args: argparse.Namespace) -> tuple[list, list]:
+    from specdecode.bench.runner import make_configs, parse_sampling
+
+    samplings = [parse_sampling(s) for s in args.sampling]
+    baselines = [] if args.baselines == ["none"] else args.baselines
+    configs = make_configs(_settings(args)["draft_lengths"] if args.draft else [], baselines)
+    if not args.draft or args.draft == "ngram":  # HF's assistant_model needs a model
+        configs = [c for c in configs if not c.assisted]
+    return configs, samplings
+
+
+def _load_prompts(args: argparse.Namespace) -> list:
+    from specdecode.bench.prompts import load_prompt_set
+    from specdecode.bench.runner import BenchInputError
 
     prompts = []
     for spec in args.prompts or ["humaneval"]:
@@ -113,14 +132,12 @@ def _run(args: argparse.Namespace) -> int:
     ids = [p.id for p in prompts]
     if len(set(ids)) != len(ids):
         raise BenchInputError(f"duplicate prompt ids across prompt sets: {sorted({i for i in ids if ids.count(i) > 1})[:5]}")
-    if store.dropped_lines:
-        print(f"warning: {store.dropped_lines} unreadable line(s) in {store.path} (a run cut short); they are redone",
-              file=sys.stderr)
+    return prompts
 
-    import torch
 
-    from specdecode.bench.runner import BenchRunner, tokenize_prompts
-
+def _prepare(args: argparse.Namespace, meta: dict, configs: list, samplings: list, prompts: list, store):
+    """Load the pair, tokenize and check the prompts, and build the runner (nothing is written before)."""
+    from specdecode.bench.runner import BenchInputError, BenchRunner, tokenize_prompts
     from specdecode.build import load_pair
 
     pair = load_pair(args.target, args.draft if args.draft != "ngram" else None, args.dtype)
@@ -134,9 +151,19 @@ def _run(args: argparse.Namespace) -> int:
     meta["prompt_summary"] = _prompt_summary(bench_prompts, args, skipped)
     _write_meta(args.out, meta)
     backend = make_backend(pair, args, max(len(p.ids) + p.max_new_tokens for p in bench_prompts) + 8)
-    runner = BenchRunner(backend, bench_prompts, configs, samplings, args.repeats, store, args.seed,
-                         ignore_eos=not args.stop_at_eos, warmup_tokens=args.warmup_tokens,
-                         progress=not args.no_progress)
+    return BenchRunner(backend, bench_prompts, configs, samplings, args.repeats, store, args.seed,
+                       ignore_eos=not args.stop_at_eos, warmup_tokens=args.warmup_tokens,
+                       progress=not args.no_progress)
+
+
+def _session(args: argparse.Namespace, runner, store, meta: dict) -> int:
+    """Run what is left; whatever happens, record the session and write the report."""
+    import torch
+
+    from specdecode.bench import env
+    from specdecode.bench.report import write_report
+
+    previous_handler = signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops a run as cleanly as Ctrl-C
     session = {"type": "session", "command": env.command_line(), "started": env.now(), "loadavg_start": env.loadavg()}
     code = 0
     try:
@@ -149,6 +176,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"\ninterrupted: finished runs are kept in {store.path}; rerun the same command to resume",
               file=sys.stderr)
     finally:
+        signal.signal(signal.SIGTERM, previous_handler)
         session.update({"ended": env.now(), "runs": runner.runs_done, "peak_rss_gib": env.peak_rss_gib(),
                         "loadavg_end": env.loadavg(), "interrupted": code != 0})
         store.append(session)
@@ -156,6 +184,10 @@ def _run(args: argparse.Namespace) -> int:
         write_report(args.out, store.records, meta)
         print(f"report written to {args.out / 'report.md'}", file=sys.stderr)
     return code
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def make_backend(pair, args: argparse.Namespace, max_context: int):

@@ -21,6 +21,7 @@ class Summary:
     break_even: dict[str, list[A.BreakEven]]  # completion category -> rows
     checks: list[dict[str, Any]]
     completion_categories: list[str]
+    prompts: list[dict[str, Any]]
 
     def cell(self, sampling: str, config: str, group: str = "overall") -> A.Cell | None:
         return next((c for c in self.cells if (c.sampling, c.config, c.group) == (sampling, config, group)), None)
@@ -47,6 +48,7 @@ def summarize(records: list[dict[str, Any]]) -> Summary:
         break_even={cat: A.break_even_table(records, cat) for cat in completion},
         checks=[r for r in records if r.get("type") == "check"],
         completion_categories=completion,
+        prompts=A.prompt_rows(records),
     )
 
 
@@ -63,6 +65,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], meta: dict[str, A
             "break_even": {cat: [dataclasses.asdict(r) | {"below": r.below} for r in rows]
                            for cat, rows in summary.break_even.items()},
             "checks": summary.checks,
+            "prompts": summary.prompts,
         },
         "records": [r for r in records if r.get("type") in ("run", "check")],
     }
@@ -92,7 +95,7 @@ def markdown(summary: Summary, meta: dict[str, Any], sessions: list[dict[str, An
         lines += ["", *_context_table(summary, sampling)]
     for cat in summary.completion_categories:
         lines += ["", *_break_even_section(summary, cat)]
-    lines += ["", *_peer_section(summary), "", *_checks_section(summary)]
+    lines += ["", *_peer_section(summary), "", *_checks_section(summary), "", *_prompt_table(summary)]
     lines += ["", "## Plots", ""] + [f"![{p[:-4]}]({p})" for p in PLOTS]
     lines += ["", "## Definitions", "", A.DEFINITIONS, ""]
     return "\n".join(lines)
@@ -122,13 +125,15 @@ def _setup(meta: dict[str, Any], sessions: list[dict[str, Any]]) -> list[str]:
 
 
 def _overall_table(summary: Summary, sampling: str) -> list[str]:
-    lines = ["All prompts. Speedup is over this engine's target-only decoding; predicted = E / (k·c + 1), "
-             "predicted (v) = E / (k·c + v).", "",
-             "| config | prompts | tok/s | speedup | acceptance | α | tokens/step | E(α,k) | c | v "
-             "| predicted | predicted (v) | measured / predicted |", "|---" * 13 + "|"]
+    lines = ["All prompts. Speedups are over this engine's target-only decoding: end to end (prefill included) and "
+             "decode only; predicted = E / (k·c + 1) (Leviathan et al.), predicted (v) = E / (k·c + v); the last "
+             "column is decode speedup / predicted.", "",
+             "| config | prompts | tok/s | speedup | decode speedup | acceptance | α | tokens/step | E(α,k) | c | v "
+             "| predicted | predicted (v) | measured / predicted |", "|---" * 14 + "|"]
     for c in summary.cells:
         if c.sampling == sampling and c.group == "overall":
-            lines.append(f"| {c.config} | {c.n_prompts} | {c.tok_s:.3f} | {_n(c.speedup)} | {_n(c.acceptance_rate, '.3f')} "
+            lines.append(f"| {c.config} | {c.n_prompts} | {c.tok_s:.3f} | {_n(c.speedup)} | {_n(c.decode_speedup)} "
+                         f"| {_n(c.acceptance_rate, '.3f')} "
                          f"| {_n(c.alpha, '.3f')} | {_n(c.tokens_per_step)} | {_n(c.expected_tokens_per_step)} "
                          f"| {_n(c.c, '.3f')} | {_n(c.v)} | {_n(c.predicted_speedup)} | {_n(c.predicted_speedup_v)} "
                          f"| {_n(c.efficiency)} |")
@@ -186,6 +191,37 @@ def _context_table(summary: Summary, sampling: str) -> list[str]:
     return lines
 
 
+MAX_PROMPT_ROWS = 120
+
+
+def _prompt_table(summary: Summary) -> list[str]:
+    """Prompt x config: tok/s (speedup; acceptance rate), one row per (sampling, prompt)."""
+    by: dict[tuple[str, str], dict[str, dict[str, Any]]] = defaultdict(dict)
+    for row in summary.prompts:
+        by[(row["sampling"], row["prompt_id"])][row["config"]] = row
+    if not by:
+        return []
+    configs = list(dict.fromkeys(r["config"] for r in summary.prompts))
+    configs.sort(key=A._config_order)
+    lines = ["## Per prompt", "", "tok/s (speedup over target-only; acceptance rate), medians over repeats.", "",
+             "| sampling | prompt | category | " + " | ".join(configs) + " |", "|---" * (len(configs) + 3) + "|"]
+    for n, ((sampling, pid), cells) in enumerate(by.items()):
+        if n == MAX_PROMPT_ROWS:
+            lines.append(f"\n({len(by) - n} more rows in results.json, summary.prompts)")
+            break
+        row = [sampling, pid, next(iter(cells.values()))["category"]]
+        for config in configs:
+            c = cells.get(config)
+            if c is None:
+                row.append("–")
+                continue
+            extra = [f"{c['speedup']:.2f}×"] if c["speedup"] is not None and config != A.TARGET else []
+            extra += [f"{c['acceptance_rate']:.2f}"] if c["acceptance_rate"] is not None else []
+            row.append(f"{c['tok_s']:.2f}" + (f" ({'; '.join(extra)})" if extra else ""))
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
 def _break_even_section(summary: Summary, category: str) -> list[str]:
     rows = summary.break_even[category]
     if not rows:
@@ -237,6 +273,9 @@ def _per_prompt_table(summary: Summary, category: str) -> list[str]:
 
 
 def _best(summary: Summary, sampling: str, group: str) -> A.Cell | None:
+    """The fastest speculative cell of a group (a lone category is reported as "overall")."""
+    if group not in summary.groups():
+        group = "overall"
     cells = [c for c in summary.spec_cells(sampling, group) if c.speedup is not None]
     return max(cells, key=lambda c: c.speedup) if cells else None
 
@@ -254,9 +293,11 @@ def _verdict(summary: Summary, category: str) -> list[str]:
         text = (f"{sampling}: speculation {'pays' if pays else 'does not pay'} for {category} on this pair and machine; "
                 f"the best draft length is k = {best.k} at {best.speedup:.2f}× target-only "
                 f"(α = {_n(best.alpha, '.3f')}, c = {_n(best.c, '.3f')}, v = {_n(best.v)}). "
-                f"The formula predicts {_n(best.predicted_speedup)}×; "
-                f"the measured/predicted ratio {_n(best.efficiency)} is implementation overhead. "
-                f"At k = {best.k} drafting breaks even at α = {_be(be)}; {below} of {len(rows)} prompts fall below.")
+                f"The formula predicts {_n(best.predicted_speedup)}× (with the measured v: "
+                f"{_n(best.predicted_speedup_v)}×); measured/predicted = {_n(best.efficiency)} is the overhead the "
+                f"formula leaves out, verification costing v target steps instead of 1 among it. "
+                f"At k = {best.k} drafting breaks even at α = {_be(be)} (formula) or {_be(A.break_even_alpha(best.k, best.c, best.v) if best.c is not None and best.v is not None else None)} "
+                f"(with v); {below} of {len(rows)} prompts fall below the formula's.")
         out.append(f"- {text}")
     return out
 
@@ -373,15 +414,15 @@ def _plot_context(ax, summary: Summary, sampling: str) -> None:
 
 def _plot_predicted(ax, summary: Summary, sampling: str) -> None:
     cells = [c for c in summary.cells if c.sampling == sampling and c.k > 0
-             and c.speedup is not None and c.predicted_speedup is not None]
+             and c.decode_speedup is not None and c.predicted_speedup is not None]
     for group in dict.fromkeys(c.group for c in cells):
         mine = [c for c in cells if c.group == group]
-        ax.scatter([c.predicted_speedup for c in mine], [c.speedup for c in mine], label=group,
-                   marker="*" if group == "overall" else "o")
+        ax.scatter([c.predicted_speedup for c in mine], [c.decode_speedup for c in mine], label=group,
+                   marker="*" if group == "overall" else "o", s=80 if group == "overall" else 25)
         for c in mine:
             if group == "overall":
-                ax.annotate(f"k={c.k}", (c.predicted_speedup, c.speedup), fontsize=7)
+                ax.annotate(f"k={c.k}", (c.predicted_speedup, c.decode_speedup), fontsize=7)
     if cells:
-        hi = max(max(c.predicted_speedup for c in cells), max(c.speedup for c in cells)) * 1.1
+        hi = max(max(c.predicted_speedup for c in cells), max(c.decode_speedup for c in cells)) * 1.1
         ax.plot([0, hi], [0, hi], color="black", lw=0.8, ls="--", label="measured = predicted")
-    _finish(ax, f"predicted vs measured speedup ({sampling})", "predicted E/(k·c+1)", "measured speedup")
+    _finish(ax, f"predicted vs measured ({sampling})", "predicted speedup E/(k·c+1)", "measured decode speedup")

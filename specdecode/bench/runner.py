@@ -240,11 +240,8 @@ class BenchRunner:
         bar = tqdm(total=len(plan), initial=len(plan) - len(todo), desc="bench", unit="run", mininterval=2.0,
                    disable=not self.progress, dynamic_ncols=True)
         try:
-            todo_keys = {(t[1].id, t[2], t[3].name, t[4].name) for t in todo}
-            for i, prompt in enumerate(self.prompts):
-                for _, _, r, s, c in (t for t in plan if t[0] == i):
-                    if (prompt.id, r, s.name, c.name) not in todo_keys:
-                        continue
+            for n, (i, prompt, r, s, c) in enumerate(plan):
+                if not self.store.has("run", prompt.id, s.name, c.name, r):
                     bar.set_postfix_str(f"{prompt.id} {s.name} {c.name}", refresh=False)
                     rec = self.run_one(prompt, r, s, c)
                     self.store.append(rec)
@@ -252,7 +249,8 @@ class BenchRunner:
                     if self.on_run:
                         self.on_run(rec)
                     bar.update(1)
-                self.check_prompt(prompt)
+                if n + 1 == len(plan) or plan[n + 1][0] != i:  # the prompt's last run: check it
+                    self.check_prompt(prompt)
         finally:
             bar.close()
 
