@@ -30,8 +30,6 @@ class DraftModelDrafter:
         self._floor: dict[int, int] = {}  # a length known to agree with the sequence
 
     def start(self, slots: list[int], prompts: list[list[int]]) -> None:
-        if isinstance(slots, int):  # TODO(lead): remove once callers use the batched form
-            slots, prompts = [slots], [prompts]
         self.runner.prefill(slots, [p[:-1] for p in prompts])
         for slot, p in zip(slots, prompts):
             self._cached[slot] = list(p[:-1])

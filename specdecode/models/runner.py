@@ -81,8 +81,6 @@ class ModelRunner:
         Rows are right-padded (padding writes past a row's length, where it is masked and later
         overwritten) and processed in chunks that bound attention memory.
         """
-        if isinstance(slots, int):  # TODO(lead): remove once callers use the batched form
-            slots, prompts = [slots], [prompts]
         rows = [(s, p) for s, p in zip(slots, prompts) if p]
         if not rows:
             return
