@@ -15,6 +15,33 @@ if TYPE_CHECKING:
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
 
 
+def native_bf16() -> bool:
+    """True where bf16 matrix products run natively (CUDA, or a CPU with AVX512-BF16 / AMX-BF16).
+
+    Elsewhere (e.g. AVX2-only CPUs) a bf16 matmul is compute-bound: verifying k + 1 tokens costs about
+    k + 1 single-token steps, so speculation cannot pay (measured in docs/benchmarks.md).
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        return True
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str) -> str:
+    """'auto' -> bfloat16 where it is native (see :func:`native_bf16`), else float32; aliases -> canonical."""
+    if name == "auto":
+        return "bfloat16" if native_bf16() else "float32"
+    if name not in DTYPES:
+        raise argparse.ArgumentTypeError(f"unknown dtype {name!r}: choose auto, {', '.join(sorted(DTYPES))}")
+    return DTYPES[name]
+
+
 class PairError(ValueError):
     """A draft/target pair that cannot be used together."""
 
@@ -24,7 +51,7 @@ class EngineConfig:
     target: str
     draft: str | None = None  # a model spec, "ngram" for prompt lookup, or None for target-only
     num_draft_tokens: int = 4
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     max_batch_size: int = 1
     max_context: int | None = None  # default: min(model context, 4096)
 
@@ -43,7 +70,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, draft_required: bool = 
     g.add_argument("--draft", required=draft_required, default=None,
                    help="draft model (alias/dir/.gguf/hub id) or 'ngram' for prompt lookup; omit for target-only")
     g.add_argument("--num-draft-tokens", "-k", type=int, default=4, help="tokens drafted per step (default 4)")
-    g.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="weights dtype (default bfloat16)")
+    g.add_argument("--dtype", type=resolve_dtype, default="auto",
+                   help="bfloat16 | float32 | auto (default: bfloat16 where the hardware has native bf16 "
+                        "matmuls, else float32)")
     g.add_argument("--max-context", type=int, default=None, help="max prompt+generated tokens (default min(model, 4096))")
 
 
@@ -56,7 +85,7 @@ def load_pair(target: str, draft: str | None, dtype: str = "bfloat16") -> Loaded
 
     from specdecode.models.loading import load_model, tokenizers_compatible
 
-    torch_dtype = getattr(torch, DTYPES[dtype])
+    torch_dtype = getattr(torch, resolve_dtype(dtype))
     target_model, tokenizer = load_model(target, torch_dtype)
     if draft is None or draft == "ngram":
         return LoadedPair(target_model, tokenizer, None, None)
