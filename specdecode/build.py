@@ -54,6 +54,8 @@ class EngineConfig:
     dtype: str = "auto"
     max_batch_size: int = 1
     max_context: int | None = None  # default: min(model context, 4096)
+    draft_policy: str = "fixed"  # "fixed": always num_draft_tokens; "acceptance": adapt per sequence
+    max_draft_tokens: int = 16  # upper bound for the acceptance policy
 
 
 @dataclass
@@ -74,10 +76,15 @@ def add_model_arguments(parser: argparse.ArgumentParser, draft_required: bool = 
                    help="bfloat16 | float32 | auto (default: bfloat16 where the hardware has native bf16 "
                         "matmuls, else float32)")
     g.add_argument("--max-context", type=int, default=None, help="max prompt+generated tokens (default min(model, 4096))")
+    g.add_argument("--draft-policy", choices=("fixed", "acceptance"), default="fixed",
+                   help="fixed: always -k tokens; acceptance: start at -k, +2 after a fully accepted step, "
+                        "-1 after a rejection, per sequence, up to --max-draft-tokens")
+    g.add_argument("--max-draft-tokens", type=int, default=16, help="upper bound for --draft-policy acceptance")
 
 
 def config_from_args(args: argparse.Namespace, max_batch_size: int = 1) -> EngineConfig:
-    return EngineConfig(args.target, args.draft, args.num_draft_tokens, args.dtype, max_batch_size, args.max_context)
+    return EngineConfig(args.target, args.draft, args.num_draft_tokens, args.dtype, max_batch_size, args.max_context,
+                        getattr(args, "draft_policy", "fixed"), getattr(args, "max_draft_tokens", 16))
 
 
 def load_pair(target: str, draft: str | None, dtype: str = "bfloat16") -> LoadedPair:
@@ -101,6 +108,7 @@ def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
     from specdecode.drafters.ngram import NgramDrafter
     from specdecode.engine import Engine
     from specdecode.models.runner import ModelRunner
+    from specdecode.policy import AcceptancePolicy, FixedPolicy
 
     if cfg.num_draft_tokens < 0:
         raise ValueError(f"--num-draft-tokens must be >= 0, got {cfg.num_draft_tokens}")
@@ -109,14 +117,20 @@ def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
     if max_context > model_ctx:
         raise ValueError(f"max context {max_context} exceeds the model's {model_ctx}")
     k = cfg.num_draft_tokens if cfg.draft else 0
-    cache_len = max_context + k + 1  # room for a padded verify window at the very end
+    policy = FixedPolicy(k)
+    if cfg.draft and cfg.draft_policy == "acceptance":
+        policy = AcceptancePolicy(start_k=k, max_k=max(k, cfg.max_draft_tokens))
+    elif cfg.draft_policy not in ("fixed", "acceptance"):
+        raise ValueError(f"unknown draft policy {cfg.draft_policy!r}")
+    longest = policy.max_k if isinstance(policy, AcceptancePolicy) else k
+    cache_len = max_context + longest + 1  # room for a padded verify window at the very end
     target = ModelRunner(pair.target, cfg.max_batch_size, cache_len)
     drafter = None
     if cfg.draft == "ngram":
         drafter = NgramDrafter()
     elif pair.draft is not None:
         drafter = DraftModelDrafter(ModelRunner(pair.draft, cfg.max_batch_size, cache_len), target.vocab_size)
-    return Engine(target, pair.tokenizer, drafter, k, max_batch_size=cfg.max_batch_size, max_context=max_context)
+    return Engine(target, pair.tokenizer, drafter, policy, max_batch_size=cfg.max_batch_size, max_context=max_context)
 
 
 def build_engine(cfg: EngineConfig) -> "Engine":

@@ -155,9 +155,8 @@ class Engine:
         if not seqs:
             return []
         bsz = len(seqs)
-        k_policy = self.policy.num_draft(bsz)
         # never draft past the token budget (the step emits k + 1 tokens at most)
-        ks = [max(0, min(k_policy, s.params.max_new_tokens - len(s.output_ids) - 1)) for s in seqs]
+        ks = [max(0, min(self.policy.num_draft(s, bsz), s.params.max_new_tokens - len(s.output_ids) - 1)) for s in seqs]
 
         t0 = time.perf_counter()
         if self.drafter is not None and any(ks):
@@ -191,6 +190,7 @@ class Engine:
         for b, seq in enumerate(seqs):
             new = self._append(seq, tokens[b][: accepted[b] + 1])
             seq.stats.record_step(n_draft[b], accepted[b], len(new))
+            self.policy.observe(seq, n_draft[b], accepted[b])
             seq.stats.draft_s += t1 - t0
             seq.stats.verify_s += t2 - t1
             events.append(StepEvent(seq, new, seq.finished))
@@ -230,6 +230,7 @@ class Engine:
     def _release(self, seq: Sequence) -> None:
         i = self.running.index(seq)
         last = self.running.pop()
+        self.policy.forget(seq)
         if self.drafter is not None:
             self.drafter.release(seq.slot)
         if last is not seq:  # keep slots contiguous: move the last sequence into the freed slot

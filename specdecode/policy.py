@@ -1,4 +1,9 @@
-"""How many tokens to draft for each sequence at each step."""
+"""How many tokens to draft for each sequence at each step.
+
+A policy answers ``num_draft(seq, batch_size)`` before a step, hears ``observe(seq, drafted,
+accepted)`` after it, and ``forget(seq)`` when the sequence finishes. It only changes speed, never the output law: verification is exact for any
+draft length.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +11,59 @@ from typing import Protocol
 
 
 class DraftPolicy(Protocol):
-    def num_draft(self, batch_size: int) -> int: ...
+    def num_draft(self, seq, batch_size: int) -> int: ...
+
+    def observe(self, seq, drafted: int, accepted: int) -> None: ...
+
+    def forget(self, seq) -> None: ...
+
+
+def _check_k(name: str, k: int) -> int:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"{name} must be an integer >= 0, got {k!r}")
+    return k
 
 
 class FixedPolicy:
     """Always draft ``k`` tokens (``k = 0`` is target-only decoding)."""
 
     def __init__(self, k: int) -> None:
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise ValueError(f"draft length must be an integer >= 0, got {k!r}")
-        self.k = k
+        self.k = _check_k("draft length", k)
 
-    def num_draft(self, batch_size: int) -> int:
+    def num_draft(self, seq, batch_size: int) -> int:
         return self.k
+
+    def observe(self, seq, drafted: int, accepted: int) -> None:
+        pass
+
+    def forget(self, seq) -> None:
+        pass
+
+
+class AcceptancePolicy:
+    """Per-sequence draft length driven by acceptance: grow by ``grow`` after a step that accepted
+    every draft token, shrink by 1 after one that rejected, within ``[min_k, max_k]``.
+
+    Long drafts pay where acceptance is high and verification of many tokens is cheap; the state is
+    per sequence, so one hard prompt does not shorten the drafts of the others.
+    """
+
+    def __init__(self, start_k: int = 4, max_k: int = 16, min_k: int = 1, grow: int = 2) -> None:
+        self.min_k, self.max_k = _check_k("min draft length", min_k), _check_k("max draft length", max_k)
+        self.start_k, self.grow = _check_k("start draft length", start_k), _check_k("growth", grow)
+        if not self.min_k <= self.start_k <= self.max_k:
+            raise ValueError(f"need min_k <= start_k <= max_k, got {min_k}, {start_k}, {max_k}")
+        self._k: dict[int, int] = {}  # id(seq) -> current draft length
+
+    def num_draft(self, seq, batch_size: int) -> int:
+        return self._k.setdefault(id(seq), self.start_k)
+
+    def observe(self, seq, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        k = self._k.get(id(seq), self.start_k)
+        k = k + self.grow if accepted == drafted else k - 1
+        self._k[id(seq)] = max(self.min_k, min(self.max_k, k))
+
+    def forget(self, seq) -> None:
+        self._k.pop(id(seq), None)

@@ -1,0 +1,56 @@
+import pytest
+
+from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.engine import Engine
+from specdecode.models.runner import ModelRunner
+from specdecode.policy import AcceptancePolicy, FixedPolicy
+from specdecode.sampling import SamplingParams
+from tiny import make_engine, make_model, make_tokenizer, perturbed_copy
+
+V = 32
+TOK = make_tokenizer(V)
+
+
+def test_acceptance_policy_schedule_is_per_sequence_and_bounded():
+    policy = AcceptancePolicy(start_k=3, max_k=6, min_k=1, grow=2)
+    a, b = object(), object()
+    assert policy.num_draft(a, 2) == 3 and policy.num_draft(b, 2) == 3
+    policy.observe(a, 3, 3)  # all accepted: +2
+    policy.observe(b, 3, 1)  # a rejection: -1
+    assert policy.num_draft(a, 2) == 5 and policy.num_draft(b, 2) == 2
+    for _ in range(5):
+        policy.observe(a, 5, 5)
+        policy.observe(b, 2, 0)
+    assert policy.num_draft(a, 2) == 6 and policy.num_draft(b, 2) == 1
+    policy.observe(b, 0, 0)  # nothing drafted (budget end): no change
+    assert policy.num_draft(b, 2) == 1
+    policy.forget(a)
+    assert policy.num_draft(a, 2) == 3
+
+
+@pytest.mark.parametrize("kwargs", [dict(start_k=5, max_k=4), dict(min_k=-1), dict(grow=1.5)])
+def test_bad_policy_arguments(kwargs):
+    with pytest.raises(ValueError):
+        AcceptancePolicy(**kwargs)
+    with pytest.raises(ValueError):
+        FixedPolicy(-1)
+
+
+def _engine(target, draft, policy, slots=3, max_len=128):
+    runner = lambda m: ModelRunner(m, slots, max_len + policy.max_k + 1)  # noqa: E731
+    return Engine(runner(target), TOK, DraftModelDrafter(runner(draft)), policy, max_context=max_len)
+
+
+def test_adaptive_drafts_grow_with_acceptance_and_keep_greedy_output():
+    target = make_model(V, seed=4)
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [9], [10, 11, 12, 13, 14]]
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in (40, 25, 33, 12)]
+    base = make_engine(target, TOK, num_slots=3).generate(prompts, params)
+    same = _engine(target, perturbed_copy(target, 0.0), AcceptancePolicy(start_k=2, max_k=8)).generate(prompts, params)
+    noisy = _engine(target, perturbed_copy(target, 0.3), AcceptancePolicy(start_k=2, max_k=8)).generate(prompts, params)
+    for b, s, n in zip(base, same, noisy):
+        assert s.token_ids == b.token_ids and n.token_ids == b.token_ids
+    # an identical draft is always accepted, so drafts grow to max_k and steps emit up to 9 tokens
+    assert max(len(s.stats.drafted_at) for s in same) == 8
+    assert same[0].stats.tokens_per_step > 5
+    assert sum(n.stats.accepted for n in noisy) < sum(n.stats.drafted for n in noisy)
