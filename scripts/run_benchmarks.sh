@@ -16,6 +16,9 @@ run() {
 # issue 2: engine vs transformers, target-only and speculative k = 1..8, greedy, 128 new tokens
 issue2() { run issue2-humaneval --prompts humaneval -n 2 --max-new-tokens 128 --sampling greedy \
              --draft-lengths 1,2,3,4,5,6,7,8 --baselines hf,hf-assisted; }
+# the same in float32 (what --dtype auto picks on a CPU without native bf16 matmuls)
+issue2fp32() { run issue2-humaneval-fp32 --dtype float32 --prompts humaneval -n 2 --max-new-tokens 128 \
+                 --sampling greedy --draft-lengths 1,2,3,4,6,8 --baselines hf,hf-assisted; }
 # issue 3, code completion: greedy and T=0.7/top-p 0.95, the draft lengths that matter
 humaneval() { run humaneval-sampling --prompts humaneval -n 5 --max-new-tokens 64 --sampling greedy,t0.7-p0.95 \
                 --draft-lengths 2,4 --baselines none; }
@@ -28,6 +31,6 @@ memory() { echo "=== memory: $(date -Is)"
              > runs/memory-2k.log 2>&1; echo "=== memory: exit $? at $(date -Is)"; }
 
 mkdir -p runs
-for name in "${@:-issue2 humaneval specbench memory}"; do
+for name in "${@:-issue2 issue2fp32 humaneval specbench memory}"; do
   for n in $name; do "$n"; done
 done

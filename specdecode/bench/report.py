@@ -145,15 +145,20 @@ def _category_table(summary: Summary, sampling: str) -> list[str]:
     if not groups:
         return []
     configs = [c for c in summary.configs(sampling) if c != A.TARGET]
-    lines = ["Speedup per category (target-only tok/s in the second column; acceptance rate in brackets).", "",
-             "| category | target tok/s | " + " | ".join(configs) + " |", "|---" * (len(configs) + 2) + "|"]
+    lines = ["Per category: speedup end to end / decode only (acceptance rate); target-only tok/s in the second "
+             "column. With few prompts per category the end-to-end figure carries the prefill's noise.", "",
+             "| category | prompts | target tok/s | " + " | ".join(configs) + " |", "|---" * (len(configs) + 3) + "|"]
     for g in groups + ["overall"]:
         base = summary.cell(sampling, A.TARGET, g)
-        row = [g, _n(base.tok_s if base else None, ".3f")]
+        row = [g, str(base.n_prompts) if base else "–", _n(base.tok_s if base else None, ".3f")]
         for name in configs:
             c = summary.cell(sampling, name, g)
-            acc = f" ({c.acceptance_rate:.2f})" if c is not None and c.acceptance_rate is not None else ""
-            row.append(_n(c.speedup if c else None) + acc)
+            if c is None:
+                row.append("–")
+                continue
+            decode = f" / {c.decode_speedup:.2f}" if c.decode_speedup is not None else ""
+            acc = f" ({c.acceptance_rate:.2f})" if c.acceptance_rate is not None else ""
+            row.append(_n(c.speedup) + decode + acc)
         lines.append("| " + " | ".join(row) + " |")
     return lines
 
@@ -382,6 +387,11 @@ def _plot_speedup_vs_k(ax, summary: Summary, sampling: str) -> None:
         if pts:
             xs, ys = zip(*pts)
             ax.plot(xs, ys, marker="o", lw=2.5 if group == "overall" else 1.2, label=group)
+    decode = [(c.k, c.decode_speedup) for c in sorted(summary.spec_cells(sampling), key=lambda c: c.k)
+              if c.decode_speedup is not None]
+    if decode:
+        xs, ys = zip(*decode)
+        ax.plot(xs, ys, marker="s", ls="--", color="black", lw=1.2, label="overall, decode only")
     hf = summary.cell(sampling, "hf-assisted")
     if hf is not None and hf.speedup is not None:
         ax.axhline(hf.speedup, color="grey", ls=":", label="HF assisted (overall)")
@@ -422,7 +432,11 @@ def _plot_predicted(ax, summary: Summary, sampling: str) -> None:
         for c in mine:
             if group == "overall":
                 ax.annotate(f"k={c.k}", (c.predicted_speedup, c.decode_speedup), fontsize=7)
+    overall = [c for c in cells if c.group == "overall" and c.predicted_speedup_v is not None]
+    if overall:
+        ax.scatter([c.predicted_speedup_v for c in overall], [c.decode_speedup for c in overall], facecolors="none",
+                   edgecolors="black", s=60, label="overall, predicted with measured v: E/(k·c+v)")
     if cells:
         hi = max(max(c.predicted_speedup for c in cells), max(c.decode_speedup for c in cells)) * 1.1
         ax.plot([0, hi], [0, hi], color="black", lw=0.8, ls="--", label="measured = predicted")
-    _finish(ax, f"predicted vs measured ({sampling})", "predicted speedup E/(k·c+1)", "measured decode speedup")
+    _finish(ax, f"predicted vs measured ({sampling})", "predicted speedup (filled: E/(k·c+1))", "measured decode speedup")
