@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 
 import httpx
 import openai
@@ -354,8 +355,22 @@ def test_queue_full_gets_429_and_admitted_requests_complete():
         s.wait_idle()
 
 
+def _slowed(eng, seconds: float):
+    """The engine with every decoding step taking at least ``seconds``: on a fast machine the tiny
+    model would otherwise finish a whole request inside the test's time windows."""
+    step = eng.step
+
+    def slow_step(*args, **kwargs):
+        time.sleep(seconds)
+        return step(*args, **kwargs)
+
+    eng.step = slow_step
+    return eng
+
+
 def test_disconnect_while_streaming_or_queued_frees_the_slot():
-    with serve(engine(k=3, slots=1), max_queue=4) as s:
+    # 40 ms a step: the 125-token request needs >= 32 steps (>= 1.3 s) even if every draft is accepted
+    with serve(_slowed(engine(k=3, slots=1), 0.04), max_queue=4) as s:
         long = {"prompt": "abc", "max_tokens": MAX_LEN - 3, "ignore_eos": True, "stream": True}
         with s.http() as c, c.stream("POST", "/v1/completions", json=long) as r:
             next(r.iter_lines())  # admitted and decoding
