@@ -1,4 +1,5 @@
-"""Target-only vs fixed-k vs acceptance-driven draft length, interleaved per prompt, one process.
+"""Target-only vs fixed-k vs acceptance-driven draft length vs the same with the draft's confidence
+ending chains early (--draft-confidence), interleaved per prompt, one process.
 
 Usage: python scripts/policy_ab.py [N_PROMPTS] [MAX_NEW_TOKENS] [DTYPE] [K]
 Prints decode tok/s (prefill excluded) per configuration and prompt, and medians.
@@ -24,6 +25,9 @@ configs = {
     "target": EngineConfig("t", None, 0, dtype),
     f"fixed-k{k}": EngineConfig("t", "d", k, dtype),
     f"acceptance-k{k}..16": EngineConfig("t", "d", k, dtype, draft_policy="acceptance", max_draft_tokens=16),
+    f"acceptance-k{k}..16+conf0.4": EngineConfig("t", "d", k, dtype, draft_policy="acceptance", max_draft_tokens=16,
+                                                draft_confidence=0.4),
+    "fixed-k12+conf0.4": EngineConfig("t", "d", 12, dtype, draft_confidence=0.4),
 }
 engines = {name: engine_from_pair(pair, cfg) for name, cfg in configs.items()}
 sp = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
@@ -31,7 +35,8 @@ engines["target"].generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))  # war
 rates: dict[str, list[float]] = {name: [] for name in engines}
 for i, prompt in enumerate(load_prompt_set("humaneval", n=n)):
     ids = pair.tokenizer(prompt.text, add_special_tokens=False).input_ids
-    order = list(engines)[i % 3:] + list(engines)[: i % 3]  # rotate so drift hits all alike
+    r = i % len(engines)
+    order = list(engines)[r:] + list(engines)[:r]  # rotate so drift hits all alike
     for name in order:
         t0 = time.perf_counter()
         out = engines[name].generate([ids], sp)[0]

@@ -56,6 +56,7 @@ class EngineConfig:
     max_context: int | None = None  # default: min(model context, 4096)
     draft_policy: str = "fixed"  # "fixed": always num_draft_tokens; "acceptance": adapt per sequence
     max_draft_tokens: int = 16  # upper bound for the acceptance policy
+    draft_confidence: float = 0.0  # draft model: end a chain after a token the draft gives less than this
 
 
 @dataclass
@@ -80,11 +81,16 @@ def add_model_arguments(parser: argparse.ArgumentParser, draft_required: bool = 
                    help="fixed: always -k tokens; acceptance: start at -k, +2 after a fully accepted step, "
                         "-1 after a rejection, per sequence, up to --max-draft-tokens")
     g.add_argument("--max-draft-tokens", type=int, default=16, help="upper bound for --draft-policy acceptance")
+    g.add_argument("--draft-confidence", type=float, default=0.0, metavar="P",
+                   help="draft model only: end a sequence's draft chain after a token whose draft probability "
+                        "is below P (0 = off, the default; transformers' assisted generation uses 0.4). "
+                        "Exact either way: only the draft length changes")
 
 
 def config_from_args(args: argparse.Namespace, max_batch_size: int = 1) -> EngineConfig:
     return EngineConfig(args.target, args.draft, args.num_draft_tokens, args.dtype, max_batch_size, args.max_context,
-                        getattr(args, "draft_policy", "fixed"), getattr(args, "max_draft_tokens", 16))
+                        getattr(args, "draft_policy", "fixed"), getattr(args, "max_draft_tokens", 16),
+                        getattr(args, "draft_confidence", 0.0))
 
 
 def load_pair(target: str, draft: str | None, dtype: str = "bfloat16") -> LoadedPair:
@@ -129,7 +135,8 @@ def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
     if cfg.draft == "ngram":
         drafter = NgramDrafter()
     elif pair.draft is not None:
-        drafter = DraftModelDrafter(ModelRunner(pair.draft, cfg.max_batch_size, cache_len), target.vocab_size)
+        drafter = DraftModelDrafter(ModelRunner(pair.draft, cfg.max_batch_size, cache_len), target.vocab_size,
+                                    cfg.draft_confidence)
     return Engine(target, pair.tokenizer, drafter, policy, max_batch_size=cfg.max_batch_size, max_context=max_context)
 
 

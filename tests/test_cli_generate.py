@@ -48,6 +48,15 @@ def test_speculative_json_output_equals_target_only(model_dirs, capsys):
     assert spec["text"] == make_tokenizer(V).decode(spec["token_ids"], skip_special_tokens=True)
 
 
+def test_draft_confidence_and_policy_flags_keep_the_greedy_output(model_dirs, capsys):
+    common = ["--target", model_dirs["target"], "--prompt-ids", "1,2,3", "--max-new-tokens", "16", "--ignore-eos",
+              "--dtype", "float32", "--json"]
+    _, base, _ = run(capsys, *common)
+    code, spec, _ = run(capsys, *common, "--draft", model_dirs["draft"], "-k", "4", "--draft-policy", "acceptance",
+                        "--draft-confidence", "0.6")
+    assert code == 0 and json.loads(spec)["token_ids"] == json.loads(base)["token_ids"]
+
+
 def test_num_samples_are_independent_and_seeded(model_dirs, capsys):
     argv = ["--target", model_dirs["target"], "--draft", model_dirs["draft"], "--prompt", "abc", "--temperature", "1.0",
             "--seed", "5", "--num-samples", "3", "--max-new-tokens", "10", "--ignore-eos", "--dtype", "float32", "--json"]
@@ -63,6 +72,7 @@ def test_num_samples_are_independent_and_seeded(model_dirs, capsys):
     (["--temperature", "-1"], "temperature"),
     (["--top-p", "0"], "top_p"),
     (["-k", "-2"], "num-draft-tokens"),
+    (["--draft-confidence", "1.5"], "confidence"),
     (["--prompt-ids", "1,x"], None),
 ])
 def test_bad_arguments_get_clear_errors(model_dirs, capsys, bad, message):

@@ -194,6 +194,29 @@ def test_speculative_samples_follow_target_law(small_pair, sp):
     assert chi_square_p(counts, exact_two_token_law(target, prompt, sp), n) > ALPHA
 
 
+@pytest.mark.parametrize("sp", SETTINGS[:2], ids=["T1", "T0.7-p0.9"])
+def test_draft_confidence_stopping_keeps_target_law(small_pair, sp):
+    """The same chi-square test (bound ALPHA per setting) with chains ended early by the draft's
+    confidence: max_new_tokens=3 makes the first step draft 2 tokens, and a threshold of 0.3 ends
+    about half of those chains after the first token, so both chain lengths feed the first two tokens."""
+    from specdecode.drafters.draft_model import DraftModelDrafter
+    from specdecode.engine import Engine
+    from specdecode.models.runner import ModelRunner
+
+    target, draft = small_pair
+    engine = Engine(ModelRunner(target, 250, 12), make_tokenizer(VS),
+                    DraftModelDrafter(ModelRunner(draft, 250, 12), confidence=0.3), 3, max_context=8)
+    n, counts, shortened = 4000, torch.zeros(VS, VS), 0
+    for start in range(0, n, 250):
+        params = [SamplingParams(sp.temperature, sp.top_k, sp.top_p, seed=start + i, max_new_tokens=3, ignore_eos=True)
+                  for i in range(250)]
+        for out in engine.generate([[1, 2, 3]] * 250, params):
+            counts[out.token_ids[0], out.token_ids[1]] += 1
+            shortened += len(out.stats.drafted_at) < 2  # the first chain ended after one token
+    assert 0.2 * n < shortened < 0.8 * n
+    assert chi_square_p(counts, exact_two_token_law(target, [1, 2, 3], sp), n) > ALPHA
+
+
 def test_negative_control_wrong_rule_fails_the_law_test(small_pair, monkeypatch):
     """A verifier that samples from the target instead of the residual at a rejection is biased;
     the same test must reject it (this is what shows the test has power)."""

@@ -54,3 +54,35 @@ def test_adaptive_drafts_grow_with_acceptance_and_keep_greedy_output():
     assert max(len(s.stats.drafted_at) for s in same) == 8
     assert same[0].stats.tokens_per_step > 5
     assert sum(n.stats.accepted for n in noisy) < sum(n.stats.drafted for n in noisy)
+
+
+def _confident_engine(target, draft, k, confidence, slots=3, max_len=128, vocab=None):
+    runner = lambda m: ModelRunner(m, slots, max_len + k + 1)  # noqa: E731
+    return Engine(runner(target), vocab or TOK, DraftModelDrafter(runner(draft), confidence=confidence),
+                  FixedPolicy(k), max_context=max_len)
+
+
+def test_draft_confidence_shortens_chains_and_keeps_greedy_output():
+    target = make_model(V, seed=4)
+    draft = perturbed_copy(target, 0.3)
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [9], [10, 11, 12, 13, 14]]
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in (40, 25, 33, 12)]
+    base = make_engine(target, TOK, num_slots=3).generate(prompts, params)
+    full = _confident_engine(target, draft, 6, 0.0).generate(prompts, params)
+    short = _confident_engine(target, draft, 6, 0.5).generate(prompts, params)
+    for b, f, s in zip(base, full, short):
+        assert f.token_ids == b.token_ids and s.token_ids == b.token_ids
+    # without a threshold a step drafts min(6, budget left - 1); with one, chains end early
+    full_rate = sum(f.stats.drafted for f in full) / sum(f.stats.target_steps for f in full)
+    short_rate = sum(s.stats.drafted for s in short) / sum(s.stats.target_steps for s in short)
+    assert full_rate > 4 and 0 < short_rate < full_rate - 1
+    # the tokens a threshold cuts are the ones the target tends to reject
+    acc = lambda outs: sum(o.stats.accepted for o in outs) / sum(o.stats.drafted for o in outs)  # noqa: E731
+    assert acc(short) > acc(full)
+
+
+@pytest.mark.parametrize("confidence", [-0.1, 1.0, 1.5])
+def test_bad_draft_confidence(confidence):
+    target = make_model(V, seed=4)
+    with pytest.raises(ValueError, match="confidence"):
+        DraftModelDrafter(ModelRunner(target, 1, 16), confidence=confidence)

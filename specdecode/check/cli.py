@@ -143,7 +143,8 @@ def main(args: argparse.Namespace) -> int:
     store: dict = {}
 
     def factory(k: int, batch: int):
-        engine = engine_from_pair(pair, EngineConfig(args.target, args.draft if k else None, k, args.dtype, batch, max_context))
+        engine = engine_from_pair(pair, EngineConfig(args.target, args.draft if k else None, k, args.dtype, batch, max_context,
+                                                      args.draft_policy, args.max_draft_tokens, args.draft_confidence))
         reuse_prefills(engine, store)
         return engine
 

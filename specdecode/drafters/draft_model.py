@@ -17,11 +17,19 @@ class DraftModelDrafter:
     Per slot it remembers which tokens its KV cache holds (``_cached``); before drafting it rolls
     back to the part that still agrees with the sequence and feeds the rest (one token after a
     rejection, two when every draft token was accepted: the last draft token and the bonus token).
+
+    ``confidence`` > 0 ends a sequence's chain early, after the first token whose draft probability
+    is below it (greedy: the softmax of the draft logits; sampling: the warped distribution it was
+    drawn from). That token is still proposed. The decision uses only the draft's own state, so
+    verification stays exact; it saves draft steps (and verify width) where the draft is unsure.
     """
 
     name = "draft-model"
 
-    def __init__(self, runner: ModelRunner, vocab_size: int | None = None) -> None:
+    def __init__(self, runner: ModelRunner, vocab_size: int | None = None, confidence: float = 0.0) -> None:
+        if not 0.0 <= confidence < 1.0:
+            raise ValueError(f"draft confidence threshold must be in [0, 1), got {confidence!r}")
+        self.confidence = confidence
         self.runner = runner
         # the target's vocabulary size: draft logits past it are never sampled, and the draft
         # distribution is zero-padded up to it when the draft's embedding matrix is smaller
@@ -78,9 +86,11 @@ class DraftModelDrafter:
         for i, s in enumerate(active):
             if not s.params.greedy:
                 uniforms[i, : ks[i]] = torch.rand(ks[i], generator=s.generator)
+        greedy_rows = torch.tensor([p.greedy for p in params])
         step_probs = []
         next_pos = torch.tensor([len(s.token_ids) for s in active])
-        for j in range(k_max):
+        j = 0
+        while j < max(ks):
             logits = self._fit_vocab(self.runner.logits(hidden))  # [b, V]
             if all_greedy:
                 tok = logits.argmax(-1)
@@ -89,18 +99,33 @@ class DraftModelDrafter:
                 tok = sample(p, uniforms[:, j])
                 step_probs.append(p)
             tokens[rows, j] = tok
-            if j + 1 < k_max:
-                hidden = self.runner.forward(slots, tok[:, None], (next_pos + j)[:, None])[:, 0]
+            if self.confidence > 0:
+                ks = self._stop_unsure(ks, j, logits, p if not all_greedy else None, tok, greedy_rows)
+            j += 1
+            if j < max(ks):
+                hidden = self.runner.forward(slots, tok[:, None], (next_pos + j - 1)[:, None])[:, 0]
 
         # 3. remember what the cache now holds (the last proposed token was never fed)
         for i, s in enumerate(active):
             fed = tokens[rows[i], : ks[i] - 1].tolist()
             self._cached[s.slot] = s.token_ids + fed
             self._floor[s.slot] = len(s.token_ids)
+        num = list(num_tokens)
+        for i, b in enumerate(rows):
+            num[b] = ks[i]
+        width = max(num)
         if not all_greedy:
-            probs = torch.zeros(bsz, k_max, step_probs[0].shape[-1])
-            probs[rows] = torch.stack(step_probs, dim=1)
-        return Proposal(tokens, probs, torch.tensor(num_tokens, dtype=torch.long))
+            probs = torch.zeros(bsz, width, step_probs[0].shape[-1])
+            probs[rows] = torch.stack(step_probs[:width], dim=1)
+        return Proposal(tokens[:, :width], probs, torch.tensor(num, dtype=torch.long))
+
+    def _stop_unsure(self, ks: list[int], j: int, logits: torch.Tensor, probs: torch.Tensor | None,
+                     tok: torch.Tensor, greedy_rows: torch.Tensor) -> list[int]:
+        """End the chain of each row whose j-th token has draft probability below the threshold."""
+        conf = torch.softmax(logits, dim=-1).gather(1, tok[:, None])[:, 0]
+        if probs is not None:
+            conf = torch.where(greedy_rows, conf, probs.gather(1, tok[:, None])[:, 0])
+        return [j + 1 if j < k and c < self.confidence else k for k, c in zip(ks, conf.tolist())]
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:  # [b, V_draft] -> [b, V_target]
         extra = self.vocab_size - logits.shape[-1]
