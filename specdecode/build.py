@@ -57,6 +57,7 @@ class EngineConfig:
     draft_policy: str = "fixed"  # "fixed": always num_draft_tokens; "acceptance": adapt per sequence
     max_draft_tokens: int = 16  # upper bound for the acceptance policy
     draft_confidence: float = 0.0  # draft model: end a chain after a token the draft gives less than this
+    verify_budget: int = 0  # > 0: at most this many tokens verified per step across the batch (load-aware k)
 
 
 @dataclass
@@ -85,12 +86,15 @@ def add_model_arguments(parser: argparse.ArgumentParser, draft_required: bool = 
                    help="draft model only: end a sequence's draft chain after a token whose draft probability "
                         "is below P (0 = off, the default; transformers' assisted generation uses 0.4). "
                         "Exact either way: only the draft length changes")
+    g.add_argument("--verify-budget", type=int, default=0, metavar="N",
+                   help="load-aware draft length: verify at most N tokens per step across the batch, so each of "
+                        "B sequences drafts at most N // B - 1 (target-only once B >= N); 0 = no cap (default)")
 
 
 def config_from_args(args: argparse.Namespace, max_batch_size: int = 1) -> EngineConfig:
     return EngineConfig(args.target, args.draft, args.num_draft_tokens, args.dtype, max_batch_size, args.max_context,
                         getattr(args, "draft_policy", "fixed"), getattr(args, "max_draft_tokens", 16),
-                        getattr(args, "draft_confidence", 0.0))
+                        getattr(args, "draft_confidence", 0.0), getattr(args, "verify_budget", 0))
 
 
 def load_pair(target: str, draft: str | None, dtype: str = "bfloat16") -> LoadedPair:
@@ -114,7 +118,7 @@ def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
     from specdecode.drafters.ngram import NgramDrafter
     from specdecode.engine import Engine
     from specdecode.models.runner import ModelRunner
-    from specdecode.policy import AcceptancePolicy, FixedPolicy
+    from specdecode.policy import AcceptancePolicy, BudgetPolicy, FixedPolicy
 
     if cfg.num_draft_tokens < 0:
         raise ValueError(f"--num-draft-tokens must be >= 0, got {cfg.num_draft_tokens}")
@@ -128,7 +132,11 @@ def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
         policy = AcceptancePolicy(start_k=k, max_k=max(k, cfg.max_draft_tokens))
     elif cfg.draft_policy not in ("fixed", "acceptance"):
         raise ValueError(f"unknown draft policy {cfg.draft_policy!r}")
-    longest = policy.max_k if isinstance(policy, AcceptancePolicy) else k
+    if cfg.verify_budget < 0:
+        raise ValueError(f"--verify-budget must be >= 0, got {cfg.verify_budget}")
+    if cfg.verify_budget:
+        policy = BudgetPolicy(policy, cfg.verify_budget)
+    longest = policy.max_k
     cache_len = max_context + longest + 1  # room for a padded verify window at the very end
     target = ModelRunner(pair.target, cfg.max_batch_size, cache_len)
     drafter = None

@@ -11,6 +11,8 @@ from typing import Protocol
 
 
 class DraftPolicy(Protocol):
+    max_k: int  # the longest draft it can ask for (sizes the verify window in the KV cache)
+
     def num_draft(self, seq, batch_size: int) -> int: ...
 
     def observe(self, seq, drafted: int, accepted: int) -> None: ...
@@ -28,7 +30,7 @@ class FixedPolicy:
     """Always draft ``k`` tokens (``k = 0`` is target-only decoding)."""
 
     def __init__(self, k: int) -> None:
-        self.k = _check_k("draft length", k)
+        self.k = self.max_k = _check_k("draft length", k)
 
     def num_draft(self, seq, batch_size: int) -> int:
         return self.k
@@ -67,3 +69,25 @@ class AcceptancePolicy:
 
     def forget(self, seq) -> None:
         self._k.pop(id(seq), None)
+
+
+class BudgetPolicy:
+    """Caps another policy by load: a step verifies at most ``budget`` tokens across the batch, so
+    each of ``B`` sequences drafts at most ``budget // B - 1`` (0 = target-only once ``B`` reaches
+    ``budget``). Under load the target's forward is already wide and verification stops being
+    nearly free; the cap moves the server from speculation towards plain batched decoding.
+    """
+
+    def __init__(self, inner: DraftPolicy, budget: int) -> None:
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"verify budget must be an integer >= 1, got {budget!r}")
+        self.inner, self.budget, self.max_k = inner, budget, inner.max_k
+
+    def num_draft(self, seq, batch_size: int) -> int:
+        return min(self.inner.num_draft(seq, batch_size), max(0, self.budget // max(1, batch_size) - 1))
+
+    def observe(self, seq, drafted: int, accepted: int) -> None:
+        self.inner.observe(seq, drafted, accepted)
+
+    def forget(self, seq) -> None:
+        self.inner.forget(seq)

@@ -57,6 +57,17 @@ def test_draft_confidence_and_policy_flags_keep_the_greedy_output(model_dirs, ca
     assert code == 0 and json.loads(spec)["token_ids"] == json.loads(base)["token_ids"]
 
 
+def test_verify_budget_turns_drafting_off_for_a_full_batch(model_dirs, capsys):
+    argv = ["--target", model_dirs["target"], "--draft", model_dirs["draft"], "-k", "3", "--prompt-ids", "1,2,3",
+            "--num-samples", "3", "--max-new-tokens", "8", "--ignore-eos", "--dtype", "float32", "--json"]
+    _, free, _ = run(capsys, *argv)
+    code, capped, _ = run(capsys, *argv, "--verify-budget", "3")  # 3 // 3 - 1 = 0 draft tokens each
+    assert code == 0
+    free, capped = [[json.loads(line) for line in out.splitlines()] for out in (free, capped)]
+    assert [c["token_ids"] for c in capped] == [f["token_ids"] for f in free]
+    assert all(c["stats"]["drafted"] == 0 for c in capped) and all(f["stats"]["drafted"] > 0 for f in free)
+
+
 def test_num_samples_are_independent_and_seeded(model_dirs, capsys):
     argv = ["--target", model_dirs["target"], "--draft", model_dirs["draft"], "--prompt", "abc", "--temperature", "1.0",
             "--seed", "5", "--num-samples", "3", "--max-new-tokens", "10", "--ignore-eos", "--dtype", "float32", "--json"]
@@ -73,6 +84,7 @@ def test_num_samples_are_independent_and_seeded(model_dirs, capsys):
     (["--top-p", "0"], "top_p"),
     (["-k", "-2"], "num-draft-tokens"),
     (["--draft-confidence", "1.5"], "confidence"),
+    (["--verify-budget", "-1"], "verify-budget"),
     (["--prompt-ids", "1,x"], None),
 ])
 def test_bad_arguments_get_clear_errors(model_dirs, capsys, bad, message):

@@ -3,7 +3,7 @@ import pytest
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.engine import Engine
 from specdecode.models.runner import ModelRunner
-from specdecode.policy import AcceptancePolicy, FixedPolicy
+from specdecode.policy import AcceptancePolicy, BudgetPolicy, FixedPolicy
 from specdecode.sampling import SamplingParams
 from tiny import make_engine, make_model, make_tokenizer, perturbed_copy
 
@@ -86,3 +86,46 @@ def test_bad_draft_confidence(confidence):
     target = make_model(V, seed=4)
     with pytest.raises(ValueError, match="confidence"):
         DraftModelDrafter(ModelRunner(target, 1, 16), confidence=confidence)
+
+
+def test_budget_policy_caps_the_draft_by_batch_size():
+    policy = BudgetPolicy(FixedPolicy(6), budget=16)
+    seq = object()
+    assert [policy.num_draft(seq, b) for b in (1, 2, 3, 4, 8, 15, 16, 40)] == [6, 6, 4, 3, 1, 0, 0, 0]
+    assert policy.max_k == 6
+    inner = AcceptancePolicy(start_k=2, max_k=8)
+    capped = BudgetPolicy(inner, budget=8)
+    capped.observe(seq, 2, 2)  # the inner policy still hears every step
+    assert inner.num_draft(seq, 1) == 4 and capped.num_draft(seq, 1) == 4 and capped.num_draft(seq, 4) == 1
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="budget"):
+            BudgetPolicy(FixedPolicy(2), bad)
+
+
+class _Recording:
+    """A policy wrapper that records (batch size, draft length) for every request."""
+
+    def __init__(self, inner):
+        self.inner, self.max_k, self.calls = inner, inner.max_k, []
+
+    def num_draft(self, seq, batch_size):
+        k = self.inner.num_draft(seq, batch_size)
+        self.calls.append((batch_size, k))
+        return k
+
+    def observe(self, seq, drafted, accepted):
+        self.inner.observe(seq, drafted, accepted)
+
+    def forget(self, seq):
+        self.inner.forget(seq)
+
+
+def test_budget_policy_under_a_shrinking_batch_keeps_greedy_output():
+    target = make_model(V, seed=4)
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [9], [10, 11, 12, 13, 14]]
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in (40, 25, 33, 12)]
+    base = make_engine(target, TOK, num_slots=4).generate(prompts, params)
+    policy = _Recording(BudgetPolicy(FixedPolicy(5), budget=8))
+    outs = _engine(target, perturbed_copy(target, 0.1), policy, slots=4).generate(prompts, params)
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base]
+    assert {b: k for b, k in policy.calls} == {4: 1, 3: 1, 2: 3, 1: 5}  # 8 // B - 1, at most 5

@@ -207,7 +207,7 @@ def make_backend(pair, args: argparse.Namespace, max_context: int):
             draft = args.draft if k else None
             engines[k] = engine_from_pair(pair, EngineConfig(
                 args.target, draft, k, args.dtype, 1, max_context, args.draft_policy, args.max_draft_tokens,
-                args.draft_confidence))
+                args.draft_confidence, args.verify_budget))
         return engines[k]
 
     def hf_for(assisted: bool) -> HFBaseline:

@@ -144,7 +144,8 @@ def main(args: argparse.Namespace) -> int:
 
     def factory(k: int, batch: int):
         engine = engine_from_pair(pair, EngineConfig(args.target, args.draft if k else None, k, args.dtype, batch, max_context,
-                                                      args.draft_policy, args.max_draft_tokens, args.draft_confidence))
+                                                      args.draft_policy, args.max_draft_tokens, args.draft_confidence,
+                                                      args.verify_budget))
         reuse_prefills(engine, store)
         return engine
 
