@@ -192,3 +192,16 @@ def test_sampling_settings_and_configs_parse():
         R.make_configs([0], [])
     with pytest.raises(R.BenchInputError, match="unknown baseline 'vllm'"):
         R.make_configs([1], ["vllm"])
+
+
+def test_draft_schedule_is_recorded_and_a_resume_with_another_one_is_refused(models, tmp_path, capsys):
+    out = tmp_path / "out"
+    common = ("--baselines", "none", "--warmup-tokens", "0", "--draft-lengths", "2", "--sampling", "greedy", "-n", "1")
+    args = bench_args(models, out, *common)
+    assert cli.main(bench_args(models, out, *common, "--draft-policy", "acceptance", "--draft-confidence", "0.3")) == 0
+    report = (out / "report.md").read_text()
+    assert "draft length of spec-k<k>: acceptance policy starting at k, up to 16; chains end below draft " \
+           "confidence 0.3" in report
+    capsys.readouterr()
+    assert cli.main(args) == 2  # plain fixed k into the same directory would mix two schedules
+    assert "draft_schedule" in capsys.readouterr().err

@@ -13,7 +13,7 @@ import signal
 import sys
 from pathlib import Path
 
-SETTINGS_KEYS = ("target", "draft", "dtype", "max_new_tokens", "ignore_eos", "seed")
+SETTINGS_KEYS = ("target", "draft", "dtype", "max_new_tokens", "ignore_eos", "seed", "draft_schedule")
 
 
 def _csv(kind):
@@ -85,7 +85,19 @@ def _settings(args: argparse.Namespace) -> dict:
     return {"target": args.target, "draft": args.draft, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
             "ignore_eos": not args.stop_at_eos, "seed": args.seed, "repeats": args.repeats,
             "sampling": args.sampling, "draft_lengths": args.draft_lengths or [args.num_draft_tokens],
-            "baselines": args.baselines, "threads": args.threads}
+            "baselines": args.baselines, "threads": args.threads, "draft_schedule": draft_schedule(args)}
+
+
+def draft_schedule(args: argparse.Namespace) -> str | None:
+    """How spec-k<k> configs choose their draft length beyond a fixed k; None for plain fixed k."""
+    parts = []
+    if args.draft_policy != "fixed":
+        parts.append(f"{args.draft_policy} policy starting at k, up to {args.max_draft_tokens}")
+    if args.draft_confidence:
+        parts.append(f"chains end below draft confidence {args.draft_confidence}")
+    if args.verify_budget:
+        parts.append(f"verify budget {args.verify_budget} tokens per step")
+    return "; ".join(parts) or None
 
 
 def _run(args: argparse.Namespace) -> int:
