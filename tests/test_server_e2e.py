@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import threading
 import time
 
 import httpx
@@ -373,7 +374,8 @@ def test_disconnect_while_streaming_or_queued_frees_the_slot():
     with serve(_slowed(engine(k=3, slots=1), 0.04), max_queue=4) as s:
         long = {"prompt": "abc", "max_tokens": MAX_LEN - 3, "ignore_eos": True, "stream": True}
         with s.http() as c, c.stream("POST", "/v1/completions", json=long) as r:
-            next(r.iter_lines())  # admitted and decoding
+            lines = r.iter_lines()  # held: a dropped iterator would close the connection
+            next(lines)  # admitted and decoding
             with s.http() as c2, pytest.raises(httpx.ReadTimeout):
                 c2.post("/v1/completions", json=long | {"stream": False}, timeout=0.3)  # waits in the queue
             assert s.metrics()["specdecode_queue_depth"] <= 1
@@ -381,6 +383,31 @@ def test_disconnect_while_streaming_or_queued_frees_the_slot():
         m = s.wait_idle(timeout=5)
         assert m['specdecode_requests_total{finish_reason="abort"}'] == 2
         assert m["specdecode_generation_tokens_total"] < MAX_LEN - 3
+
+
+def test_a_queued_request_whose_client_left_leaves_the_queue_at_once():
+    eng = engine(k=3, slots=1)
+    gate, step = threading.Event(), eng.step
+    gate.set()
+    eng.step = lambda: gate.wait(30) and step()  # the test can hold the engine inside a call
+
+    with serve(eng, max_queue=4) as s:
+        long = {"prompt": "abc", "max_tokens": MAX_LEN - 3, "ignore_eos": True, "stream": True}
+        with s.http() as c, c.stream("POST", "/v1/completions", json=long) as r:
+            lines = r.iter_lines()  # held: a dropped iterator would close the connection
+            next(lines)  # admitted and decoding
+            gate.clear()  # the engine's next call now lasts until the gate opens (a long prefill, say)
+            for _ in range(3):
+                with s.http() as c2, pytest.raises(httpx.ReadTimeout):
+                    c2.post("/v1/completions", json=long | {"stream": False}, timeout=0.2)
+            deadline = time.monotonic() + 2.0
+            while s.metrics()["specdecode_queue_depth"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            m = s.metrics()
+            gate.set()
+            assert m["specdecode_queue_depth"] == 0 and m["specdecode_running_requests"] == 1
+            assert m['specdecode_requests_total{finish_reason="abort"}'] == 3
+        s.wait_idle(timeout=10)
 
 
 def test_speculation_off_for_the_server():

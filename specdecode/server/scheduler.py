@@ -134,7 +134,14 @@ class Scheduler:
             return
         handle.cancelled = True
         with self._cond:
+            # a request still waiting leaves the queue now, not at the end of the engine's current
+            # call (a long prefill): queue depth and the 429 limit count only live requests
+            queued = handle in self._queue
+            if queued:
+                self._queue.remove(handle)
             self._cond.notify()
+        if queued:
+            self.metrics.finished(handle, "abort")
 
     def stop(self, timeout: float = 10.0) -> None:
         with self._cond:
