@@ -2,6 +2,8 @@
 # Server under load, speculation on vs off, on one server (requests opt out per request with
 # {"speculation": false}), interleaved by concurrency level. Writes runs/serve-<set>/ per prompt set.
 # Usage: scripts/serve_load_bench.sh TARGET DRAFT [LEVELS] [OUTPUT_LEN] [DURATION_PER_LEVEL_S]
+# Env: K (draft length, default 3), SERVE_ARGS (more serve flags), SETS (prompt sets, default
+# "humaneval spec-bench:qa,math_reasoning"), TAG (suffix of the runs/serve-<set><TAG> directories), PORT
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TARGET=${1:?target}; DRAFT=${2:?draft}; LEVELS=${3:-1,4,16}; OUTLEN=${4:-32}; DURATION=${5:-120}
@@ -16,8 +18,8 @@ curl -sf "http://127.0.0.1:$PORT/health" >/dev/null || { echo "server did not co
 # warm-up (page in the memory-mapped weights) before anything is timed
 curl -s "http://127.0.0.1:$PORT/v1/completions" -H 'Content-Type: application/json' \
   -d '{"model": "'"$TARGET"'", "prompt": "def f(x):", "max_tokens": 8}' >/dev/null
-for set in humaneval "spec-bench:qa,math_reasoning"; do
-  prompts=${set%%:*}; cats=${set#*:}; name=serve-${prompts}
+for set in ${SETS:-humaneval spec-bench:qa,math_reasoning}; do
+  prompts=${set%%:*}; cats=${set#*:}; name=serve-${prompts}${TAG:-}
   extra=(); [ "$cats" != "$set" ] && extra=(--categories "$cats")
   python -m specdecode.cli load --endpoint "off=http://127.0.0.1:$PORT" --endpoint "on=http://127.0.0.1:$PORT" \
     --endpoint-body 'off={"speculation": false}' --prompts "$prompts" "${extra[@]}" --levels "$LEVELS" \
