@@ -32,8 +32,9 @@ def _prompt_file(tmp_path: Path) -> Path:
 
 def test_compare_two_endpoints_writes_every_output(tmp_path: Path) -> None:
     # "on" is faster alone but slows down with every other stream in flight.
-    off = Behaviour(first_token_s=0.01, token_interval_s=0.01)
-    on = Behaviour(first_token_s=0.01, token_interval_s=0.003, slowdown_s=0.01,
+    # (delays tens of milliseconds, so per-request HTTP overhead on a busy CI machine cannot flip a ratio)
+    off = Behaviour(first_token_s=0.03, token_interval_s=0.03)
+    on = Behaviour(first_token_s=0.03, token_interval_s=0.008, slowdown_s=0.03,
                    speculation={"drafted": 6, "accepted": 3, "acceptance_rate": 0.5,
                                 "tokens_per_step": 1.5})
     out = tmp_path / "out"

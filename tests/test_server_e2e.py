@@ -410,6 +410,33 @@ def test_a_queued_request_whose_client_left_leaves_the_queue_at_once():
         s.wait_idle(timeout=10)
 
 
+def test_prefill_is_admitted_in_token_bounded_groups():
+    eng = engine(k=3, slots=4)
+    gate, step, add_batch, sizes = threading.Event(), eng.step, eng.add_batch, []
+    gate.set()
+    eng.step = lambda: gate.wait(30) and step()
+    eng.add_batch = lambda requests: sizes.append(len(requests)) or add_batch(requests)
+    body = {"prompt": "abc", "max_tokens": 8, "ignore_eos": True, "temperature": 0}  # 3 prompt tokens each
+
+    async def run(s):
+        async with _client(s) as client:
+            first = asyncio.ensure_future(client.post("/v1/completions", json=body))
+            while not sizes:  # the first request is admitted; hold the engine in its first step
+                await asyncio.sleep(0.01)
+            gate.clear()
+            rest = [asyncio.ensure_future(client.post("/v1/completions", json=body)) for _ in range(3)]
+            while s.scheduler.state()["queued"] < 3:
+                await asyncio.sleep(0.01)
+            gate.set()
+            return await asyncio.gather(first, *rest)
+
+    with serve(eng, max_prefill_tokens=5) as s:
+        responses = asyncio.run(run(s))
+    text = reference(ids("abc"), max_new_tokens=8, ignore_eos=True)[0]
+    assert [r.json()["choices"][0]["text"] for r in responses] == [text] * 4
+    assert sizes == [1, 1, 1, 1]  # 3 + 3 tokens > 5: one request per engine call
+
+
 def test_speculation_off_for_the_server():
     with serve(engine(k=3), speculation=False) as s:
         r = s.openai().completions.create(model=MODEL, prompt="hello", max_tokens=20, temperature=0)

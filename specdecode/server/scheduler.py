@@ -86,9 +86,16 @@ class QueueFull(Exception):
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, metrics: ServerMetrics, max_queue: int = 128, speculation: bool = True) -> None:
+    def __init__(self, engine: Engine, metrics: ServerMetrics, max_queue: int = 128, speculation: bool = True,
+                 max_prefill_tokens: int = 1024) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        if max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
+        # prompt tokens admitted per engine call (at least one request): between calls the batch
+        # takes a decoding step and cancellations take effect, so a burst of long prompts neither
+        # stalls the running sequences nor keeps the engine busy with requests whose clients left
+        self.max_prefill_tokens = max_prefill_tokens
         self.engine = engine
         self.metrics = metrics
         self.max_queue = max_queue
@@ -180,10 +187,14 @@ class Scheduler:
             self._finish(h, "abort")
 
     def _admit(self) -> None:
-        """Admit as many queued requests as there are free slots, prefilled in one batched pass."""
+        """Admit queued requests into free slots, prefilled in one batched pass of at most
+        ``max_prefill_tokens`` prompt tokens (always at least one request)."""
         batch: list[Handle] = []
+        tokens = 0
         with self._cond:
             while self._queue and len(batch) < self.engine.free_slots():
+                if batch and tokens + len(self._queue[0].prompt_ids) > self.max_prefill_tokens:
+                    break
                 h = self._queue.popleft()
                 if h.cancelled:
                     self.metrics.finished(h, "abort")
@@ -191,6 +202,7 @@ class Scheduler:
                 try:
                     self.engine.validate(h.prompt_ids, h.params)  # checked on arrival too; fail only this one
                     batch.append(h)
+                    tokens += len(h.prompt_ids)
                 except RequestError as exc:
                     self._fail(h, APIError(400, str(exc)))
         if not batch:
