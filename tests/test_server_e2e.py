@@ -417,23 +417,34 @@ def test_prefill_is_admitted_in_token_bounded_groups():
     eng.step = lambda: gate.wait(30) and step()
     eng.add_batch = lambda requests: sizes.append(len(requests)) or add_batch(requests)
     body = {"prompt": "abc", "max_tokens": 8, "ignore_eos": True, "temperature": 0}  # 3 prompt tokens each
+    long = body | {"max_tokens": MAX_LEN - 3}  # still running when the others arrive
+
+    async def until(condition, what):
+        deadline = time.monotonic() + 20
+        while not condition():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.01)
 
     async def run(s):
         async with _client(s) as client:
-            first = asyncio.ensure_future(client.post("/v1/completions", json=body))
-            while not sizes:  # the first request is admitted; hold the engine in its first step
-                await asyncio.sleep(0.01)
-            gate.clear()
+            first = asyncio.ensure_future(client.post("/v1/completions", json=long))
+            await until(lambda: sizes, "the first request was not admitted")
+            gate.clear()  # hold the engine in its next step
             rest = [asyncio.ensure_future(client.post("/v1/completions", json=body)) for _ in range(3)]
-            while s.scheduler.state()["queued"] < 3:
-                await asyncio.sleep(0.01)
+            # all three are in (one may have been admitted by a step that began before the gate closed)
+            await until(lambda: len(sizes) - 1 + s.scheduler.state()["queued"] == 3, "the requests did not arrive")
             gate.set()
             return await asyncio.gather(first, *rest)
 
     with serve(eng, max_prefill_tokens=5) as s:
-        responses = asyncio.run(run(s))
+        try:
+            responses = asyncio.run(run(s))
+        finally:
+            gate.set()
+    assert responses[0].json()["choices"][0]["text"] == reference(ids("abc"), max_new_tokens=MAX_LEN - 3,
+                                                                 ignore_eos=True)[0]
     text = reference(ids("abc"), max_new_tokens=8, ignore_eos=True)[0]
-    assert [r.json()["choices"][0]["text"] for r in responses] == [text] * 4
+    assert [r.json()["choices"][0]["text"] for r in responses[1:]] == [text] * 3
     assert sizes == [1, 1, 1, 1]  # 3 + 3 tokens > 5: one request per engine call
 
 
