@@ -11,6 +11,7 @@ import argparse
 import json
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 SETTINGS_KEYS = ("target", "draft", "dtype", "max_new_tokens", "ignore_eos", "seed", "draft_schedule")
@@ -207,7 +208,7 @@ def make_backend(pair, args: argparse.Namespace, max_context: int):
 
     from specdecode.bench.baselines import HFBaseline
     from specdecode.bench.runner import Backend
-    from specdecode.build import EngineConfig, engine_from_pair
+    from specdecode.build import config_from_args, engine_from_pair
     from specdecode.engine import default_eos_ids
 
     engines: dict[int, object] = {}
@@ -217,9 +218,8 @@ def make_backend(pair, args: argparse.Namespace, max_context: int):
     def engine_for(k: int):
         if k not in engines:
             draft = args.draft if k else None
-            engines[k] = engine_from_pair(pair, EngineConfig(
-                args.target, draft, k, args.dtype, 1, max_context, args.draft_policy, args.max_draft_tokens,
-                args.draft_confidence, args.verify_budget))
+            cfg = replace(config_from_args(args), draft=draft, num_draft_tokens=k, max_context=max_context)
+            engines[k] = engine_from_pair(pair, cfg)
         return engines[k]
 
     def hf_for(assisted: bool) -> HFBaseline:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 from specdecode.check.common import DEFAULT_E2E_SETTINGS, DEFAULT_LAW_SETTINGS, CheckConfig, Setting
 
@@ -125,7 +126,8 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from specdecode.bench.prompts import PromptSetError
-    from specdecode.build import EngineConfig, PairError, engine_from_pair, load_pair
+    from specdecode.build import PairError, engine_from_pair, load_pair
+    from specdecode.build import config_from_args as engine_config
     from specdecode.check.common import TqdmProgress
     from specdecode.check.prefix import reuse_prefills
     from specdecode.check.runner import run_check
@@ -143,9 +145,9 @@ def main(args: argparse.Namespace) -> int:
     store: dict = {}
 
     def factory(k: int, batch: int):
-        engine = engine_from_pair(pair, EngineConfig(args.target, args.draft if k else None, k, args.dtype, batch, max_context,
-                                                      args.draft_policy, args.max_draft_tokens, args.draft_confidence,
-                                                      args.verify_budget))
+        engine_cfg = replace(engine_config(args, batch), draft=args.draft if k else None, num_draft_tokens=k,
+                             max_context=max_context)
+        engine = engine_from_pair(pair, engine_cfg)
         reuse_prefills(engine, store)
         return engine
 
