@@ -1,8 +1,8 @@
 """How many tokens to draft for each sequence at each step.
 
 A policy answers ``num_draft(seq, batch_size)`` before a step, hears ``observe(seq, drafted,
-accepted)`` after it, and ``forget(seq)`` when the sequence finishes. It only changes speed, never the output law: verification is exact for any
-draft length.
+accepted)`` after it, and ``forget(seq)`` when the sequence finishes. It only changes speed, never
+the output law: verification is exact for any draft length.
 """
 
 from __future__ import annotations

@@ -56,9 +56,9 @@ def test_adaptive_drafts_grow_with_acceptance_and_keep_greedy_output():
     assert sum(n.stats.accepted for n in noisy) < sum(n.stats.drafted for n in noisy)
 
 
-def _confident_engine(target, draft, k, confidence, slots=3, max_len=128, vocab=None):
+def _confident_engine(target, draft, k, confidence, slots=3, max_len=128):
     runner = lambda m: ModelRunner(m, slots, max_len + k + 1)  # noqa: E731
-    return Engine(runner(target), vocab or TOK, DraftModelDrafter(runner(draft), confidence=confidence),
+    return Engine(runner(target), TOK, DraftModelDrafter(runner(draft), confidence=confidence),
                   FixedPolicy(k), max_context=max_len)
 
 

@@ -86,7 +86,6 @@ class DraftModelDrafter:
         for i, s in enumerate(active):
             if not s.params.greedy:
                 uniforms[i, : ks[i]] = torch.rand(ks[i], generator=s.generator)
-        greedy_rows = torch.tensor([p.greedy for p in params])
         step_probs = []
         next_pos = torch.tensor([len(s.token_ids) for s in active])
         j = 0
@@ -100,7 +99,7 @@ class DraftModelDrafter:
                 step_probs.append(p)
             tokens[rows, j] = tok
             if self.confidence > 0:
-                ks = self._stop_unsure(ks, j, logits, p if not all_greedy else None, tok, greedy_rows)
+                ks = self._stop_unsure(ks, j, logits, None if all_greedy else p, tok, params)
             j += 1
             if j < max(ks):
                 hidden = self.runner.forward(slots, tok[:, None], (next_pos + j - 1)[:, None])[:, 0]
@@ -120,11 +119,14 @@ class DraftModelDrafter:
         return Proposal(tokens[:, :width], probs, torch.tensor(num, dtype=torch.long))
 
     def _stop_unsure(self, ks: list[int], j: int, logits: torch.Tensor, probs: torch.Tensor | None,
-                     tok: torch.Tensor, greedy_rows: torch.Tensor) -> list[int]:
-        """End the chain of each row whose j-th token has draft probability below the threshold."""
-        conf = torch.softmax(logits, dim=-1).gather(1, tok[:, None])[:, 0]
-        if probs is not None:
-            conf = torch.where(greedy_rows, conf, probs.gather(1, tok[:, None])[:, 0])
+                     tok: torch.Tensor, params) -> list[int]:
+        """End the chain of each row whose j-th token has draft probability below the threshold:
+        the warped probability it was sampled with, or for greedy rows the draft's softmax."""
+        greedy = torch.tensor([p.greedy for p in params])
+        conf = probs.gather(1, tok[:, None])[:, 0] if probs is not None else torch.zeros(len(params))
+        if greedy.any():
+            soft = torch.softmax(logits[greedy], dim=-1).gather(1, tok[greedy, None])[:, 0]
+            conf[greedy] = soft
         return [j + 1 if j < k and c < self.confidence else k for k, c in zip(ks, conf.tolist())]
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:  # [b, V_draft] -> [b, V_target]
