@@ -129,3 +129,16 @@ def test_budget_policy_under_a_shrinking_batch_keeps_greedy_output():
     outs = _engine(target, perturbed_copy(target, 0.1), policy, slots=4).generate(prompts, params)
     assert [o.token_ids for o in outs] == [b.token_ids for b in base]
     assert {b: k for b, k in policy.calls} == {4: 1, 3: 1, 2: 3, 1: 5}  # 8 // B - 1, at most 5
+
+
+def test_draft_confidence_in_a_mixed_greedy_and_sampled_batch():
+    target = make_model(V, seed=4)
+    draft = perturbed_copy(target, 0.3)
+    greedy = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, seed=3, max_new_tokens=30, ignore_eos=True)
+    base = make_engine(target, TOK, num_slots=3).generate([[1, 2, 3]], [greedy])[0]
+    mixed = _confident_engine(target, draft, 6, 0.5).generate([[1, 2, 3], [4, 5]], [greedy, sampled])
+    assert mixed[0].token_ids == base.token_ids  # the greedy row's chain ends on its own softmax
+    alone = _confident_engine(target, draft, 6, 0.5).generate([[1, 2, 3]], [greedy])[0]
+    assert mixed[0].stats.drafted == alone.stats.drafted  # same stopping decisions with a sampled neighbour
+    assert mixed[0].stats.drafted < 6 * mixed[0].stats.target_steps
