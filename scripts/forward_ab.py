@@ -1,4 +1,4 @@
-"""A/B of one forward pass: specdecode's ModelRunner vs the transformers model with a DynamicCache,
+"""A/B of one forward pass: specdecode's HFRunner vs the transformers model with a DynamicCache,
 in one process, interleaved (1 token and 5 tokens at context 200; a 64-token prefill).
 
 Usage: python scripts/forward_ab.py [MODEL] [DTYPE] [THREADS]   (default qwen2.5-coder-1.5b bfloat16 1)
@@ -12,13 +12,13 @@ import torch
 from transformers import DynamicCache
 
 from specdecode.models.loading import load_model
-from specdecode.models.runner import ModelRunner
+from specdecode.models.hf import HFRunner
 
 name = sys.argv[1] if len(sys.argv) > 1 else "qwen2.5-coder-1.5b"
 dtype = getattr(torch, sys.argv[2] if len(sys.argv) > 2 else "bfloat16")
 torch.set_num_threads(int(sys.argv[3]) if len(sys.argv) > 3 else 1)
 model, _ = load_model(name, dtype)
-runner = ModelRunner(model, 1, 4101)
+runner = HFRunner(model, 1, 4101)
 ctx = list(range(1000, 1200))
 slot = torch.tensor([0])
 
@@ -40,9 +40,9 @@ with torch.inference_mode():
 
     res: dict[str, list[float]] = {}
     for _ in range(4):
-        res.setdefault("ours, 1 token", []).append(timed(lambda: runner.logits(runner.forward(slot, torch.tensor([[5]]), torch.tensor([[200]])))))
+        res.setdefault("ours, 1 token", []).append(timed(lambda: runner.logits(runner.forward(slot, torch.tensor([[5]]), torch.tensor([[200]])).hidden)))
         res.setdefault("transformers, 1 token", []).append(timed(hf_step))
-        res.setdefault("ours, 5 tokens", []).append(timed(lambda: runner.logits(runner.forward(slot, torch.tensor([[5, 6, 7, 8, 9]]), torch.arange(200, 205)[None]))))
+        res.setdefault("ours, 5 tokens", []).append(timed(lambda: runner.logits(runner.forward(slot, torch.tensor([[5, 6, 7, 8, 9]]), torch.arange(200, 205)[None]).hidden)))
     prompt = list(range(1000, 1064))
     for _ in range(2):
         res.setdefault("ours, 64-token prefill", []).append(timed(lambda: runner.prefill([0], [prompt])))

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from specdecode.models.loading import load_model
-from specdecode.models.runner import ModelRunner
+from specdecode.models.hf import HFRunner
 
 name = sys.argv[1] if len(sys.argv) > 1 else "qwen2.5-coder-1.5b"
 torch.set_num_threads(int(sys.argv[2]) if len(sys.argv) > 2 else 1)
@@ -57,12 +57,12 @@ class OneDNNLinear(nn.Module):
 
 
 model, _ = load_model(name, torch.float32)
-runner = ModelRunner(model, 1, 1024)
+runner = HFRunner(model, 1, 1024)
 slot = torch.tensor([0])
 
 
 def forward(m: int):
-    return runner.logits(runner.forward(slot, torch.arange(5, 5 + m)[None], torch.arange(200, 200 + m)[None]))
+    return runner.logits(runner.forward(slot, torch.arange(5, 5 + m)[None], torch.arange(200, 200 + m)[None]).hidden)
 
 
 with torch.inference_mode():

@@ -7,39 +7,12 @@ import argparse
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from specdecode.models.device import device_arg, dtype_arg, resolve_device, resolve_dtype
+
 if TYPE_CHECKING:
     import torch
 
     from specdecode.engine import Engine
-
-DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
-
-
-def native_bf16() -> bool:
-    """True where bf16 matrix products run natively (CUDA, or a CPU with AVX512-BF16 / AMX-BF16).
-
-    Elsewhere (e.g. AVX2-only CPUs) a bf16 matmul is compute-bound: verifying k + 1 tokens costs about
-    k + 1 single-token steps, so speculation cannot pay (measured in docs/benchmarks.md).
-    """
-    import torch
-
-    if torch.cuda.is_available():
-        return True
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_dtype(name: str) -> str:
-    """'auto' -> bfloat16 where it is native (see :func:`native_bf16`), else float32; aliases -> canonical."""
-    if name == "auto":
-        return "bfloat16" if native_bf16() else "float32"
-    if name not in DTYPES:
-        raise argparse.ArgumentTypeError(f"unknown dtype {name!r}: choose auto, {', '.join(sorted(DTYPES))}")
-    return DTYPES[name]
 
 
 class PairError(ValueError):
@@ -49,9 +22,10 @@ class PairError(ValueError):
 @dataclass
 class EngineConfig:
     target: str
-    draft: str | None = None  # a model spec, "ngram" for prompt lookup, or None for target-only
+    draft: str | None = None  # a drafter spec (see specdecode.drafters), or None for target-only
     num_draft_tokens: int = 4
-    dtype: str = "auto"
+    dtype: str = "auto"  # decided for the device (specdecode.models.device)
+    device: str = "auto"  # auto: CUDA when present, else the CPU
     max_batch_size: int = 1
     max_context: int | None = None  # default: min(model context, 4096)
     draft_policy: str = "fixed"  # "fixed": always num_draft_tokens; "acceptance": adapt per sequence
@@ -64,7 +38,7 @@ class EngineConfig:
 class LoadedPair:
     target: "torch.nn.Module"
     tokenizer: object
-    draft: "torch.nn.Module | None"
+    draft: "torch.nn.Module | None"  # the draft model, for drafters that load one
     draft_tokenizer: object | None
 
 
@@ -72,11 +46,14 @@ def add_model_arguments(parser: argparse.ArgumentParser, draft_required: bool = 
     g = parser.add_argument_group("models")
     g.add_argument("--target", required=True, help="alias, local dir, .gguf file or hub id of the target model")
     g.add_argument("--draft", required=draft_required, default=None,
-                   help="draft model (alias/dir/.gguf/hub id) or 'ngram' for prompt lookup; omit for target-only")
+                   help="draft model (alias/dir/.gguf/hub id), 'ngram' (or ngram:MAX, ngram:MIN-MAX) for prompt "
+                        "lookup" + ("" if draft_required else "; omit for target-only"))
     g.add_argument("--num-draft-tokens", "-k", type=int, default=4, help="tokens drafted per step (default 4)")
-    g.add_argument("--dtype", type=resolve_dtype, default="auto",
-                   help="bfloat16 | float32 | auto (default: bfloat16 where the hardware has native bf16 "
-                        "matmuls, else float32)")
+    g.add_argument("--device", type=device_arg, default="auto",
+                   help="auto | cpu | cuda | cuda:N (default auto: CUDA when present, else the CPU)")
+    g.add_argument("--dtype", type=dtype_arg, default="auto",
+                   help="bfloat16 | float16 | float32 | auto (default: bfloat16 where the device has native bf16 "
+                        "matmuls (CUDA, AVX512-BF16/AMX CPUs), else float32)")
     g.add_argument("--max-context", type=int, default=None, help="max prompt+generated tokens (default min(model, 4096))")
     g.add_argument("--draft-policy", choices=("fixed", "acceptance"), default="fixed",
                    help="fixed: always -k tokens; acceptance: start at -k, +2 after a fully accepted step, "
@@ -92,61 +69,66 @@ def add_model_arguments(parser: argparse.ArgumentParser, draft_required: bool = 
 
 
 def config_from_args(args: argparse.Namespace, max_batch_size: int = 1) -> EngineConfig:
-    return EngineConfig(args.target, args.draft, args.num_draft_tokens, args.dtype, max_batch_size, args.max_context,
+    return EngineConfig(args.target, args.draft, args.num_draft_tokens, args.dtype, getattr(args, "device", "auto"),
+                        max_batch_size, args.max_context,
                         getattr(args, "draft_policy", "fixed"), getattr(args, "max_draft_tokens", 16),
                         getattr(args, "draft_confidence", 0.0), getattr(args, "verify_budget", 0))
 
 
-def load_pair(target: str, draft: str | None, dtype: str = "bfloat16") -> LoadedPair:
-    import torch
-
+def load_pair(target: str, draft: str | None, dtype: str = "auto", device: str = "auto") -> LoadedPair:
+    """Load the target and, when the drafter spec names a model, the draft model, on ``device``
+    (``auto``: CUDA when present) in ``dtype`` (``auto``: decided for that device)."""
+    from specdecode.drafters import parse_draft
     from specdecode.models.loading import load_model, tokenizers_compatible
 
-    torch_dtype = getattr(torch, resolve_dtype(dtype))
-    target_model, tokenizer = load_model(target, torch_dtype)
-    if draft is None or draft == "ngram":
+    spec = parse_draft(draft) if draft else None  # a bad spec fails before anything loads
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    target_model, tokenizer = load_model(target, torch_dtype, dev)
+    if spec is None or not spec.loads_model:
         return LoadedPair(target_model, tokenizer, None, None)
-    draft_model, draft_tokenizer = load_model(draft, torch_dtype)
+    draft_model, draft_tokenizer = load_model(spec.arg, torch_dtype, dev)
     problem = tokenizers_compatible(tokenizer, draft_tokenizer, target_model, draft_model)
     if problem:
         raise PairError(f"draft {draft!r} cannot draft for target {target!r}: {problem}")
     return LoadedPair(target_model, tokenizer, draft_model, draft_tokenizer)
 
 
-def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
-    from specdecode.drafters.draft_model import DraftModelDrafter
-    from specdecode.drafters.ngram import NgramDrafter
-    from specdecode.engine import Engine
-    from specdecode.models.runner import ModelRunner
+def make_policy(cfg: EngineConfig):
     from specdecode.policy import AcceptancePolicy, BudgetPolicy, FixedPolicy
 
     if cfg.num_draft_tokens < 0:
         raise ValueError(f"--num-draft-tokens must be >= 0, got {cfg.num_draft_tokens}")
-    model_ctx = getattr(pair.target.config, "max_position_embeddings", 4096)
-    max_context = cfg.max_context or min(model_ctx, 4096)
-    if max_context > model_ctx:
-        raise ValueError(f"max context {max_context} exceeds the model's {model_ctx}")
+    if cfg.draft_policy not in ("fixed", "acceptance"):
+        raise ValueError(f"unknown draft policy {cfg.draft_policy!r}")
+    if cfg.verify_budget < 0:
+        raise ValueError(f"--verify-budget must be >= 0, got {cfg.verify_budget}")
     k = cfg.num_draft_tokens if cfg.draft else 0
     policy = FixedPolicy(k)
     if cfg.draft and cfg.draft_policy == "acceptance":
         policy = AcceptancePolicy(start_k=k, max_k=max(k, cfg.max_draft_tokens))
-    elif cfg.draft_policy not in ("fixed", "acceptance"):
-        raise ValueError(f"unknown draft policy {cfg.draft_policy!r}")
-    if cfg.verify_budget < 0:
-        raise ValueError(f"--verify-budget must be >= 0, got {cfg.verify_budget}")
     if cfg.verify_budget:
         policy = BudgetPolicy(policy, cfg.verify_budget)
-    longest = policy.max_k
-    cache_len = max_context + longest + 1  # room for a padded verify window at the very end
-    target = ModelRunner(pair.target, cfg.max_batch_size, cache_len)
+    return policy
+
+
+def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
+    from specdecode.drafters import DraftContext, build_drafter
+    from specdecode.engine import Engine
+    from specdecode.models.hf import HFRunner
+
+    policy = make_policy(cfg)
+    model_ctx = getattr(pair.target.config, "max_position_embeddings", 4096)
+    max_context = cfg.max_context or min(model_ctx, 4096)
+    if max_context > model_ctx:
+        raise ValueError(f"max context {max_context} exceeds the model's {model_ctx}")
+    target = HFRunner(pair.target)  # the engine sizes its cache
     drafter = None
-    if cfg.draft == "ngram":
-        drafter = NgramDrafter()
-    elif pair.draft is not None:
-        drafter = DraftModelDrafter(ModelRunner(pair.draft, cfg.max_batch_size, cache_len), target.vocab_size,
-                                    cfg.draft_confidence)
+    if cfg.draft:
+        make_draft = (lambda: HFRunner(pair.draft)) if pair.draft is not None else None
+        drafter = build_drafter(cfg.draft, DraftContext(target, cfg, make_draft))
     return Engine(target, pair.tokenizer, drafter, policy, max_batch_size=cfg.max_batch_size, max_context=max_context)
 
 
 def build_engine(cfg: EngineConfig) -> "Engine":
-    return engine_from_pair(load_pair(cfg.target, cfg.draft, cfg.dtype), cfg)
+    return engine_from_pair(load_pair(cfg.target, cfg.draft, cfg.dtype, cfg.device), cfg)

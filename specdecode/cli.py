@@ -39,6 +39,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if hasattr(args, "device") and hasattr(args, "dtype"):  # the model commands: decide auto once, for reports
+        from specdecode.models.device import dtype_name, resolve_device
+
+        try:
+            device = resolve_device(args.device)
+        except ValueError as exc:
+            print(f"specdecode: {exc}", file=sys.stderr)
+            return 2
+        args.device, args.dtype = str(device), dtype_name(args.dtype, device)
     try:
         return int(args._module.main(args) or 0)
     except KeyboardInterrupt:

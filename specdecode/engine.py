@@ -8,6 +8,12 @@ Target-only decoding is the same loop with ``k = 0``.
 
 Running sequences always occupy slots ``0 .. n-1`` in order; when one finishes, the last one is
 moved into its slot, so every forward addresses a contiguous block of the cache.
+
+The engine talks to models only through the runner interface (:mod:`specdecode.models.base`) and to
+drafters only through their protocol (:mod:`specdecode.drafters.base`); it sizes the caches itself
+(context + the longest verify window), verifies with an injected :class:`~specdecode.verify.Verifier`,
+and hands a drafter that asks for them the target's hidden states of every token it caches. Every
+tensor it builds lives on the target's device; random draws come from per-request CPU generators.
 """
 
 from __future__ import annotations
@@ -19,13 +25,13 @@ from typing import Iterator
 
 import torch
 
-from specdecode.drafters.base import Drafter
+from specdecode.drafters.base import Drafter, Proposal, TargetFeatures
 from specdecode.metrics import SpecStats
-from specdecode.models.runner import ModelRunner
-from specdecode.policy import DraftPolicy, FixedPolicy
+from specdecode.models.base import Runner
+from specdecode.policy import DraftPolicy, FixedPolicy, SwitchPolicy
 from specdecode.sampling import SamplingParams, make_generator, params_tensors, warp
 from specdecode.text import IncrementalText
-from specdecode.verify import verify_greedy, verify_speculative
+from specdecode.verify import Verifier
 
 
 class RequestError(ValueError):
@@ -58,6 +64,8 @@ class StepEvent:
     seq: Sequence
     new_token_ids: list[int]
     finished: bool
+    drafted: int = 0  # draft tokens verified for this sequence in the step
+    accepted: int = 0  # of which accepted
 
 
 @dataclass
@@ -73,23 +81,63 @@ class Output:
 class Engine:
     def __init__(
         self,
-        target: ModelRunner,
+        target: Runner,
         tokenizer,
         drafter: Drafter | None = None,
         policy: DraftPolicy | int = 0,
         eos_token_ids: set[int] | None = None,
         max_batch_size: int | None = None,
         max_context: int | None = None,
+        verifier: Verifier | None = None,
+        max_tree_nodes: int = 0,
     ) -> None:
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter
-        self.policy = FixedPolicy(policy if drafter is not None else 0) if isinstance(policy, int) else policy
-        self.eos_token_ids = set(eos_token_ids if eos_token_ids is not None else default_eos_ids(target.model, tokenizer))
-        self.max_batch_size = max_batch_size or target.cache.num_slots
-        self.max_context = max_context or target.max_len
+        inner = FixedPolicy(policy if drafter is not None else 0) if isinstance(policy, int) else policy
+        # the policy says how many tokens to draft; its switch turns drafting off server-wide or per request
+        self.policy = self.switch = SwitchPolicy(inner)
+        self.verifier = verifier or Verifier()
+        self.eos_token_ids = set(eos_token_ids if eos_token_ids is not None else default_eos_ids(target, tokenizer))
+        self.device = target.device
+        # the verify window: the pending token plus the longest chain or largest tree a step may carry
+        self.window = max(inner.max_k, max_tree_nodes) + 1
+        self.max_batch_size = max_batch_size or target.num_slots or 1
+        if max_context is None:
+            if not target.max_len:
+                raise ValueError("max_context is needed when the runner has no cache yet")
+            max_context = target.max_len - self.window
+        if max_context < 1:
+            raise ValueError(f"max_context must be >= 1, got {max_context}")
+        self.max_context = max_context
+        target.ensure_capacity(self.max_batch_size, max_context + self.window)
+        if drafter is not None:
+            drafter.reserve(self.max_batch_size, max_context + self.window)
+        self.feature_layers = tuple(drafter.feature_layers) if drafter is not None else ()
         self.running: list[Sequence] = []
         self._ids = itertools.count()
+
+    def runners(self) -> dict[str, Runner]:
+        """Every model runner in use, by role: ``target`` and whatever the drafter owns."""
+        return {"target": self.target, **(self.drafter.runners() if self.drafter is not None else {})}
+
+    def isolate_drafter_faults(self, on_failure=lambda where: None) -> None:
+        """From now on a drafter exception is absorbed: the rows involved decode target-only for the
+        rest of their request (see :class:`specdecode.drafters.guard.GuardedDrafter`)."""
+        from specdecode.drafters.guard import GuardedDrafter
+
+        if self.drafter is not None and not isinstance(self.drafter, GuardedDrafter):
+            if self.running:
+                raise RuntimeError("isolate drafter faults before admitting requests")
+            self.drafter = GuardedDrafter(self.drafter, on_failure)
+
+    @property
+    def draft_slots_used(self) -> int:
+        """Slots the drafter holds state for (after a drafter fault, fewer than the running ones)."""
+        if self.drafter is None:
+            return 0
+        live = getattr(self.drafter, "live", None)  # a GuardedDrafter knows
+        return len(live) if live is not None else len(self.running)
 
     # -- admission ------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -117,7 +165,7 @@ class Engine:
     def add_batch(self, requests: list[tuple[list[int], SamplingParams, str | None]]) -> list[Sequence]:
         """Admit requests into free slots and prefill target and drafter in one batched pass each
         (every prompt token but the last, which becomes the pending token)."""
-        for prompt_ids, params, _ in requests:
+        for prompt_ids, params, *_ in requests:
             self.validate(prompt_ids, params)
         if len(self.running) + len(requests) > self.max_batch_size:
             raise RuntimeError("not enough free slots: check free_slots() first")
@@ -135,9 +183,12 @@ class Engine:
         ]
         t0 = time.perf_counter()
         slots = [s.slot for s in seqs]
-        self.target.prefill(slots, [s.prompt_ids[:-1] for s in seqs])
+        cached = [s.prompt_ids[:-1] for s in seqs]
+        feats = self.target.prefill(slots, cached, self.feature_layers)
         if self.drafter is not None:
             self.drafter.start(slots, [s.prompt_ids for s in seqs])
+            if self.feature_layers:
+                self.drafter.observe(slots, [TargetFeatures(0, c, f) for c, f in zip(cached, feats)])
         elapsed = time.perf_counter() - t0
         for s in seqs:
             s.stats.prefill_s += elapsed
@@ -154,33 +205,34 @@ class Engine:
         seqs = self.running
         if not seqs:
             return []
-        bsz = len(seqs)
+        bsz, dev = len(seqs), self.device
         # never draft past the token budget (the step emits k + 1 tokens at most)
         ks = [max(0, min(self.policy.num_draft(s, bsz), s.params.max_new_tokens - len(s.output_ids) - 1)) for s in seqs]
 
         t0 = time.perf_counter()
-        if self.drafter is not None and any(ks):
-            proposal = self.drafter.propose(seqs, ks)
-            drafts, draft_probs, num_draft = proposal.tokens, proposal.probs, proposal.num_tokens
-        else:
-            drafts, draft_probs, num_draft = torch.zeros(bsz, 0, dtype=torch.long), None, torch.zeros(bsz, dtype=torch.long)
+        proposal = self.drafter.propose(seqs, ks) if self.drafter is not None and any(ks) else Proposal.empty(bsz)
+        if proposal.parents is not None:
+            raise NotImplementedError(f"drafter {self.drafter.name!r} proposed a tree: tree verification is not built yet")
+        drafts, num_draft = proposal.tokens.to(dev), proposal.num_tokens.to(dev)
+        draft_probs = None if proposal.probs is None else proposal.probs.to(dev)
         t1 = time.perf_counter()
 
         k = drafts.shape[1]
-        ids = torch.cat([torch.tensor([[s.token_ids[-1]] for s in seqs]), drafts], dim=1)  # [B, k+1]
-        start = torch.tensor([len(s.token_ids) - 1 for s in seqs])
-        positions = start[:, None] + torch.arange(k + 1)[None, :]  # [B, k+1]
-        slots = torch.arange(bsz)
-        logits = self.target.logits(self.target.forward(slots, ids, positions))  # [B, k+1, V]
+        ids = torch.cat([torch.tensor([[s.token_ids[-1]] for s in seqs], device=dev), drafts], dim=1)  # [B, k+1]
+        start = torch.tensor([len(s.token_ids) - 1 for s in seqs], device=dev)
+        positions = start[:, None] + torch.arange(k + 1, device=dev)[None, :]  # [B, k+1]
+        out = self.target.forward(torch.arange(bsz, device=dev), ids, positions, layers=self.feature_layers)
+        logits = self.target.logits(out.hidden)  # [B, k+1, V]
 
         if all(s.params.greedy for s in seqs):
-            result = verify_greedy(drafts, logits.argmax(-1), num_draft)
+            result = self.verifier.greedy(drafts, logits.argmax(-1), num_draft)
         else:
             temperature, top_k, top_p = (x.repeat_interleave(k + 1) for x in params_tensors([s.params for s in seqs]))
             target_probs = warp(logits.flatten(0, 1), temperature, top_k, top_p).view(bsz, k + 1, -1)
             if draft_probs is not None and draft_probs.shape[-1] != target_probs.shape[-1]:
                 raise RuntimeError("draft and target distributions have different vocabulary sizes")
-            result = verify_speculative(drafts, draft_probs, target_probs, num_draft, self._uniforms(seqs, num_draft, k))
+            uniforms = self._uniforms(seqs, num_draft.tolist(), k).to(dev)
+            result = self.verifier.speculative(drafts, draft_probs, target_probs, num_draft, uniforms)
         t2 = time.perf_counter()
 
         tokens = result.tokens.tolist()
@@ -188,22 +240,32 @@ class Engine:
         n_draft = num_draft.tolist()
         events = []
         for b, seq in enumerate(seqs):
+            cached = len(seq.token_ids) - 1
             new = self._append(seq, tokens[b][: accepted[b] + 1])
+            # the target now holds the pending token and the accepted drafts; the rest is stale
+            self.target.truncate(seq.slot, cached + accepted[b] + 1)
             seq.stats.record_step(n_draft[b], accepted[b], len(new))
             self.policy.observe(seq, n_draft[b], accepted[b])
             seq.stats.draft_s += t1 - t0
             seq.stats.verify_s += t2 - t1
-            events.append(StepEvent(seq, new, seq.finished))
+            events.append(StepEvent(seq, new, seq.finished, n_draft[b], accepted[b]))
+        if self.feature_layers:
+            live = [(b, s) for b, s in enumerate(seqs) if not s.finished]
+            if live:
+                self.drafter.observe([s.slot for _, s in live], [
+                    TargetFeatures(len(s.token_ids) - 2 - accepted[b], ids[b, : accepted[b] + 1].tolist(),
+                                   {layer: h[b, : accepted[b] + 1] for layer, h in out.features.items()})
+                    for b, s in live])
         for ev in events:
             if ev.finished:
                 self._release(ev.seq)
         return events
 
-    def _uniforms(self, seqs: list[Sequence], num_draft: torch.Tensor, k: int) -> torch.Tensor:
+    def _uniforms(self, seqs: list[Sequence], num_draft: list[int], k: int) -> torch.Tensor:
         """[B, k+1]: each row draws its own ``num_draft + 1`` uniforms from its own generator, so a
-        seeded sequence's randomness does not depend on the rest of the batch."""
+        seeded sequence's randomness does not depend on the rest of the batch (nor on the device)."""
         out = torch.zeros(len(seqs), k + 1)
-        for b, (seq, n) in enumerate(zip(seqs, num_draft.tolist())):
+        for b, (seq, n) in enumerate(zip(seqs, num_draft)):
             if seq.params.greedy:
                 continue
             u = torch.rand(n + 1, generator=seq.generator)
@@ -234,7 +296,7 @@ class Engine:
         if self.drafter is not None:
             self.drafter.release(seq.slot)
         if last is not seq:  # keep slots contiguous: move the last sequence into the freed slot
-            self.target.cache.copy_slot(last.slot, i, len(last.token_ids) - 1)
+            self.target.copy_slot(last.slot, i, len(last.token_ids) - 1)
             if self.drafter is not None:
                 self.drafter.move(last.slot, i)
             last.slot = i
@@ -264,12 +326,12 @@ class Engine:
         return [done[str(i)] for i in range(len(prompts))]
 
 
-def default_eos_ids(model, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    gen_cfg = getattr(model, "generation_config", None)
-    for source in (getattr(gen_cfg, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif source:
-            ids.update(int(x) for x in source)
+def default_eos_ids(target: Runner, tokenizer) -> set[int]:
+    """The target's generation-config EOS ids and the tokenizer's."""
+    ids = set(target.eos_token_ids)
+    source = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(source, int):
+        ids.add(source)
+    elif source:
+        ids.update(int(x) for x in source)
     return ids

@@ -91,3 +91,34 @@ class BudgetPolicy:
 
     def forget(self, seq) -> None:
         self.inner.forget(seq)
+
+
+class SwitchPolicy:
+    """Turns drafting off around another policy: everywhere (``enabled = False``, the server's
+    ``--no-speculation``) or for chosen requests (``opt_out(request_id)``, a request's
+    ``"speculation": false``). Every engine has one around its policy (``Engine.switch``)."""
+
+    def __init__(self, inner: DraftPolicy) -> None:
+        self.inner, self.max_k = inner, inner.max_k
+        self.enabled = True
+        self._opted_out: set[str] = set()
+
+    def opt_out(self, request_id: str) -> None:
+        self._opted_out.add(request_id)
+
+    def clear(self, request_id: str) -> None:
+        """Forget an opt-out (a request that ends before it was admitted)."""
+        self._opted_out.discard(request_id)
+
+    def drafts_for(self, seq) -> bool:
+        return self.enabled and getattr(seq, "request_id", None) not in self._opted_out
+
+    def num_draft(self, seq, batch_size: int) -> int:
+        return self.inner.num_draft(seq, batch_size) if self.drafts_for(seq) else 0
+
+    def observe(self, seq, drafted: int, accepted: int) -> None:
+        self.inner.observe(seq, drafted, accepted)
+
+    def forget(self, seq) -> None:
+        self._opted_out.discard(getattr(seq, "request_id", None))
+        self.inner.forget(seq)

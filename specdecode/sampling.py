@@ -55,7 +55,10 @@ class SamplingParams:
 
 
 def make_generator(seed: int | None) -> torch.Generator:
-    """A per-request CPU generator; an unseeded request gets fresh OS entropy."""
+    """A per-request CPU generator; an unseeded request gets fresh OS entropy.
+
+    Random numbers are always drawn on the CPU (then moved to the model's device), so a seeded
+    request gives the same draws on every device and whatever else is in the batch."""
     g = torch.Generator()
     if seed is None:
         g.seed()
@@ -71,6 +74,7 @@ def warp(
     top_p: torch.Tensor,  # [N] float, 1 = off
 ) -> torch.Tensor:  # [N, V] float32 probabilities, rows sum to 1
     logits = logits.float()
+    temperature, top_k, top_p = (x.to(logits.device) for x in (temperature, top_k, top_p))
     greedy = temperature == 0
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
 
@@ -104,7 +108,7 @@ def sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     caller draws from per-request generators.
     """
     cdf = probs.double().cumsum(-1)  # [N, V]
-    target = uniforms.double()[:, None] * cdf[:, -1:]
+    target = uniforms.to(probs.device, torch.float64)[:, None] * cdf[:, -1:]
     idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
     return idx.clamp(max=probs.shape[-1] - 1)
 

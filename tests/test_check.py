@@ -11,9 +11,9 @@ from specdecode.check import CheckConfig, run_check
 from specdecode.check.report import FAIL, PASS, WEAK
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.engine import Engine
-from specdecode.models.runner import ModelRunner
+from specdecode.models.hf import HFRunner
 from specdecode.sampling import sample
-from specdecode.verify import verify_greedy, verify_speculative
+from specdecode.verify import Verifier, verify_greedy, verify_speculative
 from tiny import make_model, make_tokenizer, perturbed_copy
 
 V = 32
@@ -39,14 +39,17 @@ def pair():
     return target, perturbed_copy(target, noise=0.3, seed=3)
 
 
-def factory_for(pair, engine_cls=Engine, draft=None):
+def factory_for(pair, engine_cls=Engine, draft=None, speculative=None):
+    """Engines on the pair; ``speculative`` replaces the verifier's sampled rule (a fault to inject)."""
     target, default_draft = pair
     draft = default_draft if draft is None else draft
+    verifier = Verifier(speculative=speculative) if speculative is not None else None
 
     def factory(k: int, batch: int) -> Engine:
         max_len = 64
-        drafter = DraftModelDrafter(ModelRunner(draft, batch, max_len + k + 1)) if k else None
-        return engine_cls(ModelRunner(target, batch, max_len + k + 1), TOK, drafter, k, max_context=max_len)
+        drafter = DraftModelDrafter(HFRunner(draft)) if k else None
+        return engine_cls(HFRunner(target), TOK, drafter, k, max_batch_size=batch, max_context=max_len,
+                          verifier=verifier)
 
     return factory
 
@@ -110,17 +113,15 @@ def test_correct_engine_passes_every_part(pair):
     assert {(c["mode"], c["case"]) for c in cuts if c.get("inside_block")} >= {("greedy", "eos"), ("greedy", "stop")}
 
 
-def test_fault_acceptance_ignoring_temperature_fails_parts_1_and_2(pair, monkeypatch):
-    monkeypatch.setattr(engine_mod, "verify_speculative", verify_ignoring_temperature)
-    report = run_check(factory_for(pair), PROMPTS, CFG)
+def test_fault_acceptance_ignoring_temperature_fails_parts_1_and_2(pair):
+    report = run_check(factory_for(pair, speculative=verify_ignoring_temperature), PROMPTS, CFG)
     assert report.part(1).status == FAIL
     assert report.part(2).status == FAIL
     assert not report.passed
 
 
-def test_fault_skipping_the_residual_fails_part_1(pair, monkeypatch):
-    monkeypatch.setattr(engine_mod, "verify_speculative", verify_skipping_residual)
-    report = run_check(factory_for(pair), PROMPTS, CFG)
+def test_fault_skipping_the_residual_fails_part_1(pair):
+    report = run_check(factory_for(pair, speculative=verify_skipping_residual), PROMPTS, CFG)
     assert report.part(1).status == FAIL
     assert "law tests rejected" in report.part(1).summary
     assert report.part(3).status == PASS  # greedy decoding does not go through the faulty path
@@ -162,12 +163,11 @@ def test_draft_identical_to_target_reports_no_power(pair):
     assert not report.passed
 
 
-def test_engine_that_crashes_is_an_error_of_the_part(pair, monkeypatch):
+def test_engine_that_crashes_is_an_error_of_the_part(pair):
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(engine_mod, "verify_speculative", broken)
-    report = run_check(factory_for(pair), PROMPTS, CheckConfig(**{**CFG.__dict__, "parts": (1, 3)}))
+    report = run_check(factory_for(pair, speculative=broken), PROMPTS, CheckConfig(**{**CFG.__dict__, "parts": (1, 3)}))
     assert report.part(1).status == "ERROR" and "boom" in report.part(1).summary
     assert report.part(3).status == PASS and report.part(2).status == "SKIP"
     assert not report.passed

@@ -117,7 +117,7 @@ def tiny_pair(monkeypatch):
 
     target = make_model(V, seed=5, scale=0.5)
     pair = build.LoadedPair(target, make_tokenizer(V), perturbed_copy(target, 0.3, seed=3), make_tokenizer(V))
-    monkeypatch.setattr(build, "load_pair", lambda t, d, dtype="bfloat16": pair)
+    monkeypatch.setattr(build, "load_pair", lambda t, d, dtype="auto", device="auto": pair)
     return pair
 
 
@@ -142,7 +142,6 @@ def test_cli_passes_and_writes_the_evidence(tiny_pair, tmp_path, capsys):
 
 
 def test_cli_exit_code_is_1_when_a_part_fails(tiny_pair, tmp_path, monkeypatch):
-    import specdecode.engine as engine_mod
     from specdecode.sampling import sample
     from specdecode.verify import verify_speculative
 
@@ -152,7 +151,17 @@ def test_cli_exit_code_is_1_when_a_part_fails(tiny_pair, tmp_path, monkeypatch):
         res.tokens[rows, res.num_accepted] = sample(target_probs[rows, res.num_accepted], uniforms[:, -1])
         return res
 
-    monkeypatch.setattr(engine_mod, "verify_speculative", skip_residual)
+    from specdecode import build
+    from specdecode.verify import Verifier
+
+    real = build.engine_from_pair
+
+    def faulty_engine(pair, cfg):
+        engine = real(pair, cfg)
+        engine.verifier = Verifier(speculative=skip_residual)
+        return engine
+
+    monkeypatch.setattr(build, "engine_from_pair", faulty_engine)
     assert cli.main(_args(tmp_path, "--parts", "1")) == 1
 
 

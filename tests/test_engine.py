@@ -6,7 +6,7 @@ from scipy.stats import chisquare
 
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.engine import Engine, RequestError
-from specdecode.models.runner import ModelRunner
+from specdecode.models.hf import HFRunner
 from specdecode.sampling import SamplingParams, params_tensors, warp
 from tiny import make_engine, make_model, make_tokenizer, perturbed_copy
 
@@ -52,7 +52,7 @@ def test_greedy_speculative_equals_target_only(arch, k, num_slots):
 
 def test_ngram_drafter_greedy_equality_and_acceptance(pair):
     target, _ = pair
-    engine = Engine(ModelRunner(target, 2, 300), TOK, NgramDrafter(), 4, max_context=290)
+    engine = Engine(HFRunner(target, 2, 300), TOK, NgramDrafter(), 4, max_context=290)
     base = make_engine(target, TOK, num_slots=2).generate(PROMPTS, greedy(40))
     spec = engine.generate(PROMPTS, greedy(40))
     assert [s.token_ids for s in spec] == [b.token_ids for b in base]
@@ -201,11 +201,11 @@ def test_draft_confidence_stopping_keeps_target_law(small_pair, sp):
     about half of those chains after the first token, so both chain lengths feed the first two tokens."""
     from specdecode.drafters.draft_model import DraftModelDrafter
     from specdecode.engine import Engine
-    from specdecode.models.runner import ModelRunner
+    from specdecode.models.hf import HFRunner
 
     target, draft = small_pair
-    engine = Engine(ModelRunner(target, 250, 12), make_tokenizer(VS),
-                    DraftModelDrafter(ModelRunner(draft, 250, 12), confidence=0.3), 3, max_context=8)
+    engine = Engine(HFRunner(target, 250, 12), make_tokenizer(VS),
+                    DraftModelDrafter(HFRunner(draft, 250, 12), confidence=0.3), 3, max_context=8)
     n, counts, shortened = 4000, torch.zeros(VS, VS), 0
     for start in range(0, n, 250):
         params = [SamplingParams(sp.temperature, sp.top_k, sp.top_p, seed=start + i, max_new_tokens=3, ignore_eos=True)
@@ -217,12 +217,11 @@ def test_draft_confidence_stopping_keeps_target_law(small_pair, sp):
     assert chi_square_p(counts, exact_two_token_law(target, [1, 2, 3], sp), n) > ALPHA
 
 
-def test_negative_control_wrong_rule_fails_the_law_test(small_pair, monkeypatch):
+def test_negative_control_wrong_rule_fails_the_law_test(small_pair):
     """A verifier that samples from the target instead of the residual at a rejection is biased;
     the same test must reject it (this is what shows the test has power)."""
-    import specdecode.engine as engine_mod
     from specdecode.sampling import sample
-    from specdecode.verify import verify_speculative
+    from specdecode.verify import Verifier, verify_speculative
 
     def wrong(draft_tokens, draft_probs, target_probs, num_draft, uniforms):
         res = verify_speculative(draft_tokens, draft_probs, target_probs, num_draft, uniforms)
@@ -230,10 +229,9 @@ def test_negative_control_wrong_rule_fails_the_law_test(small_pair, monkeypatch)
         res.tokens[rows, res.num_accepted] = sample(target_probs[rows, res.num_accepted], uniforms[:, -1])
         return res
 
-    monkeypatch.setattr(engine_mod, "verify_speculative", wrong)
     target, draft = small_pair
     sp = SamplingParams(1.0)
-    engine = make_engine(target, make_tokenizer(VS), draft, k=3, num_slots=250, max_len=8)
+    engine = make_engine(target, make_tokenizer(VS), draft, k=3, num_slots=250, max_len=8, verifier=Verifier(speculative=wrong))
     counts = sample_pairs(engine, [1, 2, 3], sp, 4000, 250)
     assert chi_square_p(counts, exact_two_token_law(target, [1, 2, 3], sp), 4000) < ALPHA
 

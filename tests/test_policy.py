@@ -2,7 +2,7 @@ import pytest
 
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.engine import Engine
-from specdecode.models.runner import ModelRunner
+from specdecode.models.hf import HFRunner
 from specdecode.policy import AcceptancePolicy, BudgetPolicy, FixedPolicy
 from specdecode.sampling import SamplingParams
 from tiny import make_engine, make_model, make_tokenizer, perturbed_copy
@@ -37,7 +37,7 @@ def test_bad_policy_arguments(kwargs):
 
 
 def _engine(target, draft, policy, slots=3, max_len=128):
-    runner = lambda m: ModelRunner(m, slots, max_len + policy.max_k + 1)  # noqa: E731
+    runner = lambda m: HFRunner(m, slots, max_len + policy.max_k + 1)  # noqa: E731
     return Engine(runner(target), TOK, DraftModelDrafter(runner(draft)), policy, max_context=max_len)
 
 
@@ -57,7 +57,7 @@ def test_adaptive_drafts_grow_with_acceptance_and_keep_greedy_output():
 
 
 def _confident_engine(target, draft, k, confidence, slots=3, max_len=128):
-    runner = lambda m: ModelRunner(m, slots, max_len + k + 1)  # noqa: E731
+    runner = lambda m: HFRunner(m, slots, max_len + k + 1)  # noqa: E731
     return Engine(runner(target), TOK, DraftModelDrafter(runner(draft), confidence=confidence),
                   FixedPolicy(k), max_context=max_len)
 
@@ -85,7 +85,7 @@ def test_draft_confidence_shortens_chains_and_keeps_greedy_output():
 def test_bad_draft_confidence(confidence):
     target = make_model(V, seed=4)
     with pytest.raises(ValueError, match="confidence"):
-        DraftModelDrafter(ModelRunner(target, 1, 16), confidence=confidence)
+        DraftModelDrafter(HFRunner(target, 1, 16), confidence=confidence)
 
 
 def test_budget_policy_caps_the_draft_by_batch_size():

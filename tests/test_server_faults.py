@@ -56,7 +56,7 @@ def test_drafter_failure_falls_back_to_target_only(where):
         def boom(*args, **kwargs):
             raise RuntimeError("draft model exploded")
 
-        setattr(s.scheduler.guard.inner, where, boom)
+        setattr(s.scheduler.engine.drafter.inner, where, boom)  # the drafter inside the fault guard
         with s.http() as c:
             for prompt in ("abc", "hello"):
                 r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 25, "temperature": 0})

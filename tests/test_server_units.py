@@ -11,11 +11,13 @@ import torch
 from specdecode.drafters.base import Proposal
 from specdecode.server import protocol as P
 from specdecode.server.cli import add_arguments, check_arguments, server_config
-from specdecode.server.guard import GuardedDrafter
+from specdecode.drafters.guard import GuardedDrafter
+from specdecode.policy import FixedPolicy, SwitchPolicy
 
 
 class FakeDrafter:
     name = "fake"
+    feature_layers = ()
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []
@@ -47,17 +49,25 @@ def seq(slot: int, rid: str):
     return SimpleNamespace(slot=slot, request_id=rid, token_ids=[1, 2], params=None, generator=None)
 
 
-def test_guard_drafts_only_for_live_opted_in_rows():
+def test_guard_drafts_only_for_live_rows():
     inner, failures = FakeDrafter(), []
     guard = GuardedDrafter(inner, failures.append)
-    guard.start([0, 1, 2], [[1], [2], [3]])
-    guard.opted_out.add("b")
+    guard.start([0, 2], [[1], [3]])
     p = guard.propose([seq(0, "a"), seq(1, "b"), seq(2, "c")], [3, 3, 3])
     assert inner.calls[-1] == ("propose", [3, 0, 3]) and p.num_tokens.tolist() == [3, 0, 3]
-    guard.enabled = False
-    p = guard.propose([seq(0, "a")], [3])
+    p = guard.propose([seq(1, "b")], [3])
     assert p.tokens.shape == (1, 0) and p.num_tokens.tolist() == [0] and inner.calls[-1][0] == "propose"
     assert failures == []
+
+
+def test_switch_policy_opts_requests_out_and_turns_drafting_off():
+    switch = SwitchPolicy(FixedPolicy(3))
+    switch.opt_out("b")
+    assert [switch.num_draft(seq(i, r), 3) for i, r in enumerate("abc")] == [3, 0, 3]
+    switch.forget(seq(1, "b"))  # the request finished: its opt-out is gone
+    assert switch.num_draft(seq(1, "b"), 3) == 3
+    switch.enabled = False
+    assert switch.num_draft(seq(0, "a"), 1) == 0 and switch.max_k == 3
 
 
 def test_guard_absorbs_failures_and_releases_the_rows_involved():

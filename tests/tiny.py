@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import string
 
 import torch
@@ -9,7 +10,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from specdecode.engine import Engine
-from specdecode.models.runner import ModelRunner
+from specdecode.models.hf import HFRunner
 
 ALPHABET = string.ascii_lowercase + string.ascii_uppercase + string.digits  # 62 one-character tokens
 EOS = "<eos>"
@@ -28,7 +29,11 @@ def make_tokenizer(vocab_size: int = 32) -> PreTrainedTokenizerFast:
 
 def make_model(vocab_size: int = 32, seed: int = 0, layers: int = 2, hidden: int = 32, arch: str = "qwen2",
                dtype: torch.dtype = torch.float32, scale: float = 1.0):
-    """A random tiny causal LM. ``scale`` multiplies the output embedding (sharper logits when > 1)."""
+    """A random tiny causal LM. ``scale`` multiplies the output embedding (sharper logits when > 1).
+
+    The weights are drawn on the CPU (equal on every device), then moved to ``$SPECDECODE_TEST_DEVICE``
+    (default ``cpu``; ``scripts/gpu_check.py --tests`` sets ``cuda``).
+    """
     torch.manual_seed(seed)
     kw = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -43,11 +48,14 @@ def make_model(vocab_size: int = 32, seed: int = 0, layers: int = 2, hidden: int
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.fill_(1.0)
-    return model
+    return model.to(os.environ.get("SPECDECODE_TEST_DEVICE", "cpu"))
 
 
 def perturbed_copy(model, noise: float, seed: int = 1):
-    """A draft that agrees with ``model`` more or less (noise 0 = identical)."""
+    """A draft that agrees with ``model`` more or less (noise 0 = identical), on ``$SPECDECODE_TEST_DEVICE``.
+
+    Built and perturbed on the CPU (the same draft on every device), then moved.
+    """
     torch.manual_seed(seed)
     draft = type(model)(model.config).to(next(model.parameters()).dtype).eval()
     draft.load_state_dict(model.state_dict())
@@ -55,12 +63,15 @@ def perturbed_copy(model, noise: float, seed: int = 1):
         for p in draft.parameters():
             if p.dim() > 1:
                 p.add_(noise * p.std() * torch.randn_like(p))
-    return draft
+    return draft.to(os.environ.get("SPECDECODE_TEST_DEVICE", "cpu"))
 
 
-def make_engine(target, tokenizer, draft=None, k: int = 0, num_slots: int = 4, max_len: int = 256, drafter=None):
+def make_engine(target, tokenizer, draft=None, k: int = 0, num_slots: int = 4, max_len: int = 256, drafter=None,
+                verifier=None):
+    """An engine on tiny models; it sizes both runners' caches itself."""
     from specdecode.drafters.draft_model import DraftModelDrafter
 
     if draft is not None:
-        drafter = DraftModelDrafter(ModelRunner(draft, num_slots, max_len + k + 1))
-    return Engine(ModelRunner(target, num_slots, max_len + k + 1), tokenizer, drafter, k, max_context=max_len)
+        drafter = DraftModelDrafter(HFRunner(draft))
+    return Engine(HFRunner(target), tokenizer, drafter, k, max_batch_size=num_slots, max_context=max_len,
+                  verifier=verifier)

@@ -153,7 +153,7 @@ def _prepare(args: argparse.Namespace, meta: dict, configs: list, samplings: lis
     from specdecode.bench.runner import BenchInputError, BenchRunner, tokenize_prompts
     from specdecode.build import load_pair
 
-    pair = load_pair(args.target, args.draft if args.draft != "ngram" else None, args.dtype)
+    pair = load_pair(args.target, args.draft, args.dtype, args.device)
     model_ctx = getattr(pair.target.config, "max_position_embeddings", 4096)
     limit = args.max_context or min(model_ctx, 4096)
     if limit > model_ctx:
@@ -209,7 +209,6 @@ def make_backend(pair, args: argparse.Namespace, max_context: int):
     from specdecode.bench.baselines import HFBaseline
     from specdecode.bench.runner import Backend
     from specdecode.build import config_from_args, engine_from_pair
-    from specdecode.engine import default_eos_ids
 
     engines: dict[int, object] = {}
     hf: dict[bool, HFBaseline] = {}
@@ -229,11 +228,10 @@ def make_backend(pair, args: argparse.Namespace, max_context: int):
 
     @torch.inference_mode()
     def target_logits(ids: list[int]) -> torch.Tensor:  # [V]
-        return pair.target(torch.tensor([ids]), logits_to_keep=1).logits[0, -1].float()
+        return pair.target(torch.tensor([ids], device=pair.target.device), logits_to_keep=1).logits[0, -1].float().cpu()
 
-    dtype = next(pair.target.parameters()).dtype
-    return Backend(engine_for, hf_for, target_logits, sorted(default_eos_ids(pair.target, pair.tokenizer)),
-                   torch.finfo(dtype).eps)
+    target_only = engine_for(0)
+    return Backend(engine_for, hf_for, target_logits, sorted(target_only.eos_token_ids), torch.finfo(target_only.target.dtype).eps)
 
 
 def _meta(out: Path, settings: dict, env) -> dict:

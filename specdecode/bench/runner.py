@@ -174,12 +174,12 @@ def run_engine(engine, prompt_ids: list[int], params) -> dict[str, Any]:
     steps = []
     try:
         while not seq.finished:
-            ctx, drafted0, accepted0 = len(seq.token_ids), seq.stats.drafted, seq.stats.accepted
+            ctx = len(seq.token_ids)
             ts = time.perf_counter()
-            events = engine.step()
+            events = [ev for ev in engine.step() if ev.seq is seq]
             dt = time.perf_counter() - ts
-            emitted = sum(len(ev.new_token_ids) for ev in events if ev.seq is seq)
-            steps.append([ctx, emitted, seq.stats.drafted - drafted0, seq.stats.accepted - accepted0, dt])
+            steps.append([ctx, sum(len(ev.new_token_ids) for ev in events), sum(ev.drafted for ev in events),
+                          sum(ev.accepted for ev in events), dt])
     finally:
         if not seq.finished:
             engine.abort(seq)

@@ -135,7 +135,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args)
         prompts = load_prompts(args.prompts, args.num_prompts, args.seed)
-        pair = load_pair(args.target, args.draft, args.dtype)
+        pair = load_pair(args.target, args.draft, args.dtype, args.device)
         ids = encode_prompts(pair.tokenizer, prompts, args.max_prompt_tokens)
     except (ValueError, PromptSetError, PairError, OSError) as exc:
         print(f"specdecode check: {exc}", file=sys.stderr)

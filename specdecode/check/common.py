@@ -245,4 +245,4 @@ def next_token_logits(runner, token_ids: list[int], slot: int = 0) -> torch.Tens
     """The model's logits for the token after ``token_ids`` (teacher-forced, batch of one)."""
     runner.prefill([slot], [token_ids[:-1]])
     pos = torch.tensor([[len(token_ids) - 1]])
-    return runner.logits(runner.forward(torch.tensor([slot]), torch.tensor([[token_ids[-1]]]), pos))[0, 0]
+    return runner.logits(runner.forward(torch.tensor([slot]), torch.tensor([[token_ids[-1]]]), pos).hidden)[0, 0].cpu()

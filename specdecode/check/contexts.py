@@ -40,7 +40,7 @@ def rank_contexts(engine, prompts: list[list[int]], on_prompt=None) -> list[Cont
     """Prefixes of ``prompts``, most informative first: each prompt's most visible prefix, in
     decreasing visibility, then each prompt's second best, and so on. Without a draft model (n-gram
     drafting) the prompts themselves, in order."""
-    draft_runner = getattr(engine.drafter, "runner", None)
+    draft_runner = engine.runners().get("draft")
     if draft_runner is None:
         return [Context(i, list(p), None) for i, p in enumerate(prompts)]
     per_prompt = []
@@ -75,7 +75,7 @@ def _next_token_probs(target, draft, prompt: list[int]) -> tuple[torch.Tensor, t
     positions = torch.arange(len(prompt))[None]
     probs = []
     for runner in (target, draft):
-        logits = runner.logits(runner.forward(torch.tensor([0]), ids, positions))[0]  # [len, V]
+        logits = runner.logits(runner.forward(torch.tensor([0]), ids, positions).hidden)[0].cpu()  # [len, V]
         probs.append(logits.softmax(-1))
     vocab = min(p.shape[-1] for p in probs)  # a draft may pad its embedding rows differently
     return probs[0][:, :vocab], probs[1][:, :vocab]

@@ -78,12 +78,12 @@ def check_law(
     greedy_fn=None,
     warp_fn=None,
 ) -> PartResult:
-    """``verify_fn``/``greedy_fn``/``warp_fn`` default to the functions the engine module calls,
-    looked up now, so an engine running with a replaced verifier is tested as it runs."""
-    verify_fn = verify_fn or engine_module.verify_speculative
-    greedy_fn = greedy_fn or engine_module.verify_greedy
-    warp_fn = warp_fn or engine_module.warp
+    """``verify_fn``/``greedy_fn`` default to the engine's own verifier and ``warp_fn`` to the warp
+    the engine module calls, so an engine running with a replaced verifier is tested as it runs."""
     engine = pool.spec(1)
+    verify_fn = verify_fn or engine.verifier.speculative
+    greedy_fn = greedy_fn or engine.verifier.greedy
+    warp_fn = warp_fn or engine_module.warp
     if engine.drafter is None or pool.k == 0:
         raise ValueError("part 1 needs a drafter and --num-draft-tokens >= 1")
     sampled = [s for s in cfg.law_settings if not s.greedy]
@@ -121,11 +121,11 @@ def real_chain(engine, ctx: list[int], setting: Setting, k: int, seed: int) -> C
     view = _View(slot=0, token_ids=list(ctx), params=params, generator=make_generator(seed))
     proposal = engine.drafter.propose([view], [k])
     n = int(proposal.num_tokens[0])
-    tokens = proposal.tokens[0, :n].clone()
-    probs = None if proposal.probs is None else proposal.probs[0, :n].float().clone()
+    tokens = proposal.tokens[0, :n].cpu().clone()
+    probs = None if proposal.probs is None else proposal.probs[0, :n].float().cpu().clone()
     ids = torch.tensor([[ctx[-1]] + tokens.tolist()])
     positions = (len(ctx) - 1 + torch.arange(n + 1))[None]
-    logits = engine.target.logits(engine.target.forward(torch.tensor([0]), ids, positions))[0]
+    logits = engine.target.logits(engine.target.forward(torch.tensor([0]), ids, positions).hidden)[0].cpu()
     return Chain(tokens, probs, logits.float())
 
 

@@ -7,16 +7,16 @@ any engine built on the same model) copy it back. The K/V of a prompt depend onl
 to floating-point rounding (a batched prefill may round differently from a batch of one), so every
 admission of a prompt then sees one of the values the engine itself computed for it.
 
-This touches the runner's documented cache layout (``cache.keys[layer][slot, head, position, dim]``)
-and nothing else; a prefix cache inside the engine would make it unnecessary.
+It goes through the runner interface only (``export_kv``/``import_kv``, keyed by the runner's
+``identity``); a prefix cache inside the engine would make it unnecessary.
 """
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
-# (id(model), tokens) -> per-layer (keys, values), each [kv_heads, len, head_dim]
-PrefillStore = dict[tuple[int, tuple[int, ...]], list[tuple[torch.Tensor, torch.Tensor]]]
+# (runner identity, tokens) -> the runner's snapshot of that prompt's K/V
+PrefillStore = dict[tuple[str, tuple[int, ...]], Any]
 
 
 class _ReusingPrefill:
@@ -25,24 +25,21 @@ class _ReusingPrefill:
         self.compute = runner.prefill  # the runner's own (bound) prefill
         self.store = store
 
-    def __call__(self, slots: list[int], prompts: list[list[int]]) -> None:
-        cache = self.runner.cache
-        keys = [(id(self.runner.model), tuple(p)) for p in prompts]
+    def __call__(self, slots: list[int], prompts: list[list[int]], layers=()) -> list:
+        if layers:  # features are not stored: compute
+            return self.compute(slots, prompts, layers)
+        keys = [(self.runner.identity, tuple(p)) for p in prompts]
         todo = [i for i, key in enumerate(keys) if prompts[i] and key not in self.store]
         todo = list({keys[i]: i for i in todo}.values())  # each new prompt once
         if todo:
             self.compute([slots[i] for i in todo], [prompts[i] for i in todo])
             for i in todo:
-                n, slot = len(prompts[i]), slots[i]
-                self.store[keys[i]] = [(k[slot, :, :n].clone(), v[slot, :, :n].clone()) for k, v in zip(cache.keys, cache.values)]
+                self.store[keys[i]] = self.runner.export_kv(slots[i], len(prompts[i]))
         done = {slots[i] for i in todo}
         for slot, prompt, key in zip(slots, prompts, keys):
-            if not prompt or slot in done:
-                continue
-            n = len(prompt)
-            for (k, v), (sk, sv) in zip(zip(cache.keys, cache.values), self.store[key]):
-                k[slot, :, :n].copy_(sk)
-                v[slot, :, :n].copy_(sv)
+            if prompt and slot not in done:
+                self.runner.import_kv(slot, self.store[key])
+        return [{} for _ in prompts]
 
 
 def reuse_prefills(engine, store: PrefillStore | None = None) -> PrefillStore:
@@ -51,8 +48,7 @@ def reuse_prefills(engine, store: PrefillStore | None = None) -> PrefillStore:
     Pass the same ``store`` to every engine built on the same models. Returns the store.
     """
     store = {} if store is None else store
-    runners = [engine.target, getattr(engine.drafter, "runner", None)]
-    for runner in runners:
-        if runner is not None and not isinstance(runner.prefill, _ReusingPrefill):
+    for runner in engine.runners().values():
+        if not isinstance(runner.prefill, _ReusingPrefill):
             runner.prefill = _ReusingPrefill(runner, store)
     return store

@@ -109,7 +109,7 @@ def _others(prompts: list[list[int]], n: int, cfg: CheckConfig) -> list:
 def batch_variance(pool: EnginePool, prompt: list[int], b: int) -> dict[str, float]:
     """Max |logit difference| for ``prompt``'s next token computed alone vs as ``b`` copies in a batch."""
     engine = pool.spec(b)
-    runners = {"target": engine.target, "draft": getattr(engine.drafter, "runner", None)}
+    runners = engine.runners()
     out = {}
     for name, runner in runners.items():
         if runner is None:
@@ -118,6 +118,6 @@ def batch_variance(pool: EnginePool, prompt: list[int], b: int) -> dict[str, flo
         runner.prefill(list(range(b)), [prompt[:-1]] * b)
         ids = torch.tensor([[prompt[-1]]] * b)
         pos = torch.full((b, 1), len(prompt) - 1)
-        batched = runner.logits(runner.forward(torch.arange(b), ids, pos))[:, 0]
+        batched = runner.logits(runner.forward(torch.arange(b), ids, pos).hidden)[:, 0].cpu()
         out[name] = float((batched - alone[None]).abs().max())
     return out

@@ -1,0 +1,68 @@
+"""The drafter registry: ``--draft SPEC`` -> a drafter, one factory per drafter file.
+
+A spec is ``KIND:ARG`` for a registered kind (``ngram``, ``ngram:4``, ``model:PATH``) or, for anything
+else, the name of a draft model (an alias, a directory, a ``.gguf`` file or a hub id), i.e.
+``model:SPEC``. Adding a drafter is one file with a ``build(arg, ctx)`` function and one line here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from specdecode.drafters.base import Drafter
+from specdecode.models.base import Runner
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    module: str  # holds ``build(arg, ctx) -> Drafter``
+    loads_model: bool  # ARG names a model that build() gets through ``ctx.draft_runner()``
+    help: str
+
+
+KINDS: dict[str, DrafterKind] = {
+    "model": DrafterKind("specdecode.drafters.draft_model", True, "a smaller causal LM with the target's vocabulary"),
+    "ngram": DrafterKind("specdecode.drafters.ngram", False, "prompt lookup: copy what followed the suffix earlier"),
+}
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    kind: str
+    arg: str
+
+    @property
+    def loads_model(self) -> bool:
+        return KINDS[self.kind].loads_model
+
+
+def parse_draft(spec: str) -> DraftSpec:
+    kind, sep, arg = spec.partition(":")
+    if kind in KINDS:
+        if KINDS[kind].loads_model and not arg:
+            raise ValueError(f"draft spec {spec!r}: name the model, e.g. {kind}:PATH")
+        return DraftSpec(kind, arg)
+    if not spec:
+        raise ValueError("empty draft spec")
+    return DraftSpec("model", spec)
+
+
+@dataclass
+class DraftContext:
+    """What a drafter factory may use."""
+
+    target: Runner
+    config: Any  # the EngineConfig (draft flags such as draft_confidence)
+    make_draft_runner: Callable[[], Runner] | None = None  # for kinds that load a model
+
+    def draft_runner(self) -> Runner:
+        if self.make_draft_runner is None:
+            raise ValueError("this drafter needs a draft model, and none was loaded")
+        return self.make_draft_runner()
+
+
+def build_drafter(spec: str | DraftSpec, ctx: DraftContext) -> Drafter:
+    spec = parse_draft(spec) if isinstance(spec, str) else spec
+    return importlib.import_module(KINDS[spec.kind].module).build(spec.arg, ctx)

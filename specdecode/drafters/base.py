@@ -2,11 +2,18 @@
 
 A drafter only *proposes*; exactness comes from verification, which needs the distribution each
 draft token was sampled from (``Proposal.probs``), or ``None`` when proposals are deterministic.
+A proposal is a chain, or a tree when ``Proposal.parents`` is given (see :mod:`specdecode.tree`).
 
-Drafters keep their own per-slot state (e.g. a KV cache). They are never told what was accepted:
-at the next ``propose`` they compare what they consumed with the sequence's tokens and roll back to
-the common prefix, so state stays in step whatever happened in between (partial acceptance, full
-acceptance with a bonus token, a stop cut).
+Drafters keep their own per-slot state (e.g. a KV cache). At the next ``propose`` they compare
+what they consumed with the sequence's tokens and roll back to the common prefix, so state stays in
+step whatever happened in between (partial acceptance, full acceptance with a bonus token, a stop
+cut). A drafter that wants the target's hidden states names the layers in ``feature_layers``; the
+engine then calls ``observe`` with the features of every token the target has cached: the
+prompt's after prefill, and after each step the pending token's and the accepted drafts'. A
+drafter with ``feature_layers = ()`` is never called and the target computes nothing extra.
+
+Each drafter lives in one file with a ``build(arg, ctx)`` factory, listed in
+:mod:`specdecode.drafters` (the registry).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from typing import Protocol, Sequence
 
 import torch
 
+from specdecode.models.base import Features, Runner
 from specdecode.sampling import SamplingParams
 
 
@@ -33,13 +41,37 @@ class Proposal:
     tokens: torch.Tensor  # [B, K] long, padded past each row's num_tokens
     probs: torch.Tensor | None  # [B, K, V] warped draft distributions; None = point masses
     num_tokens: torch.Tensor  # [B] long, how many tokens row b proposes (<= requested)
+    parents: torch.Tensor | None = None  # [B, K] long tree parents (-1 = the pending token); None = chains
+
+    @staticmethod
+    def empty(batch: int) -> "Proposal":
+        return Proposal(torch.zeros(batch, 0, dtype=torch.long), None, torch.zeros(batch, dtype=torch.long))
+
+
+@dataclass
+class TargetFeatures:
+    """The target's hidden states for tokens it has just cached for one sequence."""
+
+    start: int  # position of the first token covered
+    token_ids: list[int]  # the tokens covered (positions start .. start + n - 1)
+    hidden: Features  # feature layer -> [n, H] on the target's device
 
 
 class Drafter(Protocol):
     name: str
+    feature_layers: tuple[int, ...]  # target feature layers it wants (see models.base); () = none
+
+    def reserve(self, num_slots: int, max_len: int) -> None:
+        """Size per-slot state (the engine calls this once, from its batch size and context)."""
+
+    def runners(self) -> dict[str, Runner]:
+        """The model runners it owns, by role (e.g. ``{"draft": runner}``); ``{}`` for none."""
 
     def start(self, slots: list[int], prompts: list[list[int]]) -> None:
         """New sequences occupy ``slots``; ``prompts[i]`` is the prompt of ``slots[i]``."""
+
+    def observe(self, slots: list[int], features: list[TargetFeatures]) -> None:
+        """Target features of newly cached tokens (only called when ``feature_layers`` is non-empty)."""
 
     def propose(self, seqs: Sequence[SequenceView], num_tokens: list[int]) -> Proposal:
         """Propose up to ``num_tokens[b]`` tokens continuing each sequence."""
@@ -58,3 +90,28 @@ def common_prefix(a: list[int], b: list[int], start: int = 0) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+class DrafterBase:
+    """Defaults for the optional parts of the protocol: no features, no runners, no per-slot state."""
+
+    name = "drafter"
+    feature_layers: tuple[int, ...] = ()
+
+    def reserve(self, num_slots: int, max_len: int) -> None:
+        pass
+
+    def runners(self) -> dict[str, Runner]:
+        return {}
+
+    def start(self, slots: list[int], prompts: list[list[int]]) -> None:
+        pass
+
+    def observe(self, slots: list[int], features: list[TargetFeatures]) -> None:
+        pass
+
+    def move(self, src: int, dst: int) -> None:
+        pass
+
+    def release(self, slot: int) -> None:
+        pass

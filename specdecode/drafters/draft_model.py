@@ -6,12 +6,12 @@ from typing import Sequence
 
 import torch
 
-from specdecode.drafters.base import Proposal, SequenceView, common_prefix
-from specdecode.models.runner import ModelRunner
+from specdecode.drafters.base import DrafterBase, Proposal, SequenceView, common_prefix
+from specdecode.models.base import Runner
 from specdecode.sampling import params_tensors, sample, warp
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(DrafterBase):
     """Samples ``k`` tokens autoregressively from a draft model, warped like the target.
 
     Per slot it remembers which tokens its KV cache holds (``_cached``); before drafting it rolls
@@ -26,7 +26,7 @@ class DraftModelDrafter:
 
     name = "draft-model"
 
-    def __init__(self, runner: ModelRunner, vocab_size: int | None = None, confidence: float = 0.0) -> None:
+    def __init__(self, runner: Runner, vocab_size: int | None = None, confidence: float = 0.0) -> None:
         if not 0.0 <= confidence < 1.0:
             raise ValueError(f"draft confidence threshold must be in [0, 1), got {confidence!r}")
         self.confidence = confidence
@@ -37,6 +37,12 @@ class DraftModelDrafter:
         self._cached: dict[int, list[int]] = {}
         self._floor: dict[int, int] = {}  # a length known to agree with the sequence
 
+    def reserve(self, num_slots: int, max_len: int) -> None:
+        self.runner.ensure_capacity(num_slots, max_len)
+
+    def runners(self) -> dict[str, Runner]:
+        return {"draft": self.runner}
+
     def start(self, slots: list[int], prompts: list[list[int]]) -> None:
         self.runner.prefill(slots, [p[:-1] for p in prompts])
         for slot, p in zip(slots, prompts):
@@ -44,7 +50,7 @@ class DraftModelDrafter:
             self._floor[slot] = len(p) - 1
 
     def move(self, src: int, dst: int) -> None:
-        self.runner.cache.copy_slot(src, dst, len(self._cached[src]))
+        self.runner.copy_slot(src, dst, len(self._cached[src]))
         self._cached[dst] = self._cached.pop(src)
         self._floor[dst] = self._floor.pop(src)
 
@@ -54,8 +60,8 @@ class DraftModelDrafter:
 
     @torch.inference_mode()
     def propose(self, seqs: Sequence[SequenceView], num_tokens: list[int]) -> Proposal:
-        bsz, k_max = len(seqs), max(num_tokens, default=0)
-        tokens = torch.zeros(bsz, k_max, dtype=torch.long)
+        bsz, k_max, dev = len(seqs), max(num_tokens, default=0), self.runner.device
+        tokens = torch.zeros(bsz, k_max, dtype=torch.long, device=dev)
         probs = None
         rows = [b for b in range(bsz) if num_tokens[b] > 0]
         if not rows:
@@ -67,6 +73,8 @@ class DraftModelDrafter:
         pending = []
         for s in active:
             keep = common_prefix(self._cached[s.slot], s.token_ids, self._floor[s.slot])
+            if keep < len(self._cached[s.slot]):
+                self.runner.truncate(s.slot, keep)
             pending.append((keep, s.token_ids[keep:]))
         width = max(len(p) for _, p in pending)
         ids = torch.zeros(len(active), width, dtype=torch.long)
@@ -76,7 +84,7 @@ class DraftModelDrafter:
             positions[i] = keep + torch.arange(width)  # padding continues the positions
         last = torch.tensor([len(p) - 1 for _, p in pending])
         slots = torch.tensor([s.slot for s in active])
-        hidden = self.runner.forward(slots, ids, positions)[torch.arange(len(active)), last]
+        hidden = self.runner.forward(slots, ids, positions).hidden[torch.arange(len(active)), last.to(self.runner.device)]
 
         # 2. sample k tokens autoregressively with each sequence's own generator
         params = [s.params for s in active]
@@ -102,7 +110,7 @@ class DraftModelDrafter:
                 ks = self._stop_unsure(ks, j, logits, None if all_greedy else p, tok, params)
             j += 1
             if j < max(ks):
-                hidden = self.runner.forward(slots, tok[:, None], (next_pos + j - 1)[:, None])[:, 0]
+                hidden = self.runner.forward(slots, tok[:, None], (next_pos + j - 1)[:, None]).hidden[:, 0]
 
         # 3. remember what the cache now holds (the last proposed token was never fed)
         for i, s in enumerate(active):
@@ -114,7 +122,7 @@ class DraftModelDrafter:
             num[b] = ks[i]
         width = max(num)
         if not all_greedy:
-            probs = torch.zeros(bsz, width, step_probs[0].shape[-1])
+            probs = torch.zeros(bsz, width, step_probs[0].shape[-1], device=dev)
             probs[rows] = torch.stack(step_probs[:width], dim=1)
         return Proposal(tokens[:, :width], probs, torch.tensor(num, dtype=torch.long))
 
@@ -122,8 +130,8 @@ class DraftModelDrafter:
                      tok: torch.Tensor, params) -> list[int]:
         """End the chain of each row whose j-th token has draft probability below the threshold:
         the warped probability it was sampled with, or for greedy rows the draft's softmax."""
-        greedy = torch.tensor([p.greedy for p in params])
-        conf = probs.gather(1, tok[:, None])[:, 0] if probs is not None else torch.zeros(len(params))
+        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        conf = probs.gather(1, tok[:, None])[:, 0] if probs is not None else torch.zeros(len(params), device=logits.device)
         if greedy.any():
             soft = torch.softmax(logits[greedy], dim=-1).gather(1, tok[greedy, None])[:, 0]
             conf[greedy] = soft
@@ -134,3 +142,8 @@ class DraftModelDrafter:
         if extra > 0:
             return torch.nn.functional.pad(logits, (0, extra), value=-float("inf"))
         return logits[..., : self.vocab_size]
+
+
+def build(arg: str, ctx) -> DraftModelDrafter:
+    """``--draft MODEL`` (or ``model:MODEL``): the draft model ``ctx`` loaded for ``arg``."""
+    return DraftModelDrafter(ctx.draft_runner(), ctx.target.vocab_size, ctx.config.draft_confidence)

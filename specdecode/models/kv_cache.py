@@ -37,11 +37,12 @@ class StaticKVCache:
 
     # -- set by the runner around each forward ------------------------------------------------
     def bind(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """``positions`` [B, q]: the write index of each query token's K/V."""
         if int(positions.max()) >= self.max_len:
             raise ValueError(f"position {int(positions.max())} past the cache length {self.max_len}")
         self._slots = slots
         first = int(slots[0])
-        consecutive = bool((slots == torch.arange(first, first + len(slots))).all())
+        consecutive = bool((slots == torch.arange(first, first + len(slots), device=slots.device)).all())
         self._contiguous = slice(first, first + len(slots)) if consecutive else None
         self._positions = positions
         self._kv_len = int(positions.max()) + 1
@@ -74,6 +75,24 @@ class StaticKVCache:
         """Copy the first ``length`` positions of slot ``src`` into slot ``dst``."""
         for buf in (*self.keys, *self.values):
             buf[dst, :, :length] = buf[src, :, :length]
+
+    def move(self, slot: int, src: list[int], dst_start: int) -> None:
+        """Move the entries at indices ``src`` of ``slot`` to ``dst_start, dst_start + 1, ...``
+        (gathered before written, so source and destination may overlap)."""
+        if not src:
+            return
+        idx = torch.tensor(src, device=self.keys[0].device)
+        for buf in (*self.keys, *self.values):
+            buf[slot, :, dst_start : dst_start + len(src)] = buf[slot, :, idx]
+
+    def export(self, slot: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, copies of the first ``length`` keys and values of ``slot``."""
+        return [(k[slot, :, :length].clone(), v[slot, :, :length].clone()) for k, v in zip(self.keys, self.values)]
+
+    def load(self, slot: int, state: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for (k, v), (sk, sv) in zip(zip(self.keys, self.values), state):
+            k[slot, :, : sk.shape[1]].copy_(sk)
+            v[slot, :, : sv.shape[1]].copy_(sv)
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in (*self.keys, *self.values))

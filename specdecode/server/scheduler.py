@@ -11,7 +11,7 @@ Results travel back to the asyncio side as immutable :class:`Update` objects thr
 ``loop.call_soon_threadsafe`` into each request's ``asyncio.Queue``. Streaming requests get one
 update per step that produced text; other requests only their final update.
 
-Faults stay local: a drafter failure is absorbed by :class:`GuardedDrafter` (target-only for the
+Faults stay local: a drafter failure is absorbed (``Engine.isolate_drafter_faults``: target-only for the
 rows involved); a failing prefill fails that request; a failing step fails the requests in the
 batch and the loop keeps serving. If the loop itself dies, every waiting request is failed and
 ``/health`` reports it; ``busy_since`` lets ``/health`` detect a step that never returns.
@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 
 from specdecode.engine import Engine, RequestError, Sequence
 from specdecode.sampling import SamplingParams
-from specdecode.server.guard import GuardedDrafter
 from specdecode.server.metrics import ServerMetrics
 from specdecode.server.protocol import APIError
 
@@ -99,10 +98,8 @@ class Scheduler:
         self.engine = engine
         self.metrics = metrics
         self.max_queue = max_queue
-        self.guard: GuardedDrafter | None = None
-        if engine.drafter is not None:
-            self.guard = engine.drafter = GuardedDrafter(engine.drafter, lambda where: metrics.draft_failures.inc())
-            self.guard.enabled = speculation
+        engine.isolate_drafter_faults(lambda where: metrics.draft_failures.inc())
+        engine.switch.enabled = speculation
         self._queue: collections.deque[Handle] = collections.deque()
         self._running: dict[int, Handle] = {}  # id(seq) -> handle
         self._cond = threading.Condition()
@@ -116,7 +113,7 @@ class Scheduler:
     # -- asyncio side ---------------------------------------------------------------------------
     @property
     def speculation_enabled(self) -> bool:
-        return self.guard is not None and self.guard.enabled
+        return self.engine.drafter is not None and self.engine.switch.enabled
 
     def start(self) -> None:
         self._thread.start()
@@ -210,8 +207,8 @@ class Scheduler:
         now = time.perf_counter()
         for h in batch:
             self.metrics.queue_time.observe(now - h.arrival)
-            if not h.speculate and self.guard is not None:
-                self.guard.opted_out.add(h.request_id)
+            if not h.speculate:
+                self.engine.switch.opt_out(h.request_id)
         self.busy_since, self._admitting = time.monotonic(), len(batch)
         try:
             seqs = self.engine.add_batch([(h.prompt_ids, h.params, h.request_id) for h in batch])
@@ -260,8 +257,7 @@ class Scheduler:
         seq = h.seq
         self._running.pop(id(seq), None)
         self.engine.abort(seq)  # no-op when the engine already released it
-        if self.guard is not None:
-            self.guard.opted_out.discard(h.request_id)
+        self.engine.switch.clear(h.request_id)
         self.metrics.finished(h, reason)
         if error is not None:
             h.push(Update(error=error))
@@ -270,8 +266,7 @@ class Scheduler:
             h.push(Update(text, reason, len(seq.output_ids), speculation_summary(seq)))
 
     def _fail(self, h: Handle, error: APIError) -> None:
-        if self.guard is not None:
-            self.guard.opted_out.discard(h.request_id)
+        self.engine.switch.clear(h.request_id)
         self.metrics.finished(h, "error")
         h.push(Update(error=error))
 
@@ -296,5 +291,5 @@ class Scheduler:
             "running": len(running) + in_prefill,
             "kv_slots_used": len(running) + in_prefill,
             "kv_tokens_used": sum(len(s.token_ids) - 1 for s in running),
-            "draft_slots_used": len(self.guard.live) if self.guard is not None else 0,
+            "draft_slots_used": self.engine.draft_slots_used,
         }

@@ -38,7 +38,7 @@ def _leading_true(mask: torch.Tensor) -> torch.Tensor:  # [B, K] bool -> [B] cou
 
 
 def _valid(num_draft: torch.Tensor, k: int) -> torch.Tensor:  # [B, K] bool: position < num_draft
-    return torch.arange(k)[None, :] < num_draft[:, None]
+    return torch.arange(k, device=num_draft.device)[None, :] < num_draft[:, None]
 
 
 def verify_greedy(
@@ -65,7 +65,7 @@ def verify_speculative(
 ) -> VerifyResult:
     """Exact speculative sampling (rejection sampling against the draft distribution)."""
     bsz, k = draft_tokens.shape
-    rows = torch.arange(bsz)
+    rows = torch.arange(bsz, device=draft_tokens.device)
     idx = draft_tokens[:, :, None]
     target_at_draft = target_probs[:, :k].gather(2, idx).squeeze(2)  # [B, K]
     if draft_probs is None:
@@ -94,6 +94,6 @@ def verify_speculative(
     final_probs = torch.where(empty[:, None], final_target, final_probs)
     final_token = sample(final_probs, uniforms[:, k])
 
-    tokens = torch.cat([draft_tokens, torch.zeros(bsz, 1, dtype=draft_tokens.dtype)], dim=1)
+    tokens = torch.cat([draft_tokens, torch.zeros(bsz, 1, dtype=draft_tokens.dtype, device=draft_tokens.device)], dim=1)
     tokens[rows, num_accepted] = final_token
     return VerifyResult(tokens=tokens, num_accepted=num_accepted)

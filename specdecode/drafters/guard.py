@@ -1,10 +1,10 @@
-"""A drafter wrapper for serving: per-request opt-out, a server-wide switch, and fault isolation.
+"""Fault isolation around a drafter (used by the server through ``Engine.isolate_drafter_faults``).
 
-It sits between the engine and the real drafter and only ever *reduces* what is drafted (a row's
-proposal may be shorter than requested, down to zero: the engine then decodes that row
-target-only), so outputs stay exactly those of the target. A drafter exception never reaches the
-engine: the rows involved fall back to target-only decoding for the rest of their request, the
-drafter's state for their slots is released, and new requests try drafting again.
+It only ever *reduces* what is drafted (a row's proposal may be shorter than requested, down to
+zero: the engine then decodes that row target-only), so outputs stay exactly those of the target. A
+drafter exception never reaches the engine: the rows involved fall back to target-only decoding for
+the rest of their request, the drafter's state for their slots is released, and new requests try
+drafting again.
 """
 
 from __future__ import annotations
@@ -12,19 +12,16 @@ from __future__ import annotations
 import logging
 from typing import Callable, Sequence
 
-import torch
+from specdecode.drafters.base import Drafter, Proposal, SequenceView, TargetFeatures
 
-from specdecode.drafters.base import Drafter, Proposal, SequenceView
-
-log = logging.getLogger("specdecode.server")
+log = logging.getLogger("specdecode.drafters")
 
 
 class GuardedDrafter:
     def __init__(self, inner: Drafter, on_failure: Callable[[str], None] = lambda where: None) -> None:
         self.inner = inner
         self.name = inner.name
-        self.enabled = True  # server-wide switch
-        self.opted_out: set[str] = set()  # request ids decoded without a draft
+        self.feature_layers = tuple(inner.feature_layers)
         self.live: set[int] = set()  # slots the inner drafter holds state for
         self._on_failure = on_failure
 
@@ -34,6 +31,12 @@ class GuardedDrafter:
         for slot in slots:
             self.release(slot)
 
+    def reserve(self, num_slots: int, max_len: int) -> None:
+        self.inner.reserve(num_slots, max_len)  # at engine construction: a failure here is a setup error
+
+    def runners(self):
+        return self.inner.runners()
+
     def start(self, slots: list[int], prompts: list[list[int]]) -> None:
         try:
             self.inner.start(slots, prompts)
@@ -41,18 +44,23 @@ class GuardedDrafter:
         except Exception:
             self._failed("start", slots)
 
+    def observe(self, slots: list[int], features: list[TargetFeatures]) -> None:
+        rows = [i for i, s in enumerate(slots) if s in self.live]
+        if not rows:
+            return
+        try:
+            self.inner.observe([slots[i] for i in rows], [features[i] for i in rows])
+        except Exception:
+            self._failed("observe", [slots[i] for i in rows])
+
     def propose(self, seqs: Sequence[SequenceView], num_tokens: list[int]) -> Proposal:
-        ks = [k if self._drafts(s) else 0 for s, k in zip(seqs, num_tokens)]
+        ks = [k if s.slot in self.live else 0 for s, k in zip(seqs, num_tokens)]
         if any(ks):
             try:
                 return self.inner.propose(seqs, ks)
             except Exception:
                 self._failed("propose", [s.slot for s, k in zip(seqs, ks) if k])
-        bsz = len(seqs)
-        return Proposal(torch.zeros(bsz, 0, dtype=torch.long), None, torch.zeros(bsz, dtype=torch.long))
-
-    def _drafts(self, seq: SequenceView) -> bool:
-        return self.enabled and seq.slot in self.live and getattr(seq, "request_id", None) not in self.opted_out
+        return Proposal.empty(len(seqs))
 
     def move(self, src: int, dst: int) -> None:
         if src not in self.live:

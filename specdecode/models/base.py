@@ -1,0 +1,90 @@
+"""The runner interface: the only way the engine, drafters, ``check``, ``bench`` and the server touch a model.
+
+A runner holds one model and a KV cache of ``num_slots`` sequences ("slots") of up to ``max_len``
+positions each. Everything above it speaks slots, token ids and positions:
+
+* ``prefill(slots, prompts, layers)`` writes the K/V of each prompt at positions ``0..len-1`` of its
+  slot and returns the hidden states of the requested feature layers for every prompt token;
+* ``forward(slots, ids, positions, write_positions=, tree_mask=, layers=)`` runs ``ids`` with RoPE
+  positions ``positions``; the K/V of query ``i`` are written at ``write_positions[:, i]`` (default:
+  ``positions``). Without a tree mask a query sees every cached key up to its own write index (the
+  chain case). With ``tree_mask[b, i, j]`` (query ``i`` may see query ``j``) a query sees the cache
+  before the row's first write index plus the queries the mask allows: a tree of candidates, each
+  node at position ``start + depth`` and written at ``start + index``;
+* ``logits(hidden)`` turns final hidden states into float32 logits;
+* KV operations: ``truncate`` (forget past a length), ``compact`` (move chosen positions of a slot
+  to a contiguous run: keeps an accepted tree branch), ``copy_slot``, and ``export_kv/import_kv``
+  (an opaque snapshot of a slot's prefix, for prefix reuse).
+
+Feature layers (``layers``) name hidden states like Hugging Face's ``output_hidden_states``:
+``0`` the embedding output, ``i`` (1..num_layers) the output of decoder layer ``i``, and
+:data:`FINAL` the final normed hidden state, the one logits come from. A runner computes only what
+is asked for; ``()`` costs nothing.
+
+Rollback in a static cache is free: entries past a sequence's valid length are masked by position
+and overwritten later, so ``truncate`` may be a no-op there. Backends that need it (llama.cpp's
+``llama_memory_seq_rm``) do the work in ``truncate``; callers always call it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+import torch
+
+FINAL = -1  # feature layer: the final normed hidden state (what the LM head reads)
+
+Features = dict[int, torch.Tensor]  # feature layer -> hidden states
+
+
+@dataclass
+class ForwardOutput:
+    hidden: torch.Tensor  # [B, q, H] final normed hidden states
+    features: Features = field(default_factory=dict)  # layer -> [B, q, H], only the layers asked for
+
+
+class Runner(Protocol):
+    num_slots: int
+    max_len: int  # positions per slot
+    vocab_size: int  # rows of the LM head (logits width)
+    hidden_size: int
+    num_layers: int
+    dtype: torch.dtype
+    device: torch.device
+    eos_token_ids: set[int]  # from the model's generation config (may be empty)
+    identity: str  # names the weights: equal identities compute equal K/V for equal tokens
+
+    def ensure_capacity(self, num_slots: int, max_len: int) -> None:
+        """Make room for at least ``num_slots`` slots of ``max_len`` positions (may drop cached K/V)."""
+
+    def prefill(self, slots: Sequence[int], prompts: Sequence[list[int]],
+                layers: Sequence[int] = ()) -> list[Features]:
+        """Write each prompt's K/V at positions ``0..len-1`` of its slot; per prompt, the requested
+        layers' hidden states ``[len, H]`` (empty dicts when ``layers`` is empty)."""
+
+    def forward(self, slots: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, *,
+                write_positions: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
+                layers: Sequence[int] = ()) -> ForwardOutput:
+        """``slots`` [B], ``input_ids``/``positions``/``write_positions`` [B, q], ``tree_mask`` [B, q, q]."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[..., H]`` -> ``[..., vocab_size]`` float32."""
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Only positions ``< length`` of ``slot`` are valid from now on."""
+
+    def compact(self, slot: int, src: Sequence[int], dst_start: int) -> None:
+        """Move the K/V at write indices ``src`` of ``slot`` to ``dst_start, dst_start + 1, ...``."""
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        """Copy positions ``0..length-1`` of slot ``src`` into slot ``dst``."""
+
+    def export_kv(self, slot: int, length: int) -> Any:
+        """An opaque snapshot of positions ``0..length-1`` of ``slot``."""
+
+    def import_kv(self, slot: int, state: Any) -> None:
+        """Restore a snapshot from :meth:`export_kv` (of a runner with the same identity) into ``slot``."""
+
+    def kv_bytes(self) -> int:
+        """Memory held by the KV cache."""

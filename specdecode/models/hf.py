@@ -1,0 +1,195 @@
+"""The Hugging Face runner: a causal LM over slot-addressed sequences, behind :class:`~specdecode.models.base.Runner`.
+
+The runner owns a :class:`StaticKVCache` and builds the attention mask itself, so each batch row can
+sit at its own length, rolling back is free, and a forward may carry a tree of candidates (RoPE
+position ``start + depth``, K/V written at ``start + index``, visibility from a tree mask). Works for
+decoder-only models whose attention layers call ``past_key_values.update(k, v, layer_idx)`` and
+whose logits are ``lm_head(final hidden state)`` (Llama, Qwen2/2.5/3, Mistral and their relatives).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from specdecode.models.base import FINAL, Features, ForwardOutput
+from specdecode.models.kv_cache import StaticKVCache
+
+PREFILL_TOKENS = 2048  # tokens per prefill forward (all rows together): bounds attention memory
+
+
+class HFRunner:
+    def __init__(self, model: torch.nn.Module, num_slots: int = 0, max_len: int = 0) -> None:
+        cfg = model.config
+        if getattr(cfg, "final_logit_softcapping", None):
+            raise ValueError(f"{cfg.model_type}: final logit soft-capping is not supported")
+        self.model = model
+        self.base = model.base_model
+        self.lm_head = model.get_output_embeddings()
+        self.vocab_size = int(self.lm_head.weight.shape[0])
+        self.hidden_size = int(cfg.hidden_size)
+        self.num_layers = int(cfg.num_hidden_layers)
+        self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+        self.identity = f"hf:{id(model)}"
+        self.eos_token_ids = _eos_ids(getattr(model, "generation_config", None))
+        self.sdpa = getattr(cfg, "_attn_implementation", "sdpa") == "sdpa"
+        self.sliding_window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+        self.layer_types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
+        self._head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self._kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.num_slots = self.max_len = 0
+        self.cache: StaticKVCache | None = None
+        if num_slots and max_len:
+            self.ensure_capacity(num_slots, max_len)
+
+    # -- sizes ------------------------------------------------------------------------------------
+    def ensure_capacity(self, num_slots: int, max_len: int) -> None:
+        if self.cache is not None and self.num_slots >= num_slots and self.max_len >= max_len:
+            return
+        self.num_slots, self.max_len = max(num_slots, self.num_slots), max(max_len, self.max_len)
+        self.cache = None  # free the old buffers before allocating the new ones
+        self.cache = StaticKVCache(self.num_layers, self.num_slots, self._kv_heads, self._head_dim, self.max_len,
+                                   self.dtype, self.device)
+
+    def kv_bytes(self) -> int:
+        return self.cache.nbytes() if self.cache is not None else 0
+
+    # -- forward ----------------------------------------------------------------------------------
+    def _mask(self, positions: torch.Tensor, writes: torch.Tensor, tree_mask: torch.Tensor | None,
+              kv_len: int, window: int | None) -> torch.Tensor:
+        keys = torch.arange(kv_len, device=self.device)[None, None, :]  # [1, 1, kv_len]
+        if tree_mask is None:  # chain: everything written at or before the query's own index
+            visible = keys <= writes[:, :, None]  # [B, q, kv_len]
+        else:  # tree: the cache before the row's window, then what the tree mask allows
+            start = writes.min(dim=1).values  # [B]
+            visible = (keys < start[:, None, None]).expand(-1, writes.shape[1], -1).clone()
+            visible.scatter_(2, writes[:, None, :].expand(-1, writes.shape[1], -1), tree_mask)
+        if window:
+            near = keys > positions[:, :, None] - window
+            if tree_mask is not None:  # tree keys are not at their position: the window applies to the prefix
+                near |= keys >= writes.min(dim=1).values[:, None, None]
+            visible &= near
+        visible = visible[:, None]  # [B, 1, q, kv_len]
+        if self.sdpa:
+            return visible
+        return torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(
+            ~visible, torch.finfo(self.dtype).min)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        slots: torch.Tensor,  # [B] long
+        input_ids: torch.Tensor,  # [B, q] long
+        positions: torch.Tensor,  # [B, q] long RoPE positions
+        *,
+        write_positions: torch.Tensor | None = None,  # [B, q] K/V write index (default: positions)
+        tree_mask: torch.Tensor | None = None,  # [B, q, q] bool: query i sees query j
+        layers: Sequence[int] = (),
+    ) -> ForwardOutput:
+        assert self.cache is not None, "no KV cache: call ensure_capacity() first"
+        dev = self.device
+        slots, input_ids, positions = slots.to(dev), input_ids.to(dev), positions.to(dev)
+        writes = positions if write_positions is None else write_positions.to(dev)
+        if tree_mask is not None:
+            tree_mask = tree_mask.to(dev)
+        elif write_positions is not None and not torch.equal(writes, positions):
+            q = writes.shape[1]  # separate write indices without a tree: a chain over the queries
+            tree_mask = torch.ones(q, q, dtype=torch.bool, device=dev).tril_()[None].expand(writes.shape[0], -1, -1)
+        kv_len = int(writes.max()) + 1
+        masks = {t: self._mask(positions, writes, tree_mask, kv_len,
+                               self.sliding_window if t == "sliding_attention" else None)
+                 for t in set(self.layer_types)}
+        # a 4D tensor is used as-is by every HF model; the per-type dict only by hybrid-attention ones
+        masks = next(iter(masks.values())) if len(masks) == 1 else masks
+        captured: Features = {}
+        hooks = self._capture(layers, captured)
+        self.cache.bind(slots, writes)
+        try:
+            out = self.base(
+                input_ids=input_ids,
+                position_ids=positions,
+                attention_mask=masks,
+                past_key_values=self.cache,
+                use_cache=True,
+            )
+        finally:
+            self.cache.unbind()
+            for h in hooks:
+                h.remove()
+        hidden = out.last_hidden_state
+        if FINAL in layers:
+            captured[FINAL] = hidden
+        return ForwardOutput(hidden, captured)
+
+    def _capture(self, layers: Sequence[int], into: Features) -> list:
+        hooks = []
+        for layer in layers:
+            if layer == FINAL:
+                continue
+            if not 0 <= layer <= self.num_layers:
+                raise ValueError(f"feature layer {layer} outside 0..{self.num_layers} (or {FINAL} for the final state)")
+            module = self.base.get_input_embeddings() if layer == 0 else self.base.layers[layer - 1]
+
+            def hook(_module, _args, output, layer=layer):
+                into[layer] = output[0] if isinstance(output, tuple) else output
+
+            hooks.append(module.register_forward_hook(hook))
+        return hooks
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., V] float32
+        return self.lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def prefill(self, slots: Sequence[int], prompts: Sequence[list[int]], layers: Sequence[int] = ()) -> list[Features]:
+        """Write K/V for each ``prompts[i]`` at positions ``0..len-1`` of ``slots[i]``; return the
+        requested layers' hidden states of every prompt token.
+
+        Rows are right-padded (padding writes past a row's length, where it is masked and later
+        overwritten) and processed in chunks that bound attention memory.
+        """
+        feats: list[Features] = [{} for _ in prompts]
+        rows = [i for i, p in enumerate(prompts) if p]
+        if not rows:
+            return feats
+        width = max(len(prompts[i]) for i in rows)
+        chunk = max(16, PREFILL_TOKENS // len(rows))
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        for r, i in enumerate(rows):
+            ids[r, : len(prompts[i])] = torch.tensor(prompts[i])
+        slot_t = torch.tensor([slots[i] for i in rows])
+        parts: list[Features] = []
+        for lo in range(0, width, chunk):
+            hi = min(width, lo + chunk)
+            positions = torch.arange(lo, hi)[None].expand(len(rows), -1)
+            parts.append(self.forward(slot_t, ids[:, lo:hi], positions, layers=layers).features)
+        for layer in layers:
+            full = torch.cat([p[layer] for p in parts], dim=1)  # [rows, width, H]
+            for r, i in enumerate(rows):
+                feats[i][layer] = full[r, : len(prompts[i])]
+        return feats
+
+    # -- KV operations ----------------------------------------------------------------------------
+    def truncate(self, slot: int, length: int) -> None:
+        """Free in a static cache: positions past ``length`` are masked by position, then overwritten."""
+
+    def compact(self, slot: int, src: Sequence[int], dst_start: int) -> None:
+        self.cache.move(slot, list(src), dst_start)
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        self.cache.copy_slot(src, dst, length)
+
+    def export_kv(self, slot: int, length: int):
+        return self.cache.export(slot, length)
+
+    def import_kv(self, slot: int, state) -> None:
+        self.cache.load(slot, state)
+
+
+def _eos_ids(gen_cfg) -> set[int]:
+    source = getattr(gen_cfg, "eos_token_id", None)
+    if isinstance(source, int):
+        return {source}
+    return {int(x) for x in source} if source else set()
