@@ -1,4 +1,4 @@
-"""Sampling parameters and the one place where logits become (warped) probabilities.
+"""Sampling parameters and settings, and the one place where logits become (warped) probabilities.
 
 Draft and target distributions are both produced by :func:`warp`, so speculative sampling compares
 like with like: the output follows the *warped* target distribution exactly.
@@ -11,6 +11,7 @@ on ties), which makes greedy decoding a special case of the exact speculative ru
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -52,6 +53,87 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class SamplingSetting:
+    """A sampling law without the per-request parts: what ``specdecode check`` tests and
+    ``specdecode bench`` runs (temperature 0 = greedy).
+
+    ``label``, when given, is the setting's name (bench names a setting by its spec, e.g.
+    ``t0.7-p0.95``, and its records are keyed by that name); otherwise the name is derived from
+    the fields, e.g. ``greedy`` or ``T=0.7 top-p=0.9``.
+    """
+
+    temperature: float
+    top_k: int = 0
+    top_p: float = 1.0
+    label: str | None = None
+
+    def __post_init__(self) -> None:
+        self.params()  # validates temperature, top_k and top_p
+        if self.label is not None and (not isinstance(self.label, str) or not self.label):
+            raise SamplingError(f"label must be a non-empty string or None, got {self.label!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def name(self) -> str:
+        if self.label is not None:
+            return self.label
+        if self.greedy:
+            return "greedy"
+        parts = [f"T={self.temperature:g}"]
+        if self.top_k:
+            parts.append(f"top-k={self.top_k}")
+        if self.top_p < 1:
+            parts.append(f"top-p={self.top_p:g}")
+        return " ".join(parts)
+
+    def params(self, **kw) -> SamplingParams:
+        """Per-request parameters under this law (``seed``, ``max_new_tokens``, ... from ``kw``)."""
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, **kw)
+
+
+_BENCH_SPEC = re.compile(r"t(?P<t>\d+(?:\.\d+)?)(?:-p(?P<p>\d*\.?\d+))?")
+
+
+def parse_setting(spec: str) -> SamplingSetting:
+    """One sampling setting, in either spelling:
+
+    * ``greedy``;
+    * ``t<T>[-p<top_p>]`` (bench style), e.g. ``t0.7-p0.95``, ``t1.0``: T > 0; the setting is named
+      by the spec itself;
+    * ``t=<T>,k=<top-k>,p=<top-p>`` (check style; any subset, in any order, t defaults to 1), e.g.
+      ``t=0.7,p=0.9``, ``k=20``: named from its fields (``T=0.7 top-p=0.9``).
+
+    A spec with ``=`` is check style. Bad specs raise :class:`SamplingError` (a ``ValueError``).
+    """
+    spec = spec.strip()
+    if spec.lower() == "greedy":
+        return SamplingSetting(0.0)
+    if "=" in spec:
+        kw = {"t": 1.0, "k": 0, "p": 1.0}
+        for pair in spec.split(","):
+            key, sep, value = pair.partition("=")
+            key = key.strip().lower()
+            if not sep or key not in kw:
+                raise SamplingError(f"bad setting {spec!r}: use 'greedy' or t=<temp>,k=<top-k>,p=<top-p>")
+            try:
+                kw[key] = int(value) if key == "k" else float(value)
+            except ValueError:
+                raise SamplingError(f"bad setting {spec!r}: {key}={value.strip()!r} is not a number") from None
+        return SamplingSetting(kw["t"], kw["k"], kw["p"])
+    m = _BENCH_SPEC.fullmatch(spec)
+    if not m:
+        raise SamplingError(f"unknown sampling setting {spec!r}: use 'greedy', t<T>[-p<top_p>] (e.g. t0.7-p0.95) "
+                            "or t=<temp>,k=<top-k>,p=<top-p> (e.g. t=0.7,p=0.9)")
+    t, p = float(m["t"]), float(m["p"]) if m["p"] else 1.0
+    if t <= 0 or not 0 < p <= 1:
+        raise SamplingError(f"sampling setting {spec!r}: need T > 0 (use 'greedy' for T = 0) and 0 < top_p <= 1")
+    return SamplingSetting(t, 0, p, label=spec)
 
 
 def make_generator(seed: int | None) -> torch.Generator:

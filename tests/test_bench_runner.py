@@ -11,6 +11,7 @@ import torch
 
 from specdecode.bench import cli
 from specdecode.bench import runner as R
+from specdecode.sampling import SamplingSetting
 from tiny import make_model, make_tokenizer, perturbed_copy
 
 V = 40  # rows for the tokenizer's 32 tokens and the <|endoftext|> that saving/loading adds
@@ -119,7 +120,7 @@ def test_interrupted_run_resumes_without_recomputing(models, tmp_path, monkeypat
 def test_interleaving_rotates_the_order():
     prompts = [R.BenchPrompt(f"p{i}", "c", "completion", [1, 2], 4) for i in range(3)]
     configs = R.make_configs([1, 2], [])
-    runner = R.BenchRunner(None, prompts, configs, [R.Sampling("greedy", 0.0)], 1, None, progress=False)
+    runner = R.BenchRunner(None, prompts, configs, [R.bench_setting("greedy")], 1, None, progress=False)
     firsts = [t[4].name for t in runner.plan() if t[0] == 0][:1] + [
         next(t[4].name for t in runner.plan() if t[0] == i) for i in (1, 2)]
     assert firsts == ["target", "spec-k1", "spec-k2"]
@@ -181,12 +182,13 @@ def test_too_long_prompts_can_be_skipped(models, tmp_path, capsys):
 
 
 def test_sampling_settings_and_configs_parse():
-    assert R.parse_sampling("greedy") == R.Sampling("greedy", 0.0)
-    assert R.parse_sampling("t0.7-p0.95") == R.Sampling("t0.7-p0.95", 0.7, 0.95)
-    assert R.parse_sampling("t1.0") == R.Sampling("t1.0", 1.0, 1.0)
-    for bad in ("t0", "t0.7-p1.5", "hot", "t-1"):
+    assert R.bench_setting("greedy") == SamplingSetting(0.0)
+    assert R.bench_setting("t0.7-p0.95") == SamplingSetting(0.7, 0, 0.95, label="t0.7-p0.95")
+    assert R.bench_setting("t1.0") == SamplingSetting(1.0, 0, 1.0, label="t1.0")
+    assert [R.bench_setting(s).name for s in ("greedy", "t0.7-p0.95", "t1.0")] == ["greedy", "t0.7-p0.95", "t1.0"]
+    for bad in ("t0", "t0.7-p1.5", "hot", "t-1", "t=0.7", "k=20"):
         with pytest.raises(R.BenchInputError):
-            R.parse_sampling(bad)
+            R.bench_setting(bad)
     assert [c.name for c in R.make_configs([2, 4], ["hf"])] == ["target", "spec-k2", "spec-k4", "hf"]
     with pytest.raises(R.BenchInputError, match="draft lengths must be >= 1"):
         R.make_configs([0], [])

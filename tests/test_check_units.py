@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from specdecode.check import cli
-from specdecode.check.common import Setting, parse_settings
+from specdecode.check.common import parse_settings
 from specdecode.check.prefix import reuse_prefills
 from specdecode.check.stats import goodness_of_fit, two_sample
-from specdecode.sampling import SamplingParams
+from specdecode.sampling import SamplingParams, SamplingSetting
 from tiny import make_engine, make_model, make_tokenizer, perturbed_copy
 
 V = 32
@@ -81,8 +81,9 @@ def test_two_sample_coarsens_sparse_tuples_to_their_prefixes():
 # -- settings --------------------------------------------------------------------------------------
 
 def test_parse_settings():
-    assert parse_settings("greedy; t=0.7,p=0.9 ;k=20") == (Setting(0.0), Setting(0.7, 0, 0.9), Setting(1.0, 20, 1.0))
-    assert Setting(0.7, 0, 0.9).name == "T=0.7 top-p=0.9"
+    assert parse_settings("greedy; t=0.7,p=0.9 ;k=20") == (
+        SamplingSetting(0.0), SamplingSetting(0.7, 0, 0.9), SamplingSetting(1.0, 20, 1.0))
+    assert SamplingSetting(0.7, 0, 0.9).name == "T=0.7 top-p=0.9"
     for bad in ("t=-1", "x=3", "t", ""):
         with pytest.raises(ValueError):
             parse_settings(bad)

@@ -1,9 +1,13 @@
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
-from specdecode.sampling import SamplingError, SamplingParams, make_generator, params_tensors, sample, warp
+from specdecode.sampling import (
+    SamplingError, SamplingParams, SamplingSetting, make_generator, params_tensors, parse_setting, sample, warp,
+)
 
 
 def reference_warp(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -68,3 +72,103 @@ def test_generators_are_reproducible():
 def test_impossible_arguments_are_refused(kwargs):
     with pytest.raises(SamplingError):
         SamplingParams(**kwargs)
+
+
+# -- settings and their parser -----------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "spec,fields,name",
+    [
+        ("greedy", (0.0, 0, 1.0), "greedy"),
+        (" Greedy ", (0.0, 0, 1.0), "greedy"),
+        # bench style: named by the spec itself (bench records and resumes match on it)
+        ("t0.7-p0.95", (0.7, 0, 0.95), "t0.7-p0.95"),
+        ("t1.0", (1.0, 0, 1.0), "t1.0"),
+        ("t1", (1.0, 0, 1.0), "t1"),
+        ("t0.7-p.9", (0.7, 0, 0.9), "t0.7-p.9"),
+        ("t1.3-p1", (1.3, 0, 1.0), "t1.3-p1"),
+        # check style: named from the fields; t defaults to 1
+        ("t=1", (1.0, 0, 1.0), "T=1"),
+        ("t=0.7,p=0.9", (0.7, 0, 0.9), "T=0.7 top-p=0.9"),
+        ("p=0.9, T=0.7", (0.7, 0, 0.9), "T=0.7 top-p=0.9"),
+        ("k=20", (1.0, 20, 1.0), "T=1 top-k=20"),
+        ("t=1.3,k=5,p=0.5", (1.3, 5, 0.5), "T=1.3 top-k=5 top-p=0.5"),
+        ("t=0", (0.0, 0, 1.0), "greedy"),
+    ],
+)
+def test_parse_setting_reads_both_spellings(spec, fields, name):
+    s = parse_setting(spec)
+    assert isinstance(s, SamplingSetting)
+    assert (s.temperature, s.top_k, s.top_p) == fields
+    assert s.name == name
+    assert s.greedy == (fields[0] == 0)
+    assert s.params(seed=3, max_new_tokens=5) == SamplingParams(*fields, seed=3, max_new_tokens=5)
+
+
+def test_check_style_settings_compare_equal_to_their_fields():
+    assert parse_setting("greedy") == parse_setting("t=0") == SamplingSetting(0.0)
+    assert parse_setting("t=0.7,p=0.9") == SamplingSetting(0.7, top_p=0.9)
+    assert parse_setting("k=20") == SamplingSetting(1.0, top_k=20)
+
+
+@pytest.mark.parametrize("bench,check", [("t0.7-p0.95", "t=0.7,p=0.95"), ("t1.0", "t=1"), ("t1.3", "p=1,t=1.3")])
+def test_both_spellings_of_one_law_give_the_same_params(bench, check):
+    a, b = parse_setting(bench), parse_setting(check)
+    assert a.name == bench and b.name != bench  # different names ...
+    assert a != b
+    assert a.params() == b.params()  # ... the same law
+    assert a.params(seed=7, max_new_tokens=9, ignore_eos=True) == b.params(seed=7, max_new_tokens=9, ignore_eos=True)
+
+
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("hot", "unknown sampling setting 'hot'"),
+        ("t", "unknown sampling setting 't'"),
+        ("", "unknown sampling setting ''"),
+        ("t-1", "unknown sampling setting 't-1'"),
+        ("T0.7", "unknown sampling setting 'T0.7'"),
+        ("t0.7-k20", "unknown sampling setting 't0.7-k20'"),
+        ("t0", "need T > 0 (use 'greedy' for T = 0)"),
+        ("t0.7-p1.5", "0 < top_p <= 1"),
+        ("t0.7-p0", "0 < top_p <= 1"),
+        ("x=3", "bad setting 'x=3': use 'greedy' or t=<temp>,k=<top-k>,p=<top-p>"),
+        ("t=0.7,p", "bad setting 't=0.7,p'"),
+        ("k=2.5", "bad setting 'k=2.5': k='2.5' is not a number"),
+        ("t=hot", "bad setting 't=hot': t='hot' is not a number"),
+        ("t=-1", "temperature must be a finite number >= 0"),
+        ("t=nan", "temperature must be a finite number >= 0"),
+        ("p=0", "top_p must be in (0, 1]"),
+        ("k=-1", "top_k must be an integer >= 0"),
+    ],
+)
+def test_bad_setting_specs_name_the_problem(spec, message):
+    with pytest.raises(SamplingError) as info:
+        parse_setting(spec)
+    assert isinstance(info.value, ValueError)
+    assert message in str(info.value)
+
+
+def test_settings_are_validated_through_sampling_params():
+    for kwargs in (dict(temperature=-1.0), dict(temperature=1.0, top_k=-1), dict(temperature=1.0, top_p=0.0),
+                   dict(temperature=1.0, label=""), dict(temperature=1.0, label=3)):
+        with pytest.raises(SamplingError):
+            SamplingSetting(**kwargs)
+    assert SamplingSetting(0.7, label="mine").name == "mine"
+    assert SamplingSetting(1.0, 20, 0.9).name == "T=1 top-k=20 top-p=0.9"
+    assert hash(parse_setting("t0.7-p0.95")) == hash(parse_setting("t0.7-p0.95"))
+
+
+def test_stored_bench_results_keep_their_setting_names():
+    """Bench results key runs by the setting's name: every name in the committed results still parses to itself."""
+    files = sorted((Path(__file__).parent.parent / "docs" / "bench").glob("*/results.json"))
+    if not files:
+        pytest.skip("no stored bench results")
+    names = set()
+    for path in files:
+        results = json.loads(path.read_text(encoding="utf-8"))
+        names.update(results["meta"]["settings"]["sampling"])
+        names.update(r["sampling"] for r in results["records"] if "sampling" in r)
+    assert "t0.7-p0.95" in names
+    for name in names:
+        assert parse_setting(name).name == name

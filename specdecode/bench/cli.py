@@ -124,9 +124,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _configs(args: argparse.Namespace) -> tuple[list, list]:
-    from specdecode.bench.runner import make_configs, parse_sampling
+    from specdecode.bench.runner import bench_setting, make_configs
 
-    samplings = [parse_sampling(s) for s in args.sampling]
+    samplings = [bench_setting(s) for s in args.sampling]
     baselines = [] if args.baselines == ["none"] else args.baselines
     configs = make_configs(_settings(args)["draft_lengths"] if args.draft else [], baselines)
     if not args.draft or args.draft == "ngram":  # HF's assistant_model needs a model

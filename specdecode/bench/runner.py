@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from specdecode.bench.analysis import TARGET, first_difference, is_near_tie
+
+if TYPE_CHECKING:
+    from specdecode.sampling import SamplingSetting
 
 
 class BenchInputError(ValueError):
@@ -30,31 +32,22 @@ class BenchInputError(ValueError):
 
 
 # -- settings --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Sampling:
-    name: str
-    temperature: float
-    top_p: float = 1.0
+def bench_setting(spec: str) -> SamplingSetting:
+    """A ``--sampling`` item: ``greedy`` or ``t<T>[-p<top_p>]``, e.g. ``t0.7-p0.95``, ``t1.0``, named by
+    the spec itself (records and resumes match settings by that name).
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+    Check's ``t=<T>,k=<top-k>,p=<top-p>`` spelling is refused: ``--sampling`` is comma-separated, and the
+    transformers baselines take no top-k.
+    """
+    from specdecode.sampling import parse_setting
 
-
-_SAMPLING_RE = re.compile(r"t(?P<t>\d+(?:\.\d+)?)(?:-p(?P<p>\d*\.?\d+))?")
-
-
-def parse_sampling(spec: str) -> Sampling:
-    """``greedy`` or ``t<temperature>[-p<top_p>]``, e.g. ``t0.7-p0.95``, ``t1.0``."""
-    if spec == "greedy":
-        return Sampling("greedy", 0.0)
-    m = _SAMPLING_RE.fullmatch(spec)
-    if not m:
-        raise BenchInputError(f"unknown sampling setting {spec!r}: use 'greedy' or t<T>[-p<top_p>], e.g. t0.7-p0.95")
-    t, p = float(m["t"]), float(m["p"]) if m["p"] else 1.0
-    if t <= 0 or not 0 < p <= 1:
-        raise BenchInputError(f"sampling setting {spec!r}: need T > 0 (use 'greedy' for T = 0) and 0 < top_p <= 1")
-    return Sampling(spec, t, p)
+    if "=" in spec:
+        raise BenchInputError(f"unknown sampling setting {spec!r}: bench takes 'greedy' or t<T>[-p<top_p>], "
+                              "e.g. t0.7-p0.95 (t=,k=,p= settings are for check)")
+    try:
+        return parse_setting(spec)
+    except ValueError as exc:
+        raise BenchInputError(str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -210,7 +203,7 @@ def rotated(items: list, offset: int) -> list:
 
 class BenchRunner:
     def __init__(self, backend: Backend, prompts: list[BenchPrompt], configs: list[RunConfig],
-                 samplings: list[Sampling], repeats: int, store: RecordStore, seed: int = 0,
+                 samplings: list[SamplingSetting], repeats: int, store: RecordStore, seed: int = 0,
                  ignore_eos: bool = True, warmup_tokens: int = 4, progress: bool = True,
                  on_run: Callable[[dict[str, Any]], None] | None = None) -> None:
         if repeats < 1:
@@ -220,14 +213,14 @@ class BenchRunner:
         self.warmup_tokens, self.progress, self.on_run = warmup_tokens, progress, on_run
         self.runs_done = 0
 
-    def plan(self) -> Iterator[tuple[int, BenchPrompt, int, Sampling, RunConfig]]:
+    def plan(self) -> Iterator[tuple[int, BenchPrompt, int, SamplingSetting, RunConfig]]:
         combos = [(s, c) for s in self.samplings for c in self.configs]
         for i, prompt in enumerate(self.prompts):
             for r in range(self.repeats):
                 for s, c in rotated(combos, i * self.repeats + r):
                     yield i, prompt, r, s, c
 
-    def pending(self) -> list[tuple[int, BenchPrompt, int, Sampling, RunConfig]]:
+    def pending(self) -> list[tuple[int, BenchPrompt, int, SamplingSetting, RunConfig]]:
         return [t for t in self.plan() if not self.store.has("run", t[1].id, t[3].name, t[4].name, t[2])]
 
     def run(self) -> None:
@@ -261,14 +254,11 @@ class BenchRunner:
             for c in self.configs:
                 self.run_one(short, 0, s, c)
 
-    def run_one(self, prompt: BenchPrompt, repeat: int, sampling: Sampling, config: RunConfig) -> dict[str, Any]:
-        from specdecode.sampling import SamplingParams
-
+    def run_one(self, prompt: BenchPrompt, repeat: int, sampling: SamplingSetting, config: RunConfig) -> dict[str, Any]:
         seed = run_seed(self.seed, prompt.id, repeat)
         eos = None if self.ignore_eos else self.backend.eos_token_ids
         if config.kind == "engine":
-            params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, seed=seed,
-                                    max_new_tokens=prompt.max_new_tokens, ignore_eos=self.ignore_eos)
+            params = sampling.params(seed=seed, max_new_tokens=prompt.max_new_tokens, ignore_eos=self.ignore_eos)
             out = run_engine(self.backend.engine_for(config.k), prompt.ids, params)
         else:
             hf = self.backend.hf_for(config.assisted).generate(

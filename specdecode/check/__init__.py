@@ -4,8 +4,9 @@ Five parts, each with a PASS/FAIL verdict (see docs/exactness.md): the verifier'
 real distributions, the end-to-end sampling law, greedy equality, stop/length accounting, seeds.
 """
 
-from specdecode.check.common import CheckConfig, EngineFactory, Setting, parse_settings
+from specdecode.check.common import CheckConfig, EngineFactory, parse_settings
 from specdecode.check.report import CheckReport, PartResult
 from specdecode.check.runner import run_check
+from specdecode.sampling import SamplingSetting
 
-__all__ = ["CheckConfig", "CheckReport", "EngineFactory", "PartResult", "Setting", "parse_settings", "run_check"]
+__all__ = ["CheckConfig", "CheckReport", "EngineFactory", "PartResult", "SamplingSetting", "parse_settings", "run_check"]

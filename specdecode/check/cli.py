@@ -10,7 +10,8 @@ import argparse
 import sys
 from dataclasses import replace
 
-from specdecode.check.common import DEFAULT_E2E_SETTINGS, DEFAULT_LAW_SETTINGS, CheckConfig, Setting
+from specdecode.check.common import DEFAULT_E2E_SETTINGS, DEFAULT_LAW_SETTINGS, CheckConfig
+from specdecode.sampling import SamplingSetting
 
 # Short completion prompts (code and prose): cheap to prefill on a CPU, and they work for base and
 # instruct models alike. --prompts replaces them.
@@ -65,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--seed-batch", type=int, default=_DEFAULTS.seed_batch, help="part 5: batch size (default %(default)s)")
 
 
-def _names(settings: tuple[Setting, ...]) -> str:
+def _names(settings: tuple[SamplingSetting, ...]) -> str:
     return ";".join("greedy" if s.greedy else ",".join(
         [f"t={s.temperature:g}"] + ([f"k={s.top_k}"] if s.top_k else []) + ([f"p={s.top_p:g}"] if s.top_p < 1 else []))
         for s in settings)

@@ -10,58 +10,19 @@ import torch
 
 from specdecode.engine import Engine
 from specdecode.metrics import SpecStats
-from specdecode.sampling import SamplingParams
+from specdecode.sampling import SamplingParams, SamplingSetting, parse_setting
 
 # (num_draft_tokens, max_batch_size) -> a fresh Engine; num_draft_tokens == 0 means target-only
 EngineFactory = Callable[[int, int], Engine]
 
 
-@dataclass(frozen=True)
-class Setting:
-    """A sampling setting under test (temperature 0 = greedy)."""
-
-    temperature: float
-    top_k: int = 0
-    top_p: float = 1.0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    @property
-    def name(self) -> str:
-        if self.greedy:
-            return "greedy"
-        parts = [f"T={self.temperature:g}"]
-        if self.top_k:
-            parts.append(f"top-k={self.top_k}")
-        if self.top_p < 1:
-            parts.append(f"top-p={self.top_p:g}")
-        return " ".join(parts)
-
-    def params(self, **kw) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, **kw)
-
-
-def parse_settings(spec: str) -> tuple[Setting, ...]:
-    """``"greedy;t=1;t=0.7,p=0.9;k=20"`` -> settings (t: temperature, k: top-k, p: top-p; t defaults to 1)."""
-    out = []
-    for item in filter(None, (s.strip() for s in spec.split(";"))):
-        if item.lower() == "greedy":
-            out.append(Setting(0.0))
-            continue
-        kw = {"t": 1.0, "k": 0, "p": 1.0}
-        for pair in item.split(","):
-            key, sep, value = pair.partition("=")
-            key = key.strip().lower()
-            if not sep or key not in kw:
-                raise ValueError(f"bad setting {item!r}: use 'greedy' or t=<temp>,k=<top-k>,p=<top-p>")
-            kw[key] = int(value) if key == "k" else float(value)
-        SamplingParams(temperature=kw["t"], top_k=kw["k"], top_p=kw["p"])  # validates
-        out.append(Setting(kw["t"], kw["k"], kw["p"]))
+def parse_settings(spec: str) -> tuple[SamplingSetting, ...]:
+    """``"greedy;t=1;t=0.7,p=0.9;k=20"`` -> settings, each as :func:`specdecode.sampling.parse_setting`
+    reads it (t: temperature, k: top-k, p: top-p; t defaults to 1)."""
+    out = tuple(parse_setting(item) for item in filter(None, (s.strip() for s in spec.split(";"))))
     if not out:
         raise ValueError("no sampling settings given")
-    return tuple(out)
+    return out
 
 
 DEFAULT_LAW_SETTINGS = parse_settings("greedy;t=1;t=0.7,p=0.9;k=20;t=1.3")
@@ -89,13 +50,13 @@ class CheckConfig:
     # part 1: verifier law on the pair's real distributions
     law_contexts: int = 3
     law_samples: int = 2000  # verification steps per (context, setting)
-    law_settings: tuple[Setting, ...] = DEFAULT_LAW_SETTINGS
+    law_settings: tuple[SamplingSetting, ...] = DEFAULT_LAW_SETTINGS
     # part 2: end-to-end two-sample test
     e2e_prompts: int = 1
     e2e_samples: int = 64  # per group (speculative, target-only) and per (prompt, setting)
     e2e_tokens: int = 2
     e2e_batch: int = 16
-    e2e_settings: tuple[Setting, ...] = DEFAULT_E2E_SETTINGS
+    e2e_settings: tuple[SamplingSetting, ...] = DEFAULT_E2E_SETTINGS
     # part 3: greedy equality
     greedy_tokens: int = 12
     greedy_batch: int = 4
@@ -104,7 +65,7 @@ class CheckConfig:
     # part 5: seeds
     seed_tokens: int = 8
     seed_batch: int = 3
-    seed_setting: Setting = Setting(1.0)
+    seed_setting: SamplingSetting = SamplingSetting(1.0)
 
     @property
     def statistical_parts(self) -> list[int]:

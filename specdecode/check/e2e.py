@@ -16,10 +16,11 @@ Its power is modest at small budgets: it detects gross distortions; part 1 carri
 
 from __future__ import annotations
 
-from specdecode.check.common import CheckConfig, EnginePool, Progress, Setting, run_requests
+from specdecode.check.common import CheckConfig, EnginePool, Progress, run_requests
 from specdecode.check.contexts import Context
 from specdecode.check.report import FAIL, PASS, PartResult
 from specdecode.check.stats import two_sample
+from specdecode.sampling import SamplingSetting
 
 SPEC_SEEDS, BASE_SEEDS = 1_000_000, 2_000_000  # disjoint seed ranges for the two groups
 
@@ -67,7 +68,7 @@ def check_e2e(pool: EnginePool, contexts: list[Context], cfg: CheckConfig, progr
     return PartResult(2, "end-to-end sampling law", status, summary, details)
 
 
-def _samples(engine, prompt: list[int], setting: Setting, cfg: CheckConfig, seed0: int, progress: Progress):
+def _samples(engine, prompt: list[int], setting: SamplingSetting, cfg: CheckConfig, seed0: int, progress: Progress):
     params = [setting.params(seed=seed0 + i, max_new_tokens=cfg.e2e_tokens) for i in range(cfg.e2e_samples)]
     runs = run_requests(engine, [prompt] * len(params), params, on_finish=progress.advance)
     return [(tuple(r.token_ids), r.stats.tokens_per_step) for r in runs]

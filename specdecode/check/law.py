@@ -42,11 +42,11 @@ import numpy as np
 import torch
 
 import specdecode.engine as engine_module
-from specdecode.check.common import CheckConfig, EnginePool, Progress, Setting
+from specdecode.check.common import CheckConfig, EnginePool, Progress
 from specdecode.check.contexts import Context
 from specdecode.check.report import FAIL, PASS, WEAK, PartResult
 from specdecode.check.stats import goodness_of_fit
-from specdecode.sampling import SamplingParams, make_generator, params_tensors, warp
+from specdecode.sampling import SamplingParams, SamplingSetting, make_generator, params_tensors, warp
 
 CHUNK_ELEMENTS = 1 << 22  # verifier calls are chunked so that a [chunk, V] float64 tensor stays ~32 MB
 GREEDY_REPEATS = 8
@@ -112,7 +112,7 @@ def check_law(
 
 
 @torch.inference_mode()
-def real_chain(engine, ctx: list[int], setting: Setting, k: int, seed: int) -> Chain:
+def real_chain(engine, ctx: list[int], setting: SamplingSetting, k: int, seed: int) -> Chain:
     """Draft ``k`` tokens after ``ctx`` with the engine's drafter, then score them with the target.
 
     Expects the target's slot 0 to hold ``ctx[:-1]`` and the drafter to have started slot 0 on ctx.
@@ -129,12 +129,12 @@ def real_chain(engine, ctx: list[int], setting: Setting, k: int, seed: int) -> C
     return Chain(tokens, probs, logits.float())
 
 
-def _warped(fn, logits: torch.Tensor, setting: Setting) -> torch.Tensor:  # [n+1, V]
+def _warped(fn, logits: torch.Tensor, setting: SamplingSetting) -> torch.Tensor:  # [n+1, V]
     temperature, top_k, top_p = params_tensors([setting.params()] * logits.shape[0])
     return fn(logits, temperature, top_k, top_p)
 
 
-def law_record(chain: Chain, setting: Setting, num_samples: int, level: float, seed: int, verify_fn, warp_fn) -> dict:
+def law_record(chain: Chain, setting: SamplingSetting, num_samples: int, level: float, seed: int, verify_fn, warp_fn) -> dict:
     n = len(chain.draft_tokens)
     ref = _warped(warp, chain.target_logits, setting)  # the law the output must follow
     fed = _warped(warp_fn, chain.target_logits, setting)  # what the engine gives its verifier
@@ -234,7 +234,7 @@ def greedy_record(chain: Chain, warp_fn, verify_fn, greedy_fn, seed: int) -> dic
     drafts = torch.stack(chains) if n else torch.zeros(len(chains), 0, dtype=torch.long)  # [m, n]
     m = len(chains)
     num_draft = torch.full((m,), n, dtype=torch.long)
-    target_probs = _warped(warp_fn, chain.target_logits, Setting(0.0))  # one-hot rows
+    target_probs = _warped(warp_fn, chain.target_logits, SamplingSetting(0.0))  # one-hot rows
     one_hot = torch.zeros(m, n, vocab).scatter_(2, drafts[:, :, None], 1.0)  # the greedy drafter's q
 
     gen = torch.Generator().manual_seed(seed)
@@ -256,7 +256,7 @@ def greedy_record(chain: Chain, warp_fn, verify_fn, greedy_fn, seed: int) -> dic
 
 
 def _verdict(
-    records: list[dict], sampled: list[Setting], contexts: list[Context], cfg: CheckConfig, level: float, num_tests: int
+    records: list[dict], sampled: list[SamplingSetting], contexts: list[Context], cfg: CheckConfig, level: float, num_tests: int
 ) -> PartResult:
     greedy = [r for r in records if "chains" in r]
     law = [r for r in records if "positions" in r]

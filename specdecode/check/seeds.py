@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.check.common import CheckConfig, EnginePool, Progress, Setting, first_divergence, next_token_logits, run_requests
+from specdecode.check.common import CheckConfig, EnginePool, Progress, first_divergence, next_token_logits, run_requests
 from specdecode.check.report import FAIL, PASS, PartResult
+from specdecode.sampling import SamplingSetting
 
 
 def check_seeds(pool: EnginePool, prompts: list[list[int]], cfg: CheckConfig, progress: Progress) -> PartResult:
@@ -93,10 +94,10 @@ def check_seeds(pool: EnginePool, prompts: list[list[int]], cfg: CheckConfig, pr
 def _others(prompts: list[list[int]], n: int, cfg: CheckConfig) -> list:
     """Varied neighbours: greedy, other seeds, unseeded, different settings and lengths."""
     kinds = [
-        (Setting(0.0), None),
-        (Setting(0.7, top_p=0.9), cfg.seed + 1),
-        (Setting(1.3), None),
-        (Setting(1.0, top_k=20), cfg.seed + 2),
+        (SamplingSetting(0.0), None),
+        (SamplingSetting(0.7, top_p=0.9), cfg.seed + 1),
+        (SamplingSetting(1.3), None),
+        (SamplingSetting(1.0, top_k=20), cfg.seed + 2),
     ]
     out = []
     for i in range(n):

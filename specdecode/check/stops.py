@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specdecode.check.common import CheckConfig, EnginePool, Progress, Run, Setting, run_requests
+from specdecode.check.common import CheckConfig, EnginePool, Progress, Run, run_requests
 from specdecode.check.report import FAIL, PASS, WEAK, PartResult
-from specdecode.sampling import SamplingParams
+from specdecode.sampling import SamplingParams, SamplingSetting
 
 MAX_PROMPTS_TRIED = 3
 MAX_STOP_LEN = 8
@@ -28,7 +28,7 @@ MAX_STOP_LEN = 8
 def check_stops(pool: EnginePool, prompts: list[list[int]], cfg: CheckConfig, progress: Progress) -> PartResult:
     progress.part("4 stops and length", 8)
     cutter = _Cutter(pool, cfg.stop_tokens)
-    for mode, setting, seed in (("greedy", Setting(0.0), None), ("sampled", cfg.seed_setting, cfg.seed + 7)):
+    for mode, setting, seed in (("greedy", SamplingSetting(0.0), None), ("sampled", cfg.seed_setting, cfg.seed + 7)):
         learned = cutter.learn(mode, prompts[:MAX_PROMPTS_TRIED], setting, seed)
         progress.advance()
         if learned is None:
@@ -52,7 +52,7 @@ class _Learned:
     mode: str
     prompt_index: int
     prompt: list[int]
-    setting: Setting
+    setting: SamplingSetting
     seed: int | None
     run: Run
     texts: list[str]  # texts[i]: decoded output tokens 0..i
@@ -70,7 +70,7 @@ class _Cutter:
         self.cases: list[dict] = []
         self.usage: list[dict] = []
 
-    def learn(self, mode: str, prompts: list[list[int]], setting: Setting, seed: int | None) -> _Learned | None:
+    def learn(self, mode: str, prompts: list[list[int]], setting: SamplingSetting, seed: int | None) -> _Learned | None:
         """The first prompt whose run has a step that emitted two or more tokens."""
         for pi, prompt in enumerate(prompts):
             run = self._run(self.pool.spec(1), [prompt], [setting.params(seed=seed, max_new_tokens=self.max_new)])[0]
