@@ -1,9 +1,9 @@
 """Speed of this checkout against another commit, side by side: target-only and speculative decoding
 on the real pair, the two code versions alternating in fresh processes (A B B A ...), medians over rounds.
 
-    python scripts/commit_ab.py --old HEAD~1 [--rounds 3] [--prompts 4] [--max-new-tokens 64] [-k 4]
+    python scripts/commit_ab.py --old HEAD~1 [--new HEAD] [--rounds 3] [--prompts 4] [--max-new-tokens 64] [-k 4]
 
-The other commit is checked out in a git worktree under /tmp. Each process loads the pair once and
+Both commits are checked out in git worktrees under /tmp (so editing this checkout meanwhile is safe). Each process loads the pair once and
 decodes HumanEval problems 0..N-1 (the development split) greedily with ``ignore_eos``, target-only
 and with the draft model at ``-k``; it reports decode tok/s (new tokens / (wall - prefill)). Only the
 engine API both versions share is used (``load_pair``, ``engine_from_pair``, ``generate``).
@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1]  # the repository whose commits are compared
 
 MEASURE = r"""
 import json, sys, time
@@ -73,6 +73,7 @@ def run(tree: Path, args) -> dict[str, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--old", required=True, help="the commit to compare against (e.g. HEAD~1)")
+    ap.add_argument("--new", default="HEAD", help="the commit measured against it (default HEAD)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -80,7 +81,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--out", type=Path, default=None, help="write the raw results as JSON")
     args = ap.parse_args()
-    trees = {"old": worktree(args.old), "new": ROOT}
+    trees = {"old": worktree(args.old), "new": worktree(args.new)}
     results: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
     for r in range(args.rounds):
         order = ("old", "new") if r % 2 == 0 else ("new", "old")
