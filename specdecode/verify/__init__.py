@@ -4,14 +4,18 @@ from dataclasses import dataclass
 from typing import Callable
 
 from specdecode.verify.chain import VerifyResult, verify_greedy, verify_speculative
+from specdecode.verify.tree import TreeVerifyResult, verify_tree, verify_tree_greedy
 
 
 @dataclass(frozen=True)
 class Verifier:
     """What the engine verifies with; ``check`` and tests inject a broken one to prove they notice."""
 
-    greedy: Callable[..., VerifyResult] = verify_greedy
+    greedy: Callable[..., VerifyResult] = verify_greedy  # chains
     speculative: Callable[..., VerifyResult] = verify_speculative
+    tree_greedy: Callable[..., TreeVerifyResult] = verify_tree_greedy  # trees (verify/tree.py)
+    tree: Callable[..., TreeVerifyResult] = verify_tree
 
 
-__all__ = ["Verifier", "VerifyResult", "verify_greedy", "verify_speculative"]
+__all__ = ["TreeVerifyResult", "Verifier", "VerifyResult", "verify_greedy", "verify_speculative", "verify_tree",
+           "verify_tree_greedy"]
