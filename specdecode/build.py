@@ -32,6 +32,8 @@ class EngineConfig:
     max_draft_tokens: int = 16  # upper bound for the acceptance policy
     draft_confidence: float = 0.0  # draft model: end a chain after a token the draft gives less than this
     verify_budget: int = 0  # > 0: at most this many tokens verified per step across the batch (load-aware k)
+    tree_topk: int = 1  # children per expanded node; 1 = chains
+    tree_nodes: int = 16  # trees: draft nodes verified per step (root excluded); depth = num_draft_tokens
 
 
 @dataclass
@@ -63,6 +65,11 @@ def add_model_arguments(parser: argparse.ArgumentParser, draft_required: bool = 
                    help="draft model only: end a sequence's draft chain after a token whose draft probability "
                         "is below P (0 = off, the default; transformers' assisted generation uses 0.4). "
                         "Exact either way: only the draft length changes")
+    g.add_argument("--tree-topk", type=int, default=1, metavar="K",
+                   help="draft a tree: K children per expanded node (1 = a chain, the default); depth = -k. "
+                        "Exact for greedy and sampling (docs/architecture.md)")
+    g.add_argument("--tree-nodes", type=int, default=16, metavar="N",
+                   help="trees: draft nodes verified per step, the pending token excluded (default 16)")
     g.add_argument("--verify-budget", type=int, default=0, metavar="N",
                    help="load-aware draft length: verify at most N tokens per step across the batch, so each of "
                         "B sequences drafts at most N // B - 1 (target-only once B >= N); 0 = no cap (default)")
@@ -72,7 +79,8 @@ def config_from_args(args: argparse.Namespace, max_batch_size: int = 1) -> Engin
     return EngineConfig(args.target, args.draft, args.num_draft_tokens, args.dtype, getattr(args, "device", "auto"),
                         max_batch_size, args.max_context,
                         getattr(args, "draft_policy", "fixed"), getattr(args, "max_draft_tokens", 16),
-                        getattr(args, "draft_confidence", 0.0), getattr(args, "verify_budget", 0))
+                        getattr(args, "draft_confidence", 0.0), getattr(args, "verify_budget", 0),
+                        getattr(args, "tree_topk", 1), getattr(args, "tree_nodes", 16))
 
 
 def load_pair(target: str, draft: str | None, dtype: str = "auto", device: str = "auto") -> LoadedPair:
@@ -103,6 +111,8 @@ def make_policy(cfg: EngineConfig):
         raise ValueError(f"unknown draft policy {cfg.draft_policy!r}")
     if cfg.verify_budget < 0:
         raise ValueError(f"--verify-budget must be >= 0, got {cfg.verify_budget}")
+    if cfg.tree_topk < 1 or cfg.tree_nodes < 1:
+        raise ValueError(f"--tree-topk and --tree-nodes must be >= 1, got {cfg.tree_topk}, {cfg.tree_nodes}")
     k = cfg.num_draft_tokens if cfg.draft else 0
     policy = FixedPolicy(k)
     if cfg.draft and cfg.draft_policy == "acceptance":
@@ -127,7 +137,9 @@ def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
     if cfg.draft:
         make_draft = (lambda: HFRunner(pair.draft)) if pair.draft is not None else None
         drafter = build_drafter(cfg.draft, DraftContext(target, cfg, make_draft))
-    return Engine(target, pair.tokenizer, drafter, policy, max_batch_size=cfg.max_batch_size, max_context=max_context)
+    tree_nodes = cfg.tree_nodes if cfg.draft and cfg.tree_topk > 1 else 0
+    return Engine(target, pair.tokenizer, drafter, policy, max_batch_size=cfg.max_batch_size, max_context=max_context,
+                  max_tree_nodes=tree_nodes)
 
 
 def build_engine(cfg: EngineConfig) -> "Engine":

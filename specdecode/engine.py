@@ -31,7 +31,9 @@ from specdecode.models.base import Runner
 from specdecode.policy import DraftPolicy, FixedPolicy, SwitchPolicy
 from specdecode.sampling import SamplingParams, make_generator, params_tensors, warp
 from specdecode.text import IncrementalText
+from specdecode.tree import tree_layout
 from specdecode.verify import Verifier
+from specdecode.verify.tree import DETERMINISTIC, IID
 
 
 class RequestError(ValueError):
@@ -64,8 +66,22 @@ class StepEvent:
     seq: Sequence
     new_token_ids: list[int]
     finished: bool
-    drafted: int = 0  # draft tokens verified for this sequence in the step
-    accepted: int = 0  # of which accepted
+    drafted: int = 0  # draft length (chain) or tree depth proposed for this sequence in the step
+    accepted: int = 0  # draft tokens accepted
+    nodes: int = 0  # draft tokens verified (= drafted for a chain)
+
+
+@dataclass
+class _Verified:
+    """One step's verification, per row: what to emit and what the target cached."""
+
+    tokens: list[list[int]]  # emitted tokens are tokens[b][: accepted[b] + 1]
+    accepted: list[int]
+    paths: list[list[int]]  # query indices of the pending token and the accepted drafts
+    depths: list[int]  # draft length (chains) or depth of the tree (trees)
+    nodes: list[int]  # draft tokens verified
+    input_ids: torch.Tensor  # [B, Q] the forward's queries
+    features: dict  # layer -> [B, Q, H] (only what the drafter asked for)
 
 
 @dataclass
@@ -102,6 +118,7 @@ class Engine:
         self.device = target.device
         # the verify window: the pending token plus the longest chain or largest tree a step may carry
         self.window = max(inner.max_k, max_tree_nodes) + 1
+        self.max_tree_nodes = max_tree_nodes  # > 0: the drafter proposes trees of up to this many nodes
         self.max_batch_size = max_batch_size or target.num_slots or 1
         if max_context is None:
             if not target.max_len:
@@ -205,61 +222,100 @@ class Engine:
         seqs = self.running
         if not seqs:
             return []
-        bsz, dev = len(seqs), self.device
-        # never draft past the token budget (the step emits k + 1 tokens at most)
+        bsz = len(seqs)
+        # never draft past the token budget (a step emits depth + 1 tokens at most)
         ks = [max(0, min(self.policy.num_draft(s, bsz), s.params.max_new_tokens - len(s.output_ids) - 1)) for s in seqs]
 
         t0 = time.perf_counter()
         proposal = self.drafter.propose(seqs, ks) if self.drafter is not None and any(ks) else Proposal.empty(bsz)
-        if proposal.parents is not None:
-            raise NotImplementedError(f"drafter {self.drafter.name!r} proposed a tree: tree verification is not built yet")
+        t1 = time.perf_counter()
+        verified = self._verify_tree(seqs, proposal) if proposal.parents is not None else self._verify_chain(seqs, proposal)
+        t2 = time.perf_counter()
+
+        events = []
+        for b, seq in enumerate(seqs):
+            a, path = verified.accepted[b], verified.paths[b]
+            cached = len(seq.token_ids) - 1
+            if path != list(range(a + 1)):  # a tree branch: move its K/V next to the prefix
+                self.target.compact(seq.slot, [cached + q for q in path[1:]], cached + 1)
+            new = self._append(seq, verified.tokens[b][: a + 1])
+            # the target now holds the pending token and the accepted drafts; the rest is stale
+            self.target.truncate(seq.slot, cached + a + 1)
+            seq.stats.record_step(verified.depths[b], a, len(new), verified.nodes[b])
+            self.policy.observe(seq, verified.depths[b], a)
+            seq.stats.draft_s += t1 - t0
+            seq.stats.verify_s += t2 - t1
+            events.append(StepEvent(seq, new, seq.finished, verified.depths[b], a, verified.nodes[b]))
+        if self.feature_layers:
+            live = [(b, s) for b, s in enumerate(seqs) if not s.finished]
+            if live:
+                self.drafter.observe([s.slot for _, s in live], [self._features(verified, b, s) for b, s in live])
+        for ev in events:
+            if ev.finished:
+                self._release(ev.seq)
+        return events
+
+    def _features(self, verified: "_Verified", b: int, seq: Sequence) -> TargetFeatures:
+        """The target's hidden states of the pending token and the accepted drafts of row ``b``."""
+        path = verified.paths[b]
+        index = torch.tensor(path, device=self.device)
+        start = len(seq.token_ids) - 1 - len(path)  # the pending token's position
+        return TargetFeatures(start, verified.input_ids[b][path].tolist(),
+                              {layer: h[b, index] for layer, h in verified.features.items()})
+
+    def _verify_chain(self, seqs: list[Sequence], proposal: Proposal) -> "_Verified":
+        bsz, dev = len(seqs), self.device
         drafts, num_draft = proposal.tokens.to(dev), proposal.num_tokens.to(dev)
         draft_probs = None if proposal.probs is None else proposal.probs.to(dev)
-        t1 = time.perf_counter()
-
         k = drafts.shape[1]
         ids = torch.cat([torch.tensor([[s.token_ids[-1]] for s in seqs], device=dev), drafts], dim=1)  # [B, k+1]
         start = torch.tensor([len(s.token_ids) - 1 for s in seqs], device=dev)
         positions = start[:, None] + torch.arange(k + 1, device=dev)[None, :]  # [B, k+1]
         out = self.target.forward(torch.arange(bsz, device=dev), ids, positions, layers=self.feature_layers)
         logits = self.target.logits(out.hidden)  # [B, k+1, V]
-
         if all(s.params.greedy for s in seqs):
             result = self.verifier.greedy(drafts, logits.argmax(-1), num_draft)
         else:
-            temperature, top_k, top_p = (x.repeat_interleave(k + 1) for x in params_tensors([s.params for s in seqs]))
-            target_probs = warp(logits.flatten(0, 1), temperature, top_k, top_p).view(bsz, k + 1, -1)
+            target_probs = self._warp(seqs, logits)
             if draft_probs is not None and draft_probs.shape[-1] != target_probs.shape[-1]:
                 raise RuntimeError("draft and target distributions have different vocabulary sizes")
             uniforms = self._uniforms(seqs, num_draft.tolist(), k).to(dev)
             result = self.verifier.speculative(drafts, draft_probs, target_probs, num_draft, uniforms)
-        t2 = time.perf_counter()
+        accepted, n = result.num_accepted.tolist(), num_draft.tolist()
+        return _Verified(result.tokens.tolist(), accepted, [list(range(a + 1)) for a in accepted], n, n, ids,
+                         out.features)
 
-        tokens = result.tokens.tolist()
+    def _verify_tree(self, seqs: list[Sequence], proposal: Proposal) -> "_Verified":
+        bsz, dev = len(seqs), self.device
+        drafts, num_nodes = proposal.tokens.to(dev), proposal.num_tokens.to(dev)
+        parents = proposal.parents.to(dev)
+        start = torch.tensor([len(s.token_ids) - 1 for s in seqs], device=dev)
+        layout = tree_layout(torch.tensor([s.token_ids[-1] for s in seqs], device=dev), drafts, parents, num_nodes, start)
+        out = self.target.forward(torch.arange(bsz, device=dev), layout.input_ids, layout.positions,
+                                  write_positions=layout.write_positions, tree_mask=layout.mask,
+                                  layers=self.feature_layers)
+        logits = self.target.logits(out.hidden)  # [B, 1+K, V]
+        if all(s.params.greedy for s in seqs):
+            result = self.verifier.tree_greedy(drafts, parents, num_nodes, logits.argmax(-1))
+        else:
+            target_probs = self._warp(seqs, logits)
+            draft_probs = None if proposal.probs is None else proposal.probs.to(dev)
+            if draft_probs is not None and draft_probs.shape[-1] != target_probs.shape[-1]:
+                raise RuntimeError("draft and target distributions have different vocabulary sizes")
+            uniforms = self._uniforms(seqs, num_nodes.tolist(), drafts.shape[1]).to(dev)
+            rule = proposal.rule or (DETERMINISTIC if draft_probs is None else IID)
+            result = self.verifier.tree(drafts, parents, num_nodes, draft_probs, target_probs, uniforms, rule)
         accepted = result.num_accepted.tolist()
-        n_draft = num_draft.tolist()
-        events = []
-        for b, seq in enumerate(seqs):
-            cached = len(seq.token_ids) - 1
-            new = self._append(seq, tokens[b][: accepted[b] + 1])
-            # the target now holds the pending token and the accepted drafts; the rest is stale
-            self.target.truncate(seq.slot, cached + accepted[b] + 1)
-            seq.stats.record_step(n_draft[b], accepted[b], len(new))
-            self.policy.observe(seq, n_draft[b], accepted[b])
-            seq.stats.draft_s += t1 - t0
-            seq.stats.verify_s += t2 - t1
-            events.append(StepEvent(seq, new, seq.finished, n_draft[b], accepted[b]))
-        if self.feature_layers:
-            live = [(b, s) for b, s in enumerate(seqs) if not s.finished]
-            if live:
-                self.drafter.observe([s.slot for _, s in live], [
-                    TargetFeatures(len(s.token_ids) - 2 - accepted[b], ids[b, : accepted[b] + 1].tolist(),
-                                   {layer: h[b, : accepted[b] + 1] for layer, h in out.features.items()})
-                    for b, s in live])
-        for ev in events:
-            if ev.finished:
-                self._release(ev.seq)
-        return events
+        paths = [row[: a + 1] for row, a in zip(result.path.tolist(), accepted)]
+        depth = (layout.depth * (torch.arange(layout.depth.shape[1], device=dev)[None] <= num_nodes[:, None])).amax(1)
+        return _Verified(result.tokens.tolist(), accepted, paths, depth.tolist(), num_nodes.tolist(), layout.input_ids,
+                         out.features)
+
+    @staticmethod
+    def _warp(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:  # [B, Q, V] -> warped probabilities
+        bsz, width = logits.shape[:2]
+        temperature, top_k, top_p = (x.repeat_interleave(width) for x in params_tensors([s.params for s in seqs]))
+        return warp(logits.flatten(0, 1), temperature, top_k, top_p).view(bsz, width, -1)
 
     def _uniforms(self, seqs: list[Sequence], num_draft: list[int], k: int) -> torch.Tensor:
         """[B, k+1]: each row draws its own ``num_draft + 1`` uniforms from its own generator, so a

@@ -4,7 +4,9 @@ Conventions (used everywhere in the toolkit: CLI, benchmarks, server, check):
 
 * a *target step* is one verification forward pass of the target over ``[pending, d_1..d_k]``
   (``k = 0`` for target-only decoding); the prompt prefill is not a step;
-* *drafted* counts proposed tokens that were verified; *accepted* those that passed;
+* *drafted* counts proposed tokens that were verified; *accepted* those that passed; with trees,
+  *drafted* counts the depth of each step's tree (the chain it stands in for) and *nodes* every tree
+  node verified (for chains ``nodes == drafted``);
 * ``acceptance_rate = accepted / drafted`` (``None`` when nothing was drafted);
 * ``tokens_per_step = emitted / target_steps``, where *emitted* counts every token a step added to
   the output **including** the recovered/bonus token, after cutting at EOS / stop / length. Target-only
@@ -26,14 +28,16 @@ class SpecStats:
     drafted: int = 0
     accepted: int = 0
     emitted: int = 0
+    nodes: int = 0
     drafted_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
     draft_s: float = 0.0
     verify_s: float = 0.0
     prefill_s: float = 0.0
 
-    def record_step(self, num_draft: int, num_accepted: int, num_emitted: int) -> None:
+    def record_step(self, num_draft: int, num_accepted: int, num_emitted: int, num_nodes: int | None = None) -> None:
         self.target_steps += 1
+        self.nodes += num_draft if num_nodes is None else num_nodes
         self.drafted += num_draft
         self.accepted += num_accepted
         self.emitted += num_emitted
@@ -47,7 +51,7 @@ class SpecStats:
             self.accepted_at[j] += 1
 
     def merge(self, other: SpecStats) -> None:
-        for name in ("target_steps", "drafted", "accepted", "emitted", "draft_s", "verify_s", "prefill_s"):
+        for name in ("target_steps", "drafted", "accepted", "emitted", "nodes", "draft_s", "verify_s", "prefill_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         n = max(len(self.drafted_at), len(other.drafted_at))
         pad = lambda xs: xs + [0] * (n - len(xs))  # noqa: E731

@@ -171,3 +171,37 @@ def test_engine_that_crashes_is_an_error_of_the_part(pair):
     assert report.part(1).status == "ERROR" and "boom" in report.part(1).summary
     assert report.part(3).status == PASS and report.part(2).status == "SKIP"
     assert not report.passed
+
+
+# -- trees -------------------------------------------------------------------------------------------
+
+def tree_factory_for(pair, tree_verifier=None, topk=3, nodes=8):
+    """Engines whose draft model proposes dynamic trees; ``tree_verifier`` replaces the tree rule."""
+    target, draft = pair
+    verifier = Verifier(tree=tree_verifier) if tree_verifier is not None else None
+
+    def factory(k: int, batch: int) -> Engine:
+        drafter = DraftModelDrafter(HFRunner(draft), tree_topk=topk, tree_nodes=nodes) if k else None
+        return Engine(HFRunner(target), TOK, drafter, k, max_batch_size=batch, max_context=64, verifier=verifier,
+                      max_tree_nodes=nodes if k else 0)
+
+    return factory
+
+
+def test_correct_tree_engine_passes_every_part(pair):
+    report = run_check(tree_factory_for(pair), PROMPTS, CFG)
+    assert statuses(report) == {1: PASS, 2: PASS, 3: PASS, 4: PASS, 5: PASS}, [p.summary for p in report.parts]
+    assert report.part(1).name == "tree verifier law"
+    assert all(report.part(1).details["control_detected_contexts"].values())
+
+
+def test_fault_iid_rule_on_siblings_drawn_without_replacement_fails_part_1(pair):
+    from specdecode.verify import verify_tree
+    from specdecode.verify.tree import IID
+
+    def iid(tokens, parents, num, draft_probs, target_probs, uniforms, rule):
+        return verify_tree(tokens, parents, num, draft_probs, target_probs, uniforms, IID)
+
+    report = run_check(tree_factory_for(pair, iid), PROMPTS,
+                       CheckConfig(**{**CFG.__dict__, "parts": (1,), "law_samples": 6000}))
+    assert report.part(1).status == FAIL

@@ -234,18 +234,6 @@ def test_engine_sizes_runner_caches_from_the_policy():
     assert (target.num_slots, target.max_len) == (3, 40 + 7) and (draft.num_slots, draft.max_len) == (3, 47)
 
 
-def test_tree_proposals_are_refused_until_tree_verification_exists():
-    class TreeDrafter(NgramDrafter):
-        def propose(self, seqs, num_tokens):
-            p = super().propose(seqs, num_tokens)
-            p.parents = chain_parents(len(seqs), p.tokens.shape[1])
-            return p
-
-    engine = Engine(ToyRunner(V), TOK, TreeDrafter(), 3, max_batch_size=1, max_context=32)
-    with pytest.raises(NotImplementedError, match="tree"):
-        engine.generate([[1, 2, 1, 2, 1]], SamplingParams(max_new_tokens=8))
-
-
 # -- devices and dtypes --------------------------------------------------------------------------------
 
 def test_device_and_dtype_resolution():

@@ -47,7 +47,8 @@ class ToyRunner:
         mixed = (w @ self.emb[toks]) / w.sum(-1, keepdim=True)
         return mixed + torch.sin(qpos[:, None].float() * self.freqs[None])
 
-    def forward(self, slots, input_ids, positions, *, write_positions=None, tree_mask=None, layers=()) -> ForwardOutput:
+    def forward(self, slots, input_ids, positions, *, write_positions=None, tree_mask=None, tree_start=None,
+                layers=()) -> ForwardOutput:
         writes = positions if write_positions is None else write_positions
         bsz, q = input_ids.shape
         if int(writes.max()) >= self.max_len:
@@ -58,12 +59,15 @@ class ToyRunner:
             self.kv_tok[s, writes[b]] = input_ids[b]
             self.kv_pos[s, writes[b]] = positions[b]
             kv_len = int(writes[b].max()) + 1
+            if tree_mask is not None:
+                start = int(writes[b].min()) if tree_start is None else int(tree_start[b])
+                kv_len = max(kv_len, start + tree_mask.shape[2])
             keys = torch.arange(kv_len)
             if tree_mask is None:
                 visible = keys[None, :] <= writes[b][:, None]
             else:
-                visible = (keys[None, :] < writes[b].min()).expand(q, -1).clone()
-                visible[:, writes[b]] = tree_mask[b]
+                visible = (keys[None, :] < start).expand(q, -1).clone()
+                visible[:, start : start + tree_mask.shape[2]] = tree_mask[b]
             out[b] = self._hidden(self.kv_tok[s, :kv_len], self.kv_pos[s, :kv_len], visible, positions[b])
         feats = {}
         for layer in layers:

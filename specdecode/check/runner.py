@@ -13,6 +13,7 @@ from specdecode.check.law import check_law
 from specdecode.check.report import ERROR, SKIP, CheckReport, PartResult
 from specdecode.check.seeds import check_seeds
 from specdecode.check.stops import check_stops
+from specdecode.check.tree_law import check_tree_law
 
 
 def run_check(
@@ -45,7 +46,8 @@ def run_check(
         return ranked[:n]
 
     parts = {
-        1: lambda: check_law(pool, contexts(cfg.law_contexts), cfg, progress, verify_fn, greedy_fn, warp_fn),
+        1: lambda: (check_tree_law if pool.spec(1).max_tree_nodes else check_law)(
+            pool, contexts(cfg.law_contexts), cfg, progress, verify_fn, greedy_fn, warp_fn),
         2: lambda: check_e2e(pool, contexts(cfg.e2e_prompts), cfg, progress),
         3: lambda: check_greedy(pool, prompts, cfg, progress),
         4: lambda: check_stops(pool, prompts, cfg, progress),

@@ -42,6 +42,7 @@ class Proposal:
     probs: torch.Tensor | None  # [B, K, V] warped draft distributions; None = point masses
     num_tokens: torch.Tensor  # [B] long, how many tokens row b proposes (<= requested)
     parents: torch.Tensor | None = None  # [B, K] long tree parents (-1 = the pending token); None = chains
+    rule: str | None = None  # trees: how siblings were drawn (specdecode.verify.tree.RULES); None = i.i.d.
 
     @staticmethod
     def empty(batch: int) -> "Proposal":

@@ -1,4 +1,5 @@
-"""Drafting with a separate (smaller) causal LM sharing the target's vocabulary."""
+"""Drafting with a separate (smaller) causal LM sharing the target's vocabulary: chains, or with
+``tree_topk > 1`` dynamic trees (:mod:`specdecode.drafters.dynamic_tree`)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from typing import Sequence
 import torch
 
 from specdecode.drafters.base import DrafterBase, Proposal, SequenceView, common_prefix
+from specdecode.drafters.dynamic_tree import GrownTree, grow_trees
 from specdecode.models.base import Runner
 from specdecode.sampling import params_tensors, sample, warp
+from specdecode.verify.tree import DETERMINISTIC, WITHOUT_REPLACEMENT
 
 
 class DraftModelDrafter(DrafterBase):
@@ -22,14 +25,24 @@ class DraftModelDrafter(DrafterBase):
     is below it (greedy: the softmax of the draft logits; sampling: the warped distribution it was
     drawn from). That token is still proposed. The decision uses only the draft's own state, so
     verification stays exact; it saves draft steps (and verify width) where the draft is unsure.
+
+    ``tree_topk > 1`` proposes a tree instead: ``tree_topk`` children per expanded node, at most
+    ``tree_nodes`` nodes, depth = the requested draft length. Tree nodes' K/V are written past the
+    sequence in the draft cache; at the next ``propose`` the branch the target accepted is compacted
+    into place (``Runner.compact``) instead of being fed again.
     """
 
     name = "draft-model"
 
-    def __init__(self, runner: Runner, vocab_size: int | None = None, confidence: float = 0.0) -> None:
+    def __init__(self, runner: Runner, vocab_size: int | None = None, confidence: float = 0.0,
+                 tree_topk: int = 1, tree_nodes: int = 0) -> None:
         if not 0.0 <= confidence < 1.0:
             raise ValueError(f"draft confidence threshold must be in [0, 1), got {confidence!r}")
+        if tree_topk < 1 or (tree_topk > 1 and tree_nodes < 1):
+            raise ValueError(f"need tree_topk >= 1 and, for trees, tree_nodes >= 1; got {tree_topk}, {tree_nodes}")
         self.confidence = confidence
+        self.tree_topk, self.tree_nodes = tree_topk, tree_nodes
+        self._tree: dict[int, tuple[int, GrownTree]] = {}  # slot -> (window start, the tree last proposed)
         self.runner = runner
         # the target's vocabulary size: draft logits past it are never sampled, and the draft
         # distribution is zero-padded up to it when the draft's embedding matrix is smaller
@@ -53,25 +66,20 @@ class DraftModelDrafter(DrafterBase):
         self.runner.copy_slot(src, dst, len(self._cached[src]))
         self._cached[dst] = self._cached.pop(src)
         self._floor[dst] = self._floor.pop(src)
+        self._tree.pop(src, None)  # its nodes were not copied: the accepted branch is fed again instead
 
     def release(self, slot: int) -> None:
         self._cached.pop(slot, None)
         self._floor.pop(slot, None)
+        self._tree.pop(slot, None)
 
     @torch.inference_mode()
-    def propose(self, seqs: Sequence[SequenceView], num_tokens: list[int]) -> Proposal:
-        bsz, k_max, dev = len(seqs), max(num_tokens, default=0), self.runner.device
-        tokens = torch.zeros(bsz, k_max, dtype=torch.long, device=dev)
-        probs = None
-        rows = [b for b in range(bsz) if num_tokens[b] > 0]
-        if not rows:
-            return Proposal(tokens, None, torch.tensor(num_tokens, dtype=torch.long))
-        active = [seqs[b] for b in rows]
-        ks = [num_tokens[b] for b in rows]
-
-        # 1. roll back to the agreeing prefix and feed what the cache lacks (ragged, right-padded)
+    def _catch_up(self, active: Sequence[SequenceView]) -> torch.Tensor:  # [A, H] hidden after each pending token
+        """Roll each slot back to the part of its cache that agrees with the sequence and feed the rest
+        (ragged, right-padded), ending with the pending token."""
         pending = []
         for s in active:
+            self._adopt_tree(s)
             keep = common_prefix(self._cached[s.slot], s.token_ids, self._floor[s.slot])
             if keep < len(self._cached[s.slot]):
                 self.runner.truncate(s.slot, keep)
@@ -84,7 +92,42 @@ class DraftModelDrafter(DrafterBase):
             positions[i] = keep + torch.arange(width)  # padding continues the positions
         last = torch.tensor([len(p) - 1 for _, p in pending])
         slots = torch.tensor([s.slot for s in active])
-        hidden = self.runner.forward(slots, ids, positions).hidden[torch.arange(len(active)), last.to(self.runner.device)]
+        return self.runner.forward(slots, ids, positions).hidden[torch.arange(len(active)), last.to(self.runner.device)]
+
+    def _adopt_tree(self, s: SequenceView) -> None:
+        """Compact the K/V of the branch of the last tree that the sequence went on with."""
+        record = self._tree.pop(s.slot, None)
+        if record is None:
+            return
+        start, tree = record
+        node, matched = -1, []
+        for tok in s.token_ids[start:]:
+            child = next((i for i, (t, p) in enumerate(zip(tree.tokens, tree.parents))
+                          if p == node and t == tok and tree.fed[i]), None)
+            if child is None:
+                break
+            matched.append(child)
+            node = child
+        if matched and self._cached[s.slot][:start] == s.token_ids[:start]:
+            self.runner.compact(s.slot, [start + i for i in matched], start)
+            self._cached[s.slot] = s.token_ids[: start + len(matched)]
+
+    @torch.inference_mode()
+    def propose(self, seqs: Sequence[SequenceView], num_tokens: list[int]) -> Proposal:
+        if self.tree_topk > 1:
+            return self._propose_tree(seqs, num_tokens)
+        bsz, k_max, dev = len(seqs), max(num_tokens, default=0), self.runner.device
+        tokens = torch.zeros(bsz, k_max, dtype=torch.long, device=dev)
+        probs = None
+        rows = [b for b in range(bsz) if num_tokens[b] > 0]
+        if not rows:
+            return Proposal(tokens, None, torch.tensor(num_tokens, dtype=torch.long))
+        active = [seqs[b] for b in rows]
+        ks = [num_tokens[b] for b in rows]
+
+        # 1. roll back to the agreeing prefix and feed what the cache lacks, up to the pending token
+        hidden = self._catch_up(active)
+        slots = torch.tensor([s.slot for s in active])
 
         # 2. sample k tokens autoregressively with each sequence's own generator
         params = [s.params for s in active]
@@ -126,6 +169,43 @@ class DraftModelDrafter(DrafterBase):
             probs[rows] = torch.stack(step_probs[:width], dim=1)
         return Proposal(tokens[:, :width], probs, torch.tensor(num, dtype=torch.long))
 
+    @torch.inference_mode()
+    def _propose_tree(self, seqs: Sequence[SequenceView], num_tokens: list[int]) -> Proposal:
+        bsz, dev = len(seqs), self.runner.device
+        rows = [b for b in range(bsz) if num_tokens[b] > 0]
+        if not rows:
+            return Proposal.empty(bsz)
+        active = [seqs[b] for b in rows]
+        root_logits = self._fit_vocab(self.runner.logits(self._catch_up(active)))  # [A, V]
+        starts = [len(s.token_ids) for s in active]  # tree node i is written at start + i
+        slots = torch.tensor([s.slot for s in active])
+
+        def expand(trees: list[GrownTree], chosen: list[list[int]]) -> torch.Tensor:  # [A, E, V]
+            e_max, width = max(len(c) for c in chosen), max(len(t.tokens) for t in trees)
+            ids = torch.zeros(len(trees), e_max, dtype=torch.long)
+            positions = torch.zeros(len(trees), e_max, dtype=torch.long)
+            writes = torch.zeros(len(trees), e_max, dtype=torch.long)
+            mask = torch.zeros(len(trees), e_max, width, dtype=torch.bool)
+            for r, (tree, nodes) in enumerate(zip(trees, chosen)):
+                if not nodes:  # nothing to expand: a harmless write past the node budget, seeing the prefix
+                    positions[r], writes[r] = starts[r], starts[r] + self.tree_nodes
+                    continue
+                for e in range(e_max):
+                    i = nodes[min(e, len(nodes) - 1)]  # padding repeats the last node (same K/V, same place)
+                    ids[r, e], writes[r, e] = tree.tokens[i], starts[r] + i
+                    positions[r, e] = starts[r] - 1 + tree.depths[i]
+                    mask[r, e, tree.ancestors_or_self(i)] = True
+            out = self.runner.forward(slots, ids, positions, write_positions=writes, tree_mask=mask,
+                                      tree_start=torch.tensor(starts))
+            return self._fit_vocab(self.runner.logits(out.hidden))
+
+        trees = grow_trees(root_logits, [s.params for s in active], [s.generator for s in active],
+                           [num_tokens[b] for b in rows], self.tree_topk, self.tree_nodes, expand)
+        for s, start, tree in zip(active, starts, trees):
+            self._cached[s.slot], self._floor[s.slot] = list(s.token_ids), start
+            self._tree[s.slot] = (start, tree)
+        return tree_proposal(bsz, rows, trees, all(s.params.greedy for s in active), dev)
+
     def _stop_unsure(self, ks: list[int], j: int, logits: torch.Tensor, probs: torch.Tensor | None,
                      tok: torch.Tensor, params) -> list[int]:
         """End the chain of each row whose j-th token has draft probability below the threshold:
@@ -144,6 +224,29 @@ class DraftModelDrafter(DrafterBase):
         return logits[..., : self.vocab_size]
 
 
+def tree_proposal(bsz: int, rows: list[int], trees: list[GrownTree], greedy: bool, device) -> Proposal:
+    """Pack grown trees (of batch rows ``rows``) into a tree :class:`Proposal`."""
+    width = max(1, max(len(t.tokens) for t in trees))
+    tokens = torch.zeros(bsz, width, dtype=torch.long)
+    parents = torch.full((bsz, width), -1, dtype=torch.long)
+    num = torch.zeros(bsz, dtype=torch.long)
+    vocab = next((t.laws[0].shape[-1] for t in trees if t.laws), None)
+    probs = None if greedy or vocab is None else torch.zeros(bsz, width, vocab, device=device)
+    for b, tree in zip(rows, trees):
+        n = len(tree.tokens)
+        num[b] = n
+        if n:
+            tokens[b, :n] = torch.tensor(tree.tokens)
+            parents[b, :n] = torch.tensor(tree.parents)
+            if probs is not None:
+                probs[b, :n] = torch.stack(tree.laws)
+    rule = DETERMINISTIC if greedy else WITHOUT_REPLACEMENT
+    return Proposal(tokens.to(device), probs, num.to(device), parents.to(device), rule)
+
+
 def build(arg: str, ctx) -> DraftModelDrafter:
-    """``--draft MODEL`` (or ``model:MODEL``): the draft model ``ctx`` loaded for ``arg``."""
-    return DraftModelDrafter(ctx.draft_runner(), ctx.target.vocab_size, ctx.config.draft_confidence)
+    """``--draft MODEL`` (or ``model:MODEL``): the draft model ``ctx`` loaded for ``arg``; a dynamic
+    tree with ``--tree-topk K > 1``."""
+    cfg = ctx.config
+    return DraftModelDrafter(ctx.draft_runner(), ctx.target.vocab_size, cfg.draft_confidence,
+                             getattr(cfg, "tree_topk", 1), getattr(cfg, "tree_nodes", 0))

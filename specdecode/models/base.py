@@ -5,12 +5,14 @@ positions each. Everything above it speaks slots, token ids and positions:
 
 * ``prefill(slots, prompts, layers)`` writes the K/V of each prompt at positions ``0..len-1`` of its
   slot and returns the hidden states of the requested feature layers for every prompt token;
-* ``forward(slots, ids, positions, write_positions=, tree_mask=, layers=)`` runs ``ids`` with RoPE
-  positions ``positions``; the K/V of query ``i`` are written at ``write_positions[:, i]`` (default:
-  ``positions``). Without a tree mask a query sees every cached key up to its own write index (the
-  chain case). With ``tree_mask[b, i, j]`` (query ``i`` may see query ``j``) a query sees the cache
-  before the row's first write index plus the queries the mask allows: a tree of candidates, each
-  node at position ``start + depth`` and written at ``start + index``;
+* ``forward(slots, ids, positions, write_positions=, tree_mask=, tree_start=, layers=)`` runs ``ids``
+  with RoPE positions ``positions``; the K/V of query ``i`` are written at ``write_positions[:, i]``
+  (default: ``positions``). Without a tree mask a query sees every cached key up to its own write
+  index (the chain case). With a tree mask, a row's *window* starts at ``tree_start[b]`` (default: its
+  smallest write index): a query sees every key before the window, and the key at ``tree_start + j``
+  iff ``tree_mask[b, i, j]``. A tree of candidates puts node ``i`` at position ``start + depth`` and
+  writes it at ``start + i``; a drafter growing a tree level by level feeds only the new level, whose
+  mask names its ancestors among the nodes already written;
 * ``logits(hidden)`` turns final hidden states into float32 logits;
 * KV operations: ``truncate`` (forget past a length), ``compact`` (move chosen positions of a slot
   to a contiguous run: keeps an accepted tree branch), ``copy_slot``, and ``export_kv/import_kv``
@@ -65,8 +67,9 @@ class Runner(Protocol):
 
     def forward(self, slots: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, *,
                 write_positions: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
-                layers: Sequence[int] = ()) -> ForwardOutput:
-        """``slots`` [B], ``input_ids``/``positions``/``write_positions`` [B, q], ``tree_mask`` [B, q, q]."""
+                tree_start: torch.Tensor | None = None, layers: Sequence[int] = ()) -> ForwardOutput:
+        """``slots`` [B], ``input_ids``/``positions``/``write_positions`` [B, q], ``tree_mask`` [B, q, W],
+        ``tree_start`` [B]."""
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., H]`` -> ``[..., vocab_size]`` float32."""

@@ -58,18 +58,19 @@ class HFRunner:
 
     # -- forward ----------------------------------------------------------------------------------
     def _mask(self, positions: torch.Tensor, writes: torch.Tensor, tree_mask: torch.Tensor | None,
-              kv_len: int, window: int | None) -> torch.Tensor:
+              tree_start: torch.Tensor | None, kv_len: int, window: int | None) -> torch.Tensor:
         keys = torch.arange(kv_len, device=self.device)[None, None, :]  # [1, 1, kv_len]
         if tree_mask is None:  # chain: everything written at or before the query's own index
             visible = keys <= writes[:, :, None]  # [B, q, kv_len]
-        else:  # tree: the cache before the row's window, then what the tree mask allows
-            start = writes.min(dim=1).values  # [B]
-            visible = (keys < start[:, None, None]).expand(-1, writes.shape[1], -1).clone()
-            visible.scatter_(2, writes[:, None, :].expand(-1, writes.shape[1], -1), tree_mask)
+        else:  # tree: the cache before the row's window, then the window's columns the tree mask allows
+            q, width = tree_mask.shape[1], tree_mask.shape[2]
+            visible = (keys < tree_start[:, None, None]).expand(-1, q, -1).clone()
+            columns = tree_start[:, None, None] + torch.arange(width, device=self.device)[None, None, :]
+            visible.scatter_(2, columns.expand(-1, q, -1), tree_mask)
         if window:
             near = keys > positions[:, :, None] - window
             if tree_mask is not None:  # tree keys are not at their position: the window applies to the prefix
-                near |= keys >= writes.min(dim=1).values[:, None, None]
+                near |= keys >= tree_start[:, None, None]
             visible &= near
         visible = visible[:, None]  # [B, 1, q, kv_len]
         if self.sdpa:
@@ -85,7 +86,8 @@ class HFRunner:
         positions: torch.Tensor,  # [B, q] long RoPE positions
         *,
         write_positions: torch.Tensor | None = None,  # [B, q] K/V write index (default: positions)
-        tree_mask: torch.Tensor | None = None,  # [B, q, q] bool: query i sees query j
+        tree_mask: torch.Tensor | None = None,  # [B, q, W] bool: query i sees the key at tree_start + j
+        tree_start: torch.Tensor | None = None,  # [B] first write index of the tree window (default: min write)
         layers: Sequence[int] = (),
     ) -> ForwardOutput:
         assert self.cache is not None, "no KV cache: call ensure_capacity() first"
@@ -97,15 +99,19 @@ class HFRunner:
         elif write_positions is not None and not torch.equal(writes, positions):
             q = writes.shape[1]  # separate write indices without a tree: a chain over the queries
             tree_mask = torch.ones(q, q, dtype=torch.bool, device=dev).tril_()[None].expand(writes.shape[0], -1, -1)
+        if tree_mask is not None:
+            tree_start = writes.min(dim=1).values if tree_start is None else tree_start.to(dev)
         kv_len = int(writes.max()) + 1
-        masks = {t: self._mask(positions, writes, tree_mask, kv_len,
+        if tree_mask is not None:
+            kv_len = max(kv_len, int(tree_start.max()) + tree_mask.shape[2])
+        masks = {t: self._mask(positions, writes, tree_mask, tree_start, kv_len,
                                self.sliding_window if t == "sliding_attention" else None)
                  for t in set(self.layer_types)}
         # a 4D tensor is used as-is by every HF model; the per-type dict only by hybrid-attention ones
         masks = next(iter(masks.values())) if len(masks) == 1 else masks
         captured: Features = {}
         hooks = self._capture(layers, captured)
-        self.cache.bind(slots, writes)
+        self.cache.bind(slots, writes, kv_len)
         try:
             out = self.base(
                 input_ids=input_ids,

@@ -36,16 +36,18 @@ class StaticKVCache:
         self._kv_len = 0  # keys returned to attention: [0, kv_len)
 
     # -- set by the runner around each forward ------------------------------------------------
-    def bind(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
-        """``positions`` [B, q]: the write index of each query token's K/V."""
-        if int(positions.max()) >= self.max_len:
-            raise ValueError(f"position {int(positions.max())} past the cache length {self.max_len}")
+    def bind(self, slots: torch.Tensor, positions: torch.Tensor, kv_len: int | None = None) -> None:
+        """``positions`` [B, q]: the write index of each query token's K/V; attention reads keys
+        ``[0, kv_len)`` (default: up to the last write)."""
+        kv_len = int(positions.max()) + 1 if kv_len is None else kv_len
+        if kv_len > self.max_len:
+            raise ValueError(f"position {kv_len - 1} past the cache length {self.max_len}")
         self._slots = slots
         first = int(slots[0])
         consecutive = bool((slots == torch.arange(first, first + len(slots), device=slots.device)).all())
         self._contiguous = slice(first, first + len(slots)) if consecutive else None
         self._positions = positions
-        self._kv_len = int(positions.max()) + 1
+        self._kv_len = kv_len
 
     def unbind(self) -> None:
         self._slots = self._positions = self._contiguous = None
