@@ -207,3 +207,23 @@ def test_draft_schedule_is_recorded_and_a_resume_with_another_one_is_refused(mod
     capsys.readouterr()
     assert cli.main(args) == 2  # plain fixed k into the same directory would mix two schedules
     assert "draft_schedule" in capsys.readouterr().err
+
+
+def test_tree_configs_run_beside_chains_and_are_checked(models, tmp_path):
+    out = tmp_path / "trees"
+    assert cli.main(bench_args(models, out, "--draft-lengths", "3", "--tree-shapes", "2x4", "--baselines", "none")) == 0
+    runs = [r for r in read_records(out) if r["type"] == "run"]
+    assert {r["config"] for r in runs} == {"target", "spec-k3", "spec-k3-t2n4"}
+    tree = [r for r in runs if r["config"] == "spec-k3-t2n4"]
+    assert all(len(step) == 6 and step[5] >= step[2] for r in tree for step in r["steps"])  # nodes >= depth
+    assert any(step[5] > step[2] for r in tree for step in r["steps"])  # some steps were real trees
+    checks = [r for r in read_records(out) if r["type"] == "check" and r["config"] == "spec-k3-t2n4"]
+    assert len(checks) == 4 and all(c["match"] for c in checks)  # greedy trees equal target-only
+    assert "| spec-k3-t2n4 | 4 |" in (out / "report.md").read_text()
+
+
+def test_bad_tree_shapes_are_refused():
+    with pytest.raises(R.BenchInputError, match="tree shape"):
+        R.make_configs([3], [], ["3"])
+    with pytest.raises(R.BenchInputError, match="tree shape"):
+        R.make_configs([3], [], ["1x4"])

@@ -33,6 +33,7 @@ Definitions (also written into every report):
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -117,6 +118,7 @@ class Counts:
     draft_s: float = 0.0
     verify_s: float = 0.0
     step_s: float = 0.0  # wall time of the decode steps (draft + verify + bookkeeping)
+    nodes: int = 0  # draft tokens verified (trees: every node; chains: = drafted)
     drafted_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
 
@@ -133,7 +135,8 @@ class Counts:
             self.add_step(step)
 
     def add_step(self, step: list) -> None:
-        _, emitted, drafted, accepted, seconds = step
+        _, emitted, drafted, accepted, seconds = step[:5]
+        self.nodes += step[5] if len(step) > 5 else drafted  # records before trees: nodes == drafted
         self.steps += 1
         self.emitted += emitted
         self.drafted += drafted
@@ -197,6 +200,7 @@ class Cell:
     predicted_speedup: float | None = None
     predicted_speedup_v: float | None = None  # E / (k·c + v)
     efficiency: float | None = None  # measured decode speedup / predicted speedup
+    nodes_per_step: float | None = None  # draft tokens verified per step (trees: v is v(nodes))
 
 
 def runs_of(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -292,6 +296,9 @@ def fill_speculation(cell: Cell, counts: Counts, base_counts: Counts) -> None:
     if target_step and counts.draft_s_per_token is not None:
         cell.c = counts.draft_s_per_token / target_step
         cell.v = counts.verify_s_per_step / target_step
+    cell.nodes_per_step = counts.nodes / counts.steps
+    if is_tree(cell.config):  # the chain formulas do not describe a tree: measured figures only
+        return
     if cell.alpha is not None and cell.c is not None:
         cell.predicted_speedup = predicted_speedup(cell.alpha, cell.k, cell.c)
         cell.predicted_speedup_v = predicted_speedup(cell.alpha, cell.k, cell.c, cell.v)
@@ -300,18 +307,28 @@ def fill_speculation(cell: Cell, counts: Counts, base_counts: Counts) -> None:
 
 
 def _merge(into: Counts, other: Counts) -> None:
-    for name in ("runs", "steps", "drafted", "accepted", "rejections", "emitted", "draft_s", "verify_s", "step_s"):
+    for name in ("runs", "steps", "drafted", "accepted", "rejections", "emitted", "draft_s", "verify_s", "step_s",
+                 "nodes"):
         setattr(into, name, getattr(into, name) + getattr(other, name))
     into.drafted_at = _add_lists(into.drafted_at, other.drafted_at)
     into.accepted_at = _add_lists(into.accepted_at, other.accepted_at)
 
 
-def _config_order(name: str) -> tuple[int, int, str]:
+_SPEC_RE = re.compile(r"spec-k(\d+)(?:-t(\d+)n(\d+))?")
+
+
+def is_tree(config: str) -> bool:
+    m = _SPEC_RE.fullmatch(config)
+    return bool(m and m[2])
+
+
+def _config_order(name: str) -> tuple[int, int, int, int, str]:
     if name == TARGET:
-        return (0, 0, name)
-    if name.startswith("spec-k"):
-        return (1, int(name[6:]), name)
-    return (2, 0, name)
+        return (0, 0, 0, 0, name)
+    m = _SPEC_RE.fullmatch(name)
+    if m:
+        return (1, int(m[1]), int(m[2] or 0), int(m[3] or 0), name)
+    return (2, 0, 0, 0, name)
 
 
 # -- context-length buckets --------------------------------------------------------------------------
@@ -375,7 +392,7 @@ def break_even_table(records: list[dict[str, Any]], category: str | None = None)
     prompts = per_prompt(records)
     rows = []
     for (sampling, config, pid), p in sorted(prompts.items(), key=lambda kv: (kv[0][0], _config_order(kv[0][1]), kv[0][2])):
-        if p["k"] < 1 or (category is not None and p["category"] != category):
+        if p["k"] < 1 or is_tree(config) or (category is not None and p["category"] != category):
             continue
         base = prompts.get((sampling, TARGET, pid))
         cell = Cell(sampling, config, pid, p["k"], 1, p["tokens"], p["seconds"], p["tok_s"])

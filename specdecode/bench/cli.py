@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r = parser.add_argument_group("runs")
     r.add_argument("--draft-lengths", type=_csv(int), default=None,
                    help="comma-separated draft lengths to sweep (default: --num-draft-tokens)")
+    r.add_argument("--tree-shapes", type=_csv(str), default=[], metavar="TxN,...",
+                   help="also run trees at each draft length (its depth): T children per expanded node, N nodes "
+                        "verified per step, e.g. 2x8,4x16 (configs spec-k<k>-t<T>n<N>)")
     r.add_argument("--sampling", type=_csv(str), default=["greedy"],
                    help="comma-separated settings: greedy, t<T>[-p<top_p>] (e.g. greedy,t0.7-p0.95,t1.0)")
     r.add_argument("--baselines", type=_csv(str), default=["hf", "hf-assisted"],
@@ -86,7 +89,8 @@ def _settings(args: argparse.Namespace) -> dict:
     return {"target": args.target, "draft": args.draft, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
             "ignore_eos": not args.stop_at_eos, "seed": args.seed, "repeats": args.repeats,
             "sampling": args.sampling, "draft_lengths": args.draft_lengths or [args.num_draft_tokens],
-            "baselines": args.baselines, "threads": args.threads, "draft_schedule": draft_schedule(args)}
+            "baselines": args.baselines, "threads": args.threads, "draft_schedule": draft_schedule(args),
+            "tree_shapes": args.tree_shapes}
 
 
 def draft_schedule(args: argparse.Namespace) -> str | None:
@@ -128,7 +132,7 @@ def _configs(args: argparse.Namespace) -> tuple[list, list]:
 
     samplings = [bench_setting(s) for s in args.sampling]
     baselines = [] if args.baselines == ["none"] else args.baselines
-    configs = make_configs(_settings(args)["draft_lengths"] if args.draft else [], baselines)
+    configs = make_configs(_settings(args)["draft_lengths"] if args.draft else [], baselines, args.tree_shapes)
     if not args.draft or args.draft == "ngram":  # HF's assistant_model needs a model
         configs = [c for c in configs if not c.assisted]
     return configs, samplings
@@ -210,16 +214,18 @@ def make_backend(pair, args: argparse.Namespace, max_context: int):
     from specdecode.bench.runner import Backend
     from specdecode.build import config_from_args, engine_from_pair
 
-    engines: dict[int, object] = {}
+    engines: dict[tuple, object] = {}
     hf: dict[bool, HFBaseline] = {}
     pad = pair.tokenizer.pad_token_id if pair.tokenizer.pad_token_id is not None else pair.tokenizer.eos_token_id
 
-    def engine_for(k: int):
-        if k not in engines:
-            draft = args.draft if k else None
-            cfg = replace(config_from_args(args), draft=draft, num_draft_tokens=k, max_context=max_context)
-            engines[k] = engine_from_pair(pair, cfg)
-        return engines[k]
+    def engine_for(config):
+        key = (config.k, config.tree)
+        if key not in engines:
+            topk, nodes = config.tree or (1, 16)
+            cfg = replace(config_from_args(args), draft=args.draft if config.k else None, num_draft_tokens=config.k,
+                          max_context=max_context, tree_topk=topk, tree_nodes=nodes)
+            engines[key] = engine_from_pair(pair, cfg)
+        return engines[key]
 
     def hf_for(assisted: bool) -> HFBaseline:
         if assisted not in hf:
@@ -230,7 +236,9 @@ def make_backend(pair, args: argparse.Namespace, max_context: int):
     def target_logits(ids: list[int]) -> torch.Tensor:  # [V]
         return pair.target(torch.tensor([ids], device=pair.target.device), logits_to_keep=1).logits[0, -1].float().cpu()
 
-    target_only = engine_for(0)
+    from specdecode.bench.runner import RunConfig
+
+    target_only = engine_for(RunConfig("target", "engine"))
     return Backend(engine_for, hf_for, target_logits, sorted(target_only.eos_token_ids), torch.finfo(target_only.target.dtype).eps)
 
 

@@ -36,7 +36,9 @@ class Summary:
         return list(dict.fromkeys(c.group for c in self.cells))
 
     def spec_cells(self, sampling: str, group: str = "overall") -> list[A.Cell]:
-        return [c for c in self.cells if c.sampling == sampling and c.group == group and c.k > 0]
+        """Chain configurations (the per-k plots and formulas); trees are in the tables."""
+        return [c for c in self.cells if c.sampling == sampling and c.group == group and c.k > 0
+                and not A.is_tree(c.config)]
 
 
 def summarize(records: list[dict[str, Any]]) -> Summary:
@@ -128,14 +130,16 @@ def _setup(meta: dict[str, Any], sessions: list[dict[str, Any]]) -> list[str]:
 def _overall_table(summary: Summary, sampling: str) -> list[str]:
     lines = ["All prompts. Speedups are over this engine's target-only decoding: end to end (prefill included) and "
              "decode only; predicted = E / (k·c + 1) (Leviathan et al.), predicted (v) = E / (k·c + v); the last "
-             "column is decode speedup / predicted.", "",
-             "| config | prompts | tok/s | speedup | decode speedup | acceptance | α | tokens/step | E(α,k) | c | v "
-             "| predicted | predicted (v) | measured / predicted |", "|---" * 14 + "|"]
+             "column is decode speedup / predicted. Trees (spec-k<depth>-t<T>n<N>): acceptance is accepted tokens "
+             "per unit of depth, nodes = draft tokens verified per step, v = v(nodes); no chain formula applies.", "",
+             "| config | prompts | tok/s | speedup | decode speedup | acceptance | α | tokens/step | nodes/step "
+             "| E(α,k) | c | v | predicted | predicted (v) | measured / predicted |", "|---" * 15 + "|"]
     for c in summary.cells:
         if c.sampling == sampling and c.group == "overall":
             lines.append(f"| {c.config} | {c.n_prompts} | {c.tok_s:.3f} | {_n(c.speedup)} | {_n(c.decode_speedup)} "
                          f"| {_n(c.acceptance_rate, '.3f')} "
-                         f"| {_n(c.alpha, '.3f')} | {_n(c.tokens_per_step)} | {_n(c.expected_tokens_per_step)} "
+                         f"| {_n(c.alpha, '.3f')} | {_n(c.tokens_per_step)} | {_n(c.nodes_per_step, '.1f')} "
+                         f"| {_n(c.expected_tokens_per_step)} "
                          f"| {_n(c.c, '.3f')} | {_n(c.v)} | {_n(c.predicted_speedup)} | {_n(c.predicted_speedup_v)} "
                          f"| {_n(c.efficiency)} |")
     return lines

@@ -54,16 +54,31 @@ def bench_setting(spec: str) -> SamplingSetting:
 class RunConfig:
     name: str
     kind: str  # "engine" | "hf"
-    k: int = 0  # draft length (engine); 0 = target only
+    k: int = 0  # draft length (engine; the depth for trees); 0 = target only
     assisted: bool = False  # hf: with the draft as assistant_model
+    tree: tuple[int, int] | None = None  # engine trees: (children per expanded node, nodes per step)
 
 
-def make_configs(draft_lengths: list[int], baselines: list[str]) -> list[RunConfig]:
+def parse_tree_shape(spec: str) -> tuple[int, int]:
+    """``TxN`` (e.g. ``2x8``): T children per expanded node, N nodes verified per step."""
+    topk, sep, nodes = spec.lower().partition("x")
+    try:
+        shape = (int(topk), int(nodes))
+    except ValueError:
+        shape = None
+    if not sep or shape is None or shape[0] < 2 or shape[1] < 1:
+        raise BenchInputError(f"bad tree shape {spec!r}: use TxN with T >= 2 children per node and N >= 1 nodes, e.g. 2x8")
+    return shape
+
+
+def make_configs(draft_lengths: list[int], baselines: list[str], tree_shapes: list[str] = ()) -> list[RunConfig]:
     configs = [RunConfig(TARGET, "engine")]
+    shapes = [parse_tree_shape(s) for s in tree_shapes]
     for k in draft_lengths:
         if k < 1:
             raise BenchInputError(f"draft lengths must be >= 1, got {k}")
         configs.append(RunConfig(f"spec-k{k}", "engine", k))
+        configs += [RunConfig(f"spec-k{k}-t{t}n{n}", "engine", k, tree=(t, n)) for t, n in shapes]
     for name in baselines:
         if name not in ("hf", "hf-assisted"):
             raise BenchInputError(f"unknown baseline {name!r}: use hf, hf-assisted")
@@ -159,8 +174,9 @@ class RecordStore:
 def run_engine(engine, prompt_ids: list[int], params) -> dict[str, Any]:
     """Drive ``engine.add/step`` for one request, timing every step.
 
-    ``steps`` rows are ``[context_len, emitted, drafted, accepted, seconds]``, with the context length
-    (prompt + generated so far) at the start of the step.
+    ``steps`` rows are ``[context_len, emitted, drafted, accepted, seconds, nodes]``, with the context
+    length (prompt + generated so far) at the start of the step; ``nodes`` is the draft tokens verified
+    (the tree's size; ``drafted`` is then its depth).
     """
     t0 = time.perf_counter()
     seq = engine.add(prompt_ids, params)
@@ -172,7 +188,7 @@ def run_engine(engine, prompt_ids: list[int], params) -> dict[str, Any]:
             events = [ev for ev in engine.step() if ev.seq is seq]
             dt = time.perf_counter() - ts
             steps.append([ctx, sum(len(ev.new_token_ids) for ev in events), sum(ev.drafted for ev in events),
-                          sum(ev.accepted for ev in events), dt])
+                          sum(ev.accepted for ev in events), dt, sum(ev.nodes for ev in events)])
     finally:
         if not seq.finished:
             engine.abort(seq)
@@ -187,7 +203,7 @@ class Backend:
     """What the runner needs from the models: engines by draft length, the HF baselines, a teacher-forcing
     function for mismatch analysis, and the EOS ids."""
 
-    engine_for: Callable[[int], Any]  # k -> Engine
+    engine_for: Callable[[RunConfig], Any]  # an engine config -> Engine
     hf_for: Callable[[bool], Any]  # assisted -> HFBaseline
     target_logits: Callable[[list[int]], Any]  # token ids -> [V] float logits after the last id
     eos_token_ids: list[int]
@@ -259,7 +275,7 @@ class BenchRunner:
         eos = None if self.ignore_eos else self.backend.eos_token_ids
         if config.kind == "engine":
             params = sampling.params(seed=seed, max_new_tokens=prompt.max_new_tokens, ignore_eos=self.ignore_eos)
-            out = run_engine(self.backend.engine_for(config.k), prompt.ids, params)
+            out = run_engine(self.backend.engine_for(config), prompt.ids, params)
         else:
             hf = self.backend.hf_for(config.assisted).generate(
                 prompt.ids, sampling.temperature, sampling.top_p, prompt.max_new_tokens, seed, eos)

@@ -67,7 +67,8 @@ def main(args: argparse.Namespace) -> int:
             s = out.stats
             rate = "n/a" if s.acceptance_rate is None else f"{s.acceptance_rate:.2f}"
             print(out.text)
+            tree = f"; {s.nodes / s.target_steps:.1f} tree nodes/step" if s.nodes > s.drafted else ""
             print(f"[{out.finish_reason}; {len(out.token_ids)} tokens in {s.target_steps} target steps; "
-                  f"acceptance {rate}; {s.tokens_per_step:.2f} tokens/step; "
+                  f"acceptance {rate}; {s.tokens_per_step:.2f} tokens/step{tree}; "
                   f"draft {s.draft_s:.2f}s verify {s.verify_s:.2f}s]", file=sys.stderr)
     return 0

@@ -77,7 +77,7 @@ class Handle:
 def speculation_summary(seq: Sequence) -> dict:
     s = seq.stats
     return {"drafted": s.drafted, "accepted": s.accepted, "acceptance_rate": s.acceptance_rate,
-            "tokens_per_step": s.tokens_per_step, "target_steps": s.target_steps}
+            "tokens_per_step": s.tokens_per_step, "target_steps": s.target_steps, "nodes": s.nodes}
 
 
 class QueueFull(Exception):
