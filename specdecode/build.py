@@ -32,6 +32,7 @@ class EngineConfig:
     max_draft_tokens: int = 16  # upper bound for the acceptance policy
     draft_confidence: float = 0.0  # draft model: end a chain after a token the draft gives less than this
     verify_budget: int = 0  # > 0: at most this many tokens verified per step across the batch (load-aware k)
+    draft_quantization: str = "none"  # none | int8 | int4 | auto (the draft only; a spec's @mode wins)
     tree_topk: int = 1  # children per expanded node; 1 = chains
     tree_nodes: int = 16  # trees: draft nodes verified per step (root excluded); depth = num_draft_tokens
 
@@ -42,9 +43,19 @@ class LoadedPair:
     tokenizer: object
     draft: "torch.nn.Module | None"  # the draft model, for drafters that load one
     draft_tokenizer: object | None
+    draft_quantization: str = "none"  # what the draft model was quantized to (auto resolved)
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, draft_required: bool = False) -> None:
+def _quantizations(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in ("none", "int8", "int4", "auto")]
+    if not modes or bad:
+        raise argparse.ArgumentTypeError(f"draft quantization must be none, int8, int4 or auto, got {text!r}")
+    return modes
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, draft_required: bool = False,
+                        quantization_sweep: bool = False) -> None:
     g = parser.add_argument_group("models")
     g.add_argument("--target", required=True, help="alias, local dir, .gguf file or hub id of the target model")
     g.add_argument("--draft", required=draft_required, default=None,
@@ -65,6 +76,15 @@ def add_model_arguments(parser: argparse.ArgumentParser, draft_required: bool = 
                    help="draft model only: end a sequence's draft chain after a token whose draft probability "
                         "is below P (0 = off, the default; transformers' assisted generation uses 0.4). "
                         "Exact either way: only the draft length changes")
+    if quantization_sweep:
+        g.add_argument("--draft-quantization", type=_quantizations, default=["none"], metavar="MODE,...",
+                       help="draft quantizations to compare side by side (none, int8, int4, auto), e.g. none,int8,int4; "
+                            "configs other than none are named <config>@<mode>. The target is untouched")
+    else:
+        g.add_argument("--draft-quantization", choices=("none", "int8", "int4", "auto"), default="none",
+                       help="quantize the draft model's weights (the target is untouched, so output stays exact): "
+                            "int8, int4, or auto (the fastest on this machine, measured once and cached); a draft "
+                            "spec's @mode suffix (e.g. qwen2.5-coder-0.5b@int8) wins. Default none")
     g.add_argument("--tree-topk", type=int, default=1, metavar="K",
                    help="draft a tree: K children per expanded node (1 = a chain, the default); depth = -k. "
                         "Exact for greedy and sampling (docs/architecture.md)")
@@ -80,12 +100,19 @@ def config_from_args(args: argparse.Namespace, max_batch_size: int = 1) -> Engin
                         max_batch_size, args.max_context,
                         getattr(args, "draft_policy", "fixed"), getattr(args, "max_draft_tokens", 16),
                         getattr(args, "draft_confidence", 0.0), getattr(args, "verify_budget", 0),
-                        getattr(args, "tree_topk", 1), getattr(args, "tree_nodes", 16))
+                        _single(getattr(args, "draft_quantization", "none")), getattr(args, "tree_topk", 1),
+                        getattr(args, "tree_nodes", 16))
 
 
-def load_pair(target: str, draft: str | None, dtype: str = "auto", device: str = "auto") -> LoadedPair:
+def _single(mode) -> str:
+    return mode[0] if isinstance(mode, list) else mode
+
+
+def load_pair(target: str, draft: str | None, dtype: str = "auto", device: str = "auto",
+              draft_quantization: str = "none") -> LoadedPair:
     """Load the target and, when the drafter spec names a model, the draft model, on ``device``
-    (``auto``: CUDA when present) in ``dtype`` (``auto``: decided for that device)."""
+    (``auto``: CUDA when present) in ``dtype`` (``auto``: decided for that device); quantize the draft
+    (``draft_quantization``, or the spec's ``@mode``)."""
     from specdecode.drafters import parse_draft
     from specdecode.models.loading import load_model, tokenizers_compatible
 
@@ -99,7 +126,18 @@ def load_pair(target: str, draft: str | None, dtype: str = "auto", device: str =
     problem = tokenizers_compatible(tokenizer, draft_tokenizer, target_model, draft_model)
     if problem:
         raise PairError(f"draft {draft!r} cannot draft for target {target!r}: {problem}")
-    return LoadedPair(target_model, tokenizer, draft_model, draft_tokenizer)
+    mode = spec.quantization or draft_quantization
+    if mode == "auto":
+        import torch
+
+        from specdecode.models.quantize import auto_mode
+
+        mode = auto_mode(draft_model, f"{spec.arg}|{dev}|{torch_dtype}|{torch.__version__}")
+    if mode != "none":
+        from specdecode.models.quantize import quantize_draft
+
+        quantize_draft(draft_model, mode)
+    return LoadedPair(target_model, tokenizer, draft_model, draft_tokenizer, mode)
 
 
 def make_policy(cfg: EngineConfig):
@@ -143,4 +181,4 @@ def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
 
 
 def build_engine(cfg: EngineConfig) -> "Engine":
-    return engine_from_pair(load_pair(cfg.target, cfg.draft, cfg.dtype, cfg.device), cfg)
+    return engine_from_pair(load_pair(cfg.target, cfg.draft, cfg.dtype, cfg.device, cfg.draft_quantization), cfg)

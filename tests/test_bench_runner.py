@@ -227,3 +227,14 @@ def test_bad_tree_shapes_are_refused():
         R.make_configs([3], [], ["3"])
     with pytest.raises(R.BenchInputError, match="tree shape"):
         R.make_configs([3], [], ["1x4"])
+
+
+def test_draft_quantizations_sweep_side_by_side(models, tmp_path):
+    out = tmp_path / "quant"
+    assert cli.main(bench_args(models, out, "--draft-lengths", "3", "--draft-quantization", "none,int8",
+                               "--baselines", "none")) == 0
+    runs = [r for r in read_records(out) if r["type"] == "run"]
+    assert {r["config"] for r in runs} == {"target", "spec-k3", "spec-k3@int8"}
+    checks = [r for r in read_records(out) if r["type"] == "check" and r["config"] == "spec-k3@int8"]
+    assert len(checks) == 4 and all(c["match"] for c in checks)
+    assert "| spec-k3@int8 | 4 |" in (out / "report.md").read_text()

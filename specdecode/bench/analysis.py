@@ -314,7 +314,8 @@ def _merge(into: Counts, other: Counts) -> None:
     into.accepted_at = _add_lists(into.accepted_at, other.accepted_at)
 
 
-_SPEC_RE = re.compile(r"spec-k(\d+)(?:-t(\d+)n(\d+))?")
+_SPEC_RE = re.compile(r"spec-k(\d+)(?:-t(\d+)n(\d+))?(?:@(\w+))?")
+_QUANT_ORDER = {None: 0, "int8": 1, "int4": 2, "auto": 3}
 
 
 def is_tree(config: str) -> bool:
@@ -322,13 +323,13 @@ def is_tree(config: str) -> bool:
     return bool(m and m[2])
 
 
-def _config_order(name: str) -> tuple[int, int, int, int, str]:
+def _config_order(name: str) -> tuple[int, int, int, int, int, str]:
     if name == TARGET:
-        return (0, 0, 0, 0, name)
+        return (0, 0, 0, 0, 0, name)
     m = _SPEC_RE.fullmatch(name)
     if m:
-        return (1, int(m[1]), int(m[2] or 0), int(m[3] or 0), name)
-    return (2, 0, 0, 0, name)
+        return (1, int(m[1]), _QUANT_ORDER.get(m[4], 9), int(m[2] or 0), int(m[3] or 0), name)
+    return (2, 0, 0, 0, 0, name)
 
 
 # -- context-length buckets --------------------------------------------------------------------------

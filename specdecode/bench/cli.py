@@ -29,7 +29,7 @@ def _csv(kind):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from specdecode.build import add_model_arguments
 
-    add_model_arguments(parser)
+    add_model_arguments(parser, quantization_sweep=True)
     p = parser.add_argument_group("prompts")
     p.add_argument("--prompts", action="append", default=None,
                    help="'spec-bench', 'humaneval' or a .jsonl path; repeatable (default humaneval)")
@@ -90,7 +90,7 @@ def _settings(args: argparse.Namespace) -> dict:
             "ignore_eos": not args.stop_at_eos, "seed": args.seed, "repeats": args.repeats,
             "sampling": args.sampling, "draft_lengths": args.draft_lengths or [args.num_draft_tokens],
             "baselines": args.baselines, "threads": args.threads, "draft_schedule": draft_schedule(args),
-            "tree_shapes": args.tree_shapes}
+            "tree_shapes": args.tree_shapes, "draft_quantization": args.draft_quantization}
 
 
 def draft_schedule(args: argparse.Namespace) -> str | None:
@@ -132,7 +132,8 @@ def _configs(args: argparse.Namespace) -> tuple[list, list]:
 
     samplings = [bench_setting(s) for s in args.sampling]
     baselines = [] if args.baselines == ["none"] else args.baselines
-    configs = make_configs(_settings(args)["draft_lengths"] if args.draft else [], baselines, args.tree_shapes)
+    configs = make_configs(_settings(args)["draft_lengths"] if args.draft else [], baselines, args.tree_shapes,
+                           args.draft_quantization)
     if not args.draft or args.draft == "ngram":  # HF's assistant_model needs a model
         configs = [c for c in configs if not c.assisted]
     return configs, samplings
@@ -157,7 +158,7 @@ def _prepare(args: argparse.Namespace, meta: dict, configs: list, samplings: lis
     from specdecode.bench.runner import BenchInputError, BenchRunner, tokenize_prompts
     from specdecode.build import load_pair
 
-    pair = load_pair(args.target, args.draft, args.dtype, args.device)
+    pair = load_pair(args.target, args.draft, args.dtype, args.device)  # quantized copies per config: make_backend
     model_ctx = getattr(pair.target.config, "max_position_embeddings", 4096)
     limit = args.max_context or min(model_ctx, 4096)
     if limit > model_ctx:
@@ -218,13 +219,30 @@ def make_backend(pair, args: argparse.Namespace, max_context: int):
     hf: dict[bool, HFBaseline] = {}
     pad = pair.tokenizer.pad_token_id if pair.tokenizer.pad_token_id is not None else pair.tokenizer.eos_token_id
 
+    drafts: dict[str, object] = {}
+
+    def draft_pair(mode: str):
+        """The pair with its draft quantized to ``mode`` (a copy per mode; the original stays for HF)."""
+        if mode == "none" or pair.draft is None:
+            return pair
+        if mode not in drafts:
+            import copy
+
+            from specdecode.models.quantize import auto_mode, quantize_draft
+
+            resolved = auto_mode(pair.draft, f"{args.draft}|{args.device}|{args.dtype}|{torch.__version__}") \
+                if mode == "auto" else mode
+            drafts[mode] = replace(pair, draft=quantize_draft(copy.deepcopy(pair.draft), resolved),
+                                   draft_quantization=resolved)
+        return drafts[mode]
+
     def engine_for(config):
-        key = (config.k, config.tree)
+        key = (config.k, config.tree, config.quantization)
         if key not in engines:
             topk, nodes = config.tree or (1, 16)
             cfg = replace(config_from_args(args), draft=args.draft if config.k else None, num_draft_tokens=config.k,
                           max_context=max_context, tree_topk=topk, tree_nodes=nodes)
-            engines[key] = engine_from_pair(pair, cfg)
+            engines[key] = engine_from_pair(draft_pair(config.quantization), cfg)
         return engines[key]
 
     def hf_for(assisted: bool) -> HFBaseline:

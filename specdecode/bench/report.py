@@ -36,9 +36,10 @@ class Summary:
         return list(dict.fromkeys(c.group for c in self.cells))
 
     def spec_cells(self, sampling: str, group: str = "overall") -> list[A.Cell]:
-        """Chain configurations (the per-k plots and formulas); trees are in the tables."""
+        """Chain configurations with the draft as loaded (the per-k plots and formulas); trees and
+        quantized drafts are in the tables."""
         return [c for c in self.cells if c.sampling == sampling and c.group == group and c.k > 0
-                and not A.is_tree(c.config)]
+                and not A.is_tree(c.config) and "@" not in c.config]
 
 
 def summarize(records: list[dict[str, Any]]) -> Summary:

@@ -57,6 +57,7 @@ class RunConfig:
     k: int = 0  # draft length (engine; the depth for trees); 0 = target only
     assisted: bool = False  # hf: with the draft as assistant_model
     tree: tuple[int, int] | None = None  # engine trees: (children per expanded node, nodes per step)
+    quantization: str = "none"  # engine: the draft model's quantization (configs named <name>@<mode>)
 
 
 def parse_tree_shape(spec: str) -> tuple[int, int]:
@@ -71,14 +72,18 @@ def parse_tree_shape(spec: str) -> tuple[int, int]:
     return shape
 
 
-def make_configs(draft_lengths: list[int], baselines: list[str], tree_shapes: list[str] = ()) -> list[RunConfig]:
+def make_configs(draft_lengths: list[int], baselines: list[str], tree_shapes: list[str] = (),
+                 quantizations: list[str] = ("none",)) -> list[RunConfig]:
     configs = [RunConfig(TARGET, "engine")]
     shapes = [parse_tree_shape(s) for s in tree_shapes]
     for k in draft_lengths:
         if k < 1:
             raise BenchInputError(f"draft lengths must be >= 1, got {k}")
-        configs.append(RunConfig(f"spec-k{k}", "engine", k))
-        configs += [RunConfig(f"spec-k{k}-t{t}n{n}", "engine", k, tree=(t, n)) for t, n in shapes]
+        for q in quantizations:
+            suffix = "" if q == "none" else f"@{q}"
+            configs.append(RunConfig(f"spec-k{k}{suffix}", "engine", k, quantization=q))
+            configs += [RunConfig(f"spec-k{k}-t{t}n{n}{suffix}", "engine", k, tree=(t, n), quantization=q)
+                        for t, n in shapes]
     for name in baselines:
         if name not in ("hf", "hf-assisted"):
             raise BenchInputError(f"unknown baseline {name!r}: use hf, hf-assisted")

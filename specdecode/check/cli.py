@@ -136,7 +136,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args)
         prompts = load_prompts(args.prompts, args.num_prompts, args.seed)
-        pair = load_pair(args.target, args.draft, args.dtype, args.device)
+        pair = load_pair(args.target, args.draft, args.dtype, args.device, args.draft_quantization)
         ids = encode_prompts(pair.tokenizer, prompts, args.max_prompt_tokens)
     except (ValueError, PromptSetError, PairError, OSError) as exc:
         print(f"specdecode check: {exc}", file=sys.stderr)
@@ -153,6 +153,7 @@ def main(args: argparse.Namespace) -> int:
         return engine
 
     meta = {"target": args.target, "draft": args.draft, "dtype": args.dtype, "num_draft_tokens": cfg.num_draft_tokens,
+            "draft_quantization": pair.draft_quantization, "tree_topk": args.tree_topk, "tree_nodes": args.tree_nodes,
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "prompts": [{"id": p.id, "tokens": len(t)} for p, t in zip(prompts, ids)]}
     progress = None if args.no_progress else TqdmProgress()

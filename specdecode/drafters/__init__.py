@@ -2,7 +2,7 @@
 
 A spec is ``KIND:ARG`` for a registered kind (``ngram``, ``ngram:4``, ``model:PATH``) or, for anything
 else, the name of a draft model (an alias, a directory, a ``.gguf`` file or a hub id), i.e.
-``model:SPEC``. Adding a drafter is one file with a ``build(arg, ctx)`` function and one line here.
+``model:SPEC``. A model may carry its quantization: ``qwen2.5-coder-0.5b@int8``. Adding a drafter is one file with a ``build(arg, ctx)`` function and one line here.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ KINDS: dict[str, DrafterKind] = {
 class DraftSpec:
     kind: str
     arg: str
+    quantization: str | None = None  # a model's ``@int8`` / ``@int4`` / ``@auto`` / ``@none`` suffix
 
     @property
     def loads_model(self) -> bool:
@@ -39,14 +40,19 @@ class DraftSpec:
 
 
 def parse_draft(spec: str) -> DraftSpec:
+    from specdecode.models.quantize import MODES
+
     kind, sep, arg = spec.partition(":")
-    if kind in KINDS:
-        if KINDS[kind].loads_model and not arg:
-            raise ValueError(f"draft spec {spec!r}: name the model, e.g. {kind}:PATH")
-        return DraftSpec(kind, arg)
-    if not spec:
-        raise ValueError("empty draft spec")
-    return DraftSpec("model", spec)
+    if kind not in KINDS:
+        kind, arg = "model", spec
+    if not arg and (kind == "model" or KINDS[kind].loads_model):
+        raise ValueError(f"draft spec {spec!r}: name the model, e.g. {kind}:PATH" if spec else "empty draft spec")
+    quantization = None
+    if KINDS[kind].loads_model:
+        name, at, suffix = arg.rpartition("@")
+        if at and suffix in MODES:
+            arg, quantization = name, suffix
+    return DraftSpec(kind, arg, quantization)
 
 
 @dataclass

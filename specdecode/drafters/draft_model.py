@@ -8,7 +8,7 @@ from typing import Sequence
 import torch
 
 from specdecode.drafters.base import DrafterBase, Proposal, SequenceView, common_prefix
-from specdecode.drafters.dynamic_tree import GrownTree, grow_trees
+from specdecode.drafters.dynamic_tree import GROWTH, GrownTree, grow_trees
 from specdecode.models.base import Runner
 from specdecode.sampling import params_tensors, sample, warp
 from specdecode.verify.tree import DETERMINISTIC, WITHOUT_REPLACEMENT
@@ -51,7 +51,9 @@ class DraftModelDrafter(DrafterBase):
         self._floor: dict[int, int] = {}  # a length known to agree with the sequence
 
     def reserve(self, num_slots: int, max_len: int) -> None:
-        self.runner.ensure_capacity(num_slots, max_len)
+        # greedy trees grow past the node budget before their rerank: room for that window too
+        extra = GROWTH * self.tree_nodes + 1 if self.tree_topk > 1 else 0
+        self.runner.ensure_capacity(num_slots, max_len + extra)
 
     def runners(self) -> dict[str, Runner]:
         return {"draft": self.runner}
@@ -109,7 +111,7 @@ class DraftModelDrafter(DrafterBase):
             matched.append(child)
             node = child
         if matched and self._cached[s.slot][:start] == s.token_ids[:start]:
-            self.runner.compact(s.slot, [start + i for i in matched], start)
+            self.runner.compact(s.slot, [start + tree.writes[i] for i in matched], start)
             self._cached[s.slot] = s.token_ids[: start + len(matched)]
 
     @torch.inference_mode()
@@ -187,12 +189,12 @@ class DraftModelDrafter(DrafterBase):
             writes = torch.zeros(len(trees), e_max, dtype=torch.long)
             mask = torch.zeros(len(trees), e_max, width, dtype=torch.bool)
             for r, (tree, nodes) in enumerate(zip(trees, chosen)):
-                if not nodes:  # nothing to expand: a harmless write past the node budget, seeing the prefix
-                    positions[r], writes[r] = starts[r], starts[r] + self.tree_nodes
+                if not nodes:  # nothing to expand: a harmless write past any tree node, seeing the prefix
+                    positions[r], writes[r] = starts[r], starts[r] + GROWTH * self.tree_nodes
                     continue
                 for e in range(e_max):
                     i = nodes[min(e, len(nodes) - 1)]  # padding repeats the last node (same K/V, same place)
-                    ids[r, e], writes[r, e] = tree.tokens[i], starts[r] + i
+                    ids[r, e], writes[r, e] = tree.tokens[i], starts[r] + tree.writes[i]
                     positions[r, e] = starts[r] - 1 + tree.depths[i]
                     mask[r, e, tree.ancestors_or_self(i)] = True
             out = self.runner.forward(slots, ids, positions, write_positions=writes, tree_mask=mask,

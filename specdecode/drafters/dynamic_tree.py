@@ -7,12 +7,14 @@ Shared by drafters that can score many continuations per forward (the draft mode
   log-probability are fed to the drafter (one forward for the whole batch, tree-masked) and each gets
   ``topk`` children, until the row's depth or the node budget ``max_nodes`` is reached.
 
-Greedy rows take the ``topk`` most probable tokens (deterministic siblings, verification rule (c));
-sampled rows draw their children *without replacement* from the warped draft distribution (rule (b)).
-Every drawn node is kept: a node's number of children is fixed before they are drawn, from the
-tree above it only, which is what keeps sampled verification exact (see :mod:`specdecode.verify.tree`).
-EAGLE-2 instead reranks all candidates and keeps the best ``max_nodes``; that choice depends on the
-children's own draws and is only exact for greedy decoding, so it is not used.
+Greedy rows take the ``topk`` most probable tokens (deterministic siblings, verification rule (c))
+and, as EAGLE-2 does, grow past the budget (up to ``GROWTH`` times it) and then keep the
+``max_nodes`` nodes of highest cumulative log-probability (an ancestor always scores at least as high
+as its descendants, so the kept set is a tree): with greedy verification any choice of nodes is exact.
+Sampled rows draw their children *without replacement* from the warped draft distribution (rule
+(b)) and keep every drawn node: for sampled verification to stay exact a node's number of children
+must be fixed before they are drawn, from the tree above it only, and a rerank would depend on the
+children's own draws.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class GrownTree:
     scores: list[float] = field(default_factory=list)  # cumulative draft log-probability
     laws: list[torch.Tensor] = field(default_factory=list)  # [V] the law each node was drawn from
     fed: list[bool] = field(default_factory=list)  # its K/V was written by an expansion forward
+    writes: list[int] = field(default_factory=list)  # where its K/V are (offset in the drafter's tree window)
 
     def ancestors_or_self(self, i: int) -> list[int]:
         out = []
@@ -42,6 +45,21 @@ class GrownTree:
             i = self.parents[i]
         return out[::-1]
 
+
+    def keep_best(self, budget: int) -> None:
+        """Keep the ``budget`` nodes of highest score (ties: earlier nodes), re-indexed in order."""
+        if len(self.tokens) <= budget:
+            return
+        keep = sorted(sorted(range(len(self.tokens)), key=lambda i: (-self.scores[i], i))[:budget])
+        new = {old: j for j, old in enumerate(keep)}
+        assert all(self.parents[i] < 0 or self.parents[i] in new for i in keep), "kept set must be a tree"
+        for name in ("tokens", "depths", "scores", "laws", "fed", "writes"):
+            values = getattr(self, name)
+            setattr(self, name, [values[i] for i in keep])
+        self.parents = [new[self.parents[i]] if self.parents[i] >= 0 else -1 for i in keep]
+
+
+GROWTH = 4  # greedy trees grow up to this many times the node budget before the rerank
 
 # expand(trees, nodes) -> [A, E, V] logits after each listed node (rows with no nodes: ignored)
 ExpandFn = Callable[[list[GrownTree], list[list[int]]], torch.Tensor]
@@ -58,6 +76,7 @@ def grow_trees(
 ) -> list[GrownTree]:
     trees = [GrownTree() for _ in params]
     temperature, top_k, top_p = params_tensors(params)
+    caps = [max_nodes * GROWTH if p.greedy else max_nodes for p in params]  # nodes a row may grow to
 
     def add_children(logits: torch.Tensor, parent_of: list[tuple[int, int]]) -> None:
         """``logits`` [n, V] after the listed (row, parent node) pairs; draw each one's children."""
@@ -66,7 +85,7 @@ def grow_trees(
         logp = torch.log_softmax(logits.float(), -1)
         for (r, parent), law, lp, raw in zip(parent_of, laws, logp, logits):
             tree = trees[r]
-            m = min(topk, max_nodes - len(tree.tokens))
+            m = min(topk, caps[r] - len(tree.tokens))
             if m <= 0:
                 continue
             if params[r].greedy:
@@ -88,6 +107,7 @@ def grow_trees(
             depth = tree.depths[parent] + 1 if parent >= 0 else 1
             score_of = lp if params[r].greedy else torch.log(law.clamp(min=1e-30))
             for x, kl in zip(kids, kid_laws):
+                tree.writes.append(len(tree.tokens))
                 tree.tokens.append(x)
                 tree.parents.append(parent)
                 tree.depths.append(depth)
@@ -103,11 +123,13 @@ def grow_trees(
         chosen: list[list[int]] = [[] for _ in trees]
         for r in range(len(trees)):
             tree = trees[r]
-            if level >= depths[r] or len(tree.tokens) >= max_nodes:
+            if level >= depths[r] or len(tree.tokens) >= caps[r]:
                 continue
             newest = [i for i, d in enumerate(tree.depths) if d == level]
             chosen[r] = sorted(newest, key=lambda i: -tree.scores[i])[:topk]
         if not any(chosen):
+            for tree in trees:
+                tree.keep_best(max_nodes)  # greedy rows only ever exceed the budget
             return trees
         logits = expand(trees, chosen)  # [A, E, V]
         for r, nodes in enumerate(chosen):

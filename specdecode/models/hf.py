@@ -27,7 +27,7 @@ class HFRunner:
         self.model = model
         self.base = model.base_model
         self.lm_head = model.get_output_embeddings()
-        self.vocab_size = int(self.lm_head.weight.shape[0])
+        self.vocab_size = int(getattr(self.lm_head, "out_features", None) or self.lm_head.weight.shape[0])
         self.hidden_size = int(cfg.hidden_size)
         self.num_layers = int(cfg.num_hidden_layers)
         self.dtype = next(model.parameters()).dtype

@@ -1,0 +1,168 @@
+"""Quantized draft models: int8 / int4 weights for the drafter's linear layers (the target is untouched).
+
+Verification never depends on how the draft computed its distribution: the drafter samples from the
+quantized model's own (warped) logits and hands exactly that distribution to the verifier, so the
+output still follows the target's law. Quantization only changes the draft's cost (c) and how well
+it agrees with the target (acceptance).
+
+Modes (``--draft-quantization``, or a ``@mode`` suffix on the draft spec):
+
+* ``int8`` — int8 weights, one scale per output channel. The kernel is chosen by measurement
+  (docs/benchmarks.md): a float32 draft on the CPU uses dynamic quantization (activations quantized
+  per call, fbgemm kernels; ``torch.ao``), because PyTorch's weight-only int8 kernel
+  (``aten._weight_int8pack_mm``) was 2-6x *slower* than float32 on an AVX512 CPU without VNNI;
+  bf16/fp16 drafts and CUDA use that weight-only kernel (the gpt-fast recipe).
+* ``int4`` — weight-only int4, groups of 32 along the input, asymmetric, bf16 compute
+  (``aten._weight_int4pack_mm_for_cpu``; CPU only).
+* ``auto`` — the fastest of none / int8 / int4 for a single-token draft forward on this machine
+  (none unless clearly faster), measured once and cached per (model, device, dtype, torch).
+
+Every ``nn.Linear`` of the decoder is replaced, and the LM head (a quarter of a 0.5B model's weights
+at a 152k vocabulary); the input embedding stays as it is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+MODES = ("none", "int8", "int4", "auto")
+INT4_GROUP = 32
+
+
+class Int8WeightOnlyLinear(nn.Module):
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [N]
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("weight", torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8))
+        self.register_buffer("scales", scale.to(linear.weight.dtype))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]), self.weight, self.scales.to(x.dtype))
+        y = y.reshape(*shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Int4WeightOnlyLinear(nn.Module):
+    """Asymmetric int4 weights in groups of ``INT4_GROUP`` input features (computed in bfloat16)."""
+
+    def __init__(self, linear: nn.Linear, group: int = INT4_GROUP) -> None:
+        super().__init__()
+        n, k = linear.weight.shape
+        if k % group:
+            raise ValueError(f"int4: {k} input features are not a multiple of the group size {group}")
+        w = linear.weight.detach().float().reshape(n, k // group, group)
+        lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+        scale = ((hi - lo) / 15).clamp(min=1e-12)
+        q = torch.round((w - lo) / scale).clamp_(0, 15).to(torch.int32).reshape(n, k)
+        zero = lo + 8 * scale  # the kernel dequantizes (q - 8) * scale + zero
+        self.in_features, self.out_features, self.group = k, n, group
+        self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        sz = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], dim=-1)  # [N, K/g, 2]
+        self.register_buffer("scales_and_zeros", sz.transpose(0, 1).contiguous().to(torch.bfloat16))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.weight,
+                                                       self.group, self.scales_and_zeros)
+        y = y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+def _replace_linears(model: nn.Module, make) -> int:
+    count = 0
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, child_name, make(child))
+                count += 1
+    head = model.get_output_embeddings()
+    if isinstance(head, nn.Linear):  # a tied head is reached here only through get_output_embeddings
+        model.set_output_embeddings(make(head))
+        count += 1
+    return count
+
+
+def quantize_draft(model: nn.Module, mode: str) -> nn.Module:
+    """Quantize ``model`` in place (``none``: unchanged). ``auto`` is resolved by :func:`auto_mode` first."""
+    if mode not in MODES or mode == "auto":
+        raise ValueError(f"unknown draft quantization {mode!r}: choose none, int8, int4 (or auto)")
+    if mode == "none":
+        return model
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    if mode == "int8":
+        dynamic = device.type == "cpu" and dtype == torch.float32
+        _replace_linears(model, _dynamic_int8 if dynamic else Int8WeightOnlyLinear)
+    else:
+        if device.type != "cpu":
+            raise ValueError("int4 draft quantization runs on the CPU kernel only; use int8 on CUDA")
+        _replace_linears(model, Int4WeightOnlyLinear)
+    model.quantization = mode
+    return model
+
+
+def _dynamic_int8(linear: nn.Linear) -> nn.Module:
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+    with warnings.catch_warnings():  # torch.ao's quantized tensors are deprecated; the kernels are what we measured
+        warnings.simplefilter("ignore", UserWarning)
+        return DynamicLinear.from_float(_with_qconfig(linear))
+
+
+def _with_qconfig(linear: nn.Linear) -> nn.Linear:
+    from torch.ao.quantization import default_dynamic_qconfig
+
+    linear.qconfig = default_dynamic_qconfig
+    return linear
+
+
+# -- auto: measured on this machine, cached ------------------------------------------------------------
+
+def _time_forward(model: nn.Module, reps: int = 5) -> float:
+    ids = torch.tensor([[1]], device=next(model.parameters()).device)
+    with torch.inference_mode():
+        model(ids)  # warm-up
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            model(ids)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def auto_mode(model: nn.Module, key: str, cache_dir: Path | None = None, recalibrate: bool = False) -> str:
+    """The fastest of none / int8 / int4 for a single-token forward of ``model``, measured on copies,
+    cached under ``cache_dir/calibration`` by ``key`` (model identity, device, dtype, torch)."""
+    import copy
+
+    from specdecode.models.fetch import cache_root
+
+    path = (cache_dir or cache_root()) / "calibration" / f"draft-quantization-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    if path.is_file() and not recalibrate:
+        return json.loads(path.read_text())["mode"]
+    device = next(model.parameters()).device
+    candidates = ["none", "int8"] + (["int4"] if device.type == "cpu" else [])
+    times = {}
+    for mode in candidates:
+        trial = model if mode == "none" else quantize_draft(copy.deepcopy(model), mode)
+        times[mode] = _time_forward(trial)
+        del trial
+    best = min(times, key=times.get)
+    if times[best] > 0.9 * times["none"]:  # not clearly faster: keep the draft as it is
+        best = "none"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"key": key, "mode": best, "seconds": times}, indent=2))
+    return best

@@ -1,0 +1,111 @@
+"""Quantized drafts (int8 / int4 weights): the verified distribution is the quantized draft's own, so
+decoding stays exact — greedy equality, the chi-square law through the engine (ALPHA = 1e-4 per
+setting), the check's parts — and specs, auto calibration and the bench sweep behave."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specdecode.check import CheckConfig, run_check
+from specdecode.check.report import PASS
+from specdecode.drafters import parse_draft
+from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.engine import Engine
+from specdecode.models import quantize as Q
+from specdecode.models.hf import HFRunner
+from specdecode.sampling import SamplingParams
+from test_engine import ALPHA, VS, chi_square_p, exact_two_token_law, sample_pairs
+from tiny import make_engine, make_model, make_tokenizer, perturbed_copy
+
+V = 32
+TOK = make_tokenizer(V)
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 5, 6]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def quantized(model, mode):
+    return Q.quantize_draft(perturbed_copy(model, noise=0.0), mode)  # a copy: the original stays float
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_layers_replace_every_linear_and_stay_close(mode):
+    model = make_model(V, seed=1, hidden=64)
+    ids = torch.tensor([PROMPTS[1]])
+    with torch.inference_mode():
+        ref = model(ids).logits
+        q = quantized(model, mode)
+        out = q(ids).logits
+    assert not any(isinstance(m, torch.nn.Linear) for m in q.modules())
+    assert q.quantization == mode and HFRunner(q).vocab_size == V
+    assert (out - ref).abs().max() < (0.2 if mode == "int8" else 0.8) * ref.abs().max()
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_greedy_with_a_quantized_draft_equals_target_only(mode):
+    target = make_model(V, seed=0, hidden=64)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    reference = make_engine(target, TOK, num_slots=2).generate(PROMPTS, params)
+    engine = Engine(HFRunner(target), TOK, DraftModelDrafter(HFRunner(quantized(target, mode))), 4,
+                    max_batch_size=2, max_context=64)
+    outs = engine.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    assert sum(o.stats.accepted for o in outs) > 0
+
+
+@pytest.mark.parametrize("sp", [SamplingParams(1.0), SamplingParams(0.7, top_p=0.9)], ids=["T1", "T0.7-p0.9"])
+def test_quantized_draft_keeps_the_target_law(sp):
+    """4000 samples of the first two tokens; the draft is the int8 copy of a perturbed target."""
+    target = make_model(VS, seed=5, scale=0.5)
+    draft = Q.quantize_draft(perturbed_copy(target, noise=0.6, seed=3), "int8")
+    engine = Engine(HFRunner(target), make_tokenizer(VS), DraftModelDrafter(HFRunner(draft)), 3, max_batch_size=250,
+                    max_context=8)
+    counts = sample_pairs(engine, [1, 2, 3], sp, 4000, 250)
+    assert chi_square_p(counts, exact_two_token_law(target, [1, 2, 3], sp), 4000) > ALPHA
+
+
+def test_check_passes_with_a_quantized_draft():
+    from test_check import CFG, PROMPTS as CHECK_PROMPTS, TOK as CHECK_TOK, V as CV
+
+    target = make_model(CV, seed=5, scale=0.5)
+    draft = Q.quantize_draft(perturbed_copy(target, noise=0.3, seed=3), "int8")
+
+    def factory(k, batch):
+        drafter = DraftModelDrafter(HFRunner(draft)) if k else None
+        return Engine(HFRunner(target), CHECK_TOK, drafter, k, max_batch_size=batch, max_context=64)
+
+    report = run_check(factory, CHECK_PROMPTS, CheckConfig(**{**CFG.__dict__, "parts": (1, 3)}))
+    assert report.part(1).status == PASS and report.part(3).status == PASS, [p.summary for p in report.parts]
+
+
+def test_specs_carry_the_quantization():
+    assert parse_draft("qwen2.5-coder-0.5b@int8").quantization == "int8"
+    assert parse_draft("qwen2.5-coder-0.5b@int8").arg == "qwen2.5-coder-0.5b"
+    assert parse_draft("model:/m/x@int4").quantization == "int4"
+    assert parse_draft("org/name@main").quantization is None  # not a mode: part of the name
+    with pytest.raises(ValueError, match="draft quantization"):
+        Q.quantize_draft(make_model(V), "int3")
+
+
+def test_auto_is_measured_once_and_cached_per_key(tmp_path, monkeypatch):
+    model = make_model(V, seed=1, hidden=64)
+    calls = []
+    real = Q._time_forward
+    monkeypatch.setattr(Q, "_time_forward", lambda m, reps=5: calls.append(1) or real(m, reps=1))
+    first = Q.auto_mode(model, "m|cpu|float32", tmp_path)
+    assert first in ("none", "int8", "int4") and calls
+    n = len(calls)
+    assert Q.auto_mode(model, "m|cpu|float32", tmp_path) == first and len(calls) == n  # cached
+    Q.auto_mode(model, "m|cpu|bfloat16", tmp_path)  # another dtype: measured again
+    assert len(calls) > n
+    cached = [json.loads(p.read_text()) for p in (tmp_path / "calibration").glob("*.json")]
+    assert {c["key"] for c in cached} == {"m|cpu|float32", "m|cpu|bfloat16"}
