@@ -128,11 +128,9 @@ def load_pair(target: str, draft: str | None, dtype: str = "auto", device: str =
         raise PairError(f"draft {draft!r} cannot draft for target {target!r}: {problem}")
     mode = spec.quantization or draft_quantization
     if mode == "auto":
-        import torch
-
         from specdecode.models.quantize import auto_mode
 
-        mode = auto_mode(draft_model, f"{spec.arg}|{dev}|{torch_dtype}|{torch.__version__}")
+        mode = auto_mode(draft_model, spec.arg)
     if mode != "none":
         from specdecode.models.quantize import quantize_draft
 

@@ -117,6 +117,7 @@ class Engine:
         self.eos_token_ids = set(eos_token_ids if eos_token_ids is not None else default_eos_ids(target, tokenizer))
         self.device = target.device
         # the verify window: the pending token plus the longest chain or largest tree a step may carry
+        max_tree_nodes = max(max_tree_nodes, getattr(drafter, "max_tree_nodes", 0) if drafter is not None else 0)
         self.window = max(inner.max_k, max_tree_nodes) + 1
         self.max_tree_nodes = max_tree_nodes  # > 0: the drafter proposes trees of up to this many nodes
         self.max_batch_size = max_batch_size or target.num_slots or 1
@@ -288,6 +289,9 @@ class Engine:
     def _verify_tree(self, seqs: list[Sequence], proposal: Proposal) -> "_Verified":
         bsz, dev = len(seqs), self.device
         drafts, num_nodes = proposal.tokens.to(dev), proposal.num_tokens.to(dev)
+        if int(num_nodes.max()) > self.max_tree_nodes:
+            raise RuntimeError(f"drafter {self.drafter.name!r} proposed a tree of {int(num_nodes.max())} nodes, more "
+                               f"than the engine's max_tree_nodes={self.max_tree_nodes}")
         parents = proposal.parents.to(dev)
         start = torch.tensor([len(s.token_ids) - 1 for s in seqs], device=dev)
         layout = tree_layout(torch.tensor([s.token_ids[-1] for s in seqs], device=dev), drafts, parents, num_nodes, start)

@@ -30,8 +30,6 @@ class TreeLayout:
     write_positions: torch.Tensor  # [B, 1+K] start + query index
     mask: torch.Tensor  # [B, 1+K, 1+K] bool: query i sees query j (ancestor-or-self)
     depth: torch.Tensor  # [B, 1+K] root 0; padding nodes 1
-    paths: torch.Tensor  # [B, P, D+1] query indices of each root-to-leaf path (0 first), -1 padded
-    path_lengths: torch.Tensor  # [B, P] nodes on the path including the root; 0 for padding paths
 
 
 def chain_parents(batch: int, k: int) -> torch.Tensor:  # [B, K]: node i hangs off node i - 1
@@ -64,20 +62,6 @@ def tree_layout(
         mask[:, i + 1, i + 1] = True
         depth[:, i + 1] = depth[rows, parent_q[:, i]] + 1
 
-    # leaves: valid nodes that no valid node names as parent (or the root alone if there are none)
-    has_child = torch.zeros(bsz, q, dtype=torch.bool, device=device)
-    has_child.scatter_(1, torch.where(valid, parent_q, torch.zeros_like(parent_q)), valid)
-    is_leaf = torch.cat([num_nodes[:, None] == 0, valid & ~has_child[:, 1:]], dim=1)  # [B, q]
-    num_paths = int(is_leaf.sum(1).max())
-    max_depth = int(depth.max()) if k else 0
-    paths = torch.full((bsz, num_paths, max_depth + 1), -1, dtype=torch.long, device=device)
-    path_lengths = torch.zeros(bsz, num_paths, dtype=torch.long, device=device)
-    for b in range(bsz):  # small: a handful of leaves per row
-        for p, leaf in enumerate(is_leaf[b].nonzero().flatten().tolist()):
-            anc = mask[b, leaf].nonzero().flatten()  # ancestors-or-self, in query order = depth order
-            paths[b, p, : len(anc)] = anc
-            path_lengths[b, p] = len(anc)
-
     ar = torch.arange(q, device=device)[None]
     return TreeLayout(
         input_ids=torch.cat([root_ids.to(device)[:, None], tokens], dim=1),
@@ -85,9 +69,20 @@ def tree_layout(
         write_positions=start[:, None] + ar,
         mask=mask,
         depth=depth,
-        paths=paths,
-        path_lengths=path_lengths,
     )
+
+
+def root_to_leaf_paths(layout: TreeLayout, num_nodes: torch.Tensor) -> list[list[list[int]]]:
+    """Per row, the query indices of every root-to-leaf path (root first), for inspection and tests
+    (the retrieve indices of Medusa/EAGLE; the engine itself never needs them)."""
+    out = []
+    for b, n in enumerate(num_nodes.tolist()):
+        parents_q = {0}
+        for q in range(1, n + 1):
+            parents_q.add(int(layout.mask[b, q, :q].nonzero().flatten()[-1]))  # its deepest proper ancestor
+        leaves = [q for q in range(n + 1) if q not in parents_q] or [0]
+        out.append([layout.mask[b, leaf, : n + 1].nonzero().flatten().tolist() for leaf in leaves])
+    return out
 
 
 def path_writes(start: int, path: list[int]) -> list[int]:

@@ -17,7 +17,7 @@ from specdecode.models.base import FINAL
 from specdecode.models.device import dtype_name, resolve_device
 from specdecode.models.hf import HFRunner
 from specdecode.sampling import SamplingParams
-from specdecode.tree import chain_parents, path_writes, tree_layout
+from specdecode.tree import chain_parents, path_writes, root_to_leaf_paths, tree_layout
 from tiny import make_model, make_tokenizer, perturbed_copy
 from toy_runner import ToyRunner
 
@@ -42,8 +42,7 @@ def test_chain_layout_is_the_causal_chain():
     assert lay.positions[0].tolist() == [10, 11, 12, 13] and lay.positions[1, :3].tolist() == [4, 5, 6]
     assert lay.write_positions[1].tolist() == [4, 5, 6, 7]
     assert torch.equal(lay.mask[0], torch.ones(4, 4, dtype=torch.bool).tril())
-    assert lay.paths[0, 0].tolist() == [0, 1, 2, 3] and lay.path_lengths[0].tolist() == [4]
-    assert lay.paths[1, 0, :3].tolist() == [0, 1, 2] and lay.path_lengths[1].tolist() == [3]
+    assert root_to_leaf_paths(lay, torch.tensor([3, 2])) == [[[0, 1, 2, 3]], [[0, 1, 2]]]
 
 
 def test_tree_layout_depths_masks_and_paths():
@@ -58,7 +57,7 @@ def test_tree_layout_depths_masks_and_paths():
     assert lay.positions[0].tolist() == [3, 4, 4, 5, 5, 5]
     assert lay.write_positions[0].tolist() == [3, 4, 5, 6, 7, 8]
     assert lay.mask[0, 5].tolist() == [True, False, True, False, False, True]  # n4 sees root, n1, itself
-    paths = {tuple(p[: int(n)].tolist()) for p, n in zip(lay.paths[0], lay.path_lengths[0])}
+    paths = {tuple(p) for p in root_to_leaf_paths(lay, torch.tensor([5]))[0]}
     assert paths == {(0, 1, 3), (0, 1, 4), (0, 2, 5)}
     assert path_writes(3, [0, 2, 5]) == [5, 8]
     with pytest.raises(ValueError, match="earlier node"):

@@ -158,6 +158,11 @@ def _prepare(args: argparse.Namespace, meta: dict, configs: list, samplings: lis
     from specdecode.bench.runner import BenchInputError, BenchRunner, tokenize_prompts
     from specdecode.build import load_pair
 
+    from specdecode.drafters import parse_draft
+
+    if args.draft and parse_draft(args.draft).quantization:
+        raise BenchInputError(f"--draft {args.draft!r}: in bench, give the draft unquantized and compare modes with "
+                              "--draft-quantization none,int8,...")
     pair = load_pair(args.target, args.draft, args.dtype, args.device)  # quantized copies per config: make_backend
     model_ctx = getattr(pair.target.config, "max_position_embeddings", 4096)
     limit = args.max_context or min(model_ctx, 4096)
@@ -230,8 +235,7 @@ def make_backend(pair, args: argparse.Namespace, max_context: int):
 
             from specdecode.models.quantize import auto_mode, quantize_draft
 
-            resolved = auto_mode(pair.draft, f"{args.draft}|{args.device}|{args.dtype}|{torch.__version__}") \
-                if mode == "auto" else mode
+            resolved = auto_mode(pair.draft, args.draft) if mode == "auto" else mode
             drafts[mode] = replace(pair, draft=quantize_draft(copy.deepcopy(pair.draft), resolved),
                                    draft_quantization=resolved)
         return drafts[mode]

@@ -61,6 +61,7 @@ class TargetFeatures:
 class Drafter(Protocol):
     name: str
     feature_layers: tuple[int, ...]  # target feature layers it wants (see models.base); () = none
+    max_tree_nodes: int  # the largest tree it proposes (0: chains only)
 
     def reserve(self, num_slots: int, max_len: int) -> None:
         """Size per-slot state (the engine calls this once, from its batch size and context)."""
@@ -98,6 +99,7 @@ class DrafterBase:
 
     name = "drafter"
     feature_layers: tuple[int, ...] = ()
+    max_tree_nodes = 0  # the largest tree it proposes (0: chains only); the engine sizes its window by it
 
     def reserve(self, num_slots: int, max_len: int) -> None:
         pass

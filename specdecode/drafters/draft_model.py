@@ -42,6 +42,7 @@ class DraftModelDrafter(DrafterBase):
             raise ValueError(f"need tree_topk >= 1 and, for trees, tree_nodes >= 1; got {tree_topk}, {tree_nodes}")
         self.confidence = confidence
         self.tree_topk, self.tree_nodes = tree_topk, tree_nodes
+        self.max_tree_nodes = tree_nodes if tree_topk > 1 else 0
         self._tree: dict[int, tuple[int, GrownTree]] = {}  # slot -> (window start, the tree last proposed)
         self.runner = runner
         # the target's vocabulary size: draft logits past it are never sampled, and the draft
@@ -91,7 +92,8 @@ class DraftModelDrafter(DrafterBase):
         positions = torch.zeros(len(active), width, dtype=torch.long)
         for i, (keep, p) in enumerate(pending):
             ids[i, : len(p)] = torch.tensor(p)
-            positions[i] = keep + torch.arange(width)  # padding continues the positions
+            # padding continues the positions, clamped into the cache (its last index never holds valid data)
+            positions[i] = (keep + torch.arange(width)).clamp(max=self.runner.max_len - 1)
         last = torch.tensor([len(p) - 1 for _, p in pending])
         slots = torch.tensor([s.slot for s in active])
         return self.runner.forward(slots, ids, positions).hidden[torch.arange(len(active)), last.to(self.runner.device)]

@@ -22,6 +22,7 @@ class GuardedDrafter:
         self.inner = inner
         self.name = inner.name
         self.feature_layers = tuple(inner.feature_layers)
+        self.max_tree_nodes = getattr(inner, "max_tree_nodes", 0)
         self.live: set[int] = set()  # slots the inner drafter holds state for
         self._on_failure = on_failure
 

@@ -49,6 +49,7 @@ class NgramDrafter(DrafterBase):
             raise ValueError(f"need tree_topk >= 1 and, for trees, tree_nodes >= 1; got {tree_topk}, {tree_nodes}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.tree_topk, self.tree_nodes = tree_topk, tree_nodes
+        self.max_tree_nodes = tree_nodes if tree_topk > 1 else 0
 
     def propose(self, seqs: Sequence[SequenceView], num_tokens: list[int]) -> Proposal:
         if self.tree_topk > 1:

@@ -9,6 +9,7 @@ whose logits are ``lm_head(final hidden state)`` (Llama, Qwen2/2.5/3, Mistral an
 
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import torch
@@ -32,7 +33,7 @@ class HFRunner:
         self.num_layers = int(cfg.num_hidden_layers)
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
-        self.identity = f"hf:{id(model)}"
+        self.identity = _identity(model)
         self.eos_token_ids = _eos_ids(getattr(model, "generation_config", None))
         self.sdpa = getattr(cfg, "_attn_implementation", "sdpa") == "sdpa"
         self.sliding_window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
@@ -156,7 +157,8 @@ class HFRunner:
         Rows are right-padded (padding writes past a row's length, where it is masked and later
         overwritten) and processed in chunks that bound attention memory.
         """
-        feats: list[Features] = [{} for _ in prompts]
+        empty = {layer: torch.zeros(0, self.hidden_size, dtype=self.dtype, device=self.device) for layer in layers}
+        feats: list[Features] = [dict(empty) for _ in prompts]
         rows = [i for i, p in enumerate(prompts) if p]
         if not rows:
             return feats
@@ -192,6 +194,16 @@ class HFRunner:
 
     def import_kv(self, slot: int, state) -> None:
         self.cache.load(slot, state)
+
+
+_IDENTITIES = itertools.count()
+
+
+def _identity(model: torch.nn.Module) -> str:
+    """A name for the weights, the same for every runner over this model object (never reused, unlike id())."""
+    if not hasattr(model, "_specdecode_identity"):
+        model._specdecode_identity = f"hf:{next(_IDENTITIES)}"
+    return model._specdecode_identity
 
 
 def _eos_ids(gen_cfg) -> set[int]:

@@ -132,28 +132,35 @@ def _with_qconfig(linear: nn.Linear) -> nn.Linear:
 # -- auto: measured on this machine, cached ------------------------------------------------------------
 
 def _time_forward(model: nn.Module, reps: int = 5) -> float:
-    ids = torch.tensor([[1]], device=next(model.parameters()).device)
+    device = next(model.parameters()).device
+    ids = torch.tensor([[1]], device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     with torch.inference_mode():
         model(ids)  # warm-up
         times = []
         for _ in range(reps):
+            sync()
             t0 = time.perf_counter()
             model(ids)
+            sync()
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
-def auto_mode(model: nn.Module, key: str, cache_dir: Path | None = None, recalibrate: bool = False) -> str:
-    """The fastest of none / int8 / int4 for a single-token forward of ``model``, measured on copies,
-    cached under ``cache_dir/calibration`` by ``key`` (model identity, device, dtype, torch)."""
+def auto_mode(model: nn.Module, name: str, cache_dir: Path | None = None, recalibrate: bool = False) -> str:
+    """The fastest of none / int8 / int4 for a single-token forward of ``model`` (named ``name``),
+    measured on copies, cached under ``cache_dir/calibration`` per (name, device, dtype, torch version):
+    another device or dtype is measured afresh."""
     import copy
 
     from specdecode.models.fetch import cache_root
 
+    param = next(model.parameters())
+    key = f"{name}|{param.device}|{param.dtype}|torch {torch.__version__}"
     path = (cache_dir or cache_root()) / "calibration" / f"draft-quantization-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.is_file() and not recalibrate:
         return json.loads(path.read_text())["mode"]
-    device = next(model.parameters()).device
+    device = param.device
     candidates = ["none", "int8"] + (["int4"] if device.type == "cpu" else [])
     times = {}
     for mode in candidates:
