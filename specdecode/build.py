@@ -33,6 +33,7 @@ class EngineConfig:
     draft_confidence: float = 0.0  # draft model: end a chain after a token the draft gives less than this
     verify_budget: int = 0  # > 0: at most this many tokens verified per step across the batch (load-aware k)
     draft_quantization: str = "none"  # none | int8 | int4 | auto (the draft only; a spec's @mode wins)
+    target_quantization: str = "none"  # none | int8 | int4: LOSSY w.r.t. the named target; outputs say so
     tree_topk: int = 1  # children per expanded node; 1 = chains
     tree_nodes: int = 16  # trees: draft nodes verified per step (root excluded); depth = num_draft_tokens
 
@@ -44,6 +45,7 @@ class LoadedPair:
     draft: "torch.nn.Module | None"  # the draft model, for drafters that load one
     draft_tokenizer: object | None
     draft_quantization: str = "none"  # what the draft model was quantized to (auto resolved)
+    target_quantization: str = "none"  # what the target was quantized to: not the model the user named
 
 
 def _quantizations(text: str) -> list[str]:
@@ -85,6 +87,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, draft_required: bool = 
                        help="quantize the draft model's weights (the target is untouched, so output stays exact): "
                             "int8, int4, or auto (the fastest on this machine, measured once and cached); a draft "
                             "spec's @mode suffix (e.g. qwen2.5-coder-0.5b@int8) wins. Default none")
+    g.add_argument("--target-quantization", choices=("none", "int8", "int4"), default="none",
+                   help="LOSSY: quantize the target itself. Output then follows the quantized target's law (still "
+                        "exactly, speculation included), not the model you named; every output is marked "
+                        "\"lossy\": true. Never the default")
     g.add_argument("--tree-topk", type=int, default=1, metavar="K",
                    help="draft a tree: K children per expanded node (1 = a chain, the default); depth = -k. "
                         "Exact for greedy and sampling (docs/architecture.md)")
@@ -100,7 +106,8 @@ def config_from_args(args: argparse.Namespace, max_batch_size: int = 1) -> Engin
                         max_batch_size, args.max_context,
                         getattr(args, "draft_policy", "fixed"), getattr(args, "max_draft_tokens", 16),
                         getattr(args, "draft_confidence", 0.0), getattr(args, "verify_budget", 0),
-                        _single(getattr(args, "draft_quantization", "none")), getattr(args, "tree_topk", 1),
+                        _single(getattr(args, "draft_quantization", "none")),
+                        getattr(args, "target_quantization", "none"), getattr(args, "tree_topk", 1),
                         getattr(args, "tree_nodes", 16))
 
 
@@ -109,7 +116,7 @@ def _single(mode) -> str:
 
 
 def load_pair(target: str, draft: str | None, dtype: str = "auto", device: str = "auto",
-              draft_quantization: str = "none") -> LoadedPair:
+              draft_quantization: str = "none", target_quantization: str = "none") -> LoadedPair:
     """Load the target and, when the drafter spec names a model, the draft model, on ``device``
     (``auto``: CUDA when present) in ``dtype`` (``auto``: decided for that device); quantize the draft
     (``draft_quantization``, or the spec's ``@mode``)."""
@@ -120,10 +127,14 @@ def load_pair(target: str, draft: str | None, dtype: str = "auto", device: str =
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     target_model, tokenizer = load_model(target, torch_dtype, dev)
+    if target_quantization != "none":  # lossy, labelled: see specdecode.models.quantize
+        from specdecode.models.quantize import quantize_model
+
+        quantize_model(target_model, target_quantization)
     if spec is None or not spec.loads_model:
-        return LoadedPair(target_model, tokenizer, None, None)
+        return LoadedPair(target_model, tokenizer, None, None, "none", target_quantization)
     draft_model, draft_tokenizer = load_model(spec.arg, torch_dtype, dev)
-    problem = tokenizers_compatible(tokenizer, draft_tokenizer, target_model, draft_model)
+    problem = tokenizers_compatible(tokenizer, draft_tokenizer, target_model, draft_model)  # before quantizing
     if problem:
         raise PairError(f"draft {draft!r} cannot draft for target {target!r}: {problem}")
     mode = spec.quantization or draft_quantization
@@ -132,10 +143,10 @@ def load_pair(target: str, draft: str | None, dtype: str = "auto", device: str =
 
         mode = auto_mode(draft_model, spec.arg)
     if mode != "none":
-        from specdecode.models.quantize import quantize_draft
+        from specdecode.models.quantize import quantize_model
 
-        quantize_draft(draft_model, mode)
-    return LoadedPair(target_model, tokenizer, draft_model, draft_tokenizer, mode)
+        quantize_model(draft_model, mode)
+    return LoadedPair(target_model, tokenizer, draft_model, draft_tokenizer, mode, target_quantization)
 
 
 def make_policy(cfg: EngineConfig):
@@ -174,9 +185,12 @@ def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
         make_draft = (lambda: HFRunner(pair.draft)) if pair.draft is not None else None
         drafter = build_drafter(cfg.draft, DraftContext(target, cfg, make_draft))
     tree_nodes = cfg.tree_nodes if cfg.draft and cfg.tree_topk > 1 else 0
-    return Engine(target, pair.tokenizer, drafter, policy, max_batch_size=cfg.max_batch_size, max_context=max_context,
-                  max_tree_nodes=tree_nodes)
+    engine = Engine(target, pair.tokenizer, drafter, policy, max_batch_size=cfg.max_batch_size,
+                    max_context=max_context, max_tree_nodes=tree_nodes)
+    engine.target_quantization = pair.target_quantization
+    return engine
 
 
 def build_engine(cfg: EngineConfig) -> "Engine":
-    return engine_from_pair(load_pair(cfg.target, cfg.draft, cfg.dtype, cfg.device, cfg.draft_quantization), cfg)
+    return engine_from_pair(load_pair(cfg.target, cfg.draft, cfg.dtype, cfg.device, cfg.draft_quantization,
+                                      cfg.target_quantization), cfg)

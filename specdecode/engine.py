@@ -120,6 +120,7 @@ class Engine:
         max_tree_nodes = max(max_tree_nodes, getattr(drafter, "max_tree_nodes", 0) if drafter is not None else 0)
         self.window = max(inner.max_k, max_tree_nodes) + 1
         self.max_tree_nodes = max_tree_nodes  # > 0: the drafter proposes trees of up to this many nodes
+        self.target_quantization = "none"  # set by build: "int8"/"int4" means a LOSSY, quantized target
         self.max_batch_size = max_batch_size or target.num_slots or 1
         if max_context is None:
             if not target.max_len:

@@ -104,3 +104,16 @@ def test_mismatched_vocabularies_are_refused(model_dirs, capsys):
     code, _, err = run(capsys, "--target", model_dirs["target"], "--draft", model_dirs["other"], "--prompt-ids", "1,2",
                        "--dtype", "float32")
     assert code == 2 and "cannot draft for target" in err
+
+
+def test_target_quantization_is_labelled_lossy_and_speculation_stays_exact_for_that_target(model_dirs, capsys):
+    common = ["--target", model_dirs["target"], "--prompt-ids", "1,2,3", "--max-new-tokens", "12", "--ignore-eos",
+              "--dtype", "float32", "--json", "--target-quantization", "int8"]
+    code, base, err = run(capsys, *common)
+    assert code == 0 and "LOSSY" in err
+    code, spec, _ = run(capsys, *common, "--draft", model_dirs["draft"], "-k", "3")
+    base, spec = json.loads(base), json.loads(spec)
+    assert base["lossy"] is True and base["target_quantization"] == "int8"
+    assert spec["token_ids"] == base["token_ids"]  # exact for the quantized target
+    code, plain, _ = run(capsys, *common[:-2])
+    assert json.loads(plain)["lossy"] is False

@@ -34,7 +34,7 @@ def one_thread():
 
 
 def quantized(model, mode):
-    return Q.quantize_draft(perturbed_copy(model, noise=0.0), mode)  # a copy: the original stays float
+    return Q.quantize_model(perturbed_copy(model, noise=0.0), mode)  # a copy: the original stays float
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -66,7 +66,7 @@ def test_greedy_with_a_quantized_draft_equals_target_only(mode):
 def test_quantized_draft_keeps_the_target_law(sp):
     """4000 samples of the first two tokens; the draft is the int8 copy of a perturbed target."""
     target = make_model(VS, seed=5, scale=0.5)
-    draft = Q.quantize_draft(perturbed_copy(target, noise=0.6, seed=3), "int8")
+    draft = Q.quantize_model(perturbed_copy(target, noise=0.6, seed=3), "int8")
     engine = Engine(HFRunner(target), make_tokenizer(VS), DraftModelDrafter(HFRunner(draft)), 3, max_batch_size=250,
                     max_context=8)
     counts = sample_pairs(engine, [1, 2, 3], sp, 4000, 250)
@@ -77,7 +77,7 @@ def test_check_passes_with_a_quantized_draft():
     from test_check import CFG, PROMPTS as CHECK_PROMPTS, TOK as CHECK_TOK, V as CV
 
     target = make_model(CV, seed=5, scale=0.5)
-    draft = Q.quantize_draft(perturbed_copy(target, noise=0.3, seed=3), "int8")
+    draft = Q.quantize_model(perturbed_copy(target, noise=0.3, seed=3), "int8")
 
     def factory(k, batch):
         drafter = DraftModelDrafter(HFRunner(draft)) if k else None
@@ -93,7 +93,7 @@ def test_specs_carry_the_quantization():
     assert parse_draft("model:/m/x@int4").quantization == "int4"
     assert parse_draft("org/name@main").quantization is None  # not a mode: part of the name
     with pytest.raises(ValueError, match="draft quantization"):
-        Q.quantize_draft(make_model(V), "int3")
+        Q.quantize_model(make_model(V), "int3")
 
 
 def test_auto_is_measured_once_and_cached_per_key(tmp_path, monkeypatch):

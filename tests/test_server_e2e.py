@@ -454,3 +454,15 @@ def test_speculation_off_for_the_server():
         assert r.model_extra["speculation"]["drafted"] == 0
         assert r.choices[0].text == reference(ids("hello"), max_new_tokens=20)[0]
         assert s.metrics()["specdecode_speculation_enabled"] == 0
+
+
+def test_a_quantized_target_is_marked_lossy_in_every_response():
+    eng = engine(k=3)
+    eng.target_quantization = "int8"  # what build sets for --target-quantization int8
+    with serve(eng) as s:
+        r = s.openai().completions.create(model=MODEL, prompt="hello", max_tokens=5, temperature=0)
+        assert r.model_extra["speculation"]["lossy"] is True
+        assert r.model_extra["speculation"]["target_quantization"] == "int8"
+    with serve(engine(k=3)) as s:
+        r = s.openai().completions.create(model=MODEL, prompt="hello", max_tokens=5, temperature=0)
+        assert "lossy" not in r.model_extra["speculation"]

@@ -90,7 +90,8 @@ def _settings(args: argparse.Namespace) -> dict:
             "ignore_eos": not args.stop_at_eos, "seed": args.seed, "repeats": args.repeats,
             "sampling": args.sampling, "draft_lengths": args.draft_lengths or [args.num_draft_tokens],
             "baselines": args.baselines, "threads": args.threads, "draft_schedule": draft_schedule(args),
-            "tree_shapes": args.tree_shapes, "draft_quantization": args.draft_quantization}
+            "tree_shapes": args.tree_shapes, "draft_quantization": args.draft_quantization,
+            "target_quantization": args.target_quantization}
 
 
 def draft_schedule(args: argparse.Namespace) -> str | None:
@@ -163,7 +164,8 @@ def _prepare(args: argparse.Namespace, meta: dict, configs: list, samplings: lis
     if args.draft and parse_draft(args.draft).quantization:
         raise BenchInputError(f"--draft {args.draft!r}: in bench, give the draft unquantized and compare modes with "
                               "--draft-quantization none,int8,...")
-    pair = load_pair(args.target, args.draft, args.dtype, args.device)  # quantized copies per config: make_backend
+    pair = load_pair(args.target, args.draft, args.dtype, args.device,  # draft: quantized copies in make_backend
+                     target_quantization=args.target_quantization)
     model_ctx = getattr(pair.target.config, "max_position_embeddings", 4096)
     limit = args.max_context or min(model_ctx, 4096)
     if limit > model_ctx:
@@ -233,10 +235,10 @@ def make_backend(pair, args: argparse.Namespace, max_context: int):
         if mode not in drafts:
             import copy
 
-            from specdecode.models.quantize import auto_mode, quantize_draft
+            from specdecode.models.quantize import auto_mode, quantize_model
 
             resolved = auto_mode(pair.draft, args.draft) if mode == "auto" else mode
-            drafts[mode] = replace(pair, draft=quantize_draft(copy.deepcopy(pair.draft), resolved),
+            drafts[mode] = replace(pair, draft=quantize_model(copy.deepcopy(pair.draft), resolved),
                                    draft_quantization=resolved)
         return drafts[mode]
 

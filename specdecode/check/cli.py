@@ -136,7 +136,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args)
         prompts = load_prompts(args.prompts, args.num_prompts, args.seed)
-        pair = load_pair(args.target, args.draft, args.dtype, args.device, args.draft_quantization)
+        pair = load_pair(args.target, args.draft, args.dtype, args.device, args.draft_quantization,
+                         args.target_quantization)
         ids = encode_prompts(pair.tokenizer, prompts, args.max_prompt_tokens)
     except (ValueError, PromptSetError, PairError, OSError) as exc:
         print(f"specdecode check: {exc}", file=sys.stderr)
@@ -154,6 +155,9 @@ def main(args: argparse.Namespace) -> int:
 
     meta = {"target": args.target, "draft": args.draft, "dtype": args.dtype, "num_draft_tokens": cfg.num_draft_tokens,
             "draft_quantization": pair.draft_quantization, "tree_topk": args.tree_topk, "tree_nodes": args.tree_nodes,
+            "target_quantization": pair.target_quantization,
+            "verified_against": (f"the {pair.target_quantization}-quantized target (LOSSY w.r.t. {args.target})"
+                                 if pair.target_quantization != "none" else "the target as loaded"),
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "prompts": [{"id": p.id, "tokens": len(t)} for p, t in zip(prompts, ids)]}
     progress = None if args.no_progress else TqdmProgress()

@@ -271,8 +271,8 @@ def _vocab_rows(model, tokenizer) -> int:
         return len(tokenizer)
     rows = [model.get_input_embeddings().weight.shape[0]]
     output = model.get_output_embeddings()
-    if output is not None:
-        rows.append(output.weight.shape[0])
+    if output is not None:  # a quantized head has out_features (its weight may be packed or a method)
+        rows.append(int(getattr(output, "out_features", None) or output.weight.shape[0]))
     return min(rows)
 
 

@@ -1,4 +1,5 @@
-"""Quantized draft models: int8 / int4 weights for the drafter's linear layers (the target is untouched).
+"""Quantized models: int8 / int4 weights for the drafter's linear layers (the target is untouched), and,
+only when a user asks for it with ``--target-quantization``, for the target (a *different* model).
 
 Verification never depends on how the draft computed its distribution: the drafter samples from the
 quantized model's own (warped) logits and hands exactly that distribution to the verifier, so the
@@ -19,6 +20,10 @@ Modes (``--draft-quantization``, or a ``@mode`` suffix on the draft spec):
 
 Every ``nn.Linear`` of the decoder is replaced, and the LM head (a quarter of a 0.5B model's weights
 at a 152k vocabulary); the input embedding stays as it is.
+
+``--target-quantization`` is **lossy** with respect to the model the user named: the output then
+follows the quantized target's law exactly (speculation stays exact), and every output says so
+(``"lossy": true``, ``"target_quantization"``); ``check`` verifies against the quantized target.
 """
 
 from __future__ import annotations
@@ -95,10 +100,10 @@ def _replace_linears(model: nn.Module, make) -> int:
     return count
 
 
-def quantize_draft(model: nn.Module, mode: str) -> nn.Module:
+def quantize_model(model: nn.Module, mode: str) -> nn.Module:
     """Quantize ``model`` in place (``none``: unchanged). ``auto`` is resolved by :func:`auto_mode` first."""
     if mode not in MODES or mode == "auto":
-        raise ValueError(f"unknown draft quantization {mode!r}: choose none, int8, int4 (or auto)")
+        raise ValueError(f"unknown quantization {mode!r}: choose none, int8, int4 (drafts also auto)")
     if mode == "none":
         return model
     device = next(model.parameters()).device
@@ -164,7 +169,7 @@ def auto_mode(model: nn.Module, name: str, cache_dir: Path | None = None, recali
     candidates = ["none", "int8"] + (["int4"] if device.type == "cpu" else [])
     times = {}
     for mode in candidates:
-        trial = model if mode == "none" else quantize_draft(copy.deepcopy(model), mode)
+        trial = model if mode == "none" else quantize_model(copy.deepcopy(model), mode)
         times[mode] = _time_forward(trial)
         del trial
     best = min(times, key=times.get)

@@ -74,9 +74,10 @@ class Handle:
             pass
 
 
-def speculation_summary(seq: Sequence) -> dict:
+def speculation_summary(seq: Sequence, target_quantization: str = "none") -> dict:
     s = seq.stats
-    return {"drafted": s.drafted, "accepted": s.accepted, "acceptance_rate": s.acceptance_rate,
+    lossy = {"lossy": True, "target_quantization": target_quantization} if target_quantization != "none" else {}
+    return lossy | {"drafted": s.drafted, "accepted": s.accepted, "acceptance_rate": s.acceptance_rate,
             "tokens_per_step": s.tokens_per_step, "target_steps": s.target_steps, "nodes": s.nodes}
 
 
@@ -263,7 +264,7 @@ class Scheduler:
             h.push(Update(error=error))
         elif reason != "abort":
             text = seq.text.delta(final=True) if h.stream else seq.text.finish()
-            h.push(Update(text, reason, len(seq.output_ids), speculation_summary(seq)))
+            h.push(Update(text, reason, len(seq.output_ids), speculation_summary(seq, self.engine.target_quantization)))
 
     def _fail(self, h: Handle, error: APIError) -> None:
         self.engine.switch.clear(h.request_id)
