@@ -158,10 +158,12 @@ def chi_square_p(counts: torch.Tensor, probs: torch.Tensor, n: int) -> float:
     return float(chisquare(obs[keep], exp).pvalue)
 
 
-def sample_pairs(engine, prompt, sp, n, batch):
+def sample_pairs(engine, prompt, sp, n, batch, max_new_tokens=2):
+    """Counts of the first two tokens of ``n`` seeded samples (``max_new_tokens`` sets the first step's draft)."""
     counts = torch.zeros(VS, VS)
     for start in range(0, n, batch):
-        params = [SamplingParams(sp.temperature, sp.top_k, sp.top_p, seed=start + i, max_new_tokens=2, ignore_eos=True)
+        params = [SamplingParams(sp.temperature, sp.top_k, sp.top_p, seed=start + i, max_new_tokens=max_new_tokens,
+                                 ignore_eos=True)
                   for i in range(min(batch, n - start))]
         for out in engine.generate([prompt] * len(params), params):
             counts[out.token_ids[0], out.token_ids[1]] += 1

@@ -25,14 +25,6 @@ V = 32
 TOK = make_tokenizer(V)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # -- the pure tree layout -----------------------------------------------------------------------------
 
 def test_chain_layout_is_the_causal_chain():

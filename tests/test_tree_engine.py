@@ -14,21 +14,13 @@ from specdecode.models.hf import HFRunner
 from specdecode.sampling import SamplingParams
 from specdecode.verify import Verifier, verify_tree
 from specdecode.verify.tree import IID
-from test_engine import ALPHA, VS, chi_square_p, exact_two_token_law
+from test_engine import ALPHA, VS, chi_square_p, exact_two_token_law, sample_pairs
 from tiny import make_engine, make_model, make_tokenizer, perturbed_copy
 from toy_runner import ToyRunner
 
 V = 32
 TOK = make_tokenizer(V)
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [3, 3, 3, 3, 3], [20, 21, 22, 23, 20, 21, 22, 5, 6]]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -107,13 +99,7 @@ def small_pair():
 
 def sample_first_two(engine, prompt, sp, n, batch):
     """max_new_tokens = 3: the first step drafts a tree of depth 2, so both levels feed the first two tokens."""
-    counts = torch.zeros(VS, VS)
-    for start in range(0, n, batch):
-        params = [SamplingParams(sp.temperature, sp.top_k, sp.top_p, seed=start + i, max_new_tokens=3, ignore_eos=True)
-                  for i in range(min(batch, n - start))]
-        for out in engine.generate([prompt] * len(params), params):
-            counts[out.token_ids[0], out.token_ids[1]] += 1
-    return counts
+    return sample_pairs(engine, prompt, sp, n, batch, max_new_tokens=3)
 
 
 SETTINGS = [SamplingParams(1.0), SamplingParams(0.7, top_p=0.9)]

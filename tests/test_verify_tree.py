@@ -12,31 +12,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scipy.stats import chisquare
-
 from specdecode.sampling import sample
 from specdecode.tree import chain_parents
 from specdecode.verify import verify_greedy, verify_speculative
 from specdecode.verify.tree import DETERMINISTIC, IID, WITHOUT_REPLACEMENT, verify_tree, verify_tree_greedy
+from test_engine import chi_square_p
 
 ALPHA = 1e-4
 V = 6
 N = 100_000
 WIDTH = (3, 2)  # children of the root, children of each first-level node
-
-
-def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    counts, probs = counts.flatten().double(), probs.flatten().double()
-    n = counts.sum()
-    if counts[probs == 0].sum() > 0:
-        return 0.0
-    expected = probs * n
-    big = expected >= 5
-    obs = torch.cat([counts[big], counts[~big].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big].sum()[None]])
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    return float(chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)
 
 
 # -- greedy ------------------------------------------------------------------------------------------
@@ -182,8 +167,8 @@ def run_trials(drawn: str, rule: str, seed: int = 0) -> tuple[torch.Tensor, torc
 @pytest.mark.parametrize("how", [IID, WITHOUT_REPLACEMENT, DETERMINISTIC])
 def test_each_rule_follows_the_target_law(how):
     c1, c2, law1, law2 = run_trials(how, how)
-    assert chi_square_p(c1, law1) > ALPHA
-    assert chi_square_p(c2, law2) > ALPHA
+    assert chi_square_p(c1, law1, N) > ALPHA
+    assert chi_square_p(c2, law2, N) > ALPHA
 
 
 @pytest.mark.parametrize("drawn,wrong_rule", [
@@ -193,4 +178,4 @@ def test_each_rule_follows_the_target_law(how):
 ])
 def test_negative_controls_the_wrong_rule_is_detected(drawn, wrong_rule):
     c1, c2, law1, law2 = run_trials(drawn, wrong_rule)
-    assert min(chi_square_p(c1, law1), chi_square_p(c2, law2)) < ALPHA
+    assert min(chi_square_p(c1, law1, N), chi_square_p(c2, law2, N)) < ALPHA

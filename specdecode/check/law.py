@@ -91,24 +91,36 @@ def check_law(
     level = cfg.part_alpha() / max(1, num_tests)
     progress.part("1 verifier law", len(contexts) * len(cfg.law_settings))
 
+    def record(chain: Chain, setting: SamplingSetting, seed: int) -> dict:
+        if setting.greedy:
+            return greedy_record(chain, warp_fn, verify_fn, greedy_fn, seed)
+        return law_record(chain, setting, cfg.law_samples, level, seed, verify_fn, warp_fn)
+
+    records = per_context_and_setting(engine, contexts, cfg, progress, lambda ctx, s, seed: real_chain(
+        engine, ctx, s, pool.k, seed), record, lambda chain: len(chain.draft_tokens))
+    return _verdict(records, sampled, contexts, cfg, level, num_tests)
+
+
+def per_context_and_setting(engine, contexts: list[Context], cfg: CheckConfig, progress: Progress, draft, record,
+                            size) -> list[dict]:
+    """For each context and setting: the drafter's real proposal after the context (``draft``), then
+    ``record(proposal, setting, seed)``. The target's slot 0 holds the context; the drafter starts afresh
+    (it expects the last token not to be cached yet) and is released after drafting."""
     records = []
     for ci, context in enumerate(contexts):
         ctx = context.token_ids
         engine.target.prefill([0], [ctx[:-1]])
         for si, setting in enumerate(cfg.law_settings):
             seed = (cfg.seed * 1000 + ci) * 100 + si
-            engine.drafter.start([0], [ctx])  # afresh: a drafter expects the last token not to be cached yet
+            engine.drafter.start([0], [ctx])
             try:
-                chain = real_chain(engine, ctx, setting, pool.k, seed)
+                proposal = draft(ctx, setting, seed)
             finally:
                 engine.drafter.release(0)
-            if setting.greedy:
-                rec = greedy_record(chain, warp_fn, verify_fn, greedy_fn, seed)
-            else:
-                rec = law_record(chain, setting, cfg.law_samples, level, seed, verify_fn, warp_fn)
-            records.append({"context": ci, "setting": setting.name, "num_draft": len(chain.draft_tokens), **rec})
+            rec = record(proposal, setting, seed)
+            records.append({"context": ci, "setting": setting.name, "num_draft": size(proposal), **rec})
             progress.advance()
-    return _verdict(records, sampled, contexts, cfg, level, num_tests)
+    return records
 
 
 @torch.inference_mode()

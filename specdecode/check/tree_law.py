@@ -26,7 +26,7 @@ import torch
 
 from specdecode.check.common import CheckConfig, EnginePool, Progress
 from specdecode.check.contexts import Context
-from specdecode.check.law import _verdict, _warped
+from specdecode.check.law import _verdict, _warped, per_context_and_setting
 from specdecode.check.report import PartResult
 from specdecode.check.stats import goodness_of_fit
 from specdecode.sampling import SamplingSetting, make_generator, sample, warp
@@ -185,23 +185,13 @@ def check_tree_law(pool: EnginePool, contexts: list[Context], cfg: CheckConfig, 
     num_tests = len(contexts) * len(sampled) * (engine.window)  # tree nodes + 1 (the root)
     level = cfg.part_alpha() / max(1, num_tests)
     progress.part("1 tree verifier law", len(contexts) * len(cfg.law_settings))
-    records = []
-    for ci, context in enumerate(contexts):
-        ctx = context.token_ids
-        engine.target.prefill([0], [ctx[:-1]])
-        for si, setting in enumerate(cfg.law_settings):
-            seed = (cfg.seed * 1000 + ci) * 100 + si
-            engine.drafter.start([0], [ctx])
-            try:
-                tree = real_tree(engine, ctx, setting, pool.k, seed)
-            finally:
-                engine.drafter.release(0)
-            if setting.greedy:
-                rec = tree_greedy_record(engine, tree, greedy_fn, verify_fn, seed)
-            else:
-                rec = tree_law_record(tree, setting, cfg.law_samples, level, seed, verify_fn, warp_fn)
-            records.append({"context": ci, "setting": setting.name, "num_draft": len(tree["tokens"]), **rec})
-            progress.advance()
+    def record(tree: dict, setting: SamplingSetting, seed: int) -> dict:
+        if setting.greedy:
+            return tree_greedy_record(engine, tree, greedy_fn, verify_fn, seed)
+        return tree_law_record(tree, setting, cfg.law_samples, level, seed, verify_fn, warp_fn)
+
+    records = per_context_and_setting(engine, contexts, cfg, progress, lambda ctx, s, seed: real_tree(
+        engine, ctx, s, pool.k, seed), record, lambda tree: len(tree["tokens"]))
     result = _verdict(records, sampled, contexts, cfg, level, num_tests)
     result.name = "tree verifier law"
     result.details["test"] = ("Pearson chi-square goodness of fit to the reference-warped target law after each "
