@@ -8,6 +8,7 @@ import json
 import random
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -466,3 +467,23 @@ def test_a_quantized_target_is_marked_lossy_in_every_response():
     with serve(engine(k=3)) as s:
         r = s.openai().completions.create(model=MODEL, prompt="hello", max_tokens=5, temperature=0)
         assert "lossy" not in r.model_extra["speculation"]
+
+
+def test_a_tree_drafting_server_answers_concurrent_greedy_requests_like_target_only():
+    from specdecode.drafters.draft_model import DraftModelDrafter
+    from specdecode.engine import Engine
+    from specdecode.models.hf import HFRunner
+    from test_server_harness import pair
+
+    target, draft = pair()
+    eng = Engine(HFRunner(target), tokenizer(), DraftModelDrafter(HFRunner(draft), tree_topk=2, tree_nodes=6), 3,
+                 max_batch_size=3, max_context=MAX_LEN)
+    prompts = ["abc", "hello", "xyz", "tree"]
+    with serve(eng) as s:
+        client = s.openai()
+        with ThreadPoolExecutor(len(prompts)) as pool:  # concurrent: the batch holds several trees at once
+            responses = list(pool.map(lambda p: client.completions.create(model=MODEL, prompt=p, max_tokens=16,
+                                                                          temperature=0), prompts))
+    for p, r in zip(prompts, responses):
+        assert r.choices[0].text == reference(ids(p), max_new_tokens=16)[0]
+    assert sum(r.model_extra["speculation"]["nodes"] for r in responses) > 0
