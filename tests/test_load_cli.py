@@ -108,8 +108,8 @@ def test_ctrl_c_writes_what_finished(tmp_path: Path) -> None:
     behaviour = Behaviour(first_token_s=0.01, token_interval_s=0.01)
     out = tmp_path / "out"
     with FakeServer(behaviour) as server:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", ENTRY, "--endpoint", server.url,
+        proc = subprocess.Popen(  # -X faulthandler: on a hang, SIGABRT below dumps every thread's stack
+            [sys.executable, "-X", "faulthandler", "-c", ENTRY, "--endpoint", server.url,
              "--prompts", str(_prompt_file(tmp_path)), "--levels", "1", "--num-requests", "1000",
              "--output-len", "4", "--no-progress", "--out", str(out)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -118,7 +118,12 @@ def test_ctrl_c_writes_what_finished(tmp_path: Path) -> None:
         while len(behaviour.bodies) < 3 and time.monotonic() < deadline:
             time.sleep(0.02)
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
+        try:
+            _, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            _, err = proc.communicate(timeout=30)
+            pytest.fail(f"no exit within 30 s of SIGINT; the process's stacks:\n{err[-6000:]}")
     assert proc.returncode == 130, err
     summary = json.loads((out / "summary.json").read_text())
     assert summary["interrupted"] is True
