@@ -234,8 +234,8 @@ def tree_proposal(bsz: int, rows: list[int], trees: list[GrownTree], greedy: boo
     tokens = torch.zeros(bsz, width, dtype=torch.long)
     parents = torch.full((bsz, width), -1, dtype=torch.long)
     num = torch.zeros(bsz, dtype=torch.long)
-    vocab = next((t.laws[0].shape[-1] for t in trees if t.laws), None)
-    probs = None if greedy or vocab is None else torch.zeros(bsz, width, vocab, device=device)
+    vocab = None if greedy else next((t.laws[0].shape[-1] for t in trees if t.laws), None)
+    probs = None if vocab is None else torch.zeros(bsz, width, vocab, device=device)
     for b, tree in zip(rows, trees):
         n = len(tree.tokens)
         num[b] = n

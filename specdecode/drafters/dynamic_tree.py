@@ -34,7 +34,8 @@ class GrownTree:
     parents: list[int] = field(default_factory=list)  # -1 = the root
     depths: list[int] = field(default_factory=list)  # 1 for the root's children
     scores: list[float] = field(default_factory=list)  # cumulative draft log-probability
-    laws: list[torch.Tensor] = field(default_factory=list)  # [V] the law each node was drawn from
+    laws: list[torch.Tensor | None] = field(default_factory=list)  # [V] the law each node was drawn from
+    # (None in an all-greedy batch, which is verified without them)
     fed: list[bool] = field(default_factory=list)  # its K/V was written by an expansion forward
     writes: list[int] = field(default_factory=list)  # where its K/V are (offset in the drafter's tree window)
 
@@ -77,6 +78,8 @@ def grow_trees(
     trees = [GrownTree() for _ in params]
     temperature, top_k, top_p = params_tensors(params)
     caps = [max_nodes * GROWTH if p.greedy else max_nodes for p in params]  # nodes a row may grow to
+    # an all-greedy batch is verified without draft laws: skip the vocabulary-sized one-hot per child
+    laws_needed = not all(p.greedy for p in params)
 
     def add_children(logits: torch.Tensor, parent_of: list[tuple[int, int]]) -> None:
         """``logits`` [n, V] after the listed (row, parent node) pairs; draw each one's children."""
@@ -92,7 +95,7 @@ def grow_trees(
                 vals, idx = raw.float().topk(m)
                 kids = [int(x) for x, v in zip(idx, vals) if math.isfinite(float(v))]
                 kid_laws = [torch.zeros_like(law).index_fill_(0, torch.tensor([x], device=law.device), 1.0)
-                            for x in kids]
+                            if laws_needed else None for x in kids]
             else:  # m draws without replacement, with m uniforms from the row's generator
                 u = torch.rand(m, generator=generators[r])
                 remaining, kids = law.clone(), []
