@@ -36,6 +36,9 @@ class EngineConfig:
     target_quantization: str = "none"  # none | int8 | int4: LOSSY w.r.t. the named target; outputs say so
     tree_topk: int = 1  # children per expanded node; 1 = chains
     tree_nodes: int = 16  # trees: draft nodes verified per step (root excluded); depth = num_draft_tokens
+    acceptance: str = "exact"  # exact | typical (Medusa's typical acceptance: LOSSY, outputs say so)
+    typical_epsilon: float = 0.09
+    typical_alpha: float = 0.3
 
 
 @dataclass
@@ -96,6 +99,13 @@ def add_model_arguments(parser: argparse.ArgumentParser, draft_required: bool = 
                         "Exact for greedy and sampling (docs/architecture.md)")
     g.add_argument("--tree-nodes", type=int, default=16, metavar="N",
                    help="trees: draft nodes verified per step, the pending token excluded (default 16)")
+    g.add_argument("--acceptance", choices=("exact", "typical"), default="exact",
+                   help="exact (default): rejection sampling, the output follows the target's law. typical: LOSSY "
+                        "Medusa-style typical acceptance for sampled requests (accept a draft token when its target "
+                        "probability exceeds min(epsilon, alpha * exp(-entropy))); every output is marked "
+                        "\"lossy\": true and `check` fails it")
+    g.add_argument("--typical-epsilon", type=float, default=0.09, help="typical acceptance: epsilon (default 0.09)")
+    g.add_argument("--typical-alpha", type=float, default=0.3, help="typical acceptance: alpha (default 0.3)")
     g.add_argument("--verify-budget", type=int, default=0, metavar="N",
                    help="load-aware draft length: verify at most N tokens per step across the batch, so each of "
                         "B sequences drafts at most N // B - 1 (target-only once B >= N); 0 = no cap (default)")
@@ -108,7 +118,8 @@ def config_from_args(args: argparse.Namespace, max_batch_size: int = 1) -> Engin
                         getattr(args, "draft_confidence", 0.0), getattr(args, "verify_budget", 0),
                         _single(getattr(args, "draft_quantization", "none")),
                         getattr(args, "target_quantization", "none"), getattr(args, "tree_topk", 1),
-                        getattr(args, "tree_nodes", 16))
+                        getattr(args, "tree_nodes", 16), getattr(args, "acceptance", "exact"),
+                        getattr(args, "typical_epsilon", 0.09), getattr(args, "typical_alpha", 0.3))
 
 
 def _single(mode) -> str:
@@ -185,10 +196,28 @@ def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
         make_draft = (lambda: HFRunner(pair.draft)) if pair.draft is not None else None
         drafter = build_drafter(cfg.draft, DraftContext(target, cfg, make_draft))
     tree_nodes = cfg.tree_nodes if cfg.draft and cfg.tree_topk > 1 else 0
+    verifier = None
+    if cfg.acceptance == "typical":
+        from specdecode.verify.typical import typical_verifier
+
+        verifier = typical_verifier(cfg.typical_epsilon, cfg.typical_alpha)
+    elif cfg.acceptance != "exact":
+        raise ValueError(f"unknown acceptance {cfg.acceptance!r}: exact or typical")
     engine = Engine(target, pair.tokenizer, drafter, policy, max_batch_size=cfg.max_batch_size,
-                    max_context=max_context, max_tree_nodes=tree_nodes)
+                    max_context=max_context, max_tree_nodes=tree_nodes, verifier=verifier)
     engine.target_quantization = pair.target_quantization
+    engine.lossy = lossy_labels(pair.target_quantization, cfg)
     return engine
+
+
+def lossy_labels(target_quantization: str, cfg: EngineConfig) -> dict:
+    """Why outputs would not follow the named target's law ({} = exact): what reports and JSON print."""
+    labels: dict = {}
+    if target_quantization != "none":
+        labels["target_quantization"] = target_quantization
+    if cfg.acceptance != "exact" and cfg.draft:
+        labels["acceptance"] = f"{cfg.acceptance} (epsilon {cfg.typical_epsilon}, alpha {cfg.typical_alpha})"
+    return labels
 
 
 def build_engine(cfg: EngineConfig) -> "Engine":

@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "check": ("specdecode.check.cli", "prove a draft/target pair is lossless on this machine"),
     "serve": ("specdecode.server.cli", "OpenAI-compatible server with continuous batching"),
     "load": ("specdecode.load.cli", "load generator against any OpenAI-compatible endpoint"),
+    "heads": ("specdecode.heads.cli", "extract target features and train drafter heads (Medusa)"),
 }
 
 

@@ -121,6 +121,7 @@ class Engine:
         self.window = max(inner.max_k, max_tree_nodes) + 1
         self.max_tree_nodes = max_tree_nodes  # > 0: the drafter proposes trees of up to this many nodes
         self.target_quantization = "none"  # set by build: "int8"/"int4" means a LOSSY, quantized target
+        self.lossy: dict = {}  # set by build: why outputs do not follow the named target's law ({} = exact)
         self.max_batch_size = max_batch_size or target.num_slots or 1
         if max_context is None:
             if not target.max_len:

@@ -238,3 +238,27 @@ def test_draft_quantizations_sweep_side_by_side(models, tmp_path):
     checks = [r for r in read_records(out) if r["type"] == "check" and r["config"] == "spec-k3@int8"]
     assert len(checks) == 4 and all(c["match"] for c in checks)
     assert "| spec-k3@int8 | 4 |" in (out / "report.md").read_text()
+
+
+def test_extra_drafters_run_in_the_same_interleaved_run(models, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from test_medusa import tiny_heads
+
+    heads_dir = tmp_path / "heads"
+    tiny_heads(AutoModelForCausalLM.from_pretrained(models["target"])).save(heads_dir)
+    out = tmp_path / "extra"
+    assert cli.main(bench_args(models, out, "--draft-lengths", "3", "--tree-shapes", "2x4", "--baselines", "none",
+                               "--extra-draft", f"medusa:{heads_dir}", "--extra-draft", "ngram")) == 0
+    runs = [r for r in read_records(out) if r["type"] == "run"]
+    assert {r["config"] for r in runs} == {"target", "spec-k3", "spec-k3-t2n4", "spec-k3[medusa]",
+                                           "spec-k3-t2n4[medusa]", "spec-k3[ngram]", "spec-k3-t2n4[ngram]"}
+    assert sum(r["stats"]["drafted"] for r in runs if r["config"] == "spec-k3[medusa]") > 0
+    checks = [r for r in read_records(out) if r["type"] == "check" and "[" in r["config"]]
+    assert len(checks) == 16 and all(c["match"] for c in checks)
+    report = (out / "report.md").read_text()
+    assert "| spec-k3[medusa] | 4 |" in report and "| spec-k3-t2n4[medusa] | 4 |" in report
+    with pytest.raises(R.BenchInputError, match="no second model"):
+        cli._prepare(bench_args(models, tmp_path / "bad", "--extra-draft", str(models["draft"])), {}, [], [], [], None)
+    assert [c.name for c in R.make_configs([2], [], extra_drafts=["ngram", "ngram:4"], main_draft=False)] == \
+        ["target", "spec-k2[ngram]", "spec-k2[ngram2]"]

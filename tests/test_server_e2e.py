@@ -460,6 +460,7 @@ def test_speculation_off_for_the_server():
 def test_a_quantized_target_is_marked_lossy_in_every_response():
     eng = engine(k=3)
     eng.target_quantization = "int8"  # what build sets for --target-quantization int8
+    eng.lossy = {"target_quantization": "int8"}
     with serve(eng) as s:
         r = s.openai().completions.create(model=MODEL, prompt="hello", max_tokens=5, temperature=0)
         assert r.model_extra["speculation"]["lossy"] is True

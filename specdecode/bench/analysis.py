@@ -314,7 +314,7 @@ def _merge(into: Counts, other: Counts) -> None:
     into.accepted_at = _add_lists(into.accepted_at, other.accepted_at)
 
 
-_SPEC_RE = re.compile(r"spec-k(\d+)(?:-t(\d+)n(\d+))?(?:@(\w+))?")
+_SPEC_RE = re.compile(r"spec-k(\d+)(?:-t(\d+)n(\d+))?(?:@(\w+))?(?:\[([\w.-]+)\])?")  # [label]: --extra-draft
 _QUANT_ORDER = {None: 0, "int8": 1, "int4": 2, "auto": 3}
 
 
@@ -328,7 +328,7 @@ def _config_order(name: str) -> tuple[int, int, int, int, int, str]:
         return (0, 0, 0, 0, 0, name)
     m = _SPEC_RE.fullmatch(name)
     if m:
-        return (1, int(m[1]), _QUANT_ORDER.get(m[4], 9), int(m[2] or 0), int(m[3] or 0), name)
+        return (1, int(m[1]), _QUANT_ORDER.get(m[4], 9) + (10 if m[5] else 0), int(m[2] or 0), int(m[3] or 0), name)
     return (2, 0, 0, 0, 0, name)
 
 

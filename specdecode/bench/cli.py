@@ -46,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--tree-shapes", type=_csv(str), default=[], metavar="TxN,...",
                    help="also run trees at each draft length (its depth): T children per expanded node, N nodes "
                         "verified per step, e.g. 2x8,4x16 (configs spec-k<k>-t<T>n<N>)")
+    r.add_argument("--extra-draft", action="append", default=[], metavar="SPEC",
+                   help="also run this drafter in the same interleaved run, at every draft length and tree shape "
+                        "(configs spec-k<k>[<label>]); repeatable; drafters that need no second model: ngram, "
+                        "medusa:DIR")
     r.add_argument("--sampling", type=_csv(str), default=["greedy"],
                    help="comma-separated settings: greedy, t<T>[-p<top_p>] (e.g. greedy,t0.7-p0.95,t1.0)")
     r.add_argument("--baselines", type=_csv(str), default=["hf", "hf-assisted"],
@@ -91,7 +95,9 @@ def _settings(args: argparse.Namespace) -> dict:
             "sampling": args.sampling, "draft_lengths": args.draft_lengths or [args.num_draft_tokens],
             "baselines": args.baselines, "threads": args.threads, "draft_schedule": draft_schedule(args),
             "tree_shapes": args.tree_shapes, "draft_quantization": args.draft_quantization,
-            "target_quantization": args.target_quantization}
+            "extra_drafts": args.extra_draft,
+            "target_quantization": args.target_quantization, "acceptance": args.acceptance,
+            "typical": [args.typical_epsilon, args.typical_alpha] if args.acceptance == "typical" else None}
 
 
 def draft_schedule(args: argparse.Namespace) -> str | None:
@@ -133,8 +139,8 @@ def _configs(args: argparse.Namespace) -> tuple[list, list]:
 
     samplings = [bench_setting(s) for s in args.sampling]
     baselines = [] if args.baselines == ["none"] else args.baselines
-    configs = make_configs(_settings(args)["draft_lengths"] if args.draft else [], baselines, args.tree_shapes,
-                           args.draft_quantization)
+    configs = make_configs(_settings(args)["draft_lengths"] if args.draft or args.extra_draft else [], baselines,
+                           args.tree_shapes, args.draft_quantization, args.extra_draft, main_draft=bool(args.draft))
     if not args.draft or args.draft == "ngram":  # HF's assistant_model needs a model
         configs = [c for c in configs if not c.assisted]
     return configs, samplings
@@ -161,6 +167,10 @@ def _prepare(args: argparse.Namespace, meta: dict, configs: list, samplings: lis
 
     from specdecode.drafters import parse_draft
 
+    for spec in args.extra_draft:
+        if parse_draft(spec).loads_model:
+            raise BenchInputError(f"--extra-draft {spec!r}: extra drafters must need no second model (ngram, "
+                                  "medusa:DIR); give a draft model as --draft")
     if args.draft and parse_draft(args.draft).quantization:
         raise BenchInputError(f"--draft {args.draft!r}: in bench, give the draft unquantized and compare modes with "
                               "--draft-quantization none,int8,...")
@@ -243,10 +253,11 @@ def make_backend(pair, args: argparse.Namespace, max_context: int):
         return drafts[mode]
 
     def engine_for(config):
-        key = (config.k, config.tree, config.quantization)
+        key = (config.k, config.tree, config.quantization, config.draft)
         if key not in engines:
             topk, nodes = config.tree or (1, 16)
-            cfg = replace(config_from_args(args), draft=args.draft if config.k else None, num_draft_tokens=config.k,
+            cfg = replace(config_from_args(args), draft=(config.draft or args.draft) if config.k else None,
+                          num_draft_tokens=config.k,
                           max_context=max_context, tree_topk=topk, tree_nodes=nodes)
             engines[key] = engine_from_pair(draft_pair(config.quantization), cfg)
         return engines[key]

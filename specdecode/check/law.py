@@ -105,14 +105,20 @@ def per_context_and_setting(engine, contexts: list[Context], cfg: CheckConfig, p
                             size) -> list[dict]:
     """For each context and setting: the drafter's real proposal after the context (``draft``), then
     ``record(proposal, setting, seed)``. The target's slot 0 holds the context; the drafter starts afresh
-    (it expects the last token not to be cached yet) and is released after drafting."""
+    (it expects the last token not to be cached yet; one that reads features observes the context's) and
+    is released after drafting."""
+    from specdecode.drafters.base import TargetFeatures
+
     records = []
+    layers = tuple(getattr(engine.drafter, "feature_layers", ()))
     for ci, context in enumerate(contexts):
         ctx = context.token_ids
-        engine.target.prefill([0], [ctx[:-1]])
+        feats = engine.target.prefill([0], [ctx[:-1]], layers)[0]
         for si, setting in enumerate(cfg.law_settings):
             seed = (cfg.seed * 1000 + ci) * 100 + si
             engine.drafter.start([0], [ctx])
+            if layers:  # a drafter that reads the target's features (Medusa) gets the context's, as in the engine
+                engine.drafter.observe([0], [TargetFeatures(0, list(ctx[:-1]), feats)])
             try:
                 proposal = draft(ctx, setting, seed)
             finally:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-# (runner identity, tokens) -> the runner's snapshot of that prompt's K/V
+# (runner identity, tokens[, feature layers]) -> (the runner's snapshot of that prompt's K/V, its features)
 PrefillStore = dict[tuple[str, tuple[int, ...]], Any]
 
 
@@ -26,20 +26,21 @@ class _ReusingPrefill:
         self.store = store
 
     def __call__(self, slots: list[int], prompts: list[list[int]], layers=()) -> list:
-        if layers:  # features are not stored: compute
-            return self.compute(slots, prompts, layers)
-        keys = [(self.runner.identity, tuple(p)) for p in prompts]
+        layers = tuple(layers)  # features (for drafters that read them) are stored beside the K/V
+        keys = [(self.runner.identity, tuple(p)) + ((layers,) if layers else ()) for p in prompts]
         todo = [i for i, key in enumerate(keys) if prompts[i] and key not in self.store]
         todo = list({keys[i]: i for i in todo}.values())  # each new prompt once
         if todo:
-            self.compute([slots[i] for i in todo], [prompts[i] for i in todo])
-            for i in todo:
-                self.store[keys[i]] = self.runner.export_kv(slots[i], len(prompts[i]))
+            feats = self.compute([slots[i] for i in todo], [prompts[i] for i in todo], layers)
+            for i, f in zip(todo, feats):
+                self.store[keys[i]] = (self.runner.export_kv(slots[i], len(prompts[i])), f)
         done = {slots[i] for i in todo}
+        out = []
         for slot, prompt, key in zip(slots, prompts, keys):
             if prompt and slot not in done:
-                self.runner.import_kv(slot, self.store[key])
-        return [{} for _ in prompts]
+                self.runner.import_kv(slot, self.store[key][0])
+            out.append(self.store[key][1] if prompt else self.compute([slot], [prompt], layers)[0])
+        return out
 
 
 def reuse_prefills(engine, store: PrefillStore | None = None) -> PrefillStore:

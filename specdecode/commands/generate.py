@@ -62,12 +62,15 @@ def main(args: argparse.Namespace) -> int:
     if engine.target_quantization != "none":
         print(f"warning: LOSSY — the target was quantized to {engine.target_quantization} "
               "(--target-quantization): output follows that model, not the one named", file=sys.stderr)
+    if "acceptance" in engine.lossy:
+        print(f"warning: LOSSY — {engine.lossy['acceptance']} acceptance: sampled output does not follow the "
+              "target's law", file=sys.stderr)
     for i, out in enumerate(outputs):
         if args.json:
-            lossy = engine.target_quantization != "none"
             print(json.dumps({"sample": i, "token_ids": out.token_ids, "text": out.text,
                               "finish_reason": out.finish_reason, "stats": out.stats.to_dict(),
-                              "target_quantization": engine.target_quantization, "lossy": lossy}))
+                              "target_quantization": engine.target_quantization, "lossy": bool(engine.lossy)}
+                             | ({"lossy_because": engine.lossy} if engine.lossy else {})))
         else:
             s = out.stats
             rate = "n/a" if s.acceptance_rate is None else f"{s.acceptance_rate:.2f}"

@@ -2,7 +2,7 @@
 
 A spec is ``KIND:ARG`` for a registered kind (``ngram``, ``ngram:4``, ``model:PATH``) or, for anything
 else, the name of a draft model (an alias, a directory, a ``.gguf`` file or a hub id), i.e.
-``model:SPEC``. A model may carry its quantization: ``qwen2.5-coder-0.5b@int8``. Adding a drafter is one file with a ``build(arg, ctx)`` function and one line here.
+``model:SPEC``; ``medusa:DIR`` names trained heads. A model may carry its quantization: ``qwen2.5-coder-0.5b@int8``. Adding a drafter is one file with a ``build(arg, ctx)`` function and one line here.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ class DrafterKind:
 KINDS: dict[str, DrafterKind] = {
     "model": DrafterKind("specdecode.drafters.draft_model", True, "a smaller causal LM with the target's vocabulary"),
     "ngram": DrafterKind("specdecode.drafters.ngram", False, "prompt lookup: copy what followed the suffix earlier"),
+    "medusa": DrafterKind("specdecode.drafters.medusa", False,
+                          "Medusa heads on the target's final hidden state (medusa:DIR from `specdecode heads train`)"),
 }
 
 

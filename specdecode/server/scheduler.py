@@ -74,9 +74,10 @@ class Handle:
             pass
 
 
-def speculation_summary(seq: Sequence, target_quantization: str = "none") -> dict:
+def speculation_summary(seq: Sequence, lossy_labels: dict | None = None) -> dict:
+    """The response's ``speculation`` object; ``lossy_labels`` (engine.lossy) mark a LOSSY engine."""
     s = seq.stats
-    lossy = {"lossy": True, "target_quantization": target_quantization} if target_quantization != "none" else {}
+    lossy = {"lossy": True} | lossy_labels if lossy_labels else {}
     return lossy | {"drafted": s.drafted, "accepted": s.accepted, "acceptance_rate": s.acceptance_rate,
             "tokens_per_step": s.tokens_per_step, "target_steps": s.target_steps, "nodes": s.nodes}
 
@@ -264,7 +265,7 @@ class Scheduler:
             h.push(Update(error=error))
         elif reason != "abort":
             text = seq.text.delta(final=True) if h.stream else seq.text.finish()
-            h.push(Update(text, reason, len(seq.output_ids), speculation_summary(seq, self.engine.target_quantization)))
+            h.push(Update(text, reason, len(seq.output_ids), speculation_summary(seq, self.engine.lossy)))
 
     def _fail(self, h: Handle, error: APIError) -> None:
         self.engine.switch.clear(h.request_id)

@@ -1,0 +1,137 @@
+"""Medusa drafting (``--draft medusa:HEADS``): heads on the target's final hidden state propose the
+tokens after the pending one — no second model, almost no cost.
+
+The engine hands the drafter the target's final hidden state of every cached token
+(``feature_layers = (FINAL,)``); the last one, ``h_t``, belongs to the token before the pending
+token ``t + 1``, and head ``j`` proposes token ``t + j + 2`` from it (see
+:mod:`specdecode.heads.medusa`). Chains take each head's top-1; with ``--tree-topk K > 1`` the
+drafter proposes Medusa's *static* tree of ``--tree-nodes`` nodes (head ``j``'s top-K tokens at
+depth ``j + 1``, the nodes chosen once from the heads' held-out accuracy by rank).
+
+Exact: proposals are deterministic, so chains verify as point masses and trees by rule (c) —
+the output law is the target's. Typical acceptance (lossy, labelled) is a verifier choice
+(:mod:`specdecode.verify.typical`), not the drafter's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from specdecode.drafters.base import DrafterBase, Proposal, SequenceView, TargetFeatures
+from specdecode.heads.medusa import HeadsError, MedusaHeads, static_tree
+from specdecode.models.base import FINAL, Runner
+from specdecode.verify.tree import DETERMINISTIC
+
+FINGERPRINT_OVERLAP = 0.75  # share of the probe tokens in common: the heads' target and this one are one model
+
+
+class MedusaDrafter(DrafterBase):
+    name = "medusa"
+    feature_layers = (FINAL,)
+
+    def __init__(self, heads: MedusaHeads, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 tree_topk: int = 1, tree_nodes: int = 0) -> None:
+        if tree_topk < 1 or (tree_topk > 1 and tree_nodes < 1):
+            raise ValueError(f"need tree_topk >= 1 and, for trees, tree_nodes >= 1; got {tree_topk}, {tree_nodes}")
+        self.heads = heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        self.num_heads = heads.config.num_heads
+        self.tree_topk = tree_topk
+        self.last: dict[int, tuple[int, torch.Tensor]] = {}  # slot -> (position, final hidden state)
+        self.tree: tuple[list[int], list[int], list[int]] | None = None
+        self.max_tree_nodes = 0
+        if tree_topk > 1:
+            accuracy = heads.config.accuracy or [[1.0 / (r + 2) for r in range(tree_topk)]] * self.num_heads
+            self.tree = static_tree([row[:tree_topk] for row in accuracy], tree_nodes, self.num_heads)
+            self.max_tree_nodes = len(self.tree[0])
+
+    # -- state --------------------------------------------------------------------------------------
+    def observe(self, slots: list[int], features: list[TargetFeatures]) -> None:
+        for slot, f in zip(slots, features):
+            if f.token_ids:
+                self.last[slot] = (f.start + len(f.token_ids) - 1, f.hidden[FINAL][-1])
+
+    def move(self, src: int, dst: int) -> None:
+        if src in self.last:
+            self.last[dst] = self.last.pop(src)
+
+    def release(self, slot: int) -> None:
+        self.last.pop(slot, None)
+
+    # -- drafting -----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _ranked(self, hidden: torch.Tensor, ranks: int) -> torch.Tensor:
+        """[B, H] -> [B, num_heads, ranks] target ids, best first."""
+        logits = self.heads(hidden.to(self.heads.out.weight.dtype))
+        return self.heads.id_map[logits.topk(ranks, dim=-1).indices].cpu()
+
+    def propose(self, seqs: Sequence[SequenceView], num_tokens: list[int]) -> Proposal:
+        rows = []
+        for b, (s, k) in enumerate(zip(seqs, num_tokens)):
+            state = self.last.get(s.slot)
+            if k > 0 and state is not None and state[0] == len(s.token_ids) - 2:  # h of the pending token's parent
+                rows.append(b)
+        if not rows:
+            return Proposal.empty(len(seqs))
+        hidden = torch.stack([self.last[seqs[b].slot][1] for b in rows])
+        ranked = self._ranked(hidden, self.tree_topk)
+        if self.tree is None:
+            return self._chains(len(seqs), rows, ranked, num_tokens)
+        return self._trees(len(seqs), rows, ranked, num_tokens)
+
+    def _chains(self, batch: int, rows: list[int], ranked: torch.Tensor, num_tokens: list[int]) -> Proposal:
+        width = min(self.num_heads, max(num_tokens))
+        tokens = torch.zeros(batch, width, dtype=torch.long)
+        num = torch.zeros(batch, dtype=torch.long)
+        for r, b in enumerate(rows):
+            n = min(num_tokens[b], self.num_heads)
+            tokens[b, :n] = ranked[r, :n, 0]
+            num[b] = n
+        return Proposal(tokens, None, num)
+
+    def _trees(self, batch: int, rows: list[int], ranked: torch.Tensor, num_tokens: list[int]) -> Proposal:
+        parents_all, depths, ranks = self.tree
+        tokens = torch.zeros(batch, self.max_tree_nodes, dtype=torch.long)
+        parents = torch.full((batch, self.max_tree_nodes), -1, dtype=torch.long)
+        num = torch.zeros(batch, dtype=torch.long)
+        for r, b in enumerate(rows):
+            keep = [i for i, d in enumerate(depths) if d < num_tokens[b]]  # closed under parents (they are shallower)
+            new_index = {old: new for new, old in enumerate(keep)}
+            for new, old in enumerate(keep):
+                tokens[b, new] = ranked[r, depths[old], ranks[old]]
+                parents[b, new] = new_index[parents_all[old]] if parents_all[old] >= 0 else -1
+            num[b] = len(keep)
+        return Proposal(tokens, None, num, parents, DETERMINISTIC)
+
+
+def check_target(heads: MedusaHeads, target: Runner, where: str) -> None:
+    """Refuse heads trained for another target: sizes first, then the model fingerprint."""
+    from specdecode.heads.features import model_fingerprint
+
+    cfg = heads.config
+    if cfg.hidden_size != target.hidden_size:
+        raise HeadsError(f"heads {where} read hidden states of size {cfg.hidden_size}; this target's are "
+                         f"{target.hidden_size}: they were trained for another model ({cfg.target.get('spec', '?')})")
+    if cfg.vocab_size != target.vocab_size:
+        raise HeadsError(f"heads {where} predict over a vocabulary of {cfg.vocab_size}; this target has "
+                         f"{target.vocab_size}: they were trained for another model ({cfg.target.get('spec', '?')})")
+    if int(heads.id_map.max()) >= target.vocab_size:
+        raise HeadsError(f"heads {where}: id map names tokens outside the target's vocabulary")
+    expected = cfg.target.get("fingerprint")
+    if expected and len(set(expected) & set(model_fingerprint(target))) < FINGERPRINT_OVERLAP * len(expected):
+        raise HeadsError(f"heads {where} were trained for another model ({cfg.target.get('spec', '?')}): "
+                         "the target's output layer differs")
+
+
+def build(arg: str, ctx) -> MedusaDrafter:
+    """``--draft medusa:DIR`` (a directory written by ``specdecode heads train``)."""
+    if not arg:
+        raise ValueError("draft spec 'medusa' needs the heads directory: medusa:DIR (train one with "
+                         "`specdecode heads train --kind medusa`)")
+    heads = MedusaHeads.load(Path(arg))
+    check_target(heads, ctx.target, arg)
+    tree = (getattr(ctx.config, "tree_topk", 1), getattr(ctx.config, "tree_nodes", 0)) if ctx.config else (1, 0)
+    dtype = torch.float32 if str(ctx.target.device) == "cpu" else ctx.target.dtype
+    return MedusaDrafter(heads, ctx.target.device, dtype, *tree)

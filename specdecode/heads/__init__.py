@@ -1,0 +1,1 @@
+"""Drafter heads trained on the target's own features: corpus -> features -> training -> weights."""

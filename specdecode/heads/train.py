@@ -1,0 +1,385 @@
+"""`specdecode heads train --kind medusa`: train Medusa heads on extracted features (the target frozen).
+
+Data: for a token ``t`` of the training split, head ``j`` learns the token ``t + j + 2`` of the same
+chunk from two labels (``--soft-weight`` mixes them): the target's own next-token distribution at
+``t + j + 1`` (its stored top-k, renormalised over the draft vocabulary: Medusa-2's
+self-distillation; acceptance is judged by the target, so this is the label that matters) and the
+corpus token. Head ``j``'s loss is weighted ``head_decay ** j``. The split is by document
+(``--held-out``), so held-out accuracy is measured on code the heads never saw; accuracy is the
+probability that the head's rank-r token is the target's top-1 there (what greedy acceptance needs).
+
+AdamW with linear warm-up and cosine decay; batches come from a per-epoch permutation seeded by
+``--seed``, so a run resumed from its checkpoint (written every ``--checkpoint-every`` steps) takes
+exactly the steps an uninterrupted run takes. Under ``torchrun --nproc-per-node N`` the same command
+trains with DDP (gloo): each rank takes every N-th row of each batch; rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from specdecode.heads.features import FeatureError, FeatureSet
+from specdecode.heads.medusa import MedusaConfig, MedusaHeads
+
+CHECKPOINT = "checkpoint.pt"
+EVAL_ROWS = 8192  # held-out positions scored per evaluation
+RANKS = 10  # accuracy by rank kept for the static tree
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kind", choices=("medusa",), default="medusa", help="what to train (default medusa)")
+    p.add_argument("--features", type=Path, required=True, help="a directory written by `heads extract`")
+    p.add_argument("--out", type=Path, required=True, help="where the heads go (resumes from its checkpoint)")
+    p.add_argument("--target", default=None,
+                   help="the target model (default: the one named in the features' manifest); its LM-head rows "
+                        "initialise the output layer")
+    p.add_argument("--num-heads", type=int, default=4, help="heads: token t+2 .. t+1+N (default 4)")
+    p.add_argument("--depth", type=int, default=1, help="residual blocks per head (default 1)")
+    p.add_argument("--draft-vocab", type=int, default=16384,
+                   help="output rows: the most frequent corpus tokens (default 16384; others are never drafted)")
+    p.add_argument("--train-output", action="store_true",
+                   help="also train the shared output layer (default: frozen at the target's LM-head rows)")
+    p.add_argument("--epochs", type=float, default=2.0, help="passes over the training split (default 2)")
+    p.add_argument("--batch-size", type=int, default=256, help="token positions per step (default 256)")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
+    p.add_argument("--warmup", type=float, default=0.05, help="warm-up fraction of the steps (default 0.05)")
+    p.add_argument("--head-decay", type=float, default=0.8, help="loss weight of head j is DECAY**j (default 0.8)")
+    p.add_argument("--soft-weight", type=float, default=0.8,
+                   help="weight of the target's soft labels against the corpus token (default 0.8)")
+    p.add_argument("--held-out", type=float, default=0.1, help="fraction of documents held out (default 0.1)")
+    p.add_argument("--max-train-tokens", type=int, default=0,
+                   help="use only the first N training tokens (0 = all): for accuracy-vs-data curves")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (default 100)")
+    p.add_argument("--evals", type=int, default=8, help="held-out evaluations during training (default 8)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
+    p.add_argument("--no-progress", action="store_true")
+
+
+@dataclass
+class TrainSettings:
+    num_heads: int = 4
+    depth: int = 1
+    draft_vocab: int = 16384
+    train_output: bool = False
+    epochs: float = 2.0
+    batch_size: int = 256
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup: float = 0.05
+    head_decay: float = 0.8
+    soft_weight: float = 0.8
+    held_out: float = 0.1
+    max_train_tokens: int = 0
+    seed: int = 0
+
+    def validate(self) -> None:
+        positive = ("num_heads", "depth", "draft_vocab", "batch_size")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if not (self.epochs > 0 and self.lr > 0):
+            raise ValueError("--epochs and --lr must be > 0")
+        if not (0 <= self.soft_weight <= 1 and 0 <= self.warmup < 1 and 0 < self.held_out < 1):
+            raise ValueError("need 0 <= --soft-weight <= 1, 0 <= --warmup < 1 and 0 < --held-out < 1")
+
+
+@dataclass
+class Data:
+    """Per training/held-out position: the feature row and each head's labels (draft-vocab ids)."""
+
+    rows: torch.Tensor  # [N] feature row index
+    soft_ids: torch.Tensor  # [N, K, topk] draft ids (0 where unmapped; weight 0 there)
+    soft_q: torch.Tensor  # [N, K, topk] teacher probabilities over the draft vocabulary
+    hard: torch.Tensor  # [N, K] corpus token as draft id, -1 = none
+    teacher: torch.Tensor  # [N, K] the target's top-1 (target ids), -1 = position invalid
+    corpus: torch.Tensor  # [N, K] the corpus token (target ids), -1 = invalid
+
+
+def draft_vocabulary(fs: FeatureSet, train_rows: torch.Tensor, size: int) -> torch.Tensor:
+    """The ``size`` most frequent tokens among the corpus tokens and the target's top-1s (training rows)."""
+    counts = torch.bincount(fs["input_ids"][train_rows].long(), minlength=fs.vocab_size)
+    counts += torch.bincount(fs["topk_ids"][train_rows, 0].long(), minlength=fs.vocab_size)
+    size = min(size, fs.vocab_size)
+    order = torch.argsort(-counts[: fs.vocab_size], stable=True)
+    return order[:size].sort().values
+
+
+def build_data(fs: FeatureSet, rows: torch.Tensor, num_heads: int, to_draft: torch.Tensor) -> Data:
+    n_all = len(fs)
+    ids, chunk = fs["input_ids"].long(), fs["chunk"].long()
+    top_ids, top_logp = fs["topk_ids"].long(), fs["topk_logp"].float()
+    soft_ids, soft_q, hard, teacher, corpus = [], [], [], [], []
+    for j in range(num_heads):
+        label = rows + j + 2  # the token head j predicts
+        src = rows + j + 1  # where the target's distribution of that token was computed
+        ok = label < n_all
+        ok &= chunk[label.clamp(max=n_all - 1)] == chunk[rows]
+        lab, sr = label.clamp(max=n_all - 1), src.clamp(max=n_all - 1)
+        mapped = to_draft[top_ids[sr]]  # [N, topk]
+        q = torch.softmax(top_logp[sr], dim=-1) * (mapped >= 0) * ok[:, None]
+        q = q / q.sum(-1, keepdim=True).clamp(min=1e-12)
+        soft_ids.append(mapped.clamp(min=0))
+        soft_q.append(q)
+        hard.append(torch.where(ok, to_draft[ids[lab]], -1))
+        teacher.append(torch.where(ok, top_ids[sr, 0], -1))
+        corpus.append(torch.where(ok, ids[lab], -1))
+    return Data(rows, torch.stack(soft_ids, 1), torch.stack(soft_q, 1), torch.stack(hard, 1),
+                torch.stack(teacher, 1), torch.stack(corpus, 1))
+
+
+def split_rows(fs: FeatureSet, held_out: float, max_train_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Training and held-out positions, split by document: every round(1/held_out)-th document in
+    extraction order (which is shuffled), at least one."""
+    period = max(2, round(1 / held_out))
+    doc = fs["doc"].long()
+    docs = torch.unique(doc)
+    held_docs = docs[period - 1:: period]
+    if len(held_docs) == 0:
+        held_docs = docs[-1:]
+    held = torch.isin(doc, held_docs)
+    n_all = len(fs)
+    chunk = fs["chunk"].long()
+    has_label = torch.zeros(n_all, dtype=torch.bool)
+    has_label[: n_all - 2] = chunk[: n_all - 2] == chunk[2:]  # head 0 has a label
+    train = torch.nonzero(~held & has_label).squeeze(1)
+    test = torch.nonzero(held & has_label).squeeze(1)
+    if max_train_tokens:
+        train = train[:max_train_tokens]
+    if len(train) == 0 or len(test) == 0:
+        raise FeatureError(f"{fs.dir}: {len(train)} training and {len(test)} held-out positions; extract more "
+                           "tokens (several documents are needed for a held-out split)")
+    return train, test
+
+
+def loss_fn(logits: torch.Tensor, data: Data, idx: torch.Tensor, settings: TrainSettings) -> torch.Tensor:
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [b, K, Vd]
+    soft = -(data.soft_q[idx] * logp.gather(2, data.soft_ids[idx])).sum(-1)  # [b, K]
+    soft_ok = data.soft_q[idx].sum(-1) > 0
+    hard_lab = data.hard[idx]
+    hard = -logp.gather(2, hard_lab.clamp(min=0)[..., None]).squeeze(-1)
+    hard_ok = hard_lab >= 0
+    total = logits.new_zeros(())
+    for j in range(logits.shape[1]):
+        w = settings.head_decay ** j
+        s = soft[:, j][soft_ok[:, j]].mean() if soft_ok[:, j].any() else total * 0
+        h = hard[:, j][hard_ok[:, j]].mean() if hard_ok[:, j].any() else total * 0
+        total = total + w * (settings.soft_weight * s + (1 - settings.soft_weight) * h)
+    return total
+
+
+@torch.no_grad()
+def evaluate(heads: MedusaHeads, X: torch.Tensor, data: Data, limit: int = EVAL_ROWS) -> dict:
+    """Per head: accuracy by rank (P(rank-r token == target's top-1)), top-1/top-5, corpus top-1."""
+    n = min(limit, len(data.rows))
+    pick = torch.linspace(0, len(data.rows) - 1, n).long()
+    ranked = []
+    for lo in range(0, n, 1024):
+        sel = pick[lo: lo + 1024]
+        logits = heads(X[data.rows[sel]].float())
+        ranked.append(heads.id_map[logits.topk(RANKS, dim=-1).indices])  # [b, K, R] target ids
+    ranked_t = torch.cat(ranked)
+    teacher, corpus = data.teacher[pick], data.corpus[pick]
+    out = {"positions": n, "by_rank": [], "top1": [], "top5": [], "corpus_top1": []}
+    for j in range(ranked_t.shape[1]):
+        ok = teacher[:, j] >= 0
+        hit = ranked_t[ok, j] == teacher[ok, j][:, None]  # [m, R]
+        by_rank = hit.float().mean(0).tolist() if ok.any() else [0.0] * RANKS
+        out["by_rank"].append([round(x, 4) for x in by_rank])
+        out["top1"].append(round(by_rank[0], 4))
+        out["top5"].append(round(sum(by_rank[:5]), 4))
+        c_ok = corpus[:, j] >= 0
+        out["corpus_top1"].append(round(float((ranked_t[c_ok, j, 0] == corpus[c_ok, j]).float().mean()), 4)
+                                  if c_ok.any() else 0.0)
+    return out
+
+
+def _lr_factor(step: int, total: int, warmup: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _output_rows(target_spec: str, id_map: torch.Tensor, fingerprint: list[int]) -> torch.Tensor:
+    """The target's LM-head rows of the draft vocabulary (float32), checking it is the extracted target."""
+    from specdecode.heads.features import model_fingerprint
+    from specdecode.models.hf import HFRunner
+    from specdecode.models.loading import load_model
+
+    model, _ = load_model(target_spec, torch.float32, "cpu")
+    if len(set(model_fingerprint(HFRunner(model))) & set(fingerprint)) < 0.75 * len(fingerprint):
+        raise FeatureError(f"target {target_spec!r} is not the model the features were extracted from")
+    rows = model.get_output_embeddings().weight[id_map].detach().float().clone()
+    del model
+    return rows
+
+
+def train(fs: FeatureSet, out: Path, settings: TrainSettings, target_spec: str, checkpoint_every: int = 100,
+          evals: int = 8, progress: bool = True, output_rows=None) -> MedusaHeads:
+    """Train (or resume training) Medusa heads; writes ``out`` and returns the heads.
+
+    ``output_rows(id_map)`` gives the initial output layer (default: the target's LM-head rows).
+    """
+    import torch.distributed as dist
+
+    settings.validate()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if world > 1 else 0
+    out.mkdir(parents=True, exist_ok=True)
+    if "final" not in fs.layers:
+        raise FeatureError(f"{fs.dir}: Medusa heads read the final hidden state; extract with --layers final")
+    X = fs["final"]
+    train_rows, test_rows = split_rows(fs, settings.held_out, settings.max_train_tokens)
+    id_map = draft_vocabulary(fs, train_rows, settings.draft_vocab)
+    to_draft = torch.full((fs.vocab_size,), -1, dtype=torch.long)
+    to_draft[id_map] = torch.arange(len(id_map))
+    train_data = build_data(fs, train_rows, settings.num_heads, to_draft)
+    test_data = build_data(fs, test_rows, settings.num_heads, to_draft)
+    config = MedusaConfig(settings.num_heads, fs.hidden_size, fs.vocab_size, len(id_map), settings.depth,
+                          target={**fs.manifest["target"], "fingerprint": fs.manifest["fingerprint"]})
+    rows = output_rows(id_map) if output_rows else _output_rows(target_spec, id_map, fs.manifest["fingerprint"])
+    heads = MedusaHeads(config, id_map, rows)
+    heads.out.weight.requires_grad_(settings.train_output)
+    params = [p for p in heads.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
+    steps_per_epoch = max(1, len(train_rows) // settings.batch_size)
+    total = max(1, round(settings.epochs * steps_per_epoch))
+    warmup = max(1, round(settings.warmup * total))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, total, warmup))
+    model = heads
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(heads)
+
+    fingerprint = {"settings": asdict(settings), "features": [s["sha256"] for s in fs.manifest["shards"]]}
+    step, log, curve, seconds = 0, [], [], 0.0
+    ckpt = out / CHECKPOINT
+    if ckpt.is_file():
+        state = torch.load(ckpt, weights_only=False)
+        if state["fingerprint"] != fingerprint:
+            raise FeatureError(f"{ckpt} belongs to a run with other settings or features; use another --out or "
+                               "delete the checkpoint")
+        heads.load_state_dict(state["heads"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        step, log, curve, seconds = state["step"], state["log"], state["curve"], state["seconds"]
+    eval_at = {round(total * (i + 1) / evals) for i in range(evals)} if evals else set()
+
+    bar = None
+    if progress and rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, initial=step, unit="step", desc="train", dynamic_ncols=True)
+    t0 = time.perf_counter() - seconds
+    heads.train()
+    while step < total:
+        epoch, b = divmod(step, steps_per_epoch)
+        gen = torch.Generator().manual_seed(settings.seed * 100_003 + epoch)
+        perm = torch.randperm(len(train_rows), generator=gen)
+        idx = perm[b * settings.batch_size: (b + 1) * settings.batch_size][rank::world]
+        logits = model(X[train_data.rows[idx]].float())
+        loss = loss_fn(logits, train_data, idx, settings)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        step += 1
+        value = loss.item()
+        log.append([step, round(value, 5), sched.get_last_lr()[0]])
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{value:.3f}")
+        if step in eval_at and rank == 0:
+            heads.eval()
+            res = evaluate(heads, X, test_data, limit=2048)
+            heads.train()
+            curve.append({"step": step, "tokens_seen": step * settings.batch_size, "top1": res["top1"]})
+        if (step % checkpoint_every == 0 or step == total) and rank == 0:
+            tmp = out / (CHECKPOINT + ".tmp")
+            torch.save({"fingerprint": fingerprint, "heads": heads.state_dict(), "opt": opt.state_dict(),
+                        "sched": sched.state_dict(), "step": step, "log": log, "curve": curve,
+                        "seconds": time.perf_counter() - t0}, tmp)
+            tmp.replace(ckpt)
+    if bar is not None:
+        bar.close()
+    heads.eval().requires_grad_(False)
+    if rank == 0:
+        result = evaluate(heads, X, test_data)
+        config.accuracy = result["by_rank"]
+        config.training = {
+            "features": str(fs.dir), "feature_tokens": len(fs), "train_positions": len(train_rows),
+            "held_out_positions": len(test_rows), "steps": total, "tokens_seen": total * settings.batch_size,
+            "seconds": round(time.perf_counter() - t0, 1), "world_size": world, "settings": asdict(settings),
+            "held_out": {k: result[k] for k in ("positions", "top1", "top5", "corpus_top1")}, "curve": curve,
+            "draft_vocab_coverage": round(float((to_draft[fs["input_ids"][test_rows].long()] >= 0).float().mean()), 4),
+        }
+        heads.save(out)
+        (out / "train_log.json").write_text(json.dumps(log))
+        _plot(out, log, curve)
+    if world > 1:
+        dist.barrier()
+    return heads
+
+
+def _plot(out: Path, log: list, curve: list) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover - matplotlib is a dependency
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.plot([r[0] for r in log], [r[1] for r in log], lw=0.8)
+    a.set_xlabel("step")
+    a.set_ylabel("training loss")
+    for j in range(len(curve[0]["top1"]) if curve else 0):
+        b.plot([c["tokens_seen"] for c in curve], [c["top1"][j] for c in curve], marker="o", label=f"head {j} (t+{j + 2})")
+    b.set_xlabel("training tokens seen")
+    b.set_ylabel("held-out top-1 (= target's top-1)")
+    if curve:
+        b.legend()
+    fig.tight_layout()
+    fig.savefig(out / "training.png", dpi=100)
+    plt.close(fig)
+
+
+def main(args: argparse.Namespace) -> int:
+    settings = TrainSettings(args.num_heads, args.depth, args.draft_vocab, args.train_output, args.epochs,
+                             args.batch_size, args.lr, args.weight_decay, args.warmup, args.head_decay,
+                             args.soft_weight, args.held_out, args.max_train_tokens, args.seed)
+    try:
+        settings.validate()
+        if args.checkpoint_every < 1:
+            raise ValueError("--checkpoint-every must be >= 1")
+        fs = FeatureSet(args.features)
+    except (ValueError, FeatureError) as exc:
+        print(f"specdecode heads train: {exc}", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = args.target or fs.manifest["target"].get("spec")
+    try:
+        heads = train(fs, args.out, settings, target, args.checkpoint_every, args.evals, not args.no_progress)
+    except FeatureError as exc:
+        print(f"specdecode heads train: {exc}", file=sys.stderr)
+        return 2
+    held = heads.config.training.get("held_out", {})
+    if held:
+        print(f"heads written to {args.out}: held-out top-1 by head {held['top1']}, top-5 {held['top5']} "
+              f"({heads.config.training['seconds']} s, {heads.config.training['tokens_seen']} tokens seen)")
+    return 0
