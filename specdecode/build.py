@@ -7,6 +7,7 @@ import argparse
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from specdecode.errors import UserError
 from specdecode.models.device import device_arg, dtype_arg, resolve_device, resolve_dtype
 
 if TYPE_CHECKING:
@@ -15,8 +16,12 @@ if TYPE_CHECKING:
     from specdecode.engine import Engine
 
 
-class PairError(ValueError):
+class PairError(UserError, ValueError):
     """A draft/target pair that cannot be used together."""
+
+
+class ConfigError(UserError, ValueError):
+    """Engine settings that cannot work (a negative draft length, an unknown policy, ...)."""
 
 
 @dataclass
@@ -65,7 +70,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, draft_required: bool = 
     g.add_argument("--target", required=True, help="alias, local dir, .gguf file or hub id of the target model")
     g.add_argument("--draft", required=draft_required, default=None,
                    help="draft model (alias/dir/.gguf/hub id), 'ngram' (or ngram:MAX, ngram:MIN-MAX) for prompt "
-                        "lookup" + ("" if draft_required else "; omit for target-only"))
+                        "lookup, or medusa:DIR for Medusa heads (`specdecode heads train`)"
+                        + ("" if draft_required else "; omit for target-only"))
     g.add_argument("--num-draft-tokens", "-k", type=int, default=4, help="tokens drafted per step (default 4)")
     g.add_argument("--device", type=device_arg, default="auto",
                    help="auto | cpu | cuda | cuda:N (default auto: CUDA when present, else the CPU)")
@@ -164,13 +170,13 @@ def make_policy(cfg: EngineConfig):
     from specdecode.policy import AcceptancePolicy, BudgetPolicy, FixedPolicy
 
     if cfg.num_draft_tokens < 0:
-        raise ValueError(f"--num-draft-tokens must be >= 0, got {cfg.num_draft_tokens}")
+        raise ConfigError(f"--num-draft-tokens must be >= 0, got {cfg.num_draft_tokens}")
     if cfg.draft_policy not in ("fixed", "acceptance"):
-        raise ValueError(f"unknown draft policy {cfg.draft_policy!r}")
+        raise ConfigError(f"unknown draft policy {cfg.draft_policy!r}")
     if cfg.verify_budget < 0:
-        raise ValueError(f"--verify-budget must be >= 0, got {cfg.verify_budget}")
+        raise ConfigError(f"--verify-budget must be >= 0, got {cfg.verify_budget}")
     if cfg.tree_topk < 1 or cfg.tree_nodes < 1:
-        raise ValueError(f"--tree-topk and --tree-nodes must be >= 1, got {cfg.tree_topk}, {cfg.tree_nodes}")
+        raise ConfigError(f"--tree-topk and --tree-nodes must be >= 1, got {cfg.tree_topk}, {cfg.tree_nodes}")
     k = cfg.num_draft_tokens if cfg.draft else 0
     policy = FixedPolicy(k)
     if cfg.draft and cfg.draft_policy == "acceptance":
@@ -189,7 +195,7 @@ def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
     model_ctx = getattr(pair.target.config, "max_position_embeddings", 4096)
     max_context = cfg.max_context or min(model_ctx, 4096)
     if max_context > model_ctx:
-        raise ValueError(f"max context {max_context} exceeds the model's {model_ctx}")
+        raise ConfigError(f"max context {max_context} exceeds the model's {model_ctx}")
     target = HFRunner(pair.target)  # the engine sizes its cache
     drafter = None
     if cfg.draft:
@@ -202,7 +208,7 @@ def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
 
         verifier = typical_verifier(cfg.typical_epsilon, cfg.typical_alpha)
     elif cfg.acceptance != "exact":
-        raise ValueError(f"unknown acceptance {cfg.acceptance!r}: exact or typical")
+        raise ConfigError(f"unknown acceptance {cfg.acceptance!r}: exact or typical")
     engine = Engine(target, pair.tokenizer, drafter, policy, max_batch_size=cfg.max_batch_size,
                     max_context=max_context, max_tree_nodes=tree_nodes, verifier=verifier)
     engine.target_quantization = pair.target_quantization
@@ -220,6 +226,25 @@ def lossy_labels(target_quantization: str, cfg: EngineConfig) -> dict:
     return labels
 
 
+def validate_config(cfg: EngineConfig) -> None:
+    """Check the settings that need no model (raises ValueError), so bad flags fail before any load."""
+    from specdecode.drafters import check_draft
+
+    make_policy(cfg)
+    if cfg.draft:
+        check_draft(cfg.draft)
+    if cfg.acceptance not in ("exact", "typical"):
+        raise ConfigError(f"unknown acceptance {cfg.acceptance!r}: exact or typical")
+    if cfg.acceptance == "typical" and not (0 < cfg.typical_epsilon <= 1 and cfg.typical_alpha > 0):
+        raise ConfigError(f"typical acceptance needs 0 < epsilon <= 1 and alpha > 0, got {cfg.typical_epsilon}, "
+                         f"{cfg.typical_alpha}")
+    if cfg.max_batch_size < 1:
+        raise ConfigError(f"max batch size must be >= 1, got {cfg.max_batch_size}")
+    if cfg.max_context is not None and cfg.max_context < 1:
+        raise ConfigError(f"--max-context must be >= 1, got {cfg.max_context}")
+
+
 def build_engine(cfg: EngineConfig) -> "Engine":
+    validate_config(cfg)
     return engine_from_pair(load_pair(cfg.target, cfg.draft, cfg.dtype, cfg.device, cfg.draft_quantization,
                                       cfg.target_quantization), cfg)

@@ -23,7 +23,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from specdecode import __version__
+
     parser = argparse.ArgumentParser(prog="specdecode", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"specdecode {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module_name, help_text) in COMMANDS.items():
         try:
@@ -49,8 +52,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"specdecode: {exc}", file=sys.stderr)
             return 2
         args.device, args.dtype = str(device), dtype_name(args.dtype, device)
+    from specdecode.errors import UserError
+
     try:
         return int(args._module.main(args) or 0)
+    except UserError as exc:  # bad input: one line, exit 2 (see specdecode.errors)
+        print(f"specdecode {args.command}: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -26,6 +26,7 @@ from typing import Iterator
 import torch
 
 from specdecode.drafters.base import Drafter, Proposal, TargetFeatures
+from specdecode.errors import UserError
 from specdecode.metrics import SpecStats
 from specdecode.models.base import Runner
 from specdecode.policy import DraftPolicy, FixedPolicy, SwitchPolicy
@@ -36,7 +37,7 @@ from specdecode.verify import Verifier
 from specdecode.verify.tree import DETERMINISTIC, IID
 
 
-class RequestError(ValueError):
+class RequestError(UserError, ValueError):
     """A request the engine cannot serve (empty prompt, too long, bad token ids)."""
 
 

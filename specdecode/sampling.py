@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdecode.errors import UserError
 
-class SamplingError(ValueError):
+
+class SamplingError(UserError, ValueError):
     """Impossible sampling arguments."""
 
 

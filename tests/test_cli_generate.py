@@ -117,3 +117,56 @@ def test_target_quantization_is_labelled_lossy_and_speculation_stays_exact_for_t
     assert spec["token_ids"] == base["token_ids"]  # exact for the quantized target
     code, plain, _ = run(capsys, *common[:-2])
     assert json.loads(plain)["lossy"] is False
+
+
+def test_text_streams_as_tokens_are_accepted_then_a_timed_summary(model_dirs, monkeypatch, capsys):
+    import sys
+
+    import specdecode.engine as engine_mod
+
+    writes, steps = [], []
+    real_step = engine_mod.Engine.step
+
+    def step(self):  # record the order of engine steps and stdout writes
+        steps.append(len(writes))
+        return real_step(self)
+
+    class Recorder:
+        def write(self, text):
+            writes.append(text)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(engine_mod.Engine, "step", step)
+    monkeypatch.setattr(sys, "stdout", Recorder())
+    code = main(["generate", "--target", model_dirs["target"], "--prompt", "abc", "--max-new-tokens", "12",
+                 "--ignore-eos", "--dtype", "float32", "--draft", model_dirs["draft"], "-k", "2"])
+    err = capsys.readouterr().err
+    assert code == 0
+    text_writes = [w for w in writes if w.strip()]
+    assert len(text_writes) >= 3  # one write per step with new text, not one at the end
+    assert steps[-1] > 0  # text was written before the last step ran
+    for field in ("tok/s", "time to first token", "prefill", "decode", "acceptance", "tokens/step"):
+        assert field in err, field
+
+
+@pytest.mark.parametrize("argv,culprit", [
+    (["-k", "-1"], "num-draft-tokens"),
+    (["--prompt", ""], "--prompt is empty"),
+    (["--max-new-tokens", "0"], "max-new-tokens"),
+    (["--temperature", "-1"], "temperature"),
+    (["--draft", "medusa:"], "medusa:DIR"),
+])
+def test_bad_arguments_fail_before_any_model_loads(model_dirs, monkeypatch, capsys, argv, culprit):
+    import specdecode.models.loading as loading
+
+    def no_loading(*a, **kw):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(loading, "load_model", no_loading)
+    base = ["--target", model_dirs["target"], "--prompt", "abc", "--dtype", "float32"]
+    if "--draft" not in argv:
+        base += ["--draft", model_dirs["draft"]]
+    code, _, err = run(capsys, *base, *argv)
+    assert code == 2 and "Traceback" not in err and culprit in err, err

@@ -168,8 +168,17 @@ def test_unreachable_hub_id_error_is_clear(monkeypatch):
         raise OSError("We couldn't connect to 'https://huggingface.co'")
 
     monkeypatch.setattr(loading, "_from_pretrained", offline)
-    with pytest.raises(ModelNotFoundError, match="not a local path, alias, or reachable hub id"):
+    with pytest.raises(ModelNotFoundError, match="the hub could not provide it.*models list"):
         load_model("some-org/some-model")
+
+
+def test_a_name_that_is_no_hub_id_is_never_looked_up(monkeypatch):
+    def no_hub(*args, **kwargs):
+        raise AssertionError("the hub was asked")
+
+    monkeypatch.setattr(loading, "_from_pretrained", no_hub)
+    with pytest.raises(ModelNotFoundError, match="models list"):
+        load_model("qwen2.5-coder-1.5")  # a mistyped alias: no waiting for an unreachable hub
 
 
 # ---------------------------------------------------------------------------------------------------

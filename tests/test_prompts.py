@@ -78,8 +78,8 @@ def test_spec_bench_errors(spec_bench: Path, tmp_path: Path) -> None:
 
 
 def test_real_spec_bench_file() -> None:
-    if not P.DEFAULT_SPEC_BENCH_PATH.is_file():
-        pytest.skip(f"no Spec-Bench file at {P.DEFAULT_SPEC_BENCH_PATH}")
+    assert P.DEFAULT_SPEC_BENCH_PATH == P.PACKAGED_SPEC_BENCH_PATH  # shipped: works out of the box
+    assert (P.PACKAGED_SPEC_BENCH_PATH.parent / "NOTICE").is_file()
     prompts = P.load_spec_bench(P.DEFAULT_SPEC_BENCH_PATH)
     counts = {c: sum(p.category == c for p in prompts) for c in P.SPEC_BENCH_CATEGORIES}
     assert counts == {c: 80 for c in P.SPEC_BENCH_CATEGORIES}

@@ -18,11 +18,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from specdecode.errors import UserError
+
 PromptKind = Literal["chat", "completion"]
 
 SPEC_BENCH_ENV = "SPECDECODE_SPEC_BENCH"
 _REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_SPEC_BENCH_PATH = _REPO_ROOT.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
+# shipped with the package (Apache-2.0, see its NOTICE); the shared data directory is the fallback
+PACKAGED_SPEC_BENCH_PATH = Path(__file__).resolve().parents[1] / "data" / "spec_bench" / "question.jsonl"
+SHARED_SPEC_BENCH_PATH = _REPO_ROOT.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
+DEFAULT_SPEC_BENCH_PATH = PACKAGED_SPEC_BENCH_PATH if PACKAGED_SPEC_BENCH_PATH.is_file() else SHARED_SPEC_BENCH_PATH
 
 # Canonical Spec-Bench categories, in the order the paper reports them.
 SPEC_BENCH_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
@@ -36,7 +41,7 @@ _CATEGORY_ALIASES: dict[str, str] = {
 }
 
 
-class PromptSetError(ValueError):
+class PromptSetError(UserError, ValueError):
     """A prompt set could not be loaded; the message says what is wrong and where."""
 
 
@@ -77,7 +82,8 @@ def load_spec_bench(
     names are mapped onto :data:`SPEC_BENCH_CATEGORIES` (MT-Bench's eight sub-categories all become
     ``mt_bench``). ``n_per_category`` samples at most that many prompts from each category.
 
-    The path is, in order: ``path``, ``$SPECDECODE_SPEC_BENCH``, :data:`DEFAULT_SPEC_BENCH_PATH`.
+    The path is, in order: ``path``, ``$SPECDECODE_SPEC_BENCH``, the copy shipped in the package
+    (``specdecode/data/spec_bench``), the shared data directory.
     """
     file = _spec_bench_path(path)
     wanted = _check_categories(categories, SPEC_BENCH_CATEGORIES)

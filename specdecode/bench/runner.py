@@ -23,12 +23,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from specdecode.bench.analysis import TARGET, first_difference, is_near_tie
+from specdecode.errors import UserError
 
 if TYPE_CHECKING:
     from specdecode.sampling import SamplingSetting
 
 
-class BenchInputError(ValueError):
+class BenchInputError(UserError, ValueError):
     """Bad benchmark input (a prompt too long, an unknown setting, an incompatible resume)."""
 
 

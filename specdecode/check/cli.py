@@ -33,8 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, draft_required=True)
     g = parser.add_argument_group("check")
     g.add_argument("--prompts", default=None,
-                   help="a .jsonl prompt file, 'spec-bench' or 'humaneval' (default: six short built-in prompts)")
-    g.add_argument("--num-prompts", type=int, default=4, help="prompts used (default 4)")
+                   help="a .jsonl prompt file, 'spec-bench' or 'humaneval' (default: the first --num-prompts of six "
+                        "short built-in prompts)")
+    g.add_argument("--num-prompts", type=int, default=4, help="prompts used, from whichever set (default 4)")
     g.add_argument("--max-prompt-tokens", type=int, default=64, help="keep the last N tokens of each prompt (default 64)")
     g.add_argument("--parts", default="1,2,3,4,5", help="parts to run, e.g. 1,3 (default all)")
     g.add_argument("--alpha", type=float, default=_DEFAULTS.alpha,

@@ -20,63 +20,116 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--top-k", type=int, default=0, help="0 = off")
     s.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     s.add_argument("--seed", type=int, default=None, help="seed of the first sample (sample i uses seed+i)")
-    s.add_argument("--max-new-tokens", type=int, default=128)
+    s.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     s.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     parser.add_argument("--num-samples", type=int, default=1, help="independent samples, decoded as one batch")
     parser.add_argument("--json", action="store_true", help="print one JSON object per sample")
 
 
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+
+
 def _prompt_ids(args, tokenizer) -> list[int]:
     if args.prompt_ids is not None:
-        try:
-            return [int(x) for x in args.prompt_ids.split(",") if x.strip()]
-        except ValueError:
-            raise SystemExit(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}")
+        return _parse_ids(args.prompt_ids)
     if args.chat:
         return list(tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
                                                   add_generation_prompt=True, tokenize=True, return_dict=False))
     return tokenizer(args.prompt, add_special_tokens=False).input_ids
 
 
+def _summary(out, timing: dict) -> str:
+    s = out.stats
+    rate = "n/a" if s.acceptance_rate is None else f"{s.acceptance_rate:.2f}"
+    tree = f"; {s.nodes / s.target_steps:.1f} tree nodes/step" if s.nodes > s.drafted else ""
+    return (f"[{out.finish_reason}; {len(out.token_ids)} tokens in {timing['total_s']:.2f} s ({timing['tok_s']:.1f} tok/s); "
+            f"time to first token {timing['ttft_s']:.2f} s (prefill {s.prefill_s:.2f} s); decode {timing['decode_s']:.2f} s "
+            f"({timing['decode_tok_s']:.1f} tok/s); acceptance {rate}; {s.tokens_per_step:.2f} tokens/step{tree}; "
+            f"draft {s.draft_s:.2f} s verify {s.verify_s:.2f} s]")
+
+
+def _timing(start: float, first: float | None, end: float, tokens: int) -> dict:
+    total = end - start
+    ttft = (first if first is not None else end) - start
+    decode = end - (first if first is not None else end)
+    return {"total_s": round(total, 4), "ttft_s": round(ttft, 4), "decode_s": round(decode, 4),
+            "tok_s": round(tokens / total, 3) if total > 0 else 0.0,
+            "decode_tok_s": round((tokens - 1) / decode, 3) if decode > 0 and tokens > 1 else 0.0}
+
+
+def _validate(args: argparse.Namespace) -> None:
+    """What can be checked before any model loads (a user error costs no waiting)."""
+    if args.num_samples < 1:
+        raise ValueError("--num-samples must be >= 1")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.prompt is not None and not args.prompt:
+        raise ValueError("--prompt is empty")
+    if args.prompt_ids is not None and not _parse_ids(args.prompt_ids):
+        raise ValueError("--prompt-ids is empty")
+
+
 def main(args: argparse.Namespace) -> int:
-    from specdecode.build import build_engine, config_from_args
-    from specdecode.engine import RequestError
+    import time
+
+    from specdecode.build import build_engine, config_from_args, validate_config
+    from specdecode.engine import Output, RequestError
+    from specdecode.models.loading import ModelNotFoundError
     from specdecode.sampling import SamplingError, SamplingParams
 
-    if args.num_samples < 1:
-        print("error: --num-samples must be >= 1", file=sys.stderr)
-        return 2
     try:
+        _validate(args)
         params = [
             SamplingParams(args.temperature, args.top_k, args.top_p,
                            None if args.seed is None else args.seed + i, args.max_new_tokens, tuple(args.stop), args.ignore_eos)
             for i in range(args.num_samples)
         ]
-        engine = build_engine(config_from_args(args, max_batch_size=args.num_samples))
+        cfg = config_from_args(args, max_batch_size=args.num_samples)
+        validate_config(cfg)
+        engine = build_engine(cfg)
         prompt = _prompt_ids(args, engine.tokenizer)
-        outputs = engine.generate([prompt] * args.num_samples, params)
-    except (SamplingError, RequestError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        if engine.target_quantization != "none":
+            print(f"warning: LOSSY — the target was quantized to {engine.target_quantization} "
+                  "(--target-quantization): output follows that model, not the one named", file=sys.stderr)
+        if "acceptance" in engine.lossy:
+            print(f"warning: LOSSY — {engine.lossy['acceptance']} acceptance: sampled output does not follow the "
+                  "target's law", file=sys.stderr)
+        live = not args.json and args.num_samples == 1  # stream the one sample's text as it is accepted
+        start = time.perf_counter()
+        first: dict[str, float] = {}
+        ended: dict[str, tuple[Output, float]] = {}
+        for ev in engine.stream([prompt] * args.num_samples, params):
+            seq = ev.seq
+            if ev.new_token_ids and seq.request_id not in first:
+                first[seq.request_id] = time.perf_counter()
+            if live:
+                text = seq.text.delta(final=ev.finished)
+                if text:
+                    sys.stdout.write(text)
+                    sys.stdout.flush()
+            if ev.finished:
+                ended[seq.request_id] = (Output(seq.request_id, seq.prompt_ids, seq.output_ids, seq.text.finish(),
+                                                seq.finish_reason, seq.stats), time.perf_counter())
+    except (SamplingError, RequestError, ValueError, ModelNotFoundError) as exc:
+        print(f"specdecode generate: {exc}", file=sys.stderr)
         return 2
-    if engine.target_quantization != "none":
-        print(f"warning: LOSSY — the target was quantized to {engine.target_quantization} "
-              "(--target-quantization): output follows that model, not the one named", file=sys.stderr)
-    if "acceptance" in engine.lossy:
-        print(f"warning: LOSSY — {engine.lossy['acceptance']} acceptance: sampled output does not follow the "
-              "target's law", file=sys.stderr)
-    for i, out in enumerate(outputs):
+    for i in range(args.num_samples):
+        out, end = ended[str(i)]
+        timing = _timing(start, first.get(str(i)), end, len(out.token_ids))
         if args.json:
             print(json.dumps({"sample": i, "token_ids": out.token_ids, "text": out.text,
-                              "finish_reason": out.finish_reason, "stats": out.stats.to_dict(),
+                              "finish_reason": out.finish_reason, "stats": out.stats.to_dict(), "timing": timing,
                               "target_quantization": engine.target_quantization, "lossy": bool(engine.lossy)}
                              | ({"lossy_because": engine.lossy} if engine.lossy else {})))
+            continue
+        if live:
+            print()
         else:
-            s = out.stats
-            rate = "n/a" if s.acceptance_rate is None else f"{s.acceptance_rate:.2f}"
             print(out.text)
-            tree = f"; {s.nodes / s.target_steps:.1f} tree nodes/step" if s.nodes > s.drafted else ""
-            print(f"[{out.finish_reason}; {len(out.token_ids)} tokens in {s.target_steps} target steps; "
-                  f"acceptance {rate}; {s.tokens_per_step:.2f} tokens/step{tree}; "
-                  f"draft {s.draft_s:.2f}s verify {s.verify_s:.2f}s]", file=sys.stderr)
+        print(_summary(out, timing), file=sys.stderr)
     return 0

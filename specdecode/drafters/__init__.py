@@ -12,7 +12,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from specdecode.drafters.base import Drafter
+from specdecode.errors import UserError
 from specdecode.models.base import Runner
+
+
+class DraftSpecError(UserError, ValueError):
+    """A ``--draft`` spec that names no usable drafter."""
 
 
 @dataclass(frozen=True)
@@ -20,13 +25,15 @@ class DrafterKind:
     module: str  # holds ``build(arg, ctx) -> Drafter``
     loads_model: bool  # ARG names a model that build() gets through ``ctx.draft_runner()``
     help: str
+    needs_arg: bool = False  # KIND alone is not a spec (medusa:DIR)
 
 
 KINDS: dict[str, DrafterKind] = {
     "model": DrafterKind("specdecode.drafters.draft_model", True, "a smaller causal LM with the target's vocabulary"),
     "ngram": DrafterKind("specdecode.drafters.ngram", False, "prompt lookup: copy what followed the suffix earlier"),
     "medusa": DrafterKind("specdecode.drafters.medusa", False,
-                          "Medusa heads on the target's final hidden state (medusa:DIR from `specdecode heads train`)"),
+                          "Medusa heads on the target's final hidden state (medusa:DIR from `specdecode heads train`)",
+                          needs_arg=True),
 }
 
 
@@ -48,7 +55,9 @@ def parse_draft(spec: str) -> DraftSpec:
     if kind not in KINDS:
         kind, arg = "model", spec
     if not arg and (kind == "model" or KINDS[kind].loads_model):
-        raise ValueError(f"draft spec {spec!r}: name the model, e.g. {kind}:PATH" if spec else "empty draft spec")
+        raise DraftSpecError(f"draft spec {spec!r}: name the model, e.g. {kind}:PATH" if spec else "empty draft spec")
+    if not arg and KINDS[kind].needs_arg:
+        raise DraftSpecError(f"draft spec {spec!r}: {KINDS[kind].help}")
     quantization = None
     if KINDS[kind].loads_model:
         name, at, suffix = arg.rpartition("@")
@@ -69,6 +78,16 @@ class DraftContext:
         if self.make_draft_runner is None:
             raise ValueError("this drafter needs a draft model, and none was loaded")
         return self.make_draft_runner()
+
+
+def check_draft(spec: str) -> DraftSpec:
+    """Parse ``spec`` and run its drafter's cheap checks (``validate(arg)``, e.g. that a heads
+    directory exists), so a bad spec fails before any model loads."""
+    parsed = parse_draft(spec)
+    module = importlib.import_module(KINDS[parsed.kind].module)
+    if hasattr(module, "validate"):
+        module.validate(parsed.arg)
+    return parsed
 
 
 def build_drafter(spec: str | DraftSpec, ctx: DraftContext) -> Drafter:

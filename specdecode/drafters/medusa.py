@@ -125,11 +125,22 @@ def check_target(heads: MedusaHeads, target: Runner, where: str) -> None:
                          "the target's output layer differs")
 
 
+def validate(arg: str) -> None:
+    """Cheap checks before any model loads: the spec names a heads directory."""
+    from specdecode.heads.medusa import CONFIG, WEIGHTS
+
+    if not arg:
+        raise HeadsError("draft spec 'medusa' needs the heads directory: medusa:DIR (train one with "
+                         "`specdecode heads train --kind medusa`)")
+    directory = Path(arg).expanduser()
+    if not (directory / CONFIG).is_file() or not (directory / WEIGHTS).is_file():
+        raise HeadsError(f"medusa:{arg}: {directory} is not a heads directory (needs {CONFIG} and {WEIGHTS}; train "
+                         "one with `specdecode heads train --kind medusa`)")
+
+
 def build(arg: str, ctx) -> MedusaDrafter:
     """``--draft medusa:DIR`` (a directory written by ``specdecode heads train``)."""
-    if not arg:
-        raise ValueError("draft spec 'medusa' needs the heads directory: medusa:DIR (train one with "
-                         "`specdecode heads train --kind medusa`)")
+    validate(arg)
     heads = MedusaHeads.load(Path(arg))
     check_target(heads, ctx.target, arg)
     tree = (getattr(ctx.config, "tree_topk", 1), getattr(ctx.config, "tree_nodes", 0)) if ctx.config else (1, 0)

@@ -97,4 +97,6 @@ def build(arg: str, ctx) -> NgramDrafter:
     try:
         return NgramDrafter(int(hi), int(lo), *tree) if sep else NgramDrafter(int(lo), 1, *tree)
     except ValueError as exc:
-        raise ValueError(f"bad n-gram drafter spec 'ngram:{arg}': use ngram, ngram:MAX or ngram:MIN-MAX ({exc})") from None
+        from specdecode.drafters import DraftSpecError
+
+        raise DraftSpecError(f"bad n-gram drafter spec 'ngram:{arg}': use ngram, ngram:MAX or ngram:MIN-MAX ({exc})") from None

@@ -17,13 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from specdecode.errors import UserError
+
 DEFAULT = "stdlib"
 TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".c", ".h", ".js", ".ts", ".java", ".go", ".rs", ".cpp", ".sh"}
 SKIP_DIRS = {"test", "tests", "site-packages", "dist-packages", "__pycache__", "idle_test", ".git"}
 FORBIDDEN = ("humaneval", "spec_bench", "spec-bench", "question.jsonl")  # benchmark prompts: evaluation only
 
 
-class CorpusError(ValueError):
+class CorpusError(UserError, ValueError):
     """A corpus source that cannot be used."""
 
 

@@ -22,6 +22,8 @@ from typing import Sequence
 
 import torch
 
+from specdecode.errors import UserError
+from specdecode.fsutil import make_readable
 from specdecode.heads.corpus import Document
 from specdecode.models.base import FINAL, Runner
 
@@ -30,7 +32,7 @@ MANIFEST = "manifest.json"
 LOGIT_ROWS = 128  # rows of vocabulary-sized logits held at once
 
 
-class FeatureError(ValueError):
+class FeatureError(UserError, ValueError):
     """Features that cannot be used: missing, corrupted, or from another target."""
 
 
@@ -74,13 +76,6 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: fh.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def _readable(path: Path) -> None:
-    """Files readable like any other cache (safetensors writes 0600): 0666 less the umask."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -155,7 +150,7 @@ def extract(runner: Runner, tokenizer, docs: Sequence[Document], out: Path, sett
         name = f"shard-{len(manifest['shards']):05d}.safetensors"
         tmp = out / (name + ".tmp")
         save_file(tensors, str(tmp))
-        _readable(tmp)
+        make_readable(tmp)
         os.replace(tmp, out / name)
         manifest["shards"].append({"file": name, "tokens": buffered, "chunks": len(buffer), "sha256": _sha256(out / name)})
         manifest["tokens"] += buffered

