@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import numpy as np
 import pytest
 from fake_openai import Behaviour, FakeServer, free_port
 
@@ -54,11 +55,17 @@ def test_timing_matches_the_server_schedule() -> None:
         # Hard bounds: the server never sends early. The empty role chunk sent at t=0 must not
         # count as the first token.
         assert r.ttft_s is not None and r.ttft_s >= 0.05 and r.latency_s >= 0.05 + 7 * 0.01
-    # Medians, robust to a late wake-up on a busy machine.
+    # No upper bound on any time (a busy machine wakes late): the summary must be the records' own
+    # medians, and each record's TPOT its decode time over its later tokens.
     summary = summarize(result.levels[0])
-    assert summary.ttft is not None and 0.05 <= summary.ttft["p50"] < 0.075
-    assert summary.tpot is not None and summary.tpot["p50"] == pytest.approx(0.01, abs=0.003)
-    assert summary.itl is not None and summary.itl["p50"] == pytest.approx(0.01, abs=0.003)
+    level = result.levels[0].records
+    assert summary.ttft is not None and summary.ttft["p50"] >= 0.05
+    assert summary.ttft["p50"] == pytest.approx(float(np.median([r.ttft_s for r in level])))
+    for r in records:
+        assert r.tpot_s == pytest.approx((r.latency_s - r.ttft_s) / (r.output_tokens - 1))
+        assert 0 <= sum(r.itl_s) <= r.latency_s - r.ttft_s + 1e-9  # gaps between chunks, within the decode
+    assert summary.tpot is not None and summary.tpot["p50"] == pytest.approx(float(np.median([r.tpot_s for r in level])))
+    assert summary.itl is not None and summary.itl["p50"] >= 0
     assert {r.kind for r in records} == {"chat", "completion"}
     body = behaviour.bodies[0]
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
@@ -93,16 +100,13 @@ def test_errors_are_classified() -> None:
 def test_level_stops_at_its_duration_and_the_run_at_its_time_limit() -> None:
     slow = Behaviour(first_token_s=0.01, token_interval_s=0.05)  # 8 tokens: ~0.36 s a request
     with FakeServer(slow) as server:
-        t0 = time.perf_counter()
         result = run_sweep(_config(server.url, [CHAT], model="m", levels=[2, 4, 8], num_requests=1000,
-                                   duration_s=1.0, time_limit_s=1.6))
-        elapsed = time.perf_counter() - t0
-    assert elapsed < 4.0
+                                   duration_s=1.0, time_limit_s=1.3))
     first, second = result.levels
-    assert first.hit_time_limit and 1.0 <= first.wall_s < 1.3
-    assert len(first.records) <= 6 and first.cancelled == 2  # both workers were mid-request
+    assert first.hit_time_limit and first.wall_s >= 1.0  # its own duration (never an upper bound on time)
+    assert len(first.records) <= 6 and first.cancelled == 2  # the server needs >= 0.36 s a request; both mid-request
     assert first.issued == len(first.records) + first.cancelled
-    assert second.wall_s < 0.65  # cut by the global limit
+    assert second.hit_time_limit and second.wall_s < first.wall_s  # cut by the global limit, before its duration
     assert result.skipped == [("A", 8)]
 
 

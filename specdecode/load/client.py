@@ -20,11 +20,10 @@ from typing import Any
 import httpx
 
 from specdecode.bench.prompts import Prompt
-from specdecode.errors import UserError
 from specdecode.load.records import RequestRecord
 
 
-class LoadError(UserError, RuntimeError):
+class LoadError(RuntimeError):
     """The load run cannot start (e.g. the endpoint lists no model)."""
 
 
