@@ -141,7 +141,9 @@ def _configs(args: argparse.Namespace) -> tuple[list, list]:
     baselines = [] if args.baselines == ["none"] else args.baselines
     configs = make_configs(_settings(args)["draft_lengths"] if args.draft or args.extra_draft else [], baselines,
                            args.tree_shapes, args.draft_quantization, args.extra_draft, main_draft=bool(args.draft))
-    if not args.draft or args.draft == "ngram":  # HF's assistant_model needs a model
+    from specdecode.drafters import parse_draft
+
+    if not args.draft or not parse_draft(args.draft).loads_model:  # HF's assistant_model needs a model
         configs = [c for c in configs if not c.assisted]
     return configs, samplings
 
