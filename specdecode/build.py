@@ -84,7 +84,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, draft_required: bool = 
                         "-1 after a rejection, per sequence, up to --max-draft-tokens")
     g.add_argument("--max-draft-tokens", type=int, default=16, help="upper bound for --draft-policy acceptance")
     g.add_argument("--draft-confidence", type=float, default=0.0, metavar="P",
-                   help="draft model only: end a sequence's draft chain after a token whose draft probability "
+                   help="draft model and Medusa heads: end a sequence's draft chain after a token whose draft probability "
                         "is below P (0 = off, the default; transformers' assisted generation uses 0.4). "
                         "Exact either way: only the draft length changes")
     if quantization_sweep:

@@ -96,6 +96,20 @@ def test_greedy_with_medusa_equals_target_only(target, topk, nodes):
     assert sum(o.stats.drafted for o in outs) > 0
 
 
+def test_draft_confidence_ends_chains_where_a_head_is_unsure(target):
+    heads = tiny_heads(target, noise=2.0)
+    ref = Engine(HFRunner(target), TOK, None, 0, max_batch_size=4, max_context=128)
+    params = [SamplingParams(0.0, max_new_tokens=16, ignore_eos=True) for _ in PROMPTS]
+    want = [o.token_ids for o in ref.generate(PROMPTS, params)]
+    full = medusa_engine(target, heads, k=3).generate(PROMPTS, params)
+    engine = medusa_engine(target, heads, k=3)
+    engine.drafter.confidence = 0.99  # every head is unsure: one token a step
+    short = engine.generate(PROMPTS, params)
+    assert [o.token_ids for o in short] == want  # exact either way
+    assert all(len(o.stats.drafted_at) <= 1 for o in short)  # never a second draft position
+    assert sum(o.stats.drafted for o in short) < sum(o.stats.drafted for o in full)
+
+
 def test_zero_blocks_draft_the_targets_next_token_so_greedy_accepts_repeats():
     """An untrained head (zero residual) reads like the LM head: a useful sanity anchor."""
     model = make_model(V, seed=5, hidden=32)

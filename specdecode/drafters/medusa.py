@@ -4,7 +4,9 @@ tokens after the pending one — no second model, almost no cost.
 The engine hands the drafter the target's final hidden state of every cached token
 (``feature_layers = (FINAL,)``); the last one, ``h_t``, belongs to the token before the pending
 token ``t + 1``, and head ``j`` proposes token ``t + j + 2`` from it (see
-:mod:`specdecode.heads.medusa`). Chains take each head's top-1; with ``--tree-topk K > 1`` the
+:mod:`specdecode.heads.medusa`). Chains take each head's top-1 (``--draft-confidence P`` ends a
+chain after a token its head gives less than ``P``: later heads are rarely right, and verifying them
+costs); with ``--tree-topk K > 1`` the
 drafter proposes Medusa's *static* tree of ``--tree-nodes`` nodes (head ``j``'s top-K tokens at
 depth ``j + 1``, the nodes chosen once from the heads' held-out accuracy by rank).
 
@@ -33,12 +35,13 @@ class MedusaDrafter(DrafterBase):
     feature_layers = (FINAL,)
 
     def __init__(self, heads: MedusaHeads, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 tree_topk: int = 1, tree_nodes: int = 0) -> None:
+                 tree_topk: int = 1, tree_nodes: int = 0, confidence: float = 0.0) -> None:
         if tree_topk < 1 or (tree_topk > 1 and tree_nodes < 1):
             raise ValueError(f"need tree_topk >= 1 and, for trees, tree_nodes >= 1; got {tree_topk}, {tree_nodes}")
         self.heads = heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
         self.num_heads = heads.config.num_heads
         self.tree_topk = tree_topk
+        self.confidence = confidence  # chains end after a token its head gives less than this (0 = off)
         self.last: dict[int, tuple[int, torch.Tensor]] = {}  # slot -> (position, final hidden state)
         self.tree: tuple[list[int], list[int], list[int]] | None = None
         self.max_tree_nodes = 0
@@ -62,10 +65,12 @@ class MedusaDrafter(DrafterBase):
 
     # -- drafting -----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def _ranked(self, hidden: torch.Tensor, ranks: int) -> torch.Tensor:
-        """[B, H] -> [B, num_heads, ranks] target ids, best first."""
-        logits = self.heads(hidden.to(self.heads.out.weight.dtype))
-        return self.heads.id_map[logits.topk(ranks, dim=-1).indices].cpu()
+    def _ranked(self, hidden: torch.Tensor, ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, H] -> ([B, num_heads, ranks] target ids best first, [B, num_heads] each head's top-1 probability)."""
+        logits = self.heads(hidden.to(self.heads.out.weight.dtype)).float()
+        top = logits.topk(ranks, dim=-1)
+        top1_prob = torch.exp(top.values[..., 0] - torch.logsumexp(logits, dim=-1))
+        return self.heads.id_map[top.indices].cpu(), top1_prob.cpu()
 
     def propose(self, seqs: Sequence[SequenceView], num_tokens: list[int]) -> Proposal:
         rows = []
@@ -76,17 +81,21 @@ class MedusaDrafter(DrafterBase):
         if not rows:
             return Proposal.empty(len(seqs))
         hidden = torch.stack([self.last[seqs[b].slot][1] for b in rows])
-        ranked = self._ranked(hidden, self.tree_topk)
+        ranked, top1_prob = self._ranked(hidden, self.tree_topk)
         if self.tree is None:
-            return self._chains(len(seqs), rows, ranked, num_tokens)
+            return self._chains(len(seqs), rows, ranked, top1_prob, num_tokens)
         return self._trees(len(seqs), rows, ranked, num_tokens)
 
-    def _chains(self, batch: int, rows: list[int], ranked: torch.Tensor, num_tokens: list[int]) -> Proposal:
+    def _chains(self, batch: int, rows: list[int], ranked: torch.Tensor, top1_prob: torch.Tensor,
+                num_tokens: list[int]) -> Proposal:
         width = min(self.num_heads, max(num_tokens))
         tokens = torch.zeros(batch, width, dtype=torch.long)
         num = torch.zeros(batch, dtype=torch.long)
         for r, b in enumerate(rows):
             n = min(num_tokens[b], self.num_heads)
+            if self.confidence > 0:  # keep up to and including the first token its head is unsure of
+                unsure = (top1_prob[r, :n] < self.confidence).nonzero()
+                n = int(unsure[0]) + 1 if len(unsure) else n
             tokens[b, :n] = ranked[r, :n, 0]
             num[b] = n
         return Proposal(tokens, None, num)
@@ -145,4 +154,5 @@ def build(arg: str, ctx) -> MedusaDrafter:
     check_target(heads, ctx.target, arg)
     tree = (getattr(ctx.config, "tree_topk", 1), getattr(ctx.config, "tree_nodes", 0)) if ctx.config else (1, 0)
     dtype = torch.float32 if str(ctx.target.device) == "cpu" else ctx.target.dtype
-    return MedusaDrafter(heads, ctx.target.device, dtype, *tree)
+    confidence = getattr(ctx.config, "draft_confidence", 0.0) if ctx.config else 0.0
+    return MedusaDrafter(heads, ctx.target.device, dtype, *tree, confidence=confidence)
