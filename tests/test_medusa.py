@@ -103,7 +103,7 @@ def test_draft_confidence_ends_chains_where_a_head_is_unsure(target):
     want = [o.token_ids for o in ref.generate(PROMPTS, params)]
     full = medusa_engine(target, heads, k=3).generate(PROMPTS, params)
     engine = medusa_engine(target, heads, k=3)
-    engine.drafter.confidence = 0.99  # every head is unsure: one token a step
+    engine.drafter.confidence = 1.5  # above any probability: every head is unsure, one token a step
     short = engine.generate(PROMPTS, params)
     assert [o.token_ids for o in short] == want  # exact either way
     assert all(len(o.stats.drafted_at) <= 1 for o in short)  # never a second draft position
