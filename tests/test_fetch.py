@@ -187,4 +187,4 @@ def test_cli_fetch_and_list(cache, index, tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "fake: target fake-other, draft fake-model" in out
     assert str(cache / "gguf" / "fake-model.gguf") in out
-    assert main(["models", "fetch", "no-such-pair"]) == 1
+    assert main(["models", "fetch", "no-such-pair"]) == 2  # a user error
