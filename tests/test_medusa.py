@@ -379,3 +379,17 @@ def test_training_runs_under_torchrun_with_two_processes(tmp_path, feats, model_
     cfg = json.loads((tmp_path / "ddp" / "config.json").read_text())
     assert cfg["training"]["world_size"] == 2
     MedusaHeads.load(tmp_path / "ddp")
+
+
+def test_jsonl_corpus_reads_text_and_chat_records_and_names_bad_lines(tmp_path):
+    good = tmp_path / "c.jsonl"
+    good.write_text('{"text": "abc"}\n\n{"messages": [{"role": "user", "content": "hi"}]}\n')
+    docs = documents([str(good)], render_chat=lambda m: "|".join(x["content"] for x in m))
+    assert sorted(d.read() for d in docs) == ["abc", "hi"]
+    bad = tmp_path / "b.jsonl"
+    bad.write_text('{"text": "abc"}\n{"nope": 1}\n')
+    with pytest.raises(CorpusError, match=r"b.jsonl:2"):
+        documents([str(bad)])
+    bad.write_text('{"text": "abc"}\nnot json\n')
+    with pytest.raises(ValueError, match=r"b.jsonl:2: invalid JSON"):
+        documents([str(bad)])

@@ -88,7 +88,7 @@ def load_spec_bench(
     file = _spec_bench_path(path)
     wanted = _check_categories(categories, SPEC_BENCH_CATEGORIES)
     by_category: dict[str, list[Prompt]] = {name: [] for name in wanted}
-    for lineno, row in _read_jsonl(file):
+    for lineno, row in read_jsonl(file):
         category = _spec_bench_category(row, file, lineno)
         if category not in by_category:
             continue
@@ -154,7 +154,7 @@ def load_jsonl(path: str | os.PathLike[str]) -> list[Prompt]:
     file = Path(path)
     if not file.is_file():
         raise PromptSetError(f"prompt file not found: {file.resolve()}")
-    prompts = [_jsonl_prompt(row, file, lineno) for lineno, row in _read_jsonl(file)]
+    prompts = [_jsonl_prompt(row, file, lineno) for lineno, row in read_jsonl(file)]
     return _non_empty(prompts, f"prompt file {file}")
 
 
@@ -226,7 +226,7 @@ def _check_categories(
     return tuple(c for c in valid if c in categories)
 
 
-def _read_jsonl(file: Path) -> list[tuple[int, dict[str, Any]]]:
+def read_jsonl(file: Path) -> list[tuple[int, dict[str, Any]]]:
     rows = []
     with file.open(encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, start=1):

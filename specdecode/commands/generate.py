@@ -77,7 +77,7 @@ def _validate(args: argparse.Namespace) -> None:
 def main(args: argparse.Namespace) -> int:
     import time
 
-    from specdecode.build import build_engine, config_from_args, validate_config
+    from specdecode.build import build_engine, config_from_args
     from specdecode.engine import Output, RequestError
     from specdecode.models.loading import ModelNotFoundError
     from specdecode.sampling import SamplingError, SamplingParams
@@ -89,9 +89,7 @@ def main(args: argparse.Namespace) -> int:
                            None if args.seed is None else args.seed + i, args.max_new_tokens, tuple(args.stop), args.ignore_eos)
             for i in range(args.num_samples)
         ]
-        cfg = config_from_args(args, max_batch_size=args.num_samples)
-        validate_config(cfg)
-        engine = build_engine(cfg)
+        engine = build_engine(config_from_args(args, max_batch_size=args.num_samples))  # flags checked before loading
         prompt = _prompt_ids(args, engine.tokenizer)
         if engine.target_quantization != "none":
             print(f"warning: LOSSY — the target was quantized to {engine.target_quantization} "

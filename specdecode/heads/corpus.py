@@ -9,7 +9,6 @@ never training data: :func:`documents` refuses them by name.
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 import sys
 import sysconfig
@@ -55,27 +54,22 @@ def _read_file(path: Path) -> Callable[[], str]:
 
 
 def _jsonl(path: Path, render_chat: Callable[[list], str] | None) -> list[Document]:
+    from specdecode.bench.prompts import read_jsonl  # one JSONL reader (blank lines, errors with line numbers)
+
     docs = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
+    for lineno, record in read_jsonl(path):
+        if isinstance(record.get("text"), str):
+            text = record["text"]
+        elif isinstance(record.get("messages"), list):
+            if render_chat is None:
+                raise CorpusError(f"{path}:{lineno}: chat \"messages\" need the target's chat template")
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise CorpusError(f"{path}:{lineno}: not JSON ({exc.msg})") from None
-            if isinstance(record, dict) and isinstance(record.get("text"), str):
-                text = record["text"]
-            elif isinstance(record, dict) and isinstance(record.get("messages"), list):
-                if render_chat is None:
-                    raise CorpusError(f"{path}:{lineno}: chat \"messages\" need the target's chat template")
-                try:
-                    text = render_chat(record["messages"])
-                except Exception as exc:  # a malformed conversation: say where
-                    raise CorpusError(f"{path}:{lineno}: cannot render \"messages\" ({exc})") from None
-            else:
-                raise CorpusError(f"{path}:{lineno}: a record needs a string \"text\" or a list \"messages\"")
-            docs.append(Document(f"{path}:{lineno}", lambda t=text: t))
+                text = render_chat(record["messages"])
+            except Exception as exc:  # a malformed conversation: say where
+                raise CorpusError(f"{path}:{lineno}: cannot render \"messages\" ({exc})") from None
+        else:
+            raise CorpusError(f"{path}:{lineno}: a record needs a string \"text\" or a list \"messages\"")
+        docs.append(Document(f"{path}:{lineno}", lambda t=text: t))
     return docs
 
 

@@ -59,6 +59,7 @@ class LevelRun:
     issued: int = 0
     cancelled: int = 0  # in flight when the level's time limit hit (or on Ctrl-C)
     hit_time_limit: bool = False
+    stopped_by: str | None = None  # which limit ended it: "duration" (the level's own) or "time_limit" (the run's)
 
 
 @dataclass

@@ -131,7 +131,8 @@ async def run_level(
     """Issue ``plan`` at ``run.level`` until it is done, ``duration_s`` passes or ``deadline``."""
     loop = asyncio.get_running_loop()
     t0 = time.perf_counter()
-    stop_at = min(loop.time() + config.duration_s, deadline)
+    own_end = loop.time() + config.duration_s
+    stop_at = min(own_end, deadline)
 
     async def one(index: int) -> None:
         prompt, max_tokens = plan[index]
@@ -161,6 +162,7 @@ async def run_level(
                 group.create_task(arrivals(group))
     except TimeoutError:
         run.hit_time_limit = True
+        run.stopped_by = "time_limit" if deadline < own_end else "duration"
     finally:
         run.wall_s = time.perf_counter() - t0
         run.cancelled = run.issued - len(run.records)
