@@ -262,3 +262,13 @@ def test_extra_drafters_run_in_the_same_interleaved_run(models, tmp_path):
         cli._prepare(bench_args(models, tmp_path / "bad", "--extra-draft", str(models["draft"])), {}, [], [], [], None)
     assert [c.name for c in R.make_configs([2], [], extra_drafts=["ngram", "ngram:4"], main_draft=False)] == \
         ["target", "spec-k2[ngram]", "spec-k2[ngram2]"]
+
+
+def test_an_extra_drafter_may_name_its_own_lengths_and_trees():
+    names = [c.name for c in R.make_configs([4], [], ["2x8"], extra_drafts=["ngram|k=2|trees=none", "ngram:4|trees=4x16"])]
+    assert names == ["target", "spec-k4", "spec-k4-t2n8", "spec-k4[ngram2]", "spec-k4-t4n16[ngram2]", "spec-k2[ngram]"]
+    configs = R.make_configs([4], [], extra_drafts=["ngram|k=2|trees=none"], main_draft=False)
+    assert [(c.name, c.draft) for c in configs] == [("target", None), ("spec-k2[ngram]", "ngram")]
+    for bad in ("ngram|k=x", "ngram|depth=3", "ngram|trees=1x4", "ngram|k="):
+        with pytest.raises(R.BenchInputError):
+            R.make_configs([4], [], extra_drafts=[bad])

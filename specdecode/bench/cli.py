@@ -48,8 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "verified per step, e.g. 2x8,4x16 (configs spec-k<k>-t<T>n<N>)")
     r.add_argument("--extra-draft", action="append", default=[], metavar="SPEC",
                    help="also run this drafter in the same interleaved run, at every draft length and tree shape "
-                        "(configs spec-k<k>[<label>]); repeatable; drafters that need no second model: ngram, "
-                        "medusa:DIR")
+                        "(configs spec-k<k>[<label>]), or at its own: SPEC|k=2,4|trees=4x16 (trees=none: chains "
+                        "only); repeatable; drafters that need no second model: ngram, medusa:DIR, eagle:DIR")
     r.add_argument("--sampling", type=_csv(str), default=["greedy"],
                    help="comma-separated settings: greedy, t<T>[-p<top_p>] (e.g. greedy,t0.7-p0.95,t1.0)")
     r.add_argument("--baselines", type=_csv(str), default=["hf", "hf-assisted"],
@@ -169,10 +169,10 @@ def _prepare(args: argparse.Namespace, meta: dict, configs: list, samplings: lis
 
     from specdecode.drafters import parse_draft
 
-    for spec in args.extra_draft:
+    for spec in (text.split("|")[0] for text in args.extra_draft):
         if parse_draft(spec).loads_model:
             raise BenchInputError(f"--extra-draft {spec!r}: extra drafters must need no second model (ngram, "
-                                  "medusa:DIR); give a draft model as --draft")
+                                  "medusa:DIR, eagle:DIR); give a draft model as --draft")
     if args.draft and parse_draft(args.draft).quantization:
         raise BenchInputError(f"--draft {args.draft!r}: in bench, give the draft unquantized and compare modes with "
                               "--draft-quantization none,int8,...")

@@ -84,31 +84,57 @@ def draft_label(spec: str) -> str:
     return re.sub(r"[^\w.-]", "_", name) or "draft"
 
 
+def parse_extra_draft(text: str, draft_lengths: list[int], shapes: list[tuple[int, int]]):
+    """``SPEC[|k=K1,K2][|trees=TxN,...|none]`` -> (spec, its draft lengths, its tree shapes); options
+    default to the run's ``--draft-lengths`` and ``--tree-shapes``."""
+    spec, *options = text.split("|")
+    ks, own_shapes = list(draft_lengths), list(shapes)
+    for option in options:
+        key, sep, value = option.partition("=")
+        try:
+            if key == "k" and sep:
+                ks = [int(x) for x in value.split(",") if x]
+            elif key == "trees" and sep:
+                own_shapes = [] if value == "none" else [parse_tree_shape(x) for x in value.split(",") if x]
+            else:
+                raise ValueError
+        except ValueError:
+            raise BenchInputError(f"--extra-draft {text!r}: options are |k=K1,K2 and |trees=TxN,...|none") from None
+    if not ks:
+        raise BenchInputError(f"--extra-draft {text!r}: no draft lengths")
+    return spec, ks, own_shapes
+
+
 def make_configs(draft_lengths: list[int], baselines: list[str], tree_shapes: list[str] = (),
                  quantizations: list[str] = ("none",), extra_drafts: list[str] = (),
                  main_draft: bool = True) -> list[RunConfig]:
     """target, then for each k: the main drafter (``spec-k<k>``, trees, quantizations) and each extra
-    drafter (``spec-k<k>[<label>]`` and its trees), then the HF baselines."""
+    drafter (``spec-k<k>[<label>]`` and its trees, at its own lengths/shapes if its spec names them),
+    then the HF baselines."""
     configs = [RunConfig(TARGET, "engine")]
     shapes = [parse_tree_shape(s) for s in tree_shapes]
-    labels: list[tuple[str, str]] = []
-    for spec in extra_drafts:
+    extras: list[tuple[str, str, list[int], list[tuple[int, int]]]] = []
+    for text in extra_drafts:
+        spec, ks, own = parse_extra_draft(text, draft_lengths, shapes)
         label = draft_label(spec)
-        if label in [lab for lab, _ in labels]:
-            label = f"{label}{len(labels) + 1}"
-        labels.append((label, spec))
-    for k in draft_lengths:
+        if label in [e[0] for e in extras]:
+            label = f"{label}{len(extras) + 1}"
+        extras.append((label, spec, ks, own))
+    lengths = list(dict.fromkeys(list(draft_lengths) + [k for e in extras for k in e[2]]))
+    for k in lengths:
         if k < 1:
             raise BenchInputError(f"draft lengths must be >= 1, got {k}")
-        for q in quantizations if main_draft else ():
+        for q in quantizations if main_draft and k in draft_lengths else ():
             suffix = "" if q == "none" else f"@{q}"
             configs.append(RunConfig(f"spec-k{k}{suffix}", "engine", k, quantization=q))
             configs += [RunConfig(f"spec-k{k}-t{t}n{n}{suffix}", "engine", k, tree=(t, n), quantization=q)
                         for t, n in shapes]
-        for label, spec in labels:
+        for label, spec, ks, own in extras:
+            if k not in ks:
+                continue
             configs.append(RunConfig(f"spec-k{k}[{label}]", "engine", k, draft=spec))
             configs += [RunConfig(f"spec-k{k}-t{t}n{n}[{label}]", "engine", k, tree=(t, n), draft=spec)
-                        for t, n in shapes]
+                        for t, n in own]
     for name in baselines:
         if name not in ("hf", "hf-assisted"):
             raise BenchInputError(f"unknown baseline {name!r}: use hf, hf-assisted")

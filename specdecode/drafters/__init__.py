@@ -2,7 +2,7 @@
 
 A spec is ``KIND:ARG`` for a registered kind (``ngram``, ``ngram:4``, ``model:PATH``) or, for anything
 else, the name of a draft model (an alias, a directory, a ``.gguf`` file or a hub id), i.e.
-``model:SPEC``; ``medusa:DIR`` names trained heads. A model may carry its quantization: ``qwen2.5-coder-0.5b@int8``. Adding a drafter is one file with a ``build(arg, ctx)`` function and one line here.
+``model:SPEC``; ``medusa:DIR`` and ``eagle:DIR`` name trained drafters. A model may carry its quantization: ``qwen2.5-coder-0.5b@int8``. Adding a drafter is one file with a ``build(arg, ctx)`` function and one line here.
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ KINDS: dict[str, DrafterKind] = {
     "medusa": DrafterKind("specdecode.drafters.medusa", False,
                           "Medusa heads on the target's final hidden state (medusa:DIR from `specdecode heads train`)",
                           needs_arg=True),
+    "eagle": DrafterKind("specdecode.drafters.eagle", False,
+                         "an EAGLE draft layer on the target's features (eagle:DIR from `specdecode heads train "
+                         "--kind eagle`)", needs_arg=True),
 }
 
 

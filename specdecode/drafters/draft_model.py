@@ -154,7 +154,7 @@ class DraftModelDrafter(DrafterBase):
                 step_probs.append(p)
             tokens[rows, j] = tok
             if self.confidence > 0:
-                ks = self._stop_unsure(ks, j, logits, None if all_greedy else p, tok, params)
+                ks = stop_unsure(ks, j, logits, None if all_greedy else p, tok, params, self.confidence)
             j += 1
             if j < max(ks):
                 hidden = self.runner.forward(slots, tok[:, None], (next_pos + j - 1)[:, None]).hidden[:, 0]
@@ -210,22 +210,23 @@ class DraftModelDrafter(DrafterBase):
             self._tree[s.slot] = (start, tree)
         return tree_proposal(bsz, rows, trees, all(s.params.greedy for s in active), dev)
 
-    def _stop_unsure(self, ks: list[int], j: int, logits: torch.Tensor, probs: torch.Tensor | None,
-                     tok: torch.Tensor, params) -> list[int]:
-        """End the chain of each row whose j-th token has draft probability below the threshold:
-        the warped probability it was sampled with, or for greedy rows the draft's softmax."""
-        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-        conf = probs.gather(1, tok[:, None])[:, 0] if probs is not None else torch.zeros(len(params), device=logits.device)
-        if greedy.any():
-            soft = torch.softmax(logits[greedy], dim=-1).gather(1, tok[greedy, None])[:, 0]
-            conf[greedy] = soft
-        return [j + 1 if j < k and c < self.confidence else k for k, c in zip(ks, conf.tolist())]
-
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:  # [b, V_draft] -> [b, V_target]
         extra = self.vocab_size - logits.shape[-1]
         if extra > 0:
             return torch.nn.functional.pad(logits, (0, extra), value=-float("inf"))
         return logits[..., : self.vocab_size]
+
+
+def stop_unsure(ks: list[int], j: int, logits: torch.Tensor, probs: torch.Tensor | None, tok: torch.Tensor, params,
+                threshold: float) -> list[int]:
+    """End the chain of each row whose j-th token has draft probability below ``threshold``: the
+    warped probability it was sampled with, or for greedy rows the draft's softmax."""
+    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+    conf = probs.gather(1, tok[:, None])[:, 0] if probs is not None else torch.zeros(len(params), device=logits.device)
+    if greedy.any():
+        soft = torch.softmax(logits[greedy], dim=-1).gather(1, tok[greedy, None])[:, 0]
+        conf[greedy] = soft
+    return [j + 1 if j < k and c < threshold else k for k, c in zip(ks, conf.tolist())]
 
 
 def tree_proposal(bsz: int, rows: list[int], trees: list[GrownTree], greedy: bool, device) -> Proposal:

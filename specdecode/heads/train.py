@@ -36,7 +36,9 @@ RANKS = 10  # accuracy by rank kept for the static tree
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kind", choices=("medusa",), default="medusa", help="what to train (default medusa)")
+    p.add_argument("--kind", choices=("medusa", "eagle"), default="medusa",
+                   help="medusa: independent heads on the final hidden state; eagle: a one-layer draft decoder "
+                        "autoregressive on the target's features (default medusa)")
     p.add_argument("--features", type=Path, required=True, help="a directory written by `heads extract`")
     p.add_argument("--out", type=Path, required=True, help="where the heads go (resumes from its checkpoint)")
     p.add_argument("--target", default=None,
@@ -49,8 +51,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-output", action="store_true",
                    help="also train the shared output layer (default: frozen at the target's LM-head rows)")
     p.add_argument("--epochs", type=float, default=2.0, help="passes over the training split (default 2)")
-    p.add_argument("--batch-size", type=int, default=256, help="token positions per step (default 256)")
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    p.add_argument("--batch-size", type=int, default=256, help="medusa: token positions per step (default 256)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-3 medusa, 5e-4 eagle)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
     p.add_argument("--warmup", type=float, default=0.05, help="warm-up fraction of the steps (default 0.05)")
     p.add_argument("--head-decay", type=float, default=0.8, help="loss weight of head j is DECAY**j (default 0.8)")
@@ -60,6 +62,21 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-train-tokens", type=int, default=0,
                    help="use only the first N training tokens (0 = all): for accuracy-vs-data curves")
     p.add_argument("--seed", type=int, default=0)
+    e = p.add_argument_group("eagle")
+    e.add_argument("--eagle-layers", default="final",
+                   help="the target feature the drafter reads: final (EAGLE-1, the normed last state), eagle3 "
+                        "(fusion of layers 2, L/2, L-3) or decoder-layer indices, e.g. 2,14,25; the features must "
+                        "hold them (heads extract --layers) (default final)")
+    e.add_argument("--intermediate-size", type=int, default=0,
+                   help="MLP width of the draft layer (default 0 = the target's)")
+    e.add_argument("--ttt-steps", type=int, default=3,
+                   help="training-time test: draft steps unrolled on the drafter's own features (default 3)")
+    e.add_argument("--batch-chunks", type=int, default=4, help="extracted chunks per step (default 4)")
+    e.add_argument("--level-decay", type=float, default=0.8, help="loss weight of draft step j is DECAY**j (default 0.8)")
+    e.add_argument("--feature-weight", type=float, default=0.5,
+                   help="weight of the smooth-L1 feature regression (final features only; default 0.5)")
+    e.add_argument("--feature-noise", type=float, default=0.05,
+                   help="Gaussian noise on input features, relative to their RMS (default 0.05)")
     p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (default 100)")
     p.add_argument("--evals", type=int, default=8, help="held-out evaluations during training (default 8)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
@@ -138,16 +155,18 @@ def build_data(fs: FeatureSet, rows: torch.Tensor, num_heads: int, to_draft: tor
                 torch.stack(teacher, 1), torch.stack(corpus, 1))
 
 
-def split_rows(fs: FeatureSet, held_out: float, max_train_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Training and held-out positions, split by document: every round(1/held_out)-th document in
-    extraction order (which is shuffled), at least one."""
+def held_out_docs(fs: FeatureSet, held_out: float) -> torch.Tensor:
+    """The held-out documents: every round(1/held_out)-th document in extraction order (which is
+    shuffled), at least one."""
     period = max(2, round(1 / held_out))
-    doc = fs["doc"].long()
-    docs = torch.unique(doc)
-    held_docs = docs[period - 1:: period]
-    if len(held_docs) == 0:
-        held_docs = docs[-1:]
-    held = torch.isin(doc, held_docs)
+    docs = torch.unique(fs["doc"].long())
+    held = docs[period - 1:: period]
+    return held if len(held) else docs[-1:]
+
+
+def split_rows(fs: FeatureSet, held_out: float, max_train_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Training and held-out positions, split by document (:func:`held_out_docs`)."""
+    held = torch.isin(fs["doc"].long(), held_out_docs(fs, held_out))
     n_all = len(fs)
     chunk = fs["chunk"].long()
     has_label = torch.zeros(n_all, dtype=torch.bool)
@@ -211,18 +230,116 @@ def _lr_factor(step: int, total: int, warmup: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def _output_rows(target_spec: str, id_map: torch.Tensor, fingerprint: list[int]) -> torch.Tensor:
-    """The target's LM-head rows of the draft vocabulary (float32), checking it is the extracted target."""
+@dataclass
+class TargetParts:
+    """What drafter training takes from the (frozen) target: its config, LM head, final norm, embeddings."""
+
+    config: object  # the HF config
+    out_weight: torch.Tensor  # [V, H] float32
+    norm_weight: torch.Tensor | None  # [H] the final norm's weight
+    embed: torch.Tensor  # [V, H] float32 input embeddings
+
+
+def lm_target(target, fingerprint: list[int]) -> TargetParts:
+    """Load the target (a spec, or an already loaded HF causal LM) and check it is the extracted one."""
     from specdecode.heads.features import model_fingerprint
     from specdecode.models.hf import HFRunner
     from specdecode.models.loading import load_model
 
-    model, _ = load_model(target_spec, torch.float32, "cpu")
+    model = load_model(target, torch.float32, "cpu")[0] if isinstance(target, str) else target
     if len(set(model_fingerprint(HFRunner(model))) & set(fingerprint)) < 0.75 * len(fingerprint):
-        raise FeatureError(f"target {target_spec!r} is not the model the features were extracted from")
-    rows = model.get_output_embeddings().weight[id_map].detach().float().clone()
-    del model
-    return rows
+        raise FeatureError(f"target {getattr(model.config, 'name_or_path', target)!r} is not the model the features "
+                           "were extracted from")
+    norm = getattr(model.base_model, "norm", None)
+    return TargetParts(model.config, model.get_output_embeddings().weight.detach().float().clone(),
+                       norm.weight.detach().float().clone() if norm is not None else None,
+                       model.get_input_embeddings().weight.detach().float().clone())
+
+
+class Loop:
+    """The training loop shared by every drafter kind: AdamW with linear warm-up and cosine decay,
+    held-out evaluations, checkpoints every ``checkpoint_every`` steps and resume from them (a run
+    with other settings or features is refused), DDP under ``torchrun`` (rank 0 writes), the loss log
+    and the plot."""
+
+    def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float, warmup: float, total: int, out: Path,
+                 fingerprint: dict, evals: int, checkpoint_every: int, progress: bool) -> None:
+        import torch.distributed as dist
+
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        if self.world > 1 and not dist.is_initialized():
+            dist.init_process_group("gloo")
+        self.rank = dist.get_rank() if self.world > 1 else 0
+        out.mkdir(parents=True, exist_ok=True)
+        self.model, self.out, self.total, self.progress = model, out, total, progress
+        self.checkpoint_every, self.fingerprint = checkpoint_every, fingerprint
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+        warm = max(1, round(warmup * total))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: _lr_factor(s, total, warm))
+        self.module = model
+        if self.world > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.module = DistributedDataParallel(model)
+        self.step, self.log, self.curve, self.seconds = 0, [], [], 0.0
+        ckpt = out / CHECKPOINT
+        if ckpt.is_file():
+            state = torch.load(ckpt, weights_only=False)
+            if state["fingerprint"] != fingerprint:
+                raise FeatureError(f"{ckpt} belongs to a run with other settings or features; use another --out or "
+                                   "delete the checkpoint")
+            model.load_state_dict(state["heads"])
+            self.opt.load_state_dict(state["opt"])
+            self.sched.load_state_dict(state["sched"])
+            self.step, self.log, self.curve, self.seconds = state["step"], state["log"], state["curve"], state["seconds"]
+        self.eval_at = {round(total * (i + 1) / evals) for i in range(evals)} if evals else set()
+
+    def run(self, step_fn, eval_fn) -> None:
+        """``step_fn(step) -> loss`` (a scalar to minimise); ``eval_fn(step) -> dict`` for the curve."""
+        bar = None
+        if self.progress and self.rank == 0:
+            from tqdm import tqdm
+
+            bar = tqdm(total=self.total, initial=self.step, unit="step", desc="train", dynamic_ncols=True)
+        t0 = time.perf_counter() - self.seconds
+        self.model.train()
+        while self.step < self.total:
+            loss = step_fn(self.step)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            self.opt.step()
+            self.sched.step()
+            self.step += 1
+            value = loss.item()
+            self.log.append([self.step, round(value, 5), self.sched.get_last_lr()[0]])
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{value:.3f}")
+            if self.step in self.eval_at and self.rank == 0:
+                self.model.eval()
+                self.curve.append(eval_fn(self.step))
+                self.model.train()
+            self.seconds = time.perf_counter() - t0
+            if (self.step % self.checkpoint_every == 0 or self.step == self.total) and self.rank == 0:
+                tmp = self.out / (CHECKPOINT + ".tmp")
+                torch.save({"fingerprint": self.fingerprint, "heads": self.model.state_dict(),
+                            "opt": self.opt.state_dict(), "sched": self.sched.state_dict(), "step": self.step,
+                            "log": self.log, "curve": self.curve, "seconds": self.seconds}, tmp)
+                tmp.replace(self.out / CHECKPOINT)
+        if bar is not None:
+            bar.close()
+
+    def finish(self, series, ylabel: str, label: str) -> None:
+        """Write ``train_log.json`` and ``training.png`` (``series(curve point) -> values per head/position``)."""
+        (self.out / "train_log.json").write_text(json.dumps(self.log))
+        _plot(self.out, self.log, self.curve, series, ylabel, label)
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
 
 
 def train(fs: FeatureSet, out: Path, settings: TrainSettings, target_spec: str, checkpoint_every: int = 100,
@@ -231,14 +348,7 @@ def train(fs: FeatureSet, out: Path, settings: TrainSettings, target_spec: str, 
 
     ``output_rows(id_map)`` gives the initial output layer (default: the target's LM-head rows).
     """
-    import torch.distributed as dist
-
     settings.validate()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo")
-    rank = dist.get_rank() if world > 1 else 0
-    out.mkdir(parents=True, exist_ok=True)
     if "final" not in fs.layers:
         raise FeatureError(f"{fs.dir}: Medusa heads read the final hidden state; extract with --layers final")
     X = fs["final"]
@@ -250,92 +360,47 @@ def train(fs: FeatureSet, out: Path, settings: TrainSettings, target_spec: str, 
     test_data = build_data(fs, test_rows, settings.num_heads, to_draft)
     config = MedusaConfig(settings.num_heads, fs.hidden_size, fs.vocab_size, len(id_map), settings.depth,
                           target={**fs.manifest["target"], "fingerprint": fs.manifest["fingerprint"]})
-    rows = output_rows(id_map) if output_rows else _output_rows(target_spec, id_map, fs.manifest["fingerprint"])
+    rows = output_rows(id_map) if output_rows else lm_target(target_spec, fs.manifest["fingerprint"]).out_weight[id_map]
     heads = MedusaHeads(config, id_map, rows)
     heads.out.weight.requires_grad_(settings.train_output)
-    params = [p for p in heads.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
     steps_per_epoch = max(1, len(train_rows) // settings.batch_size)
     total = max(1, round(settings.epochs * steps_per_epoch))
-    warmup = max(1, round(settings.warmup * total))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, total, warmup))
-    model = heads
-    if world > 1:
-        from torch.nn.parallel import DistributedDataParallel
-
-        model = DistributedDataParallel(heads)
-
     fingerprint = {"settings": asdict(settings), "features": [s["sha256"] for s in fs.manifest["shards"]]}
-    step, log, curve, seconds = 0, [], [], 0.0
-    ckpt = out / CHECKPOINT
-    if ckpt.is_file():
-        state = torch.load(ckpt, weights_only=False)
-        if state["fingerprint"] != fingerprint:
-            raise FeatureError(f"{ckpt} belongs to a run with other settings or features; use another --out or "
-                               "delete the checkpoint")
-        heads.load_state_dict(state["heads"])
-        opt.load_state_dict(state["opt"])
-        sched.load_state_dict(state["sched"])
-        step, log, curve, seconds = state["step"], state["log"], state["curve"], state["seconds"]
-    eval_at = {round(total * (i + 1) / evals) for i in range(evals)} if evals else set()
+    loop = Loop(heads, settings.lr, settings.weight_decay, settings.warmup, total, out, fingerprint, evals,
+                checkpoint_every, progress)
 
-    bar = None
-    if progress and rank == 0:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, initial=step, unit="step", desc="train", dynamic_ncols=True)
-    t0 = time.perf_counter() - seconds
-    heads.train()
-    while step < total:
+    def step_fn(step: int) -> torch.Tensor:
         epoch, b = divmod(step, steps_per_epoch)
         gen = torch.Generator().manual_seed(settings.seed * 100_003 + epoch)
         perm = torch.randperm(len(train_rows), generator=gen)
-        idx = perm[b * settings.batch_size: (b + 1) * settings.batch_size][rank::world]
-        logits = model(X[train_data.rows[idx]].float())
-        loss = loss_fn(logits, train_data, idx, settings)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
-        step += 1
-        value = loss.item()
-        log.append([step, round(value, 5), sched.get_last_lr()[0]])
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{value:.3f}")
-        if step in eval_at and rank == 0:
-            heads.eval()
-            res = evaluate(heads, X, test_data, limit=2048)
-            heads.train()
-            curve.append({"step": step, "tokens_seen": step * settings.batch_size, "top1": res["top1"]})
-        if (step % checkpoint_every == 0 or step == total) and rank == 0:
-            tmp = out / (CHECKPOINT + ".tmp")
-            torch.save({"fingerprint": fingerprint, "heads": heads.state_dict(), "opt": opt.state_dict(),
-                        "sched": sched.state_dict(), "step": step, "log": log, "curve": curve,
-                        "seconds": time.perf_counter() - t0}, tmp)
-            tmp.replace(ckpt)
-    if bar is not None:
-        bar.close()
+        idx = perm[b * settings.batch_size: (b + 1) * settings.batch_size][loop.rank::loop.world]
+        return loss_fn(loop.module(X[train_data.rows[idx]].float()), train_data, idx, settings)
+
+    def eval_fn(step: int) -> dict:
+        res = evaluate(heads, X, test_data, limit=2048)
+        return {"step": step, "tokens_seen": step * settings.batch_size, "top1": res["top1"]}
+
+    loop.run(step_fn, eval_fn)
     heads.eval().requires_grad_(False)
-    if rank == 0:
+    if loop.rank == 0:
         result = evaluate(heads, X, test_data)
         config.accuracy = result["by_rank"]
         config.training = {
             "features": str(fs.dir), "feature_tokens": len(fs), "train_positions": len(train_rows),
             "held_out_positions": len(test_rows), "steps": total, "tokens_seen": total * settings.batch_size,
-            "seconds": round(time.perf_counter() - t0, 1), "world_size": world, "settings": asdict(settings),
-            "held_out": {k: result[k] for k in ("positions", "top1", "top5", "corpus_top1")}, "curve": curve,
+            "seconds": round(loop.seconds, 1), "world_size": loop.world, "settings": asdict(settings),
+            "held_out": {k: result[k] for k in ("positions", "top1", "top5", "corpus_top1")}, "curve": loop.curve,
             "draft_vocab_coverage": round(float((to_draft[fs["input_ids"][test_rows].long()] >= 0).float().mean()), 4),
         }
         heads.save(out)
-        (out / "train_log.json").write_text(json.dumps(log))
-        _plot(out, log, curve)
-    if world > 1:
-        dist.barrier()
+        loop.finish(lambda c: c["top1"], "held-out top-1 (= target's top-1)", "head {j} (t+{t})")
+    loop.barrier()
     return heads
 
 
-def _plot(out: Path, log: list, curve: list) -> None:
+def _plot(out: Path, log: list, curve: list, series, ylabel: str, label: str) -> None:
+    """Loss by step; ``series(point)`` per head/position against training tokens seen (``label`` is
+    formatted with ``j`` = index, ``p`` = j + 1 and ``t`` = j + 2)."""
     try:
         import matplotlib
 
@@ -347,10 +412,11 @@ def _plot(out: Path, log: list, curve: list) -> None:
     a.plot([r[0] for r in log], [r[1] for r in log], lw=0.8)
     a.set_xlabel("step")
     a.set_ylabel("training loss")
-    for j in range(len(curve[0]["top1"]) if curve else 0):
-        b.plot([c["tokens_seen"] for c in curve], [c["top1"][j] for c in curve], marker="o", label=f"head {j} (t+{j + 2})")
+    for j in range(len(series(curve[0])) if curve else 0):
+        b.plot([c["tokens_seen"] for c in curve], [series(c)[j] for c in curve], marker="o",
+               label=label.format(j=j, p=j + 1, t=j + 2))
     b.set_xlabel("training tokens seen")
-    b.set_ylabel("held-out top-1 (= target's top-1)")
+    b.set_ylabel(ylabel)
     if curve:
         b.legend()
     fig.tight_layout()
@@ -359,8 +425,10 @@ def _plot(out: Path, log: list, curve: list) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.kind == "eagle":
+        return _main_eagle(args)
     settings = TrainSettings(args.num_heads, args.depth, args.draft_vocab, args.train_output, args.epochs,
-                             args.batch_size, args.lr, args.weight_decay, args.warmup, args.head_decay,
+                             args.batch_size, args.lr or 1e-3, args.weight_decay, args.warmup, args.head_decay,
                              args.soft_weight, args.held_out, args.max_train_tokens, args.seed)
     try:
         settings.validate()
@@ -382,4 +450,34 @@ def main(args: argparse.Namespace) -> int:
     if held:
         print(f"heads written to {args.out}: held-out top-1 by head {held['top1']}, top-5 {held['top5']} "
               f"({heads.config.training['seconds']} s, {heads.config.training['tokens_seen']} tokens seen)")
+    return 0
+
+
+def _main_eagle(args: argparse.Namespace) -> int:
+    from specdecode.heads.eagle_train import EagleSettings, train as train_eagle
+
+    settings = EagleSettings(args.eagle_layers, args.draft_vocab, args.intermediate_size, args.ttt_steps, args.epochs,
+                             args.batch_chunks, args.lr or 5e-4, args.weight_decay, args.warmup, args.level_decay,
+                             args.soft_weight, args.feature_weight, args.feature_noise, args.held_out,
+                             args.max_train_tokens, args.seed)
+    try:
+        settings.validate()
+        if args.checkpoint_every < 1:
+            raise ValueError("--checkpoint-every must be >= 1")
+        fs = FeatureSet(args.features)
+    except (ValueError, FeatureError) as exc:
+        print(f"specdecode heads train: {exc}", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = args.target or fs.manifest["target"].get("spec")
+    try:
+        model = train_eagle(fs, args.out, settings, target, args.checkpoint_every, args.evals, not args.no_progress)
+    except (ValueError, FeatureError) as exc:
+        print(f"specdecode heads train: {exc}", file=sys.stderr)
+        return 2
+    acc = model.config.accuracy
+    if acc:
+        print(f"EAGLE drafter written to {args.out}: held-out top-1 by draft position {acc['top1']}, chain "
+              f"{acc['chain']} -> greedy tokens/step {acc['tokens_per_step']} ({model.config.training['seconds']} s)")
     return 0

@@ -13,7 +13,7 @@ positions each. Everything above it speaks slots, token ids and positions:
   iff ``tree_mask[b, i, j]``. A tree of candidates puts node ``i`` at position ``start + depth`` and
   writes it at ``start + i``; a drafter growing a tree level by level feeds only the new level, whose
   mask names its ancestors among the nodes already written;
-* ``logits(hidden)`` turns final hidden states into float32 logits;
+* ``logits(hidden)`` turns final hidden states into float32 logits; ``embed(ids)`` gives input embeddings;
 * KV operations: ``truncate`` (forget past a length), ``compact`` (move chosen positions of a slot
   to a contiguous run: keeps an accepted tree branch), ``copy_slot``, and ``export_kv/import_kv``
   (an opaque snapshot of a slot's prefix, for prefix reuse).
@@ -73,6 +73,9 @@ class Runner(Protocol):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., H]`` -> ``[..., vocab_size]`` float32."""
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids ``[...]`` -> the model's input embeddings ``[..., H]`` (EAGLE reads the target's)."""
 
     def truncate(self, slot: int, length: int) -> None:
         """Only positions ``< length`` of ``slot`` are valid from now on."""

@@ -90,10 +90,13 @@ class HFRunner:
         tree_mask: torch.Tensor | None = None,  # [B, q, W] bool: query i sees the key at tree_start + j
         tree_start: torch.Tensor | None = None,  # [B] first write index of the tree window (default: min write)
         layers: Sequence[int] = (),
+        inputs_embeds: torch.Tensor | None = None,  # [B, q, H]: fed instead of input_ids' embeddings
     ) -> ForwardOutput:
         assert self.cache is not None, "no KV cache: call ensure_capacity() first"
         dev = self.device
         slots, input_ids, positions = slots.to(dev), input_ids.to(dev), positions.to(dev)
+        if inputs_embeds is not None:
+            inputs_embeds = inputs_embeds.to(device=dev, dtype=self.dtype)
         writes = positions if write_positions is None else write_positions.to(dev)
         if tree_mask is not None:
             tree_mask = tree_mask.to(dev)
@@ -115,7 +118,8 @@ class HFRunner:
         self.cache.bind(slots, writes, kv_len)
         try:
             out = self.base(
-                input_ids=input_ids,
+                input_ids=None if inputs_embeds is not None else input_ids,
+                inputs_embeds=inputs_embeds,
                 position_ids=positions,
                 attention_mask=masks,
                 past_key_values=self.cache,
@@ -144,6 +148,10 @@ class HFRunner:
 
             hooks.append(module.register_forward_hook(hook))
         return hooks
+
+    @torch.inference_mode()
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [...] long -> [..., H] input embeddings
+        return self.base.get_input_embeddings()(input_ids.to(self.device))
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., V] float32
