@@ -306,3 +306,23 @@ def test_cli_extract_train_generate_round_trip(tmp_path, target):
                            "--eagle-layers", "7"], "7")]:
         r = cli(*bad)
         assert r.returncode == 2 and "Traceback" not in r.stderr and culprit in r.stderr, (bad, r.stderr)
+
+
+def test_training_runs_under_torchrun_with_two_processes(tmp_path, target, feats):
+    import shutil
+
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not installed")
+    model_dir = tmp_path / "model"
+    target.save_pretrained(model_dir)
+    TOK.save_pretrained(model_dir)
+    r = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "specdecode.cli", "heads", "train",
+                        "--kind", "eagle", "--features", str(feats), "--out", str(tmp_path / "ddp"), "--target",
+                        str(model_dir), "--draft-vocab", "20", "--intermediate-size", "32", "--epochs", "1",
+                        "--batch-chunks", "4", "--no-progress", "--threads", "1"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cfg = json.loads((tmp_path / "ddp" / "config.json").read_text())
+    assert cfg["training"]["world_size"] == 2
+    EagleModel.load(tmp_path / "ddp")

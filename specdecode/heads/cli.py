@@ -1,8 +1,8 @@
 """`specdecode heads ...`: extract target features from a corpus, train drafter heads on them.
 
     specdecode heads extract --target qwen2.5-coder-1.5b --out ~/feats        # stdlib source by default
-    specdecode heads train --kind medusa --features ~/feats --out ~/heads
-    specdecode generate --target qwen2.5-coder-1.5b --draft medusa:~/heads ...
+    specdecode heads train --kind medusa --features ~/feats --out ~/heads     # or --kind eagle --out ~/eagle
+    specdecode generate --target qwen2.5-coder-1.5b --draft medusa:~/heads ...   # or --draft eagle:~/eagle
 
 Both steps resume after an interruption (rerun the same command).
 """
@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ex.add_argument("--max-tokens", type=int, default=50_000, help="tokens to extract in all (default 50000)")
     ex.add_argument("--layers", default="final",
                     help="hidden-state layers to store: final (the normed last state; Medusa, EAGLE-1) and/or "
-                         "decoder-layer indices, e.g. 2,14,25 for EAGLE-3 (default final)")
+                         "decoder-layer indices, e.g. final,2,14,25 for EAGLE-3 as well (default final)")
     ex.add_argument("--seq-len", type=int, default=512, help="tokens per forward chunk (default 512)")
     ex.add_argument("--topk", type=int, default=8, help="soft labels: top-k of the target's distribution kept (default 8)")
     ex.add_argument("--shard-tokens", type=int, default=8192, help="tokens per shard, the resume granularity (default 8192)")
@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         from specdecode.heads.train import add_train_arguments
     except ModuleNotFoundError:  # pragma: no cover - training not built yet
         return
-    add_train_arguments(sub.add_parser("train", help="train drafter heads (Medusa) on extracted features"))
+    add_train_arguments(sub.add_parser("train", help="train a drafter (Medusa heads or an EAGLE layer) on extracted features"))
 
 
 def _extract(args: argparse.Namespace) -> int:
