@@ -135,3 +135,36 @@ def test_cancel_keeps_what_finished() -> None:
     run = result.levels[0]
     assert 1 <= len(run.records) < 100 and all(r.ok for r in run.records)
     assert run.wall_s is not None and run.cancelled == 1
+
+
+def test_ctrl_c_stops_the_sweep_even_when_a_request_swallows_the_cancellation(monkeypatch) -> None:
+    """The cause of a Ctrl-C test that hung at random: httpx closes a cancelled stream in a shielded
+    anyio scope, and asyncio's one cancellation landing there is lost. A request that swallows its
+    cancellation stands for that here; SIGINT must still end the sweep after the request in flight."""
+    import os
+    import signal
+
+    import specdecode.load.runner as R
+    from specdecode.load.records import RequestRecord
+
+    served = []
+
+    async def swallowing(client, target, prompt, max_tokens, index, t0, timeout):
+        served.append(index)
+        if index == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while this request streams
+        try:
+            await asyncio.sleep(0.01)
+        except asyncio.CancelledError:  # what the shielded close did: cancellation gone
+            await asyncio.sleep(0.01)
+        return RequestRecord(index, prompt.id, prompt.kind, max_tokens, 0.0, latency_s=0.01, output_tokens=1)
+
+    async def no_model(client):
+        return "m"
+
+    monkeypatch.setattr(R, "stream_request", swallowing)
+    monkeypatch.setattr(R, "first_model", no_model)
+    result = run_sweep(_config("http://127.0.0.1:9", [CHAT], levels=[1, 2], num_requests=1000))
+    assert result.interrupted
+    assert len(served) < 10 and len(result.levels) == 1  # stopped within the level, the next never started
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored

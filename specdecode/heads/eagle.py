@@ -1,7 +1,7 @@
 """The EAGLE draft model (Li et al. 2024; EAGLE-3's feature fusion and training-time test): one decoder
 layer of the target's family that runs autoregressively *on the target's features*.
 
-At position ``t`` its input is ``fc(concat(g_t, e(x_{t+1})))``: ``g_t`` the target's feature of token
+At position ``t`` its input is ``fc(concat(norm(g_t), norm(e(x_{t+1}))))``: ``g_t`` the target's feature of token
 ``t`` and ``e`` the target's own (frozen) input embedding of the next token. One decoder layer (the
 target's architecture, built from its config with ``num_hidden_layers = 1``, its own KV cache, RoPE at
 the target's positions), then the target's final norm (frozen) gives ``f^_{t+1}``, a prediction of the
@@ -121,6 +121,11 @@ class EagleModel(nn.Module):
         h = config.hidden_size
         n = len(config.feature_layers)
         self.fuse = nn.Linear(n * h, h, bias=False) if n > 1 else None
+        eps = float(config.decoder.get("rms_norm_eps", 1e-6))
+        # both inputs normalised before fc (as EAGLE-3 does): a feature's RMS is ~100x an embedding's, and
+        # without this the next token barely reaches the layer until fc has grown for it
+        self.feat_norm = nn.RMSNorm(h, eps=eps)
+        self.emb_norm = nn.RMSNorm(h, eps=eps)
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.decoder = build_decoder(config.decoder)
         self.register_buffer("id_map", id_map.to(torch.long), persistent=True)
@@ -133,7 +138,7 @@ class EagleModel(nn.Module):
         return self.fuse(torch.cat(parts, dim=-1))
 
     def step_input(self, g: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.cat([g, emb.to(g.dtype)], dim=-1))
+        return self.fc(torch.cat([self.feat_norm(g), self.emb_norm(emb.to(g.dtype))], dim=-1))
 
     def feedback(self, normed: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
         """The next step's feature: the normed output (EAGLE-1, final features) or the raw one (fusion)."""

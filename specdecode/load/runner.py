@@ -94,8 +94,55 @@ def run_sweep(config: LoadConfig, progress: Progress | None = None) -> SweepResu
     return result
 
 
+class _Stop:
+    """Ctrl-C during a sweep. asyncio's own handler cancels the main task once, and that one
+    cancellation can be swallowed: httpx closes a cancelled stream inside a shielded anyio cancel
+    scope, and a native asyncio cancel that lands there is lost, so the workers went on issuing the
+    rest of the plan (the cause of a test that hung at random under CPU load). Instead SIGINT sets a
+    flag that every worker checks before each request, and cancels the running level's task."""
+
+    def __init__(self, result: SweepResult) -> None:
+        self.result = result
+        self.level_task: asyncio.Task | None = None
+        self.installed = False
+
+    @property
+    def requested(self) -> bool:
+        return self.result.interrupted
+
+    def install(self, loop: asyncio.AbstractEventLoop) -> None:
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            loop.add_signal_handler(signal.SIGINT, self.trigger)
+            self.installed = True
+
+    def uninstall(self, loop: asyncio.AbstractEventLoop) -> None:
+        import signal
+
+        if self.installed:
+            loop.remove_signal_handler(signal.SIGINT)
+            self.installed = False
+
+    def trigger(self) -> None:
+        self.result.interrupted = True
+        if self.level_task is not None:
+            self.level_task.cancel()
+
+
 async def run_sweep_async(config: LoadConfig, result: SweepResult, progress: Progress) -> None:
     """Fill ``result`` level by level, so that an interrupted sweep keeps what finished."""
+    loop = asyncio.get_running_loop()
+    stop = _Stop(result)
+    stop.install(loop)
+    try:
+        await _sweep(config, result, progress, stop)
+    finally:
+        stop.uninstall(loop)
+
+
+async def _sweep(config: LoadConfig, result: SweepResult, progress: Progress, stop: _Stop) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + config.time_limit_s
     plan = plan_requests(config)
@@ -110,13 +157,24 @@ async def run_sweep_async(config: LoadConfig, result: SweepResult, progress: Pro
             result.endpoints[target.label] = {"url": str(client.base_url), "model": target.model}
             targets.append(target)
         for level, target in itertools.product(config.levels, targets):
+            if stop.requested:
+                return
             if loop.time() >= deadline:
                 result.skipped.append((target.label, level))
                 continue
             run = LevelRun(label=target.label, level=level, mode=config.mode)
             result.levels.append(run)
             progress.level_started(run, config.num_requests)
-            await run_level(clients[target.label], target, plan, config, run, deadline, progress)
+            stop.level_task = asyncio.ensure_future(run_level(clients[target.label], target, plan, config, run,
+                                                              deadline, progress, stop))
+            try:
+                await stop.level_task
+            except asyncio.CancelledError:
+                if not stop.requested:  # not ours: pass it on
+                    raise
+                return
+            finally:
+                stop.level_task = None
 
 
 async def run_level(
@@ -127,8 +185,9 @@ async def run_level(
     run: LevelRun,
     deadline: float,
     progress: Progress,
+    stop: _Stop | None = None,
 ) -> None:
-    """Issue ``plan`` at ``run.level`` until it is done, ``duration_s`` passes or ``deadline``."""
+    """Issue ``plan`` at ``run.level`` until it is done, ``duration_s`` passes, ``deadline``, or Ctrl-C."""
     loop = asyncio.get_running_loop()
     t0 = time.perf_counter()
     own_end = loop.time() + config.duration_s
@@ -144,13 +203,18 @@ async def run_level(
 
     counter = itertools.count()
 
+    def stopping() -> bool:
+        return stop is not None and stop.requested
+
     async def worker() -> None:
-        while (index := next(counter)) < len(plan):
+        while not stopping() and (index := next(counter)) < len(plan):
             await one(index)
 
     async def arrivals(group: asyncio.TaskGroup) -> None:
         for index, at in enumerate(arrival_times(run.level, len(plan), config.seed)):
             await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+            if stopping():
+                return
             group.create_task(one(index))
 
     try:
