@@ -122,7 +122,7 @@ class EagleDrafter(DrafterBase):
         x = self.model.step_input(g, self.target.embed(tokens).to(self.runner.device, self.runner.dtype))
         out = self.runner.forward(slots, tokens, positions, inputs_embeds=x, layers=self._raw_layer, **tree)
         nxt = self.model.feedback(out.hidden, out.features.get(1))
-        return nxt, self._full_vocab(self.runner.logits(out.hidden))
+        return nxt, self._full_vocab(self.runner.logits(self.model.to_feature(out.hidden)))
 
     def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:  # [..., Vd] -> [..., V] (-inf off the draft vocab)
         full = torch.full((*logits.shape[:-1], self.vocab_size), -float("inf"), device=logits.device)

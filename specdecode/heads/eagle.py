@@ -1,21 +1,24 @@
 """The EAGLE draft model (Li et al. 2024; EAGLE-3's feature fusion and training-time test): one decoder
 layer of the target's family that runs autoregressively *on the target's features*.
 
-At position ``t`` its input is ``fc(concat(norm(g_t), norm(e(x_{t+1}))))``: ``g_t`` the target's feature of token
-``t`` and ``e`` the target's own (frozen) input embedding of the next token. One decoder layer (the
-target's architecture, built from its config with ``num_hidden_layers = 1``, its own KV cache, RoPE at
-the target's positions), then the target's final norm (frozen) gives ``f^_{t+1}``, a prediction of the
-target's feature of token ``t + 1``, and an output layer over a *reduced draft vocabulary* (the
-target's LM-head rows of the most frequent corpus tokens, frozen; ``id_map`` maps rows to target ids)
-gives the distribution of token ``t + 2``. The next draft step feeds ``(f^_{t+1}, x_{t+2})``.
+At position ``t`` its input is ``fc(concat(std(g_t), norm(e(x_{t+1}))))``: ``g_t`` the target's feature of token
+``t`` standardised per dimension (statistics of the training features, stored with the weights) and ``e``
+the target's own (frozen) input embedding of the next token. One decoder layer (the target's
+architecture, built from its config with ``num_hidden_layers = 1``, its own KV cache, RoPE at the
+target's positions; its residual branches start at zero) and a norm give ``f^_{t+1}``, a prediction of
+the target's feature of token ``t + 1``, read by an output layer over a *reduced draft vocabulary*
+(the target's LM-head rows of the most frequent corpus tokens, frozen; ``id_map`` maps rows to target
+ids) for the distribution of token ``t + 2``. The next draft step feeds ``(f^_{t+1}, x_{t+2})``.
 
 Which target feature ``g`` is:
 
-* ``final`` (EAGLE-1): the target's final normed hidden state, the one its LM head reads. The draft
-  layer's normed output lives in the same space, is regressed onto the target's next feature in
-  training, and is fed back as the next step's feature.
+* ``final`` (EAGLE-1): the target's final normed hidden state, the one its LM head reads (its final
+  norm is already applied). The draft layer's (learned) norm predicts it standardised; it is regressed
+  onto the target's next feature in training, fed back as the next step's feature, and destandardised
+  for the LM head.
 * several decoder layers, e.g. ``2,14,25`` (EAGLE-3): ``g = fuse(concat(low, mid, high))``; the
-  next step feeds back the draft layer's output before the norm (EAGLE-3 has no feature regression).
+  next step feeds back the draft layer's output before the norm, the norm is the target's final norm
+  (frozen) and there is no feature regression (as in EAGLE-3).
 
 The decoder is a Hugging Face model (``AutoModelForCausalLM.from_config``: one layer, vocabulary = the
 draft vocabulary, the unused input embedding tied to the output layer), so at inference it runs under
@@ -122,27 +125,51 @@ class EagleModel(nn.Module):
         n = len(config.feature_layers)
         self.fuse = nn.Linear(n * h, h, bias=False) if n > 1 else None
         eps = float(config.decoder.get("rms_norm_eps", 1e-6))
-        # both inputs normalised before fc (as EAGLE-3 does): a feature's RMS is ~100x an embedding's, and
-        # without this the next token barely reaches the layer until fc has grown for it
-        self.feat_norm = nn.RMSNorm(h, eps=eps)
+        # Input features are standardised per dimension with statistics of the training features: a
+        # transformer's hidden states carry a few massive dimensions (here up to 130 where the median is
+        # 2), which would otherwise swamp everything else, and the token embedding (RMS ~100x smaller)
+        # is normalised too (EAGLE-3 normalises both).
+        self.register_buffer("feat_mean", torch.zeros(n, h), persistent=True)
+        self.register_buffer("feat_std", torch.ones(n, h), persistent=True)
         self.emb_norm = nn.RMSNorm(h, eps=eps)
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.decoder = build_decoder(config.decoder)
+        layer = self.decoder.base_model.layers[0]
+        with torch.no_grad():  # residual branches start at zero: the untrained layer is fc and a norm
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
         self.register_buffer("id_map", id_map.to(torch.long), persistent=True)
 
     # -- pieces shared by training and drafting --------------------------------------------------------
     def features(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        """The target's feature layers (in ``config.feature_layers`` order) -> ``g`` [..., H]."""
+        """The target's feature layers (in ``config.feature_layers`` order) -> ``g`` [..., H]: each
+        standardised, then fused (EAGLE-3) when there are several."""
+        z = [(p - self.feat_mean[i].to(p.dtype)) / self.feat_std[i].to(p.dtype) for i, p in enumerate(parts)]
         if self.fuse is None:
-            return parts[0]
-        return self.fuse(torch.cat(parts, dim=-1))
+            return z[0]
+        return self.fuse(torch.cat(z, dim=-1))
 
     def step_input(self, g: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.cat([self.feat_norm(g), self.emb_norm(emb.to(g.dtype))], dim=-1))
+        return self.fc(torch.cat([g, self.emb_norm(emb.to(g.dtype))], dim=-1))
 
     def feedback(self, normed: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
-        """The next step's feature: the normed output (EAGLE-1, final features) or the raw one (fusion)."""
+        """The next step's feature: the normed output, which predicts the next token's standardised
+        final feature (EAGLE-1), or the raw output (fusion, EAGLE-3)."""
         return normed if self.config.final_mode else raw
+
+    def to_feature(self, normed: torch.Tensor) -> torch.Tensor:
+        """The draft layer's normed output -> what the LM head reads: the predicted final feature
+        (destandardised; EAGLE-1) or the normed output itself (fusion: the target's own final norm)."""
+        if self.config.final_mode:
+            return self.feat_mean[0].to(normed.dtype) + self.feat_std[0].to(normed.dtype) * normed
+        return normed
+
+    def set_feature_stats(self, parts: list[torch.Tensor]) -> None:
+        """Per-dimension mean and standard deviation of each feature layer (rows of training features)."""
+        with torch.no_grad():
+            for i, p in enumerate(parts):
+                self.feat_mean[i] = p.float().mean(0)
+                self.feat_std[i] = p.float().std(0).clamp(min=1e-3)
 
     @property
     def out(self) -> nn.Linear:
@@ -158,7 +185,8 @@ class EagleModel(nn.Module):
         """Training-time test. ``g_parts`` the target's feature layers [B, T, H] at anchors ``a``; ``embs[j]``
         [B, T, H] the embedding of token ``a + j + 1``; ``positions`` [B, T] anchor positions; ``valid``
         [B, T] real anchors. Level ``j`` sits at position ``a + j`` and predicts token ``a + j + 2``.
-        Returns per level ``(normed output [B, T, H], draft logits [B, T, Vd])``."""
+        Returns per level ``(normed output [B, T, H], draft logits [B, T, Vd])``; in EAGLE-1 mode the
+        normed output predicts the standardised final feature of token ``a + j + 1``."""
         base = self.decoder.base_model
         layer = base.layers[0]
         cache = _Levels()
@@ -170,7 +198,7 @@ class EagleModel(nn.Module):
                       position_embeddings=base.rotary_emb(x, pos))
             h = h[0] if isinstance(h, tuple) else h
             normed = base.norm(h)
-            outs.append((normed, self.out(normed)))
+            outs.append((normed, self.out(self.to_feature(normed))))
             g = self.feedback(normed, h)
         return outs
 

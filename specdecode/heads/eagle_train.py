@@ -145,7 +145,8 @@ def eagle_loss(module, model: EagleModel, batch: dict, settings: EagleSettings, 
                 if hard_ok.any() else total * 0)
         loss = settings.soft_weight * soft + (1 - settings.soft_weight) * hard
         if "feature" in lab and settings.feature_weight > 0 and model.config.final_mode:
-            loss = loss + settings.feature_weight * torch.nn.functional.smooth_l1_loss(normed[ok], lab["feature"][ok])
+            want = model.features([lab["feature"][ok]])  # the next token's standardised final feature
+            loss = loss + settings.feature_weight * torch.nn.functional.smooth_l1_loss(normed[ok], want)
         total = total + settings.level_decay ** j * loss
     return total
 
@@ -215,11 +216,14 @@ def train(fs: FeatureSet, out: Path, settings: EagleSettings, target, checkpoint
                                  "fingerprint": fs.manifest["fingerprint"]})
     torch.manual_seed(settings.seed)
     model = EagleModel(config, id_map)
+    sample = train_rows[torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(settings.seed))[:50_000]]
+    model.set_feature_stats([fs[k][sample] for k in keys])
     with torch.no_grad():
         model.out.weight.copy_(parts.out_weight[id_map])
-        model.norm.weight.copy_(parts.norm_weight)
+        if not config.final_mode:  # fusion: the target's final norm, frozen; EAGLE-1 learns its own
+            model.norm.weight.copy_(parts.norm_weight)
     model.out.weight.requires_grad_(False)
-    model.norm.weight.requires_grad_(False)
+    model.norm.weight.requires_grad_(config.final_mode)
     model.forward = model.unroll  # DDP syncs gradients through forward()
     batches = Batches(fs, keys, parts.embed, to_draft)
 
