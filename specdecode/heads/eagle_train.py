@@ -40,8 +40,8 @@ class EagleSettings:
     intermediate_size: int = 0  # 0 = the target's
     ttt_steps: int = 3  # unrolled levels per anchor
     epochs: float = 2.0
-    batch_chunks: int = 4
-    lr: float = 5e-4
+    batch_chunks: int = 1
+    lr: float = 1e-3
     weight_decay: float = 0.0
     warmup: float = 0.05
     level_decay: float = 0.8
@@ -266,6 +266,6 @@ def train(fs: FeatureSet, out: Path, settings: EagleSettings, target, checkpoint
                 [torch.arange(lo, hi) for lo, hi in test_chunks])].long()] >= 0).float().mean()), 4),
         }
         model.save(out)
-        loop.finish(lambda c: c["top1"], "held-out top-1 (= target's top-1)", "position")
+        loop.finish(lambda c: c["top1"], "held-out top-1 (= target's top-1)", "draft position {p}")
     loop.barrier()
     return model

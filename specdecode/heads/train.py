@@ -52,7 +52,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="also train the shared output layer (default: frozen at the target's LM-head rows)")
     p.add_argument("--epochs", type=float, default=2.0, help="passes over the training split (default 2)")
     p.add_argument("--batch-size", type=int, default=256, help="medusa: token positions per step (default 256)")
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-3 medusa, 5e-4 eagle)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-3)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
     p.add_argument("--warmup", type=float, default=0.05, help="warm-up fraction of the steps (default 0.05)")
     p.add_argument("--head-decay", type=float, default=0.8, help="loss weight of head j is DECAY**j (default 0.8)")
@@ -71,7 +71,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="MLP width of the draft layer (default 0 = the target's)")
     e.add_argument("--ttt-steps", type=int, default=3,
                    help="training-time test: draft steps unrolled on the drafter's own features (default 3)")
-    e.add_argument("--batch-chunks", type=int, default=4, help="extracted chunks per step (default 4)")
+    e.add_argument("--batch-chunks", type=int, default=1,
+                   help="extracted chunks per step (default 1: on a CPU budget more updates beat bigger batches)")
     e.add_argument("--level-decay", type=float, default=0.8, help="loss weight of draft step j is DECAY**j (default 0.8)")
     e.add_argument("--feature-weight", type=float, default=0.5,
                    help="weight of the smooth-L1 feature regression (final features only; default 0.5)")
@@ -457,7 +458,7 @@ def _main_eagle(args: argparse.Namespace) -> int:
     from specdecode.heads.eagle_train import EagleSettings, train as train_eagle
 
     settings = EagleSettings(args.eagle_layers, args.draft_vocab, args.intermediate_size, args.ttt_steps, args.epochs,
-                             args.batch_chunks, args.lr or 5e-4, args.weight_decay, args.warmup, args.level_decay,
+                             args.batch_chunks, args.lr or 1e-3, args.weight_decay, args.warmup, args.level_decay,
                              args.soft_weight, args.feature_weight, args.feature_noise, args.held_out,
                              args.max_train_tokens, args.seed)
     try:
