@@ -426,11 +426,19 @@ def _plot(out: Path, log: list, curve: list, series, ylabel: str, label: str) ->
 
 
 def main(args: argparse.Namespace) -> int:
+    """Validate, load the features, train the chosen kind, report: one path for Medusa and EAGLE."""
     if args.kind == "eagle":
-        return _main_eagle(args)
-    settings = TrainSettings(args.num_heads, args.depth, args.draft_vocab, args.train_output, args.epochs,
-                             args.batch_size, args.lr or 1e-3, args.weight_decay, args.warmup, args.head_decay,
-                             args.soft_weight, args.held_out, args.max_train_tokens, args.seed)
+        from specdecode.heads.eagle_train import EagleSettings, train as run
+
+        settings = EagleSettings(args.eagle_layers, args.draft_vocab, args.intermediate_size, args.ttt_steps,
+                                 args.epochs, args.batch_chunks, args.lr or 1e-3, args.weight_decay, args.warmup,
+                                 args.level_decay, args.soft_weight, args.feature_weight, args.feature_noise,
+                                 args.held_out, args.max_train_tokens, args.seed)
+    else:
+        run = train
+        settings = TrainSettings(args.num_heads, args.depth, args.draft_vocab, args.train_output, args.epochs,
+                                 args.batch_size, args.lr or 1e-3, args.weight_decay, args.warmup, args.head_decay,
+                                 args.soft_weight, args.held_out, args.max_train_tokens, args.seed)
     try:
         settings.validate()
         if args.checkpoint_every < 1:
@@ -443,42 +451,17 @@ def main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     target = args.target or fs.manifest["target"].get("spec")
     try:
-        heads = train(fs, args.out, settings, target, args.checkpoint_every, args.evals, not args.no_progress)
-    except FeatureError as exc:
-        print(f"specdecode heads train: {exc}", file=sys.stderr)
-        return 2
-    held = heads.config.training.get("held_out", {})
-    if held:
-        print(f"heads written to {args.out}: held-out top-1 by head {held['top1']}, top-5 {held['top5']} "
-              f"({heads.config.training['seconds']} s, {heads.config.training['tokens_seen']} tokens seen)")
-    return 0
-
-
-def _main_eagle(args: argparse.Namespace) -> int:
-    from specdecode.heads.eagle_train import EagleSettings, train as train_eagle
-
-    settings = EagleSettings(args.eagle_layers, args.draft_vocab, args.intermediate_size, args.ttt_steps, args.epochs,
-                             args.batch_chunks, args.lr or 1e-3, args.weight_decay, args.warmup, args.level_decay,
-                             args.soft_weight, args.feature_weight, args.feature_noise, args.held_out,
-                             args.max_train_tokens, args.seed)
-    try:
-        settings.validate()
-        if args.checkpoint_every < 1:
-            raise ValueError("--checkpoint-every must be >= 1")
-        fs = FeatureSet(args.features)
+        model = run(fs, args.out, settings, target, args.checkpoint_every, args.evals, not args.no_progress)
     except (ValueError, FeatureError) as exc:
         print(f"specdecode heads train: {exc}", file=sys.stderr)
         return 2
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    target = args.target or fs.manifest["target"].get("spec")
-    try:
-        model = train_eagle(fs, args.out, settings, target, args.checkpoint_every, args.evals, not args.no_progress)
-    except (ValueError, FeatureError) as exc:
-        print(f"specdecode heads train: {exc}", file=sys.stderr)
-        return 2
-    acc = model.config.accuracy
-    if acc:
+    training = model.config.training
+    if args.kind == "eagle" and model.config.accuracy:
+        acc = model.config.accuracy
         print(f"EAGLE drafter written to {args.out}: held-out top-1 by draft position {acc['top1']}, chain "
-              f"{acc['chain']} -> greedy tokens/step {acc['tokens_per_step']} ({model.config.training['seconds']} s)")
+              f"{acc['chain']} -> greedy tokens/step {acc['tokens_per_step']} ({training['seconds']} s)")
+    elif training.get("held_out"):
+        held = training["held_out"]
+        print(f"heads written to {args.out}: held-out top-1 by head {held['top1']}, top-5 {held['top5']} "
+              f"({training['seconds']} s, {training['tokens_seen']} tokens seen)")
     return 0
