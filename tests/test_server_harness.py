@@ -94,7 +94,7 @@ class Served:
         with self.http() as c:
             return scrape(c.get("/metrics").text)
 
-    def wait_idle(self, timeout: float = 10.0) -> dict[str, float]:
+    def wait_idle(self, timeout: float = 60.0) -> dict[str, float]:
         """Metrics once nothing is queued, running or holding KV (fails after ``timeout``)."""
         names = ("specdecode_queue_depth", "specdecode_running_requests", "specdecode_kv_slots_used",
                  "specdecode_kv_tokens_used", "specdecode_draft_slots_used")
