@@ -44,6 +44,7 @@ class EngineConfig:
     acceptance: str = "exact"  # exact | typical (Medusa's typical acceptance: LOSSY, outputs say so)
     typical_epsilon: float = 0.09
     typical_alpha: float = 0.3
+    batch_invariant: bool = False  # rows computed alike whatever the batch (specdecode.models.batch_invariant)
 
 
 @dataclass
@@ -112,6 +113,11 @@ def add_model_arguments(parser: argparse.ArgumentParser, draft_required: bool = 
                         "\"lossy\": true and `check` fails it")
     g.add_argument("--typical-epsilon", type=float, default=0.09, help="typical acceptance: epsilon (default 0.09)")
     g.add_argument("--typical-alpha", type=float, default=0.3, help="typical acceptance: alpha (default 0.3)")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="compute every row the same way whatever else is in the batch: greedy outputs and seeded "
+                        "samples then do not depend on concurrent requests or on the verify width, so speculation "
+                        "reproduces target-only decoding bit for bit in bf16 too. Costs speed (docs/benchmarks.md); "
+                        "chains only (not --tree-topk > 1)")
     g.add_argument("--verify-budget", type=int, default=0, metavar="N",
                    help="load-aware draft length: verify at most N tokens per step across the batch, so each of "
                         "B sequences drafts at most N // B - 1 (target-only once B >= N); 0 = no cap (default)")
@@ -125,7 +131,8 @@ def config_from_args(args: argparse.Namespace, max_batch_size: int = 1) -> Engin
                         _single(getattr(args, "draft_quantization", "none")),
                         getattr(args, "target_quantization", "none"), getattr(args, "tree_topk", 1),
                         getattr(args, "tree_nodes", 16), getattr(args, "acceptance", "exact"),
-                        getattr(args, "typical_epsilon", 0.09), getattr(args, "typical_alpha", 0.3))
+                        getattr(args, "typical_epsilon", 0.09), getattr(args, "typical_alpha", 0.3),
+                        getattr(args, "batch_invariant", False))
 
 
 def _single(mode) -> str:
@@ -196,10 +203,11 @@ def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
     max_context = cfg.max_context or min(model_ctx, 4096)
     if max_context > model_ctx:
         raise ConfigError(f"max context {max_context} exceeds the model's {model_ctx}")
-    target = HFRunner(pair.target)  # the engine sizes its cache
+    target = HFRunner(pair.target, batch_invariant=cfg.batch_invariant)  # the engine sizes its cache
     drafter = None
     if cfg.draft:
-        make_draft = (lambda: HFRunner(pair.draft)) if pair.draft is not None else None
+        make_draft = ((lambda: HFRunner(pair.draft, batch_invariant=cfg.batch_invariant))
+                      if pair.draft is not None else None)
         drafter = build_drafter(cfg.draft, DraftContext(target, cfg, make_draft))
     tree_nodes = cfg.tree_nodes if cfg.draft and cfg.tree_topk > 1 else 0
     verifier = None
@@ -238,6 +246,9 @@ def validate_config(cfg: EngineConfig) -> None:
     if cfg.acceptance == "typical" and not (0 < cfg.typical_epsilon <= 1 and cfg.typical_alpha > 0):
         raise ConfigError(f"typical acceptance needs 0 < epsilon <= 1 and alpha > 0, got {cfg.typical_epsilon}, "
                          f"{cfg.typical_alpha}")
+    if cfg.batch_invariant and cfg.draft and cfg.tree_topk > 1:
+        raise ConfigError("--batch-invariant covers chain drafting only: a tree writes a candidate's key at another "
+                          "index than a chain does, which reorders the attention sum; use --tree-topk 1")
     if cfg.max_batch_size < 1:
         raise ConfigError(f"max batch size must be >= 1, got {cfg.max_batch_size}")
     if cfg.max_context is not None and cfg.max_context < 1:

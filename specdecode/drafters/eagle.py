@@ -296,6 +296,10 @@ def build(arg: str, ctx) -> EagleDrafter:
     validate(arg)
     model = EagleModel.load(Path(arg))
     check_target(model, ctx.target, arg)
+    if getattr(ctx.config, "batch_invariant", False):  # its draws then do not depend on the batch either
+        from specdecode.models import batch_invariant
+
+        batch_invariant.enable(model)
     cfg = ctx.config
     tree = (getattr(cfg, "tree_topk", 1), getattr(cfg, "tree_nodes", 0)) if cfg else (1, 0)
     dtype = torch.float32 if str(ctx.target.device) == "cpu" else ctx.target.dtype

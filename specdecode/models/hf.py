@@ -14,6 +14,7 @@ from typing import Sequence
 
 import torch
 
+from specdecode.models import batch_invariant as batch_invariant_mode
 from specdecode.models.base import FINAL, Features, ForwardOutput
 from specdecode.models.kv_cache import StaticKVCache
 
@@ -21,10 +22,14 @@ PREFILL_TOKENS = 2048  # tokens per prefill forward (all rows together): bounds 
 
 
 class HFRunner:
-    def __init__(self, model: torch.nn.Module, num_slots: int = 0, max_len: int = 0) -> None:
+    def __init__(self, model: torch.nn.Module, num_slots: int = 0, max_len: int = 0,
+                 batch_invariant: bool = False) -> None:
         cfg = model.config
         if getattr(cfg, "final_logit_softcapping", None):
             raise ValueError(f"{cfg.model_type}: final logit soft-capping is not supported")
+        if batch_invariant:  # every row computed the same way whatever shares the forward
+            batch_invariant_mode.enable(model)
+        self.batch_invariant = batch_invariant_mode.is_enabled(model)
         self.model = model
         self.base = model.base_model
         self.lm_head = model.get_output_embeddings()
@@ -35,7 +40,7 @@ class HFRunner:
         self.device = next(model.parameters()).device
         self.identity = _identity(model)
         self.eos_token_ids = _eos_ids(getattr(model, "generation_config", None))
-        self.sdpa = getattr(cfg, "_attn_implementation", "sdpa") == "sdpa"
+        self.sdpa = getattr(cfg, "_attn_implementation", "sdpa") in ("sdpa", batch_invariant_mode.NAME)  # bool masks
         self.sliding_window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
         self.layer_types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
         self._head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -177,10 +182,11 @@ class HFRunner:
             ids[r, : len(prompts[i])] = torch.tensor(prompts[i])
         slot_t = torch.tensor([slots[i] for i in rows])
         parts: list[Features] = []
-        for lo in range(0, width, chunk):
-            hi = min(width, lo + chunk)
-            positions = torch.arange(lo, hi)[None].expand(len(rows), -1)
-            parts.append(self.forward(slot_t, ids[:, lo:hi], positions, layers=layers).features)
+        with batch_invariant_mode.bulk():  # prompt tokens: the bulk plans, whatever the batch
+            for lo in range(0, width, chunk):
+                hi = min(width, lo + chunk)
+                positions = torch.arange(lo, hi)[None].expand(len(rows), -1)
+                parts.append(self.forward(slot_t, ids[:, lo:hi], positions, layers=layers).features)
         for layer in layers:
             full = torch.cat([p[layer] for p in parts], dim=1)  # [rows, width, H]
             for r, i in enumerate(rows):

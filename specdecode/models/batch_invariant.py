@@ -1,0 +1,280 @@
+"""Batch-invariant mode: each row computed the same way whatever else shares its forward.
+
+Why results depend on the batch at all: a BLAS picks its kernel (blocking, reduction order, gemv
+or gemm) from the call's shape, so row ``r`` of ``x @ W.T`` differs in its last bits between a call
+of 1 row and one of 5 (measured on a Xeon for float32 and bfloat16 alike). Near a tie the argmax
+flips, so greedy output could depend on who else was in the server's batch, and greedy speculation
+(a ``k + 1``-row verify) could differ from target-only decoding (1-row steps). This mode removes
+every shape dependence from a decoder layer:
+
+* **Matmuls** (every ``nn.Linear``, the LM head, both attention products) run only at row counts
+  of one *class*: sizes that a probe on this machine found to give bit-identical rows whatever the
+  row's position and neighbours (the kernel is chosen by shape, never by values). A call of ``n``
+  rows is cut into chunks of the class's largest size and the rest is zero-padded to the smallest
+  size that holds it. Probed lazily per operation shape, dtype, device and thread count; the class
+  is chosen from the class structure alone (a fixed cost model), so every process on a machine
+  makes the same choice.
+* **Attention** runs over fixed blocks of :data:`BLOCK` keys, so the batch's longest row never
+  changes a reduction: scores per block, an exact max, exponentials, sums within a block and then
+  block after block in a fixed order (blocks past a row's length add exact zeros), probabilities
+  times values per block, accumulated in the same order. Computed in float32.
+* Everything else in a decoder layer (norms, rotary, activations, residuals) is per row already.
+
+Two plans per operation: ``step`` for decode/verify forwards (few rows) and ``bulk`` for prompt
+prefill (many rows). The runner, not the batch, decides which: a prompt token is always computed by
+``bulk`` and a decoded or verified token by ``step``, whoever shares the forward.
+
+Not covered: tree verification (a tree writes a candidate's key at another index than a chain
+does, which reorders the attention sum), attention soft-capping, and models whose layers call
+matmuls outside ``nn.Linear`` and the attention interface.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+NAME = "specdecode_batch_invariant"  # the attention implementation's name in Hugging Face's registry
+BLOCK = 128  # keys per attention block
+STEP_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16)  # row counts probed for decode/verify calls
+BULK_SIZES = (16, 32, 64, 128, 256)  # row counts probed for prefill calls
+STEP_WORKLOAD = tuple(range(1, 33))  # row counts the step plan is chosen for
+BULK_WORKLOAD = tuple(range(16, 2049, 16))
+ROWS_PER_WEIGHT_READ = 16  # cost model: a call costs one weight read plus rows / this
+
+_BULK = contextvars.ContextVar("specdecode_bulk", default=False)
+
+
+@contextlib.contextmanager
+def bulk() -> Iterator[None]:
+    """Forwards inside use the ``bulk`` plans (prompt prefill)."""
+    token = _BULK.set(True)
+    try:
+        yield
+    finally:
+        _BULK.reset(token)
+
+
+class InvarianceError(RuntimeError):
+    """No row count gives position-independent results for an operation on this machine."""
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    sizes: tuple[int, ...]  # ascending row counts that all give bit-identical rows
+
+    def chunks(self, n: int) -> list[tuple[int, int]]:
+        """``(rows, padded rows)`` of each call for ``n`` rows."""
+        big, out = self.sizes[-1], []
+        while n > big:
+            out.append((big, big))
+            n -= big
+        if n:
+            out.append((n, next(s for s in self.sizes if s >= n)))
+        return out
+
+    def cost(self, n: int) -> float:
+        return sum(1 + size / ROWS_PER_WEIGHT_READ for _, size in self.chunks(n))
+
+
+def choose(classes: list[tuple[int, ...]], workload: tuple[int, ...]) -> RowPlan:
+    """The class whose plan costs least over ``workload`` (ties: the first)."""
+    if not classes:
+        raise InvarianceError("no row count gives position-independent rows")
+    plans = [RowPlan(tuple(sorted(c))) for c in classes]
+    return min(plans, key=lambda p: sum(p.cost(n) for n in workload))
+
+
+# Outputs compared per row count. Rounding to a low-precision output hides most last-bit differences
+# of the accumulator (bf16 on a Xeon: ~1 output in 8,000 differs between a 1-row and a 4-row call),
+# so the probe looks at many outputs: enough rows for this many values, within the bounds below.
+PROBE_VALUES = 150_000
+PROBE_ROWS = (12, 512)
+
+
+def probe(run: Callable[[torch.Tensor], torch.Tensor], lead: tuple[int, ...], width: int,
+          candidates: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> list[tuple[int, ...]]:
+    """Classes of ``candidates``: row counts at which ``run`` (rows ``[*lead, m, width]`` -> ``[*lead, m, N]``)
+    gives each of many probe rows (:data:`PROBE_VALUES`) the same bits in two arrangements (other positions,
+    other neighbours; with a leading batch dimension, also alone in a batch of one), and row counts
+    that agree with each other on every probe row."""
+    g = torch.Generator().manual_seed(0)
+    outputs = run(torch.zeros(*lead, candidates[0], width, device=device, dtype=dtype)).shape[-1]
+    n = min(PROBE_ROWS[1], max(PROBE_ROWS[0], -(-PROBE_VALUES // (outputs * max(1, math.prod(lead))))))
+    probes = torch.randn(*lead, n, width, generator=g).to(device, dtype)
+    results: dict[int, torch.Tensor] = {}
+    for m in candidates:
+        arrangements = []
+        for flip in (False, True):
+            out = []
+            for lo in range(0, n, m):
+                part = probes[..., lo: lo + m, :]
+                k = part.shape[-2]
+                fill = torch.randn(*lead, m - k, width, generator=g).to(device, dtype)
+                rows = torch.cat([fill, part.flip(-2)] if flip else [part, fill], dim=-2).contiguous()
+                got = run(rows)
+                got = got[..., m - k:, :].flip(-2) if flip else got[..., :k, :]
+                if lead and flip:  # the first batch entry computed alone
+                    alone = run(rows[:1].contiguous())
+                    alone = alone[..., m - k:, :].flip(-2) if flip else alone[..., :k, :]
+                    got = torch.cat([alone, got[1:]])
+                out.append(got)
+            arrangements.append(torch.cat(out, dim=-2))
+        if torch.equal(arrangements[0], arrangements[1]):
+            results[m] = arrangements[0]
+    classes: list[list[int]] = []
+    for m, rows_out in results.items():
+        for c in classes:
+            if torch.equal(results[c[0]], rows_out):
+                c.append(m)
+                break
+        else:
+            classes.append([m])
+    return [tuple(c) for c in classes]
+
+
+_PLANS: dict[tuple, RowPlan] = {}
+
+
+def _plan(kind: str, shape: tuple, dtype: torch.dtype, device: torch.device,
+          run: Callable[[torch.Tensor], torch.Tensor], lead: tuple[int, ...], width: int) -> RowPlan:
+    mode = "bulk" if _BULK.get() else "step"
+    key = (kind, shape, mode, dtype, str(device), torch.get_num_threads())
+    plan = _PLANS.get(key)
+    if plan is None:
+        sizes, workload = (BULK_SIZES, BULK_WORKLOAD) if mode == "bulk" else (STEP_SIZES, STEP_WORKLOAD)
+        try:
+            plan = choose(probe(run, lead, width, sizes, dtype, device), workload)
+        except InvarianceError as e:
+            raise InvarianceError(f"batch-invariant mode: {kind} {shape} in {dtype} on {device}: {e}") from None
+        _PLANS[key] = plan
+    return plan
+
+
+def plans() -> dict[str, tuple[int, ...]]:
+    """The plans chosen so far, for reports: ``"linear (N, K) step float32" -> sizes``."""
+    return {f"{k[0]} {k[1]} {k[2]} {str(k[3]).removeprefix('torch.')}": p.sizes for k, p in _PLANS.items()}
+
+
+def _by_plan(rows: torch.Tensor, plan: RowPlan, run: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``run`` over ``rows`` ``[..., n, K]`` (rows on the second-to-last axis) in the plan's chunks,
+    each copied into a fresh zero-padded buffer so every call sees the same shape and layout."""
+    n, outs, lo = rows.shape[-2], [], 0
+    for count, size in plan.chunks(n):
+        buf = rows.new_zeros(*rows.shape[:-2], size, rows.shape[-1])
+        buf[..., :count, :] = rows[..., lo: lo + count, :]
+        outs.append(run(buf)[..., :count, :])
+        lo += count
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def run(rows: torch.Tensor) -> torch.Tensor:
+        return F.linear(rows, weight, bias)
+
+    rows = x.reshape(-1, x.shape[-1])
+    plan = _plan("linear", (tuple(weight.shape), bias is not None), x.dtype, x.device, run, (), x.shape[-1])
+    return _by_plan(rows, plan, run).reshape(*x.shape[:-1], -1)
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a [G, M, K] @ b [G, K, N]`` with row counts from the plan (``b`` made contiguous)."""
+    b = b.contiguous()
+
+    def run(rows: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(rows, b[: rows.shape[0]])
+
+    def probe_run(rows: torch.Tensor) -> torch.Tensor:
+        other = torch.randn(rows.shape[0], b.shape[1], b.shape[2], generator=torch.Generator().manual_seed(1))
+        return torch.bmm(rows, other.to(b.device, b.dtype))
+
+    plan = _plan("bmm", tuple(b.shape[1:]), a.dtype, a.device, probe_run, (3,), a.shape[-1])
+    return _by_plan(a, plan, run)
+
+
+class InvariantLinear(torch.nn.Linear):
+    """``nn.Linear`` computed with :func:`linear` (same parameters, same state dict)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+              softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """Hugging Face attention interface: ``query [B, h, q, d]``, ``key/value [B, kv_heads, L, d]``,
+    ``attention_mask [B, 1, q, L]`` (bool: visible, or additive float) -> ``[B, q, h, d]``."""
+    if softcap:
+        raise ValueError("batch-invariant attention does not support attention soft-capping")
+    if dropout:
+        raise ValueError("batch-invariant attention is for inference (dropout 0)")
+    batch, heads, q, d = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    scaling = d ** -0.5 if scaling is None else scaling
+    blocks = max(1, math.ceil(length / BLOCK))
+    pad = blocks * BLOCK - length
+    if attention_mask is None:
+        visible = torch.ones(batch, 1, q, length, dtype=torch.bool, device=query.device)
+    elif attention_mask.dtype == torch.bool:
+        visible = attention_mask
+    else:
+        visible = attention_mask == 0
+    rows = groups * q  # the query heads sharing a key head are rows of one product: K/V are read once
+    visible = F.pad(visible, (0, pad), value=False)[:, :, None].expand(batch, kv_heads, groups, q, -1)
+    visible = visible.reshape(batch * kv_heads, rows, -1)
+    qf = query.float().reshape(batch * kv_heads, rows, d)
+    keys = F.pad(key.float(), (0, 0, 0, pad)).reshape(batch * kv_heads, length + pad, d)
+    values = F.pad(value.float(), (0, 0, 0, pad)).reshape(batch * kv_heads, length + pad, d)
+    spans = [slice(j * BLOCK, (j + 1) * BLOCK) for j in range(blocks)]
+    scores = torch.cat([bmm(qf, keys[:, s].transpose(1, 2)) for s in spans], dim=-1) * scaling
+    scores.masked_fill_(~visible, float("-inf"))
+    top = scores.amax(dim=-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    probs = torch.exp(scores - top)  # masked keys: exactly 0
+    denom = torch.zeros(batch * kv_heads, rows, 1, device=query.device)
+    out = torch.zeros(batch * kv_heads, rows, d, device=query.device)
+    for s in spans:  # block by block, always in this order: blocks past a row's keys add exact zeros
+        p = probs[:, :, s]
+        denom = denom + p.sum(dim=-1, keepdim=True)
+        out = out + bmm(p, values[:, s])
+    out = out / denom.clamp_min(torch.finfo(torch.float32).tiny)
+    return out.reshape(batch, heads, q, d).transpose(1, 2).contiguous().to(query.dtype), None
+
+
+_REGISTERED = False
+
+
+def register() -> None:
+    global _REGISTERED
+    if not _REGISTERED:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(NAME, attention)
+        _REGISTERED = True
+
+
+def enable(model: torch.nn.Module) -> torch.nn.Module:
+    """Make ``model`` batch-invariant in place: its ``nn.Linear`` layers become :class:`InvariantLinear`
+    and every Hugging Face model inside it runs :func:`attention`. Idempotent."""
+    for m in model.modules():
+        if type(m) is torch.nn.Linear:
+            m.__class__ = InvariantLinear
+        config = getattr(m, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            if getattr(config, "attn_logit_softcapping", None):
+                raise ValueError(f"{config.model_type}: attention soft-capping is not supported by batch-invariant mode")
+            register()
+            config._attn_implementation = NAME
+    return model
+
+
+def is_enabled(model: torch.nn.Module) -> bool:
+    config = getattr(model, "config", None)
+    return getattr(config, "_attn_implementation", None) == NAME
