@@ -4,7 +4,9 @@ Chunk ``k`` (0-based) of a response is sent ``first_token_s + k * token_interval
 request arrived (an absolute schedule, so late wake-ups do not accumulate). Chat responses first
 send an empty role chunk at once, which must not count as the first token. The prompt text (or
 the last message) steers failures: ``status:NNN`` answers HTTP NNN, ``stream-error`` sends one
-token then an error event, ``hang`` waits 30 s before anything.
+token then an error event, ``hang`` waits 30 s before anything. With ``hold_until = n`` no response
+starts before ``n`` requests have arrived (an ordering, not a clock: only a client that sends
+without waiting for answers gets any).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class Behaviour:
     tokens_per_chunk: int = 1
     send_usage: bool = True
     speculation: dict[str, Any] | None = None
+    hold_until: int = 0
     bodies: list[dict[str, Any]] = field(default_factory=list)
     in_flight: int = 0
 
@@ -81,6 +84,8 @@ async def _stream(
                                                                            "text": content}
         return {"choices": [choice]}
 
+    while len(behaviour.bodies) < behaviour.hold_until:
+        await asyncio.sleep(0.005)
     if chat:
         yield event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
     if text == "hang":
@@ -126,7 +131,7 @@ class FakeServer:
 
     def __enter__(self) -> FakeServer:
         self.thread.start()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # generous (a busy machine); exits as soon as it is up
         while not self.server.started:
             if time.monotonic() > deadline or not self.thread.is_alive():
                 raise RuntimeError("fake server did not start")

@@ -29,6 +29,9 @@ from test_engine import ALPHA, VS, chi_square_p, exact_two_token_law, sample_pai
 from test_medusa import PROMPTS, TOK, V, run_extract, write_corpus
 from tiny import make_model, make_tokenizer
 
+# only a guard against a hang: on a busy CI machine a run can take many times its usual tens of seconds
+SUBPROCESS_TIMEOUT_S = 1800
+
 
 def tiny_eagle(target, layers=("final",), draft_vocab=None, seed=0, scale=1.0) -> EagleModel:
     """An untrained EAGLE drafter for ``target`` (random layer, scaled up so it drafts varied tokens)."""
@@ -285,7 +288,8 @@ def test_a_drafter_for_another_target_or_layer_set_is_refused(target):
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "specdecode.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "specdecode.cli", *args], capture_output=True, text=True,
+                          timeout=SUBPROCESS_TIMEOUT_S)
 
 
 def test_cli_extract_train_generate_round_trip(tmp_path, target):
@@ -327,7 +331,7 @@ def test_training_runs_under_torchrun_with_two_processes(tmp_path, target, feats
                         "--kind", "eagle", "--features", str(feats), "--out", str(tmp_path / "ddp"), "--target",
                         str(model_dir), "--draft-vocab", "20", "--intermediate-size", "32", "--epochs", "1",
                         "--batch-chunks", "4", "--no-progress", "--threads", "1"],
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
     assert r.returncode == 0, r.stderr[-3000:]
     cfg = json.loads((tmp_path / "ddp" / "config.json").read_text())
     assert cfg["training"]["world_size"] == 2

@@ -31,8 +31,10 @@ def _chat(content: str) -> Prompt:
 
 def _config(url: str, prompts: list[Prompt], model: str | None = None,
             extra_body: dict[str, object] | None = None, **kw: object) -> LoadConfig:
-    defaults: dict[str, object] = dict(levels=[1], num_requests=4, duration_s=10,
-                                       output_len=(8, 8), request_timeout_s=5)
+    # Limits that no answering request or level may reach, even on a busy CI machine (they are
+    # only guards there): tests that check a limit pass their own.
+    defaults: dict[str, object] = dict(levels=[1], num_requests=4, duration_s=600,
+                                       output_len=(8, 8), request_timeout_s=120)
     target = Target("A", url, model, extra_body or {})
     return LoadConfig(targets=[target], prompts=prompts, **{**defaults, **kw})  # type: ignore
 
@@ -101,15 +103,21 @@ def test_errors_are_classified() -> None:
 
 
 def test_level_stops_at_its_duration_and_the_run_at_its_time_limit() -> None:
-    slow = Behaviour(first_token_s=0.01, token_interval_s=0.05)  # 8 tokens: ~0.36 s a request
+    # 8 tokens: >= 3.5 s a request at the server (a lower bound), so every level ends mid-request.
+    # The first level stops at its own 5 s, the second (started at >= 5 s, its own end >= 10 s) is
+    # cut by the run's 9 s, and the third is never started. The 4 s between the first level's end
+    # and the run's limit are room for setup and cancelling on a busy machine; no other clock.
+    slow = Behaviour(first_token_s=0.01, token_interval_s=0.5)
     with FakeServer(slow) as server:
         result = run_sweep(_config(server.url, [CHAT], model="m", levels=[2, 4, 8], num_requests=1000,
-                                   duration_s=1.0, time_limit_s=1.3))
+                                   duration_s=5.0, time_limit_s=9.0))
+    assert len(result.levels) == 2, [(r.level, r.stopped_by, r.wall_s) for r in result.levels]
     first, second = result.levels
-    assert first.hit_time_limit and first.stopped_by == "duration" and first.wall_s >= 1.0  # a lower bound only
-    assert len(first.records) <= 6 and first.cancelled == 2  # the server needs >= 0.36 s a request; both mid-request
+    assert first.hit_time_limit and first.stopped_by == "duration" and first.wall_s >= 5.0  # a lower bound only
+    assert len(first.records) <= 2 and first.cancelled == 2  # the server needs >= 3.5 s a request; both mid-request
     assert first.issued == len(first.records) + first.cancelled
     assert second.hit_time_limit and second.stopped_by == "time_limit"  # cut by the run's limit, not its own
+    assert second.issued == len(second.records) + second.cancelled and second.cancelled == 4
     assert result.skipped == [("A", 8)]
 
 
@@ -117,18 +125,35 @@ def test_open_loop_follows_seeded_poisson_arrivals() -> None:
     times = arrival_times(rate=20, n=2000, seed=1)
     assert times == arrival_times(rate=20, n=2000, seed=1) != arrival_times(20, 2000, seed=2)
     assert times[0] == 0 and times[-1] / 1999 == pytest.approx(1 / 20, rel=0.1)
-    with FakeServer(Behaviour(first_token_s=0, token_interval_s=0)) as server:
-        result = run_sweep(_config(server.url, [CODE], mode="open", levels=[40], num_requests=6))
-    starts = sorted(r.start_s for r in result.levels[0].records)
-    assert starts == pytest.approx(arrival_times(40, 6, seed=0), abs=0.05)
+    # The fake answers nobody before all six requests are in: only an open loop (sending on its
+    # schedule, not after answers) completes. Each request goes at its seeded time or later; how much
+    # later is the machine's business (no upper bound: a busy machine wakes late).
+    expected = arrival_times(40, 6, seed=0)
+    with FakeServer(Behaviour(first_token_s=0, token_interval_s=0, hold_until=6)) as server:
+        result = run_sweep(_config(server.url, [CODE], mode="open", levels=[40], num_requests=6,
+                                   request_timeout_s=60))
+    records = sorted(result.levels[0].records, key=lambda r: r.index)
+    assert [r.index for r in records] == list(range(6)) and all(r.ok for r in records), records
+    assert all(r.start_s >= at - 1e-3 for r, at in zip(records, expected)), [r.start_s for r in records]
+    assert [r.start_s for r in records] == sorted(r.start_s for r in records)  # issued in order
 
 
 def test_cancel_keeps_what_finished() -> None:
+    class FirstDone(NoProgress):
+        def __init__(self) -> None:
+            self.event = asyncio.Event()
+
+        def request_done(self, run, record) -> None:
+            self.event.set()
+
     async def cancel_midway(result: SweepResult) -> None:
         with FakeServer(Behaviour(first_token_s=0.01, token_interval_s=0.02)) as server:
+            # 100 requests of >= 0.15 s each at the server: the sweep cannot finish before the cancel
             config = _config(server.url, [CHAT], num_requests=100)
-            task = asyncio.create_task(run_sweep_async(config, result, NoProgress()))
-            await asyncio.sleep(0.6)
+            progress = FirstDone()
+            task = asyncio.create_task(run_sweep_async(config, result, progress))
+            # cancel once a request has finished (an event, not a clock); the deadline is only a guard
+            await asyncio.wait_for(progress.event.wait(), timeout=120)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task

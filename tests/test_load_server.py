@@ -15,7 +15,8 @@ def test_sweep_speculation_on_vs_off_against_our_server():
         config = LoadConfig(
             targets=[Target("off", served.url, extra_body={"speculation": False, "ignore_eos": True, "temperature": 0}),
                      Target("on", served.url, extra_body={"ignore_eos": True, "temperature": 0})],
-            prompts=PROMPTS, levels=[1, 4], num_requests=8, duration_s=60, time_limit_s=120, output_len=(12, 12),
+            prompts=PROMPTS, levels=[1, 4], num_requests=8, output_len=(12, 12),
+            duration_s=600, time_limit_s=3600,  # guards only: every level must finish all 8 requests
             api_key=KEY,
         )
         result = run_sweep(config)

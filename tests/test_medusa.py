@@ -32,6 +32,9 @@ from specdecode.verify.typical import typical_verifier, verify_typical
 from test_engine import ALPHA, VS, chi_square_p, exact_two_token_law, sample_pairs
 from tiny import ALPHABET, make_model, make_tokenizer
 
+# only a guard against a hang: on a busy CI machine a run can take many times its usual tens of seconds
+SUBPROCESS_TIMEOUT_S = 1800
+
 V = 32
 TOK = make_tokenizer(V)
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 5, 6]]
@@ -335,7 +338,7 @@ def model_dir(tmp_path_factory, target):
 
 def cli(*args, **kw):
     return subprocess.run([sys.executable, "-m", "specdecode.cli", *args], capture_output=True, text=True,
-                          timeout=300, **kw)
+                          timeout=SUBPROCESS_TIMEOUT_S, **kw)
 
 
 def test_cli_extract_train_generate_round_trip(tmp_path, model_dir):
@@ -374,7 +377,8 @@ def test_training_runs_under_torchrun_with_two_processes(tmp_path, feats, model_
     r = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "specdecode.cli", "heads", "train",
                         "--features", str(feats), "--out", str(tmp_path / "ddp"), "--target", str(model_dir),
                         "--num-heads", "2", "--draft-vocab", "20", "--epochs", "1", "--batch-size", "32",
-                        "--no-progress", "--threads", "1"], capture_output=True, text=True, timeout=300)
+                        "--no-progress", "--threads", "1"], capture_output=True, text=True,
+                       timeout=SUBPROCESS_TIMEOUT_S)
     assert r.returncode == 0, r.stderr[-3000:]
     cfg = json.loads((tmp_path / "ddp" / "config.json").read_text())
     assert cfg["training"]["world_size"] == 2

@@ -15,7 +15,8 @@ import openai
 import pytest
 
 from test_server_harness import one_torch_thread  # noqa: F401 (autouse fixture)
-from test_server_harness import KEY, MAX_LEN, MODEL, engine, reference, serve, sse_events, tokenizer
+from test_server_harness import (CLIENT_TIMEOUT_S, KEY, MAX_LEN, MODEL, HeldSteps, engine, reference, serve,
+                                 sse_events, tokenizer, until)
 
 PROMPTS = ["abc", "hello", "xyzzy", "q", "AbCdEf", "mmmm", "zyx", "Qq", "hi", "kitten", "B", "rst"]
 
@@ -256,7 +257,7 @@ async def _post(client: httpx.AsyncClient, path: str, body: dict) -> tuple[int, 
 
 
 def _client(srv) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=srv.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+    return httpx.AsyncClient(base_url=srv.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=CLIENT_TIMEOUT_S,
                              trust_env=False)
 
 
@@ -307,18 +308,31 @@ def test_many_requests_with_random_cancels_leave_no_trace(srv):
         except asyncio.CancelledError:
             return None
 
+    async def left_mid_stream(client):
+        """Abandoned for certain while the server holds it (the random cancels above are clocked, and
+        on a busy machine they may all fire before their requests are sent): it leaves after its
+        first streamed chunk, with over a hundred steps (one token each) still to go."""
+        body = {"prompt": "abc", "max_tokens": MAX_LEN - 3, "ignore_eos": True, "stream": True, "speculation": False}
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    return None  # closes the connection mid-stream
+        raise AssertionError("the stream ended without a chunk")
+
     async def run():
         async with _client(srv) as client:
             assert (await client.get("/health")).status_code == 200  # connect once: cancels hit the server
-            return await asyncio.gather(*[one(client, i) for i in range(48)])
+            return await asyncio.gather(*[one(client, i) for i in range(48)], left_mid_stream(client))
 
+    aborts = 'specdecode_requests_total{finish_reason="abort"}'
     before = srv.metrics()
     results = asyncio.run(run())
     statuses = [r[0] for r in results if r is not None]
     assert statuses and all(s < 500 for s in statuses), statuses
+    srv.wait_idle()
+    # the abort is counted just after its slot is freed: wait for the count, not for a clock
+    until(lambda: srv.metrics().get(aborts, 0) > before.get(aborts, 0), "no request was aborted")
     after = srv.wait_idle()
-    aborts = 'specdecode_requests_total{finish_reason="abort"}'
-    assert after.get(aborts, 0) > before.get(aborts, 0)
     five_xx = sum(v for k, v in after.items() if k.startswith("specdecode_http_requests_total") and 'code="5' in k)
     assert five_xx == 0
     with srv.http() as c:  # still serving
@@ -338,14 +352,26 @@ async def _post_chat_or_completion(client, path, body):
 
 
 def test_queue_full_gets_429_and_admitted_requests_complete():
-    with serve(engine(k=3, slots=1), max_queue=1) as s:
+    eng = engine(k=3, slots=1)
+    held = HeldSteps(eng)  # no step until the test says: nothing finishes while the six arrive
+    with serve(eng, max_queue=1) as s:
         body = {"prompt": "abc", "max_tokens": 60, "ignore_eos": True, "temperature": 0}
 
         async def run():
             async with _client(s) as client:
-                return await asyncio.gather(*[client.post("/v1/completions", json=body) for _ in range(6)])
+                posts = [asyncio.ensure_future(client.post("/v1/completions", json=body)) for _ in range(6)]
+                # one slot and one queue place: with the engine held, four (or five) answers come back at once
+                pending = set(posts)
+                while len(pending) > 2:  # (120 s: a guard only, against a server that never turns one away)
+                    done, pending = await asyncio.wait(pending, timeout=120, return_when=asyncio.FIRST_COMPLETED)
+                    assert done, "no answer while the engine was held"
+                held.release()
+                return await asyncio.gather(*posts)
 
-        responses = asyncio.run(run())
+        try:
+            responses = asyncio.run(run())
+        finally:
+            held.release()
         codes = sorted(r.status_code for r in responses)
         assert 429 in codes and 200 in codes and set(codes) <= {200, 429}, codes
         text, _, _ = reference(ids("abc"), max_new_tokens=60, ignore_eos=True)
@@ -357,57 +383,54 @@ def test_queue_full_gets_429_and_admitted_requests_complete():
         s.wait_idle()
 
 
-def _slowed(eng, seconds: float):
-    """The engine with every decoding step taking at least ``seconds``: on a fast machine the tiny
-    model would otherwise finish a whole request inside the test's time windows."""
-    step = eng.step
-
-    def slow_step(*args, **kwargs):
-        time.sleep(seconds)
-        return step(*args, **kwargs)
-
-    eng.step = slow_step
-    return eng
-
-
 def test_disconnect_while_streaming_or_queued_frees_the_slot():
-    # 40 ms a step: the 125-token request needs >= 32 steps (>= 1.3 s) even if every draft is accepted
-    with serve(_slowed(engine(k=3, slots=1), 0.04), max_queue=4) as s:
-        long = {"prompt": "abc", "max_tokens": MAX_LEN - 3, "ignore_eos": True, "stream": True}
-        with s.http() as c, c.stream("POST", "/v1/completions", json=long) as r:
-            lines = r.iter_lines()  # held: a dropped iterator would close the connection
-            next(lines)  # admitted and decoding
-            with s.http() as c2, pytest.raises(httpx.ReadTimeout):
-                c2.post("/v1/completions", json=long | {"stream": False}, timeout=0.3)  # waits in the queue
-            assert s.metrics()["specdecode_queue_depth"] <= 1
-        # both clients are gone: the stream is aborted between steps and the queued one never runs
+    eng = engine(k=3, slots=1)
+    held = HeldSteps(eng, permits=1)  # one step (the first chunk), then the engine waits for the test
+    aborts = 'specdecode_requests_total{finish_reason="abort"}'
+    with serve(eng, max_queue=4) as s:
+        try:
+            long = {"prompt": "abc", "max_tokens": MAX_LEN - 3, "ignore_eos": True, "stream": True}
+            with s.http() as c, c.stream("POST", "/v1/completions", json=long) as r:
+                lines = r.iter_lines()  # held: a dropped iterator would close the connection
+                next(lines)  # admitted and decoding; the engine now waits before its second step
+                with s.http() as c2, pytest.raises(httpx.ReadTimeout):
+                    c2.post("/v1/completions", json=long | {"stream": False}, timeout=0.3)  # waits in the queue
+                assert s.metrics()["specdecode_queue_depth"] <= 1
+            # both clients are gone; once the server has seen it, the engine may go on
+            running = s.scheduler._running
+            until(lambda: s.metrics()["specdecode_queue_depth"] == 0 and s.metrics().get(aborts) == 1
+                  and len(running) == 1 and all(h.cancelled for h in list(running.values())),
+                  "the server did not notice both clients leaving")
+        finally:
+            held.release()
+        # the stream is aborted between steps and the queued one never runs
+        until(lambda: s.metrics().get(aborts) == 2, "the stream was not aborted")
         m = s.wait_idle()
-        assert m['specdecode_requests_total{finish_reason="abort"}'] == 2
+        assert m[aborts] == 2
         assert m["specdecode_generation_tokens_total"] < MAX_LEN - 3
 
 
 def test_a_queued_request_whose_client_left_leaves_the_queue_at_once():
     eng = engine(k=3, slots=1)
-    gate, step = threading.Event(), eng.step
-    gate.set()
-    eng.step = lambda: gate.wait(30) and step()  # the test can hold the engine inside a call
+    held = HeldSteps(eng, permits=1)  # one step, then the engine's next call lasts until the test releases it
+    aborts = 'specdecode_requests_total{finish_reason="abort"}'
 
     with serve(eng, max_queue=4) as s:
         long = {"prompt": "abc", "max_tokens": MAX_LEN - 3, "ignore_eos": True, "stream": True}
-        with s.http() as c, c.stream("POST", "/v1/completions", json=long) as r:
-            lines = r.iter_lines()  # held: a dropped iterator would close the connection
-            next(lines)  # admitted and decoding
-            gate.clear()  # the engine's next call now lasts until the gate opens (a long prefill, say)
-            for _ in range(3):
-                with s.http() as c2, pytest.raises(httpx.ReadTimeout):
-                    c2.post("/v1/completions", json=long | {"stream": False}, timeout=0.2)
-            deadline = time.monotonic() + 30.0  # exits as soon as the queue is empty
-            while s.metrics()["specdecode_queue_depth"] and time.monotonic() < deadline:
-                time.sleep(0.05)
-            m = s.metrics()
-            gate.set()
-            assert m["specdecode_queue_depth"] == 0 and m["specdecode_running_requests"] == 1
-            assert m['specdecode_requests_total{finish_reason="abort"}'] == 3
+        try:
+            with s.http() as c, c.stream("POST", "/v1/completions", json=long) as r:
+                lines = r.iter_lines()  # held: a dropped iterator would close the connection
+                next(lines)  # admitted and decoding; the engine now waits inside its next call
+                for _ in range(3):  # each waits in the queue until its client gives up
+                    with s.http() as c2, pytest.raises(httpx.ReadTimeout):
+                        c2.post("/v1/completions", json=long | {"stream": False}, timeout=0.2)
+                # all three leave the queue while the engine is still inside that one call
+                until(lambda: s.metrics().get(aborts) == 3, "the queued requests did not leave the queue")
+                m = s.metrics()
+                assert m["specdecode_queue_depth"] == 0 and m["specdecode_running_requests"] == 1
+                assert m[aborts] == 3
+        finally:
+            held.release()
         s.wait_idle()
 
 
@@ -415,13 +438,13 @@ def test_prefill_is_admitted_in_token_bounded_groups():
     eng = engine(k=3, slots=4)
     gate, step, add_batch, sizes = threading.Event(), eng.step, eng.add_batch, []
     gate.set()
-    eng.step = lambda: gate.wait(30) and step()
+    eng.step = lambda: gate.wait(600) and step()  # the test opens it again (600 s: a guard only)
     eng.add_batch = lambda requests: sizes.append(len(requests)) or add_batch(requests)
     body = {"prompt": "abc", "max_tokens": 8, "ignore_eos": True, "temperature": 0}  # 3 prompt tokens each
     long = body | {"max_tokens": MAX_LEN - 3}  # still running when the others arrive
 
-    async def until(condition, what):
-        deadline = time.monotonic() + 20
+    async def arrived(condition, what):
+        deadline = time.monotonic() + 120  # generous; ends as soon as the condition holds
         while not condition():
             assert time.monotonic() < deadline, what
             await asyncio.sleep(0.01)
@@ -429,11 +452,11 @@ def test_prefill_is_admitted_in_token_bounded_groups():
     async def run(s):
         async with _client(s) as client:
             first = asyncio.ensure_future(client.post("/v1/completions", json=long))
-            await until(lambda: sizes, "the first request was not admitted")
+            await arrived(lambda: sizes, "the first request was not admitted")
             gate.clear()  # hold the engine in its next step
             rest = [asyncio.ensure_future(client.post("/v1/completions", json=body)) for _ in range(3)]
             # all three are in (one may have been admitted by a step that began before the gate closed)
-            await until(lambda: len(sizes) - 1 + s.scheduler.state()["queued"] == 3, "the requests did not arrive")
+            await arrived(lambda: len(sizes) - 1 + s.scheduler.state()["queued"] == 3, "the requests did not arrive")
             gate.set()
             return await asyncio.gather(first, *rest)
 

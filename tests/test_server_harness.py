@@ -26,6 +26,8 @@ V = 32
 MAX_LEN = 128
 MODEL = "tiny"
 KEY = "test-key"
+# for requests that must succeed: only a guard against a hang (a busy CI machine can be many times slower)
+CLIENT_TIMEOUT_S = 300
 # role initial, content; the generation prompt is "A" (every character is one token of the tiny vocabulary)
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}{{ m['content'] }}{% endfor %}"
                  "{% if add_generation_prompt %}A{% endif %}")
@@ -84,10 +86,10 @@ class Served:
 
     def http(self, key: str | None = KEY, **kw) -> httpx.Client:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        return httpx.Client(base_url=self.url, headers=headers, timeout=30, trust_env=False, **kw)
+        return httpx.Client(base_url=self.url, headers=headers, timeout=CLIENT_TIMEOUT_S, trust_env=False, **kw)
 
     def openai(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, timeout=30,
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, timeout=CLIENT_TIMEOUT_S,
                              http_client=httpx.Client(trust_env=False))
 
     def metrics(self) -> dict[str, float]:
@@ -105,6 +107,36 @@ class Served:
                 assert {n: m[n] for n in names} == dict.fromkeys(names, 0.0)
                 return m
             time.sleep(0.05)
+
+
+class HeldSteps:
+    """Hold the engine between decoding steps: each ``eng.step`` call first takes one of ``permits``,
+    so a test decides how far the engine gets (an ordering, not a clock). ``release()`` lets every
+    later step run; call it in a ``finally``."""
+
+    def __init__(self, eng, permits: int = 0) -> None:
+        self._permits = threading.Semaphore(permits)
+        self._open = threading.Event()
+        step = eng.step
+
+        def held_step(*args, **kwargs):
+            if not self._open.is_set():
+                self._permits.acquire(timeout=600)  # only a guard, so that a failed test still ends
+            return step(*args, **kwargs)
+
+        eng.step = held_step
+
+    def release(self) -> None:
+        self._open.set()
+        self._permits.release()
+
+
+def until(condition, what: str, timeout: float = 120.0) -> None:
+    """Poll ``condition()`` until it holds; fail after ``timeout`` (generous: it ends as soon as it holds)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
 
 
 def scrape(text: str) -> dict[str, float]:
@@ -127,7 +159,7 @@ def serve(eng, **config) -> Iterator[Served]:
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120  # generous; ends as soon as the server is up
     while not server.started:
         assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
         time.sleep(0.02)
