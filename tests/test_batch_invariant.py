@@ -184,3 +184,35 @@ def test_trees_are_refused_with_batch_invariance():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "--batch-invariant" in out.stderr and "tree" in out.stderr
+
+
+def test_bf16_server_concurrent_greedy_and_seeded_requests_equal_each_alone():
+    """What the server promises under concurrency, in bf16, where plain kernels break it."""
+    import asyncio
+
+    import httpx
+
+    from test_server_harness import KEY, one_torch_thread, serve  # noqa: F401
+
+    tok = make_tokenizer(64)
+    texts = ["abcabcabcabcab", "zyx", "0123456789" * 5, "qq", "hellohello", "ABCDEFG" * 3, "k", "mnopmnop"]
+    greedy = [{"prompt": t, "max_tokens": 30, "temperature": 0, "ignore_eos": True} for t in texts]
+    seeded = [{"prompt": t, "max_tokens": 30, "temperature": 0.9, "seed": 7 + i, "ignore_eos": True}
+              for i, t in enumerate(texts[:4])]
+    ref = _engine(0, draft=False, slots=1)
+    expected = [tok.decode(ref.generate([tok(t).input_ids], SamplingParams(max_new_tokens=30, temperature=0.0,
+                                                                            ignore_eos=True))[0].token_ids)
+                for t in texts]
+
+    async def post_all(url, bodies):
+        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=300,
+                                     trust_env=False) as client:
+            replies = await asyncio.gather(*[client.post("/v1/completions", json=b) for b in bodies])
+        assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+        return [r.json()["choices"][0]["text"] for r in replies]
+
+    with serve(_engine(3, slots=4), max_queue=32) as s:
+        together = asyncio.run(post_all(s.url, greedy + seeded))
+        alone = [asyncio.run(post_all(s.url, [b]))[0] for b in seeded]
+    assert together[: len(texts)] == expected
+    assert together[len(texts):] == alone

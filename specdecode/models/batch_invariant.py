@@ -271,7 +271,20 @@ def enable(model: torch.nn.Module) -> torch.nn.Module:
             if getattr(config, "attn_logit_softcapping", None):
                 raise ValueError(f"{config.model_type}: attention soft-capping is not supported by batch-invariant mode")
             register()
+            if config._attn_implementation != NAME:
+                config._specdecode_plain_attention = config._attn_implementation
             config._attn_implementation = NAME
+    return model
+
+
+def disable(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo :func:`enable` (for side-by-side measurements on one set of weights)."""
+    for m in model.modules():
+        if type(m) is InvariantLinear:
+            m.__class__ = torch.nn.Linear
+        config = getattr(m, "config", None)
+        if getattr(config, "_attn_implementation", None) == NAME:
+            config._attn_implementation = getattr(config, "_specdecode_plain_attention", "sdpa")
     return model
 
 
