@@ -44,7 +44,9 @@ class EngineConfig:
     acceptance: str = "exact"  # exact | typical (Medusa's typical acceptance: LOSSY, outputs say so)
     typical_epsilon: float = 0.09
     typical_alpha: float = 0.3
-    batch_invariant: bool = False  # rows computed alike whatever the batch (specdecode.models.batch_invariant)
+    # rows computed alike whatever the batch (specdecode.models.batch_invariant): on | off | auto (on for
+    # bf16/fp16 on a CPU, where plain kernels flip greedy tokens with the batch; off in float32 and on CUDA)
+    batch_invariant: str | bool = "auto"
 
 
 @dataclass
@@ -113,11 +115,12 @@ def add_model_arguments(parser: argparse.ArgumentParser, draft_required: bool = 
                         "\"lossy\": true and `check` fails it")
     g.add_argument("--typical-epsilon", type=float, default=0.09, help="typical acceptance: epsilon (default 0.09)")
     g.add_argument("--typical-alpha", type=float, default=0.3, help="typical acceptance: alpha (default 0.3)")
-    g.add_argument("--batch-invariant", action="store_true",
+    g.add_argument("--batch-invariant", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
                    help="compute every row the same way whatever else is in the batch: greedy outputs and seeded "
                         "samples then do not depend on concurrent requests or on the verify width, so speculation "
-                        "reproduces target-only decoding bit for bit in bf16 too. Costs speed (docs/benchmarks.md); "
-                        "chains only (not --tree-topk > 1)")
+                        "reproduces target-only decoding bit for bit in bf16 too. auto (default): on for bf16/fp16 "
+                        "on a CPU, off in float32 (there only exact near-ties can differ) and on CUDA; costs speed "
+                        "(docs/benchmarks.md); chains only (with --tree-topk > 1, auto means off)")
     g.add_argument("--verify-budget", type=int, default=0, metavar="N",
                    help="load-aware draft length: verify at most N tokens per step across the batch, so each of "
                         "B sequences drafts at most N // B - 1 (target-only once B >= N); 0 = no cap (default)")
@@ -132,7 +135,7 @@ def config_from_args(args: argparse.Namespace, max_batch_size: int = 1) -> Engin
                         getattr(args, "target_quantization", "none"), getattr(args, "tree_topk", 1),
                         getattr(args, "tree_nodes", 16), getattr(args, "acceptance", "exact"),
                         getattr(args, "typical_epsilon", 0.09), getattr(args, "typical_alpha", 0.3),
-                        getattr(args, "batch_invariant", False))
+                        getattr(args, "batch_invariant", "auto"))
 
 
 def _single(mode) -> str:
@@ -154,7 +157,7 @@ def load_pair(target: str, draft: str | None, dtype: str = "auto", device: str =
     if target_quantization != "none":  # lossy, labelled: see specdecode.models.quantize
         from specdecode.models.quantize import quantize_model
 
-        quantize_model(target_model, target_quantization)
+        quantize_model(target_model, target_quantization, row_independent=True)
     if spec is None or not spec.loads_model:
         return LoadedPair(target_model, tokenizer, None, None, "none", target_quantization)
     draft_model, draft_tokenizer = load_model(spec.arg, torch_dtype, dev)
@@ -203,10 +206,15 @@ def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
     max_context = cfg.max_context or min(model_ctx, 4096)
     if max_context > model_ctx:
         raise ConfigError(f"max context {max_context} exceeds the model's {model_ctx}")
-    target = HFRunner(pair.target, batch_invariant=cfg.batch_invariant)  # the engine sizes its cache
+    invariant = batch_invariant_on(cfg, pair.target)
+    target = HFRunner(pair.target, batch_invariant=invariant)  # the engine sizes its cache
     drafter = None
     if cfg.draft:
-        make_draft = ((lambda: HFRunner(pair.draft, batch_invariant=cfg.batch_invariant))
+        if invariant and pair.draft is not None:  # plans for a draft's calls: mostly one row each
+            from specdecode.models import batch_invariant
+
+            batch_invariant.enable(pair.draft, batch_invariant.DRAFT_WORKLOAD)
+        make_draft = ((lambda: HFRunner(pair.draft, batch_invariant=invariant))
                       if pair.draft is not None else None)
         drafter = build_drafter(cfg.draft, DraftContext(target, cfg, make_draft))
     tree_nodes = cfg.tree_nodes if cfg.draft and cfg.tree_topk > 1 else 0
@@ -222,6 +230,21 @@ def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
     engine.target_quantization = pair.target_quantization
     engine.lossy = lossy_labels(pair.target_quantization, cfg)
     return engine
+
+
+def batch_invariant_on(cfg: EngineConfig, target: "torch.nn.Module") -> bool:
+    """Resolve ``cfg.batch_invariant`` (on/off/auto, or a bool) for the loaded target."""
+    mode = {True: "on", False: "off"}.get(cfg.batch_invariant, cfg.batch_invariant)  # type: ignore[call-overload]
+    if mode not in ("auto", "on", "off"):
+        raise ConfigError(f"--batch-invariant must be auto, on or off, got {cfg.batch_invariant!r}")
+    if mode != "auto":
+        return mode == "on"
+    import torch
+
+    param = next(target.parameters())
+    trees = bool(cfg.draft) and cfg.tree_topk > 1  # not covered; nor is a quantized target's kernel
+    return (param.device.type == "cpu" and param.dtype in (torch.bfloat16, torch.float16) and not trees
+            and cfg.target_quantization == "none")
 
 
 def lossy_labels(target_quantization: str, cfg: EngineConfig) -> dict:
@@ -246,7 +269,7 @@ def validate_config(cfg: EngineConfig) -> None:
     if cfg.acceptance == "typical" and not (0 < cfg.typical_epsilon <= 1 and cfg.typical_alpha > 0):
         raise ConfigError(f"typical acceptance needs 0 < epsilon <= 1 and alpha > 0, got {cfg.typical_epsilon}, "
                          f"{cfg.typical_alpha}")
-    if cfg.batch_invariant and cfg.draft and cfg.tree_topk > 1:
+    if cfg.batch_invariant in (True, "on") and cfg.draft and cfg.tree_topk > 1:
         raise ConfigError("--batch-invariant covers chain drafting only: a tree writes a candidate's key at another "
                           "index than a chain does, which reorders the attention sum; use --tree-topk 1")
     if cfg.max_batch_size < 1:

@@ -52,6 +52,8 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)  # prompt + generated
     finish_reason: str | None = None  # "stop" (EOS or stop string) | "length" | "abort"
     stats: SpecStats = field(default_factory=SpecStats)
+    drafter_started: bool = False  # the drafter has seen the prompt (after the first token: see add_batch)
+    early_features: list[TargetFeatures] = field(default_factory=list)  # target features kept until then
 
     @property
     def output_ids(self) -> list[int]:
@@ -107,6 +109,7 @@ class Engine:
         max_context: int | None = None,
         verifier: Verifier | None = None,
         max_tree_nodes: int = 0,
+        first_token_from_target: bool = False,
     ) -> None:
         self.target = target
         self.tokenizer = tokenizer
@@ -135,6 +138,9 @@ class Engine:
         if drafter is not None:
             drafter.reserve(self.max_batch_size, max_context + self.window)
         self.feature_layers = tuple(drafter.feature_layers) if drafter is not None else ()
+        # True (the server, `generate`): a new sequence's first token comes from the target alone and the
+        # drafter sees its prompt only after that (see add_batch), so speculation never delays it
+        self.first_token_from_target = first_token_from_target
         self.running: list[Sequence] = []
         self._ids = itertools.count()
 
@@ -158,7 +164,7 @@ class Engine:
         if self.drafter is None:
             return 0
         live = getattr(self.drafter, "live", None)  # a GuardedDrafter knows
-        return len(live) if live is not None else len(self.running)
+        return len(live) if live is not None else sum(s.drafter_started for s in self.running)
 
     # -- admission ------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -184,8 +190,14 @@ class Engine:
         return self.add_batch([(prompt_ids, params, request_id)])[0]
 
     def add_batch(self, requests: list[tuple[list[int], SamplingParams, str | None]]) -> list[Sequence]:
-        """Admit requests into free slots and prefill target and drafter in one batched pass each
-        (every prompt token but the last, which becomes the pending token)."""
+        """Admit requests into free slots and prefill the target in one batched pass (every prompt
+        token but the last, which becomes the pending token).
+
+        The drafter prefills the same prompts right after, unless ``first_token_from_target``: then a
+        new sequence's first step drafts nothing, so its first token comes from the target alone,
+        sampled exactly as target-only decoding would, and the drafter catches up on the prompt at
+        the start of the sequence's second step (target features it wants are kept until then), so
+        speculation never delays the first token."""
         for prompt_ids, params, *_ in requests:
             self.validate(prompt_ids, params)
         if len(self.running) + len(requests) > self.max_batch_size:
@@ -206,11 +218,12 @@ class Engine:
         slots = [s.slot for s in seqs]
         cached = [s.prompt_ids[:-1] for s in seqs]
         feats = self.target.prefill(slots, cached, self.feature_layers)
-        if self.drafter is not None:
-            self.drafter.start(slots, [s.prompt_ids for s in seqs])
-            if self.feature_layers:
-                self.drafter.observe(slots, [TargetFeatures(0, c, f) for c, f in zip(cached, feats)])
+        if self.feature_layers:
+            for s, c, f in zip(seqs, cached, feats):
+                s.early_features.append(TargetFeatures(0, c, f))
         elapsed = time.perf_counter() - t0
+        if self.drafter is not None and not self.first_token_from_target:
+            self._start_drafter(seqs)
         for s in seqs:
             s.stats.prefill_s += elapsed
         self.running.extend(seqs)
@@ -227,8 +240,14 @@ class Engine:
         if not seqs:
             return []
         bsz = len(seqs)
-        # never draft past the token budget (a step emits depth + 1 tokens at most)
-        ks = [max(0, min(self.policy.num_draft(s, bsz), s.params.max_new_tokens - len(s.output_ids) - 1)) for s in seqs]
+        if self.drafter is not None:
+            late = [s for s in seqs if not s.drafter_started and (s.output_ids or not self.first_token_from_target)]
+            if late:
+                self._start_drafter(late)
+        # never draft past the token budget (a step emits depth + 1 tokens at most); a sequence whose
+        # drafter has not seen its prompt yet (its first step) drafts nothing
+        ks = [max(0, min(self.policy.num_draft(s, bsz), s.params.max_new_tokens - len(s.output_ids) - 1))
+              if s.drafter_started else 0 for s in seqs]
 
         t0 = time.perf_counter()
         proposal = self.drafter.propose(seqs, ks) if self.drafter is not None and any(ks) else Proposal.empty(bsz)
@@ -251,13 +270,31 @@ class Engine:
             seq.stats.verify_s += t2 - t1
             events.append(StepEvent(seq, new, seq.finished, verified.depths[b], a, verified.nodes[b]))
         if self.feature_layers:
-            live = [(b, s) for b, s in enumerate(seqs) if not s.finished]
+            live = [(b, s) for b, s in enumerate(seqs) if not s.finished and s.drafter_started]
             if live:
                 self.drafter.observe([s.slot for _, s in live], [self._features(verified, b, s) for b, s in live])
+            for b, s in enumerate(seqs):
+                if not s.finished and not s.drafter_started:
+                    s.early_features.append(self._features(verified, b, s))
         for ev in events:
             if ev.finished:
                 self._release(ev.seq)
         return events
+
+    def _start_drafter(self, seqs: list[Sequence]) -> None:
+        """The drafter's prefill for sequences that have their first token: the prompt, then the
+        target features kept since admission, in order (the draft catches up on the first token
+        itself at its next proposal)."""
+        t0 = time.perf_counter()
+        slots = [s.slot for s in seqs]
+        self.drafter.start(slots, [s.prompt_ids for s in seqs])
+        for j in range(max(len(s.early_features) for s in seqs)):
+            rows = [s for s in seqs if j < len(s.early_features)]
+            self.drafter.observe([s.slot for s in rows], [s.early_features[j] for s in rows])
+        elapsed = time.perf_counter() - t0
+        for s in seqs:
+            s.drafter_started, s.early_features = True, []
+            s.stats.prefill_s += elapsed
 
     def _features(self, verified: "_Verified", b: int, seq: Sequence) -> TargetFeatures:
         """The target's hidden states of the pending token and the accepted drafts of row ``b``."""
@@ -356,11 +393,11 @@ class Engine:
         i = self.running.index(seq)
         last = self.running.pop()
         self.policy.forget(seq)
-        if self.drafter is not None:
+        if self.drafter is not None and seq.drafter_started:
             self.drafter.release(seq.slot)
         if last is not seq:  # keep slots contiguous: move the last sequence into the freed slot
             self.target.copy_slot(last.slot, i, len(last.token_ids) - 1)
-            if self.drafter is not None:
+            if self.drafter is not None and last.drafter_started:
                 self.drafter.move(last.slot, i)
             last.slot = i
             self.running[i] = last

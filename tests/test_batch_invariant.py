@@ -24,11 +24,26 @@ def test_row_plans_chunk_and_pad_within_one_class():
     plan = bi.RowPlan((2, 3, 4, 8))
     assert plan.chunks(1) == [(1, 2)] and plan.chunks(5) == [(5, 8)] and plan.chunks(8) == [(8, 8)]
     assert plan.chunks(19) == [(8, 8), (8, 8), (3, 3)]
-    # the cost model prefers one padded call to many small ones, and small pads to large ones
-    assert bi.choose([(1,), (2, 3, 4, 8)], tuple(range(1, 17))).sizes == (2, 3, 4, 8)
-    assert bi.choose([(2, 4), (16, 32)], (1, 2)).sizes == (2, 4)
+    # measured seconds per call decide: a 4-row call costing twice a 1-row call loses for single rows
+    seconds = {1: 1.0, 2: 1.0, 3: 1.5, 4: 2.0, 8: 4.0}
+    assert bi.choose([(1,), (2, 3, 4, 8)], (1, 1, 1), seconds).sizes == (1,)
+    assert bi.choose([(1,), (2, 3, 4, 8)], (1, 5, 8, 19), seconds).sizes == (2, 3, 4, 8)
     with pytest.raises(bi.InvarianceError):
-        bi.choose([], (1,))
+        bi.choose([], (1,), seconds)
+
+
+def test_plans_are_remembered_on_disk_for_later_processes(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    monkeypatch.setattr(bi, "_DISK", None)
+    monkeypatch.setattr(bi, "_PLANS", {})
+    weight = torch.randn(64, 32)
+    bi.linear(torch.randn(3, 32), weight, None)
+    saved = (tmp_path / "calibration" / "batch-invariant-plans.json").read_text()
+    assert "linear" in saved and "step" in saved
+    monkeypatch.setattr(bi, "_DISK", None)
+    monkeypatch.setattr(bi, "_PLANS", {})
+    monkeypatch.setattr(bi, "probe", lambda *a, **k: pytest.fail("probed again instead of reading the cache"))
+    bi.linear(torch.randn(3, 32), weight, None)
 
 
 def test_probe_separates_shape_dependent_kernels():
@@ -216,3 +231,19 @@ def test_bf16_server_concurrent_greedy_and_seeded_requests_equal_each_alone():
         alone = [asyncio.run(post_all(s.url, [b]))[0] for b in seeded]
     assert together[: len(texts)] == expected
     assert together[len(texts):] == alone
+
+
+def test_auto_is_on_for_bf16_and_fp16_on_a_cpu_and_off_in_float32_or_with_trees():
+    from specdecode.build import ConfigError, EngineConfig, batch_invariant_on, validate_config
+
+    fp32, bf16 = make_model(32, dtype=torch.float32), make_model(32, dtype=torch.bfloat16)
+    auto = EngineConfig("t", "ngram")
+    assert batch_invariant_on(auto, bf16) and not batch_invariant_on(auto, fp32)
+    assert batch_invariant_on(EngineConfig("t", "ngram", batch_invariant="on"), fp32)
+    assert not batch_invariant_on(EngineConfig("t", "ngram", batch_invariant="off"), bf16)
+    assert not batch_invariant_on(EngineConfig("t", "ngram", tree_topk=2), bf16)
+    assert not batch_invariant_on(EngineConfig("t", "ngram", target_quantization="int8"), bf16)
+    with pytest.raises(ConfigError, match="tree"):
+        validate_config(EngineConfig("t", "ngram", tree_topk=2, batch_invariant="on"))
+    with pytest.raises(ConfigError, match="auto, on or off"):
+        batch_invariant_on(EngineConfig("t", "ngram", batch_invariant="sometimes"), bf16)

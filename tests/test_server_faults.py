@@ -58,15 +58,19 @@ def test_drafter_failure_falls_back_to_target_only(where):
             raise RuntimeError("draft model exploded")
 
         setattr(s.scheduler.engine.drafter.inner, where, boom)  # the drafter inside the fault guard
+        reached_drafter = 0
         with s.http() as c:
             for prompt in ("abc", "hello"):
                 r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 25, "temperature": 0})
                 assert r.status_code == 200
                 assert r.json()["choices"][0]["text"] == reference(ids(prompt), max_new_tokens=25)[0]
                 assert r.json()["speculation"]["drafted"] == 0
+                # the drafter starts after the first token: a request that ends there never reaches it
+                reached_drafter += r.json()["usage"]["completion_tokens"] > 1
             assert c.get("/health").status_code == 200
         m = s.wait_idle()
-        assert m["specdecode_draft_failures_total"] == 2  # once per request, then target-only
+        assert reached_drafter >= 1
+        assert m["specdecode_draft_failures_total"] == reached_drafter  # once per request, then target-only
 
 
 def test_target_failure_mid_stream_sends_error_then_done_and_server_recovers():

@@ -157,7 +157,7 @@ def main(args: argparse.Namespace) -> int:
     meta = {"target": args.target, "draft": args.draft, "dtype": args.dtype, "num_draft_tokens": cfg.num_draft_tokens,
             "draft_quantization": pair.draft_quantization, "tree_topk": args.tree_topk, "tree_nodes": args.tree_nodes,
             "target_quantization": pair.target_quantization, "acceptance": args.acceptance,
-            "batch_invariant": args.batch_invariant,
+            "batch_invariant": args.batch_invariant,  # auto | on | off, as asked (auto: on for bf16/fp16 on a CPU)
             "verified_against": (f"the {pair.target_quantization}-quantized target (LOSSY w.r.t. {args.target})"
                                  if pair.target_quantization != "none" else "the target as loaded"),
             "torch": torch.__version__, "threads": torch.get_num_threads(),

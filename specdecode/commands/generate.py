@@ -90,6 +90,7 @@ def main(args: argparse.Namespace) -> int:
             for i in range(args.num_samples)
         ]
         engine = build_engine(config_from_args(args, max_batch_size=args.num_samples))  # flags checked before loading
+        engine.first_token_from_target = True  # streamed: the first token never waits for the drafter
         prompt = _prompt_ids(args, engine.tokenizer)
         if engine.target_quantization != "none":
             print(f"warning: LOSSY — the target was quantized to {engine.target_quantization} "

@@ -299,7 +299,7 @@ def build(arg: str, ctx) -> EagleDrafter:
     if getattr(ctx.config, "batch_invariant", False):  # its draws then do not depend on the batch either
         from specdecode.models import batch_invariant
 
-        batch_invariant.enable(model)
+        batch_invariant.enable(model, batch_invariant.DRAFT_WORKLOAD)
     cfg = ctx.config
     tree = (getattr(cfg, "tree_topk", 1), getattr(cfg, "tree_nodes", 0)) if cfg else (1, 0)
     dtype = torch.float32 if str(ctx.target.device) == "cpu" else ctx.target.dtype

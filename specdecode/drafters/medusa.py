@@ -155,7 +155,7 @@ def build(arg: str, ctx) -> MedusaDrafter:
     if getattr(ctx.config, "batch_invariant", False):  # its draws then do not depend on the batch either
         from specdecode.models import batch_invariant
 
-        batch_invariant.enable(heads)
+        batch_invariant.enable(heads, batch_invariant.DRAFT_WORKLOAD)
     tree = (getattr(ctx.config, "tree_topk", 1), getattr(ctx.config, "tree_nodes", 0)) if ctx.config else (1, 0)
     dtype = torch.float32 if str(ctx.target.device) == "cpu" else ctx.target.dtype
     confidence = getattr(ctx.config, "draft_confidence", 0.0) if ctx.config else 0.0

@@ -149,6 +149,9 @@ def _has_content(chunk: dict[str, Any]) -> bool:
                (choice.get("text"), delta.get("content"), delta.get("reasoning_content")))
 
 
+SERVER_TIMING = ("queue_time_s", "prefill_time_s", "time_to_first_token_s")  # specdecode's usage extension
+
+
 def _read_extras(chunk: dict[str, Any], record: RequestRecord) -> None:
     usage = chunk.get("usage")
     if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
@@ -156,6 +159,9 @@ def _read_extras(chunk: dict[str, Any], record: RequestRecord) -> None:
         record.token_source = "usage"
         if isinstance(usage.get("prompt_tokens"), int):
             record.prompt_tokens = usage["prompt_tokens"]
+        timing = {k: float(usage[k]) for k in SERVER_TIMING if isinstance(usage.get(k), (int, float))}
+        if timing:
+            record.server_timing = timing
     if isinstance(chunk.get("speculation"), dict):
         record.speculation = chunk["speculation"]
 

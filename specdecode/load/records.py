@@ -32,6 +32,7 @@ class RequestRecord:
     token_source: TokenSource = "chunks"
     prompt_tokens: int | None = None
     speculation: dict[str, Any] | None = None
+    server_timing: dict[str, float] | None = None  # from a specdecode server's usage: queue/prefill/TTFT seconds
     error: str | None = None
     error_detail: str | None = None
 

@@ -88,6 +88,7 @@ def markdown(result: SweepResult, config: LoadConfig, report: Report) -> str:
               "| endpoint | url | model |", "|---|---|---|"]
     lines += [f"| {label} | {e['url']} | {e['model']} |" for label, e in result.endpoints.items()]
     lines += ["", "## Results", "", *_results_table(report, level_name(config.mode))]
+    lines += _server_table(report, level_name(config.mode))
     if report.comparison:
         lines += ["", *_comparison_section(report.comparison, level_name(config.mode))]
     lines += ["", "## Definitions", "", DEFINITIONS, ""]
@@ -121,6 +122,18 @@ def _results_table(report: Report, level: str) -> list[str]:
             f"| {_ms(summary.latency)} | {_num(spec.get('acceptance_rate'), '.3f')} "
             f"| {_num(spec.get('tokens_per_step'))} |"
         )
+    return rows
+
+
+def _server_table(report: Report, level: str) -> list[str]:
+    """The server's own queue / prefill / first-token times, where it reports them (specdecode serve)."""
+    summaries = [s for runs in report.summaries.values() for s in runs if s.server_ttft is not None]
+    if not summaries:
+        return []
+    rows = ["", "Server-side times (from the usage extension; p50 / p90 / p99 in milliseconds, from arrival at "
+            "the server):", "", f"| endpoint | {level} | queue | prefill | TTFT |", "|---" * 5 + "|"]
+    rows += [f"| {s.label} | {s.level:g} | {_ms(s.server_queue)} | {_ms(s.server_prefill)} | {_ms(s.server_ttft)} |"
+             for s in summaries]
     return rows
 
 

@@ -91,6 +91,10 @@ class LevelSummary:
     latency: Distribution | None
     token_source: dict[str, int] = field(default_factory=dict)
     speculation: dict[str, float] | None = None
+    # the server's own view, where it reports one (specdecode serve): queue, prefill and TTFT seconds
+    server_queue: Distribution | None = None
+    server_prefill: Distribution | None = None
+    server_ttft: Distribution | None = None
 
     def metric(self, name: str) -> float | None:
         """A scalar by dotted name, e.g. ``"output_throughput"`` or ``"tpot.p50"``."""
@@ -126,7 +130,14 @@ def summarize(run: LevelRun, slo: Slo = Slo()) -> LevelSummary:
         latency=distribution([r.latency_s for r in done if r.latency_s is not None]),
         token_source=dict(Counter(r.token_source for r in done)),
         speculation=speculation_totals(done),
+        server_queue=_server(done, "queue_time_s"),
+        server_prefill=_server(done, "prefill_time_s"),
+        server_ttft=_server(done, "time_to_first_token_s"),
     )
+
+
+def _server(records: Sequence[RequestRecord], key: str) -> Distribution | None:
+    return distribution([r.server_timing[key] for r in records if r.server_timing and key in r.server_timing])
 
 
 def speculation_totals(records: Sequence[RequestRecord]) -> dict[str, float] | None:

@@ -11,9 +11,11 @@ every shape dependence from a decoder layer:
   of one *class*: sizes that a probe on this machine found to give bit-identical rows whatever the
   row's position and neighbours (the kernel is chosen by shape, never by values). A call of ``n``
   rows is cut into chunks of the class's largest size and the rest is zero-padded to the smallest
-  size that holds it. Probed lazily per operation shape, dtype, device and thread count; the class
-  is chosen from the class structure alone (a fixed cost model), so every process on a machine
-  makes the same choice.
+  size that holds it. Probed lazily per operation shape, dtype, device and thread count; among
+  the classes, the one whose calls take least measured time over the model's expected row counts
+  (a draft decodes single rows, a target verifies k + 1 per sequence) wins, and the choice is
+  cached on disk (``calibration/batch-invariant-plans.json`` in the cache directory), so every later
+  process on the machine computes the same bits.
 * **Attention** runs over fixed blocks of :data:`BLOCK` keys, so the batch's longest row never
   changes a reduction: scores per block, an exact max, exponentials, sums within a block and then
   block after block in a fixed order (blocks past a row's length add exact zeros), probabilities
@@ -33,7 +35,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
+import json
 import math
+import os
+import statistics
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -44,9 +51,12 @@ NAME = "specdecode_batch_invariant"  # the attention implementation's name in Hu
 BLOCK = 128  # keys per attention block
 STEP_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16)  # row counts probed for decode/verify calls
 BULK_SIZES = (16, 32, 64, 128, 256)  # row counts probed for prefill calls
-STEP_WORKLOAD = tuple(range(1, 33))  # row counts the step plan is chosen for
+# Row counts a model's calls will have, by role (repeats weigh): a draft model decodes one row per
+# sequence per call, with a short catch-up now and then; a target verifies k + 1 rows per sequence
+# (1 when it decodes alone) over batches of any size; prefill runs long chunks.
+DRAFT_WORKLOAD = (1,) * 8 + (2, 3, 4, 5)
+TARGET_WORKLOAD = (1,) * 4 + tuple(range(2, 33))
 BULK_WORKLOAD = tuple(range(16, 2049, 16))
-ROWS_PER_WEIGHT_READ = 16  # cost model: a call costs one weight read plus rows / this
 
 _BULK = contextvars.ContextVar("specdecode_bulk", default=False)
 
@@ -79,16 +89,34 @@ class RowPlan:
             out.append((n, next(s for s in self.sizes if s >= n)))
         return out
 
-    def cost(self, n: int) -> float:
-        return sum(1 + size / ROWS_PER_WEIGHT_READ for _, size in self.chunks(n))
+    def cost(self, n: int, seconds: dict[int, float]) -> float:
+        return sum(seconds[size] for _, size in self.chunks(n))
 
 
-def choose(classes: list[tuple[int, ...]], workload: tuple[int, ...]) -> RowPlan:
-    """The class whose plan costs least over ``workload`` (ties: the first)."""
+def choose(classes: list[tuple[int, ...]], workload: tuple[int, ...], seconds: dict[int, float]) -> RowPlan:
+    """The class whose plan takes least time (``seconds`` per call of each row count) over ``workload``."""
     if not classes:
         raise InvarianceError("no row count gives position-independent rows")
     plans = [RowPlan(tuple(sorted(c))) for c in classes]
-    return min(plans, key=lambda p: sum(p.cost(n) for n in workload))
+    return min(plans, key=lambda p: sum(p.cost(n, seconds) for n in workload))
+
+
+def timings(run: Callable[[torch.Tensor], torch.Tensor], lead: tuple[int, ...], width: int, sizes: tuple[int, ...],
+            dtype: torch.dtype, device: torch.device, repeats: int = 3) -> dict[int, float]:
+    """Median seconds of one call of each row count (after a warm-up call)."""
+    out = {}
+    for m in sizes:
+        rows = torch.randn(*lead, m, width, generator=torch.Generator().manual_seed(2)).to(device, dtype)
+        run(rows)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run(rows)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+        out[m] = statistics.median(times)
+    return out
 
 
 # Outputs compared per row count. Rounding to a low-precision output hides most last-bit differences
@@ -140,26 +168,80 @@ def probe(run: Callable[[torch.Tensor], torch.Tensor], lead: tuple[int, ...], wi
 
 
 _PLANS: dict[tuple, RowPlan] = {}
+_DISK: dict[str, list[int]] | None = None
 
 
-def _plan(kind: str, shape: tuple, dtype: torch.dtype, device: torch.device,
+def _cache_file():
+    from specdecode.models.fetch import cache_root
+
+    return cache_root() / "calibration" / "batch-invariant-plans.json"
+
+
+def _disk() -> dict[str, list[int]]:
+    global _DISK
+    if _DISK is None:
+        try:
+            _DISK = json.loads(_cache_file().read_text())
+        except (OSError, ValueError):
+            _DISK = {}
+    return _DISK
+
+
+def _remember(key: str, plan: RowPlan) -> None:
+    """Keep the plan for later processes on this machine (same choice, same bits); best effort."""
+    disk = _disk()
+    disk[key] = list(plan.sizes)
+    try:
+        path = _cache_file()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(disk, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def _plan(kind: str, shape: tuple, dtype: torch.dtype, device: torch.device, workload: tuple[int, ...],
           run: Callable[[torch.Tensor], torch.Tensor], lead: tuple[int, ...], width: int) -> RowPlan:
     mode = "bulk" if _BULK.get() else "step"
-    key = (kind, shape, mode, dtype, str(device), torch.get_num_threads())
+    if mode == "bulk":
+        workload = BULK_WORKLOAD
+    key = (kind, shape, mode, dtype, str(device), torch.get_num_threads(), workload)
     plan = _PLANS.get(key)
     if plan is None:
-        sizes, workload = (BULK_SIZES, BULK_WORKLOAD) if mode == "bulk" else (STEP_SIZES, STEP_WORKLOAD)
-        try:
-            plan = choose(probe(run, lead, width, sizes, dtype, device), workload)
-        except InvarianceError as e:
-            raise InvarianceError(f"batch-invariant mode: {kind} {shape} in {dtype} on {device}: {e}") from None
+        disk_key = "|".join(map(str, (kind, shape, mode, dtype, device, torch.get_num_threads(), hash_workload(workload),
+                                      torch.__version__, _processor())))
+        if disk_key in _disk():
+            plan = RowPlan(tuple(_disk()[disk_key]))
+        else:
+            sizes = BULK_SIZES if mode == "bulk" else STEP_SIZES
+            classes = probe(run, lead, width, sizes, dtype, device)
+            if not classes:
+                raise InvarianceError(f"batch-invariant mode: {kind} {shape} in {dtype} on {device}: no row count "
+                                      "gives position-independent rows")
+            plan = choose(classes, workload, timings(run, lead, width, tuple(m for c in classes for m in c), dtype,
+                                                     device))
+            _remember(disk_key, plan)
         _PLANS[key] = plan
     return plan
 
 
+def hash_workload(workload: tuple[int, ...]) -> str:
+    return hashlib.sha256(repr(workload).encode()).hexdigest()[:12]
+
+
+def _processor() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
 def plans() -> dict[str, tuple[int, ...]]:
     """The plans chosen so far, for reports: ``"linear (N, K) step float32" -> sizes``."""
-    return {f"{k[0]} {k[1]} {k[2]} {str(k[3]).removeprefix('torch.')}": p.sizes for k, p in _PLANS.items()}
+    return {f"{k[0]} {k[1]} {k[2]} {str(k[3]).removeprefix('torch.')} workload {hash_workload(k[6])}": p.sizes
+            for k, p in _PLANS.items()}
 
 
 def _by_plan(rows: torch.Tensor, plan: RowPlan, run: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -174,16 +256,18 @@ def _by_plan(rows: torch.Tensor, plan: RowPlan, run: Callable[[torch.Tensor], to
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           workload: tuple[int, ...] = TARGET_WORKLOAD) -> torch.Tensor:
     def run(rows: torch.Tensor) -> torch.Tensor:
         return F.linear(rows, weight, bias)
 
     rows = x.reshape(-1, x.shape[-1])
-    plan = _plan("linear", (tuple(weight.shape), bias is not None), x.dtype, x.device, run, (), x.shape[-1])
+    plan = _plan("linear", (tuple(weight.shape), bias is not None), x.dtype, x.device, workload, run, (),
+                 x.shape[-1])
     return _by_plan(rows, plan, run).reshape(*x.shape[:-1], -1)
 
 
-def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def bmm(a: torch.Tensor, b: torch.Tensor, workload: tuple[int, ...] = TARGET_WORKLOAD) -> torch.Tensor:
     """``a [G, M, K] @ b [G, K, N]`` with row counts from the plan (``b`` made contiguous)."""
     b = b.contiguous()
 
@@ -194,15 +278,17 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         other = torch.randn(rows.shape[0], b.shape[1], b.shape[2], generator=torch.Generator().manual_seed(1))
         return torch.bmm(rows, other.to(b.device, b.dtype))
 
-    plan = _plan("bmm", tuple(b.shape[1:]), a.dtype, a.device, probe_run, (3,), a.shape[-1])
+    plan = _plan("bmm", tuple(b.shape[1:]), a.dtype, a.device, workload, probe_run, (3,), a.shape[-1])
     return _by_plan(a, plan, run)
 
 
 class InvariantLinear(torch.nn.Linear):
     """``nn.Linear`` computed with :func:`linear` (same parameters, same state dict)."""
 
+    workload = TARGET_WORKLOAD
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.workload)
 
 
 def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -217,6 +303,7 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     batch, heads, q, d = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     groups = heads // kv_heads
+    workload = getattr(module, "_specdecode_workload", TARGET_WORKLOAD)
     scaling = d ** -0.5 if scaling is None else scaling
     blocks = max(1, math.ceil(length / BLOCK))
     pad = blocks * BLOCK - length
@@ -233,7 +320,7 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     keys = F.pad(key.float(), (0, 0, 0, pad)).reshape(batch * kv_heads, length + pad, d)
     values = F.pad(value.float(), (0, 0, 0, pad)).reshape(batch * kv_heads, length + pad, d)
     spans = [slice(j * BLOCK, (j + 1) * BLOCK) for j in range(blocks)]
-    scores = torch.cat([bmm(qf, keys[:, s].transpose(1, 2)) for s in spans], dim=-1) * scaling
+    scores = torch.cat([bmm(qf, keys[:, s].transpose(1, 2), workload) for s in spans], dim=-1) * scaling
     scores.masked_fill_(~visible, float("-inf"))
     top = scores.amax(dim=-1, keepdim=True)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
@@ -243,7 +330,7 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     for s in spans:  # block by block, always in this order: blocks past a row's keys add exact zeros
         p = probs[:, :, s]
         denom = denom + p.sum(dim=-1, keepdim=True)
-        out = out + bmm(p, values[:, s])
+        out = out + bmm(p, values[:, s], workload)
     out = out / denom.clamp_min(torch.finfo(torch.float32).tiny)
     return out.reshape(batch, heads, q, d).transpose(1, 2).contiguous().to(query.dtype), None
 
@@ -260,12 +347,17 @@ def register() -> None:
         _REGISTERED = True
 
 
-def enable(model: torch.nn.Module) -> torch.nn.Module:
+def enable(model: torch.nn.Module, workload: tuple[int, ...] = TARGET_WORKLOAD) -> torch.nn.Module:
     """Make ``model`` batch-invariant in place: its ``nn.Linear`` layers become :class:`InvariantLinear`
-    and every Hugging Face model inside it runs :func:`attention`. Idempotent."""
+    and every Hugging Face model inside it runs :func:`attention`; the row plans are chosen for
+    ``workload`` (:data:`TARGET_WORKLOAD` or :data:`DRAFT_WORKLOAD`). Idempotent."""
     for m in model.modules():
         if type(m) is torch.nn.Linear:
             m.__class__ = InvariantLinear
+        if isinstance(m, InvariantLinear):
+            m.workload = workload
+        if hasattr(m, "layer_idx") or type(m).__name__.endswith("Attention"):
+            m._specdecode_workload = workload
         config = getattr(m, "config", None)
         if config is not None and hasattr(config, "_attn_implementation"):
             if getattr(config, "attn_logit_softcapping", None):

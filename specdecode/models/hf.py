@@ -27,7 +27,7 @@ class HFRunner:
         cfg = model.config
         if getattr(cfg, "final_logit_softcapping", None):
             raise ValueError(f"{cfg.model_type}: final logit soft-capping is not supported")
-        if batch_invariant:  # every row computed the same way whatever shares the forward
+        if batch_invariant and not batch_invariant_mode.is_enabled(model):  # rows alike whatever the batch
             batch_invariant_mode.enable(model)
         self.batch_invariant = batch_invariant_mode.is_enabled(model)
         self.model = model

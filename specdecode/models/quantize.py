@@ -12,7 +12,8 @@ Modes (``--draft-quantization``, or a ``@mode`` suffix on the draft spec):
   (docs/benchmarks.md): a float32 draft on the CPU uses dynamic quantization (activations quantized
   per call, fbgemm kernels; ``torch.ao``), because PyTorch's weight-only int8 kernel
   (``aten._weight_int8pack_mm``) was 2-6x *slower* than float32 on an AVX512 CPU without VNNI;
-  bf16/fp16 drafts and CUDA use that weight-only kernel (the gpt-fast recipe).
+  bf16/fp16 drafts and CUDA use that weight-only kernel (the gpt-fast recipe), and so does a
+  quantized *target* always (dynamic quantization would make a row's logits depend on the batch).
 * ``int4`` — weight-only int4, groups of 32 along the input, asymmetric, bf16 compute
   (``aten._weight_int4pack_mm_for_cpu``; CPU only).
 * ``auto`` — the fastest of none / int8 / int4 for a single-token draft forward on this machine
@@ -100,8 +101,13 @@ def _replace_linears(model: nn.Module, make) -> int:
     return count
 
 
-def quantize_model(model: nn.Module, mode: str) -> nn.Module:
-    """Quantize ``model`` in place (``none``: unchanged). ``auto`` is resolved by :func:`auto_mode` first."""
+def quantize_model(model: nn.Module, mode: str, row_independent: bool = False) -> nn.Module:
+    """Quantize ``model`` in place (``none``: unchanged). ``auto`` is resolved by :func:`auto_mode` first.
+
+    ``row_independent`` (a quantized *target*): never quantize activations per call. Dynamic int8
+    scales a call's activations by their joint range, so a row's logits would depend on the other
+    rows of the batch and on the verify width, and the quantized target would not be one function
+    that speculation can reproduce; weight-only int8 keeps each row's result its own."""
     if mode not in MODES or mode == "auto":
         raise ValueError(f"unknown quantization {mode!r}: choose none, int8, int4 (drafts also auto)")
     if mode == "none":
@@ -109,7 +115,7 @@ def quantize_model(model: nn.Module, mode: str) -> nn.Module:
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     if mode == "int8":
-        dynamic = device.type == "cpu" and dtype == torch.float32
+        dynamic = device.type == "cpu" and dtype == torch.float32 and not row_independent
         _replace_linears(model, _dynamic_int8 if dynamic else Int8WeightOnlyLinear)
     else:
         if device.type != "cpu":

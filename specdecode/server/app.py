@@ -210,7 +210,7 @@ async def _stream(scheduler: Scheduler, handle: Handle, fmt, prompt_tokens: int,
             last = fmt.chunk(rid, update.text, update.finish_reason)
             if include_usage:
                 yield _sse(last)
-                last = fmt.chunk(rid, None) | {"usage": _usage(prompt_tokens, update.completion_tokens)}
+                last = fmt.chunk(rid, None) | {"usage": _usage(prompt_tokens, update)}
             yield _sse(last | {"speculation": update.speculation})
             break
     except Exception:  # a bug here must still end the stream properly
@@ -221,9 +221,11 @@ async def _stream(scheduler: Scheduler, handle: Handle, fmt, prompt_tokens: int,
     yield "data: [DONE]\n\n"
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def _usage(prompt_tokens: int, update: Update) -> dict:
+    """OpenAI's token counts, extended with the request's server-side times (seconds from arrival:
+    ``queue_time_s``, ``prefill_time_s``, ``time_to_first_token_s``)."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": update.completion_tokens,
+            "total_tokens": prompt_tokens + update.completion_tokens, **(update.timing or {})}
 
 
 class _CompletionFormat:
@@ -240,7 +242,7 @@ class _CompletionFormat:
 
     def response(self, rid: str, u: Update, prompt_tokens: int) -> dict[str, Any]:
         choice = {"index": 0, "text": u.text, "logprobs": None, "finish_reason": u.finish_reason}
-        return self._envelope(rid, [choice]) | {"usage": _usage(prompt_tokens, u.completion_tokens),
+        return self._envelope(rid, [choice]) | {"usage": _usage(prompt_tokens, u),
                                                 "speculation": u.speculation}
 
     def stream_start(self, rid: str) -> dict[str, Any] | None:
@@ -261,7 +263,7 @@ class _ChatFormat(_CompletionFormat):
     def response(self, rid: str, u: Update, prompt_tokens: int) -> dict[str, Any]:
         choice = {"index": 0, "message": {"role": "assistant", "content": u.text}, "logprobs": None,
                   "finish_reason": u.finish_reason}
-        return self._envelope(rid, [choice]) | {"usage": _usage(prompt_tokens, u.completion_tokens),
+        return self._envelope(rid, [choice]) | {"usage": _usage(prompt_tokens, u),
                                                 "speculation": u.speculation}
 
     def stream_start(self, rid: str) -> dict[str, Any]:

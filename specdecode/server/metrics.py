@@ -40,6 +40,9 @@ class ServerMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram(p + "queue_time_seconds", "arrival to admission into the batch",
                                     buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill_time = Histogram(p + "prefill_time_seconds", "the target prefill of a request's admission batch "
+                                      "(the drafter catches up after the first token)", buckets=LATENCY_BUCKETS,
+                                      registry=r)
         self.step_time = Histogram(p + "step_seconds", "one batched draft+verify step", buckets=TOKEN_TIME_BUCKETS,
                                    registry=r)
         self.spec_drafted = Counter(p + "spec_draft_tokens", "draft tokens verified by the target", registry=r)

@@ -40,6 +40,7 @@ class Update:
     finish_reason: str | None = None  # set on the final update
     completion_tokens: int = 0
     speculation: dict | None = None
+    timing: dict | None = None  # queue, prefill and first-token times of the request (final update)
     error: APIError | None = None
 
     @property
@@ -63,7 +64,15 @@ class Handle:
     done: bool = False
     # engine-thread state
     seq: Sequence | None = None
+    admitted_at: float | None = None
+    prefill_s: float | None = None  # the target prefill of the admission batch this request was in
     first_token_at: float | None = None
+
+    def timing(self) -> dict[str, float | None]:
+        """Seconds from arrival: queued until admitted, the prefill, and the first token."""
+        since = (lambda t: None if t is None else t - self.arrival)
+        return {"queue_time_s": since(self.admitted_at), "prefill_time_s": self.prefill_s,
+                "time_to_first_token_s": since(self.first_token_at)}
 
     def push(self, update: Update) -> None:
         if update.final:
@@ -98,6 +107,9 @@ class Scheduler:
         # stalls the running sequences nor keeps the engine busy with requests whose clients left
         self.max_prefill_tokens = max_prefill_tokens
         self.engine = engine
+        # a request's first token comes from the target's prefill and one target step; its drafter
+        # catches up after that, so speculation never delays the first token (Engine.add_batch)
+        engine.first_token_from_target = True
         self.metrics = metrics
         self.max_queue = max_queue
         engine.isolate_drafter_faults(lambda where: metrics.draft_failures.inc())
@@ -208,6 +220,7 @@ class Scheduler:
             return
         now = time.perf_counter()
         for h in batch:
+            h.admitted_at = now
             self.metrics.queue_time.observe(now - h.arrival)
             if not h.speculate:
                 self.engine.switch.opt_out(h.request_id)
@@ -221,8 +234,10 @@ class Scheduler:
             return
         finally:
             self.busy_since, self._admitting = None, 0
+        prefill_s = time.perf_counter() - now
         for h, seq in zip(batch, seqs):
-            h.seq = seq
+            h.seq, h.prefill_s = seq, prefill_s
+            self.metrics.prefill_time.observe(prefill_s)
             self._running[id(seq)] = h
 
     def _step(self) -> None:
@@ -265,7 +280,8 @@ class Scheduler:
             h.push(Update(error=error))
         elif reason != "abort":
             text = seq.text.delta(final=True) if h.stream else seq.text.finish()
-            h.push(Update(text, reason, len(seq.output_ids), speculation_summary(seq, self.engine.lossy)))
+            h.push(Update(text, reason, len(seq.output_ids), speculation_summary(seq, self.engine.lossy),
+                          h.timing()))
 
     def _fail(self, h: Handle, error: APIError) -> None:
         self.engine.switch.clear(h.request_id)
