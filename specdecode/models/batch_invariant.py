@@ -53,7 +53,9 @@ STEP_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16)  # row counts probed for decode/verif
 BULK_SIZES = (16, 32, 64, 128, 256)  # row counts probed for prefill calls
 # Row counts a model's calls will have, by role (repeats weigh): a draft model decodes one row per
 # sequence per call, with a short catch-up now and then; a target verifies k + 1 rows per sequence
-# (1 when it decodes alone) over batches of any size; prefill runs long chunks.
+# (1 when it decodes alone) over batches of any size; prefill runs long chunks. Fixed per role, never
+# taken from an engine's batch size or draft length: a target-only reference and a speculative engine
+# (or two engines of different batch sizes) must choose the same plans to compute the same bits.
 DRAFT_WORKLOAD = (1,) * 8 + (2, 3, 4, 5)
 TARGET_WORKLOAD = (1,) * 4 + tuple(range(2, 33))
 BULK_WORKLOAD = tuple(range(16, 2049, 16))
