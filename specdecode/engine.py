@@ -223,7 +223,7 @@ class Engine:
                 s.early_features.append(TargetFeatures(0, c, f))
         elapsed = time.perf_counter() - t0
         if self.drafter is not None and not self.first_token_from_target:
-            self._start_drafter(seqs)
+            self._start_drafter([s for s in seqs if self.switch.drafts_for(s)])
         for s in seqs:
             s.stats.prefill_s += elapsed
         self.running.extend(seqs)
@@ -241,7 +241,9 @@ class Engine:
             return []
         bsz = len(seqs)
         if self.drafter is not None:
-            late = [s for s in seqs if not s.drafter_started and (s.output_ids or not self.first_token_from_target)]
+            # (a request that opted out of speculation never costs the drafter anything)
+            late = [s for s in seqs if not s.drafter_started and self.switch.drafts_for(s)
+                    and (s.output_ids or not self.first_token_from_target)]
             if late:
                 self._start_drafter(late)
         # never draft past the token budget (a step emits depth + 1 tokens at most); a sequence whose
@@ -285,6 +287,8 @@ class Engine:
         """The drafter's prefill for sequences that have their first token: the prompt, then the
         target features kept since admission, in order (the draft catches up on the first token
         itself at its next proposal)."""
+        if not seqs:
+            return
         t0 = time.perf_counter()
         slots = [s.slot for s in seqs]
         self.drafter.start(slots, [s.prompt_ids for s in seqs])

@@ -157,3 +157,19 @@ def test_tokens_after_a_target_first_token_follow_the_target_law(wrong):
     counts = _second_and_third_token_counts(engine, sp, 4000)
     p = chi_square_p(counts, _marginal_law(target, sp), 4000)
     assert (p < ALPHA) if wrong else (p > ALPHA)
+
+
+def test_a_request_that_opted_out_of_speculation_never_reaches_the_drafter():
+    log: list = []
+    eng = Engine(HFRunner(make_model(V, seed=2)), TOK, LoggingDrafter(log), 3, max_batch_size=2, max_context=96,
+                 first_token_from_target=True)
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    eng.switch.opt_out("quiet")
+    quiet = eng.add([1, 2, 3, 1, 2], params, request_id="quiet")
+    loud = eng.add([4, 5, 4, 5], params, request_id="loud")
+    while eng.running:
+        eng.step()
+    # loud sat in slot 1 when its drafter started (both run 10 tokens, so quiet still held slot 0)
+    assert [entry for entry in log if entry[0] == "start"] == [("start", (1,))]
+    assert loud.stats.drafted > 0 or loud.stats.target_steps == 10
+    assert quiet.stats.drafted == 0 and len(quiet.output_ids) == 10
