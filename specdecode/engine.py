@@ -54,6 +54,7 @@ class Sequence:
     stats: SpecStats = field(default_factory=SpecStats)
     drafter_started: bool = False  # the drafter has seen the prompt (after the first token: see add_batch)
     early_features: list[TargetFeatures] = field(default_factory=list)  # target features kept until then
+    drafter_eligible: bool = True  # False once a feature drafter could no longer catch up (features dropped)
 
     @property
     def output_ids(self) -> list[int]:
@@ -242,7 +243,7 @@ class Engine:
         bsz = len(seqs)
         if self.drafter is not None:
             # (a request that opted out of speculation never costs the drafter anything)
-            late = [s for s in seqs if not s.drafter_started and self.switch.drafts_for(s)
+            late = [s for s in seqs if not s.drafter_started and s.drafter_eligible and self.switch.drafts_for(s)
                     and (s.output_ids or not self.first_token_from_target)]
             if late:
                 self._start_drafter(late)
@@ -276,8 +277,12 @@ class Engine:
             if live:
                 self.drafter.observe([s.slot for _, s in live], [self._features(verified, b, s) for b, s in live])
             for b, s in enumerate(seqs):
-                if not s.finished and not s.drafter_started:
+                if s.finished or s.drafter_started or not s.drafter_eligible:
+                    continue
+                if self.switch.drafts_for(s):
                     s.early_features.append(self._features(verified, b, s))
+                else:  # not drafting (opted out): keep nothing; it decodes target-only to the end
+                    s.early_features, s.drafter_eligible = [], False
         for ev in events:
             if ev.finished:
                 self._release(ev.seq)

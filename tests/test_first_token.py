@@ -173,3 +173,20 @@ def test_a_request_that_opted_out_of_speculation_never_reaches_the_drafter():
     assert [entry for entry in log if entry[0] == "start"] == [("start", (1,))]
     assert loud.stats.drafted > 0 or loud.stats.target_steps == 10
     assert quiet.stats.drafted == 0 and len(quiet.output_ids) == 10
+
+
+def test_an_opted_out_request_keeps_no_target_features_for_a_feature_drafter():
+    class FeatureLogger(LoggingDrafter):
+        feature_layers = (-1,)
+
+        def observe(self, slots, features):
+            self.log.append(("observe", tuple(slots)))
+
+    log: list = []
+    eng = Engine(HFRunner(make_model(V, seed=2)), TOK, FeatureLogger(log), 3, max_batch_size=2, max_context=96,
+                 first_token_from_target=True)
+    eng.switch.opt_out("quiet")
+    quiet = eng.add([1, 2, 3, 1, 2], SamplingParams(max_new_tokens=12, ignore_eos=True), request_id="quiet")
+    for _ in range(4):
+        eng.step()
+    assert quiet.early_features == [] and not quiet.drafter_started and log == []
