@@ -169,6 +169,7 @@ def probe(run: Callable[[torch.Tensor], torch.Tensor], lead: tuple[int, ...], wi
     return [tuple(c) for c in classes]
 
 
+PLAN_FORMAT = "v1"  # bump when the probe or the choice changes: cached plans from before are then ignored
 _PLANS: dict[tuple, RowPlan] = {}
 _DISK: dict[str, list[int]] | None = None
 
@@ -211,8 +212,8 @@ def _plan(kind: str, shape: tuple, dtype: torch.dtype, device: torch.device, wor
     key = (kind, shape, mode, dtype, str(device), torch.get_num_threads(), workload)
     plan = _PLANS.get(key)
     if plan is None:
-        disk_key = "|".join(map(str, (kind, shape, mode, dtype, device, torch.get_num_threads(), hash_workload(workload),
-                                      torch.__version__, _processor())))
+        disk_key = "|".join(map(str, (PLAN_FORMAT, kind, shape, mode, dtype, device, torch.get_num_threads(),
+                                      hash_workload(workload), torch.__version__, _processor())))
         if disk_key in _disk():
             plan = RowPlan(tuple(_disk()[disk_key]))
         else:
