@@ -171,7 +171,8 @@ def test_a_request_that_opted_out_of_speculation_never_reaches_the_drafter():
         eng.step()
     # loud sat in slot 1 when its drafter started (both run 10 tokens, so quiet still held slot 0)
     assert [entry for entry in log if entry[0] == "start"] == [("start", (1,))]
-    assert loud.stats.drafted > 0 or loud.stats.target_steps == 10
+    proposed = [entry[1] for entry in log if entry[0] == "propose"]
+    assert proposed and all(slots == (1,) for slots in proposed)  # only loud was ever asked to draft
     assert quiet.stats.drafted == 0 and len(quiet.output_ids) == 10
 
 
