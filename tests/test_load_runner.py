@@ -103,18 +103,18 @@ def test_errors_are_classified() -> None:
 
 
 def test_level_stops_at_its_duration_and_the_run_at_its_time_limit() -> None:
-    # 8 tokens: >= 3.5 s a request at the server (a lower bound), so every level ends mid-request.
-    # The first level stops at its own 5 s, the second (started at >= 5 s, its own end >= 10 s) is
-    # cut by the run's 9 s, and the third is never started. The 4 s between the first level's end
+    # 8 tokens: >= 10.5 s a request at the server (a lower bound), so every level ends mid-request.
+    # The first level stops at its own 10 s, the second (started at >= 10 s, its own end >= 20 s) is
+    # cut by the run's 18 s, and the third is never started. The 8 s between the first level's end
     # and the run's limit are room for setup and cancelling on a busy machine; no other clock.
-    slow = Behaviour(first_token_s=0.01, token_interval_s=0.5)
+    slow = Behaviour(first_token_s=0.01, token_interval_s=1.5)
     with FakeServer(slow) as server:
         result = run_sweep(_config(server.url, [CHAT], model="m", levels=[2, 4, 8], num_requests=1000,
-                                   duration_s=5.0, time_limit_s=9.0))
+                                   duration_s=10.0, time_limit_s=18.0))
     assert len(result.levels) == 2, [(r.level, r.stopped_by, r.wall_s) for r in result.levels]
     first, second = result.levels
-    assert first.hit_time_limit and first.stopped_by == "duration" and first.wall_s >= 5.0  # a lower bound only
-    assert len(first.records) <= 2 and first.cancelled == 2  # the server needs >= 3.5 s a request; both mid-request
+    assert first.hit_time_limit and first.stopped_by == "duration" and first.wall_s >= 10.0  # a lower bound only
+    assert len(first.records) == 0 and first.cancelled == 2  # the server needs >= 10.5 s a request; both mid-request
     assert first.issued == len(first.records) + first.cancelled
     assert second.hit_time_limit and second.stopped_by == "time_limit"  # cut by the run's limit, not its own
     assert second.issued == len(second.records) + second.cancelled and second.cancelled == 4
