@@ -289,9 +289,9 @@ class Engine:
         return events
 
     def _start_drafter(self, seqs: list[Sequence]) -> None:
-        """The drafter's prefill for sequences that have their first token: the prompt, then the
-        target features kept since admission, in order (the draft catches up on the first token
-        itself at its next proposal)."""
+        """The drafter's prefill for ``seqs`` (at admission, or after their first token): the prompt,
+        then the target features kept since admission, in order (the draft catches up on tokens
+        generated meanwhile at its next proposal)."""
         if not seqs:
             return
         t0 = time.perf_counter()
