@@ -247,3 +247,7 @@ def test_auto_is_on_for_bf16_and_fp16_on_a_cpu_and_off_in_float32_or_with_trees(
         validate_config(EngineConfig("t", "ngram", tree_topk=2, batch_invariant="on"))
     with pytest.raises(ConfigError, match="auto, on or off"):
         batch_invariant_on(EngineConfig("t", "ngram", batch_invariant="sometimes"), bf16)
+
+
+def test_no_rows_is_no_rows():
+    assert bi.linear(torch.zeros(0, 8), torch.randn(4, 8), None).shape == (0, 4)

@@ -251,6 +251,8 @@ def _by_plan(rows: torch.Tensor, plan: RowPlan, run: Callable[[torch.Tensor], to
     """``run`` over ``rows`` ``[..., n, K]`` (rows on the second-to-last axis) in the plan's chunks,
     each copied into a fresh zero-padded buffer so every call sees the same shape and layout."""
     n, outs, lo = rows.shape[-2], [], 0
+    if n == 0:
+        return run(rows)
     for count, size in plan.chunks(n):
         buf = rows.new_zeros(*rows.shape[:-2], size, rows.shape[-1])
         buf[..., :count, :] = rows[..., lo: lo + count, :]
@@ -267,7 +269,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     rows = x.reshape(-1, x.shape[-1])
     plan = _plan("linear", (tuple(weight.shape), bias is not None), x.dtype, x.device, workload, run, (),
                  x.shape[-1])
-    return _by_plan(rows, plan, run).reshape(*x.shape[:-1], -1)
+    return _by_plan(rows, plan, run).reshape(*x.shape[:-1], weight.shape[0])
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor, workload: tuple[int, ...] = TARGET_WORKLOAD) -> torch.Tensor:
