@@ -24,6 +24,9 @@ class ConfigError(UserError, ValueError):
     """Engine settings that cannot work (a negative draft length, an unknown policy, ...)."""
 
 
+BACKENDS = ("auto", "torch", "llamacpp")
+
+
 @dataclass
 class EngineConfig:
     target: str
@@ -47,6 +50,9 @@ class EngineConfig:
     # rows computed alike whatever the batch (specdecode.models.batch_invariant): on | off | auto (on for
     # bf16/fp16 on a CPU, where plain kernels flip greedy tokens with the batch; off in float32 and on CUDA)
     batch_invariant: str | bool = "auto"
+    # torch | llamacpp | auto (llama.cpp for .gguf models when installed and nothing asked needs torch)
+    backend: str = "auto"
+    threads: int | None = None  # llama.cpp backend: CPU threads (default: every core this process may use)
 
 
 @dataclass
@@ -57,6 +63,7 @@ class LoadedPair:
     draft_tokenizer: object | None
     draft_quantization: str = "none"  # what the draft model was quantized to (auto resolved)
     target_quantization: str = "none"  # what the target was quantized to: not the model the user named
+    backend: str = "torch"  # what runs the target: torch | llamacpp (a draft model may run on torch beside it)
 
 
 def _quantizations(text: str) -> list[str]:
@@ -121,13 +128,22 @@ def add_model_arguments(parser: argparse.ArgumentParser, draft_required: bool = 
                         "reproduces target-only decoding bit for bit in bf16 too. auto (default): on for bf16/fp16 "
                         "on a CPU, off in float32 (there only exact near-ties can differ) and on CUDA; costs speed "
                         "(docs/benchmarks.md); chains only (with --tree-topk > 1, auto means off)")
+    g.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="what runs the models: torch (PyTorch, CPU or CUDA), llamacpp (llama.cpp's kernels on the CPU, "
+                        ".gguf files as they are quantized; `scripts/install-llamacpp.sh`), or auto (default): llamacpp "
+                        "for a .gguf target when it is installed and nothing asked needs torch (trees, EAGLE, "
+                        "--dtype, quantization flags, --batch-invariant on, CUDA), else torch")
+    g.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU threads: llama.cpp's (default: every core this process may use) and torch's "
+                        "(default: torch's choice; 1 is steadier on a shared machine)")
     g.add_argument("--verify-budget", type=int, default=0, metavar="N",
                    help="load-aware draft length: verify at most N tokens per step across the batch, so each of "
                         "B sequences drafts at most N // B - 1 (target-only once B >= N); 0 = no cap (default)")
 
 
 def config_from_args(args: argparse.Namespace, max_batch_size: int = 1) -> EngineConfig:
-    return EngineConfig(args.target, args.draft, args.num_draft_tokens, args.dtype, getattr(args, "device", "auto"),
+    dtype = args.dtype if getattr(args, "dtype_given", True) else "auto"
+    return EngineConfig(args.target, args.draft, args.num_draft_tokens, dtype, getattr(args, "device", "auto"),
                         max_batch_size, args.max_context,
                         getattr(args, "draft_policy", "fixed"), getattr(args, "max_draft_tokens", 16),
                         getattr(args, "draft_confidence", 0.0), getattr(args, "verify_budget", 0),
@@ -135,7 +151,8 @@ def config_from_args(args: argparse.Namespace, max_batch_size: int = 1) -> Engin
                         getattr(args, "target_quantization", "none"), getattr(args, "tree_topk", 1),
                         getattr(args, "tree_nodes", 16), getattr(args, "acceptance", "exact"),
                         getattr(args, "typical_epsilon", 0.09), getattr(args, "typical_alpha", 0.3),
-                        getattr(args, "batch_invariant", "auto"))
+                        getattr(args, "batch_invariant", "auto"), getattr(args, "backend", "auto"),
+                        getattr(args, "threads", None))
 
 
 def _single(mode) -> str:
@@ -143,14 +160,20 @@ def _single(mode) -> str:
 
 
 def load_pair(target: str, draft: str | None, dtype: str = "auto", device: str = "auto",
-              draft_quantization: str = "none", target_quantization: str = "none") -> LoadedPair:
+              draft_quantization: str = "none", target_quantization: str = "none", *,
+              backend: str = "torch", threads: int | None = None) -> LoadedPair:
     """Load the target and, when the drafter spec names a model, the draft model, on ``device``
     (``auto``: CUDA when present) in ``dtype`` (``auto``: decided for that device); quantize the draft
-    (``draft_quantization``, or the spec's ``@mode``)."""
+    (``draft_quantization``, or the spec's ``@mode``). ``backend`` is ``torch`` or ``llamacpp``
+    (resolve ``auto`` with :func:`choose_backend` first)."""
     from specdecode.drafters import parse_draft
     from specdecode.models.loading import load_model, tokenizers_compatible
 
     spec = parse_draft(draft) if draft else None  # a bad spec fails before anything loads
+    if backend == "llamacpp":
+        return _load_llamacpp_pair(target, spec, draft, threads)
+    if backend != "torch":
+        raise ConfigError(f"backend must be torch or llamacpp here, got {backend!r}")
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     target_model, tokenizer = load_model(target, torch_dtype, dev)
@@ -176,6 +199,87 @@ def load_pair(target: str, draft: str | None, dtype: str = "auto", device: str =
     return LoadedPair(target_model, tokenizer, draft_model, draft_tokenizer, mode, target_quantization)
 
 
+def _load_llamacpp_pair(target: str, spec, draft: str | None, threads: int | None) -> LoadedPair:
+    """The target on llama.cpp; a draft model on llama.cpp too when it is a .gguf file, else on the
+    CPU with torch in float32 (both exact: each drafter's distribution is the one verified)."""
+    import torch
+
+    from specdecode.models.loading import load_llamacpp, load_model, resolve, tokenizers_compatible
+
+    target_model, tokenizer = load_llamacpp(target, threads)
+    if spec is None or not spec.loads_model:
+        return LoadedPair(target_model, tokenizer, None, None, backend="llamacpp")
+    if resolve(spec.arg).kind == "gguf":
+        draft_model, draft_tokenizer = load_llamacpp(spec.arg, threads)
+    else:
+        draft_model, draft_tokenizer = load_model(spec.arg, torch.float32, "cpu")
+    problem = tokenizers_compatible(tokenizer, draft_tokenizer, target_model, draft_model)
+    if problem:
+        raise PairError(f"draft {draft!r} cannot draft for target {target!r}: {problem}")
+    return LoadedPair(target_model, tokenizer, draft_model, draft_tokenizer, backend="llamacpp")
+
+
+def needs_torch(cfg: EngineConfig) -> str | None:
+    """Why these settings need the torch backend (None: llama.cpp can run them)."""
+    from specdecode.drafters import parse_draft
+
+    spec = parse_draft(cfg.draft) if cfg.draft else None
+    reasons = []
+    if spec is not None and spec.kind == "eagle":
+        reasons.append("EAGLE drafters read intermediate layers and feed embeddings")
+    if spec is not None and cfg.tree_topk > 1:
+        reasons.append("trees (--tree-topk > 1) are verified by the torch runner only")
+    if cfg.draft_quantization != "none" or (spec is not None and spec.quantization):
+        reasons.append("--draft-quantization quantizes torch modules (a .gguf draft on llama.cpp is used as quantized)")
+    if cfg.target_quantization != "none":
+        reasons.append("--target-quantization quantizes torch modules")
+    if cfg.batch_invariant in (True, "on"):
+        reasons.append("--batch-invariant replaces torch kernels")
+    if cfg.dtype != "auto":
+        reasons.append("--dtype sets the dtype of the torch backend (llama.cpp runs the file's own types)")
+    if cfg.device not in ("auto", "cpu"):
+        reasons.append("the llama.cpp backend built here runs on the CPU")
+    return "; ".join(reasons) or None
+
+
+def choose_backend(cfg: EngineConfig) -> str:
+    """``torch`` or ``llamacpp`` for ``cfg.backend`` (see ``--backend``); a clear error when
+    ``llamacpp`` is asked for and cannot run these settings. Loads nothing."""
+    if cfg.backend not in BACKENDS:
+        raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)}, got {cfg.backend!r}")
+    if cfg.threads is not None and cfg.threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {cfg.threads}")
+    if cfg.backend == "torch":
+        return "torch"
+    from specdecode.models import llamacpp
+    from specdecode.models.loading import resolve
+
+    gguf = resolve(cfg.target).kind == "gguf"
+    why = needs_torch(cfg)
+    if cfg.backend == "llamacpp":
+        if not gguf:
+            raise ConfigError(f"--backend llamacpp runs .gguf files; --target {cfg.target!r} is not one")
+        if why:
+            raise ConfigError(f"--backend llamacpp cannot run these settings: {why}; use --backend torch")
+        if not llamacpp.available():
+            raise llamacpp.BackendMissing(f"--backend llamacpp needs llama-cpp-python: {llamacpp.INSTALL_HINT}")
+        return "llamacpp"
+    return "llamacpp" if gguf and not why and llamacpp.available() else "torch"
+
+
+def make_runner(model, batch_invariant: bool = False):
+    """The runner for a loaded model: torch modules get :class:`HFRunner`, llama.cpp models theirs."""
+    import torch
+
+    if isinstance(model, torch.nn.Module):
+        from specdecode.models.hf import HFRunner
+
+        return HFRunner(model, batch_invariant=batch_invariant)
+    from specdecode.models.llamacpp import LlamaCppRunner
+
+    return LlamaCppRunner(model)
+
+
 def make_policy(cfg: EngineConfig):
     from specdecode.policy import AcceptancePolicy, BudgetPolicy, FixedPolicy
 
@@ -199,7 +303,6 @@ def make_policy(cfg: EngineConfig):
 def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
     from specdecode.drafters import DraftContext, build_drafter
     from specdecode.engine import Engine
-    from specdecode.models.hf import HFRunner
 
     policy = make_policy(cfg)
     model_ctx = getattr(pair.target.config, "max_position_embeddings", 4096)
@@ -207,14 +310,14 @@ def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
     if max_context > model_ctx:
         raise ConfigError(f"max context {max_context} exceeds the model's {model_ctx}")
     invariant = batch_invariant_on(cfg, pair.target)
-    target = HFRunner(pair.target, batch_invariant=invariant)  # the engine sizes its cache
+    target = make_runner(pair.target, invariant)  # the engine sizes its cache
     drafter = None
     if cfg.draft:
         if invariant and pair.draft is not None:  # plans for a draft's calls: mostly one row each
             from specdecode.models import batch_invariant
 
             batch_invariant.enable(pair.draft, batch_invariant.DRAFT_WORKLOAD)
-        make_draft = ((lambda: HFRunner(pair.draft, batch_invariant=invariant))
+        make_draft = ((lambda: make_runner(pair.draft, invariant))
                       if pair.draft is not None else None)
         drafter = build_drafter(cfg.draft, DraftContext(target, cfg, make_draft))
     tree_nodes = cfg.tree_nodes if cfg.draft and cfg.tree_topk > 1 else 0
@@ -241,6 +344,8 @@ def batch_invariant_on(cfg: EngineConfig, target: "torch.nn.Module") -> bool:
         return mode == "on"
     import torch
 
+    if not isinstance(target, torch.nn.Module):  # llama.cpp: its own kernels (choose_backend refuses "on")
+        return False
     param = next(target.parameters())
     trees = bool(cfg.draft) and cfg.tree_topk > 1  # not covered; nor is a quantized target's kernel
     return (param.device.type == "cpu" and param.dtype in (torch.bfloat16, torch.float16) and not trees
@@ -280,5 +385,6 @@ def validate_config(cfg: EngineConfig) -> None:
 
 def build_engine(cfg: EngineConfig) -> "Engine":
     validate_config(cfg)
+    backend = choose_backend(cfg)
     return engine_from_pair(load_pair(cfg.target, cfg.draft, cfg.dtype, cfg.device, cfg.draft_quantization,
-                                      cfg.target_quantization), cfg)
+                                      cfg.target_quantization, backend=backend, threads=cfg.threads), cfg)

@@ -51,7 +51,15 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print(f"specdecode: {exc}", file=sys.stderr)
             return 2
+        args.dtype_given = args.dtype != "auto"  # an explicit --dtype means the torch backend (--backend auto)
         args.device, args.dtype = str(device), dtype_name(args.dtype, device)
+    if hasattr(args, "backend") and args.threads is not None:  # the model commands' --threads (build.py)
+        if args.threads < 1:
+            print(f"specdecode {args.command}: --threads must be >= 1, got {args.threads}", file=sys.stderr)
+            return 2
+        import torch
+
+        torch.set_num_threads(args.threads)
     from specdecode.errors import UserError
 
     try:

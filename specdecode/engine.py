@@ -145,6 +145,11 @@ class Engine:
         self.running: list[Sequence] = []
         self._ids = itertools.count()
 
+    @property
+    def backend(self) -> str:
+        """What runs the target: ``torch`` or ``llamacpp`` (the runner says)."""
+        return getattr(self.target, "backend", "torch")
+
     def runners(self) -> dict[str, Runner]:
         """Every model runner in use, by role: ``target`` and whatever the drafter owns."""
         return {"target": self.target, **(self.drafter.runners() if self.drafter is not None else {})}

@@ -45,14 +45,24 @@ def tiny_vocab(extra_merges: int = len(MERGES), rename: dict[int, str] | None = 
     return tokens, merges
 
 
-def write_tiny_qwen2_gguf(path: Path, seed: int = 0, **vocab_kwargs) -> tuple[dict[str, np.ndarray], dict]:
-    """Write the file; return ``(expected float32 weights by HF name, Qwen2Config kwargs)``."""
-    tokens, merges = tiny_vocab(**vocab_kwargs)
+def write_tiny_qwen2_gguf(path: Path, seed: int = 0, *, quantized: bool = True, tokens: list[str] | None = None,
+                          scale: float = 0.2, **vocab_kwargs) -> tuple[dict[str, np.ndarray], dict]:
+    """Write the file; return ``(expected float32 weights by HF name, Qwen2Config kwargs)``.
+
+    ``quantized=False`` stores every tensor in F32; ``tokens`` replaces the byte-level vocabulary
+    with these token strings (one nominal merge; the last one is the end-of-sequence token), for tests that
+    need a small vocabulary; ``scale`` is the weights' standard deviation."""
+    if tokens is None:
+        tokens, merges = tiny_vocab(**vocab_kwargs)
+        special = SPECIAL
+    else:
+        tokens, merges, special = list(tokens), [f"{tokens[0]} {tokens[1]}"], [tokens[-1]]  # llama.cpp wants a merge
     vocab = len(tokens)
     rng = np.random.default_rng(seed)
     head_dim = HIDDEN // HEADS
+    quantize_some = quantized
 
-    def rand(*shape, scale=0.2):
+    def rand(*shape, scale=scale):
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
     writer = GGUFWriter(str(path), "qwen2")
@@ -68,17 +78,17 @@ def write_tiny_qwen2_gguf(path: Path, seed: int = 0, **vocab_kwargs) -> tuple[di
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in SPECIAL else 1 for t in tokens])  # 3 = control, 1 = normal
+    writer.add_token_types([3 if t in special else 1 for t in tokens])  # 3 = control, 1 = normal
     writer.add_token_merges(merges)
-    writer.add_bos_token_id(tokens.index("<|endoftext|>"))
-    writer.add_eos_token_id(tokens.index("<|im_end|>"))
-    writer.add_pad_token_id(tokens.index("<|endoftext|>"))
+    writer.add_bos_token_id(tokens.index(special[0]))
+    writer.add_eos_token_id(tokens.index(special[-1]))
+    writer.add_pad_token_id(tokens.index(special[0]))
     writer.add_add_bos_token(False)
 
     expected: dict[str, np.ndarray] = {}
 
     def add(gguf_name: str, hf_name: str, array: np.ndarray, quantized: bool = False) -> None:
-        if quantized:
+        if quantized and quantize_some:
             packed = quantize(array, GGMLQuantizationType.Q8_0)
             writer.add_tensor(gguf_name, packed, raw_dtype=GGMLQuantizationType.Q8_0)
             expected[hf_name] = dequantize(packed, GGMLQuantizationType.Q8_0).astype(np.float32)
@@ -112,3 +122,68 @@ def write_tiny_qwen2_gguf(path: Path, seed: int = 0, **vocab_kwargs) -> tuple[di
         rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
     )
     return expected, config
+
+
+def write_gguf_like(model, path: Path, tokens: list[str] | None = None) -> Path:
+    """Write a tiny transformers Qwen2 or Llama model's own weights (F32) as a GGUF file, so llama.cpp
+    runs the very model a torch test runs. ``tokens``: the vocabulary's strings (default ``t0``,
+    ``t1``, ...; the last id is end-of-sequence, as in tests/tiny.py)."""
+    cfg = model.config
+    arch = cfg.model_type
+    if arch not in ("qwen2", "llama"):
+        raise ValueError(f"only qwen2 and llama models convert here, not {arch}")
+    vocab = cfg.vocab_size
+    # default: "x", "y", "xy" (llama.cpp wants a merge, and a tokenizer's merge must make a token it has),
+    # then "t3", "t4", ...; the strings matter only to a tokenizer rebuilt from the file
+    tokens = list(tokens) if tokens is not None else (["x", "y", "xy"] + [f"t{i}" for i in range(3, vocab - 1)]
+                                                      + ["<|endoftext|>"])
+    state = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
+    writer = GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny {arch} (from a transformers model)")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
+    if arch == "llama":
+        writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if i == vocab - 1 else 1 for i in range(vocab)])
+    writer.add_token_merges(["x y"] if tokens[:3] == ["x", "y", "xy"] else [f"{tokens[0]} {tokens[1]}"])
+    writer.add_eos_token_id(vocab - 1)
+    writer.add_bos_token_id(vocab - 1)
+    writer.add_add_bos_token(False)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
+             "model.norm.weight": "output_norm.weight"}
+    per_layer = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+                 "self_attn.o_proj.weight": "attn_output.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+                 "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+    for proj in "qkv":
+        per_layer[f"self_attn.{proj}_proj.weight"] = f"attn_{proj}.weight"
+        if arch == "qwen2":
+            per_layer[f"self_attn.{proj}_proj.bias"] = f"attn_{proj}.bias"
+    for i in range(cfg.num_hidden_layers):
+        for hf, gg in per_layer.items():
+            names[f"model.layers.{i}.{hf}"] = f"blk.{i}.{gg}"
+    def rope_order(w: np.ndarray, heads: int) -> np.ndarray:
+        """llama.cpp's llama rotates interleaved pairs; transformers' rotates halves (as convert_hf_to_gguf)."""
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    for hf, gg in names.items():
+        w = state[hf]
+        if arch == "llama" and hf.endswith("q_proj.weight"):
+            w = rope_order(w, cfg.num_attention_heads)
+        elif arch == "llama" and hf.endswith("k_proj.weight"):
+            w = rope_order(w, cfg.num_key_value_heads)
+        writer.add_tensor(gg, np.ascontiguousarray(w))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

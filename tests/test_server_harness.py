@@ -57,10 +57,11 @@ def pair():
     return target, perturbed_copy(target, noise=0.15)
 
 
-def engine(k: int = 3, slots: int = 4, max_len: int = MAX_LEN, draft: bool = True):
+def engine(k: int = 3, slots: int = 4, max_len: int = MAX_LEN, draft: bool = True, backend: str | None = None):
+    """A tiny engine on $SPECDECODE_TEST_BACKEND (torch by default; see tiny.runner_for) or ``backend``."""
     target, draft_model = pair()
     return make_engine(target, tokenizer(), draft_model if draft and k else None, k=k if draft else 0,
-                       num_slots=slots, max_len=max_len)
+                       num_slots=slots, max_len=max_len, backend=backend)
 
 
 @functools.cache

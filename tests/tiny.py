@@ -66,12 +66,33 @@ def perturbed_copy(model, noise: float, seed: int = 1):
     return draft.to(os.environ.get("SPECDECODE_TEST_DEVICE", "cpu"))
 
 
+BACKEND = os.environ.get("SPECDECODE_TEST_BACKEND", "torch")  # llamacpp: make_engine runs the models on llama.cpp
+_GGUF_COPIES: dict[int, tuple[object, object]] = {}
+
+
+def runner_for(model, backend: str | None = None):
+    """A runner over a tiny model: :class:`HFRunner`, or with ``backend="llamacpp"`` (default
+    ``$SPECDECODE_TEST_BACKEND``) a llama.cpp runner over a GGUF copy of the same weights."""
+    if (backend or BACKEND) != "llamacpp":
+        return HFRunner(model)
+    import tempfile
+    from pathlib import Path
+
+    from gguf_util import write_gguf_like
+    from specdecode.models.llamacpp import LlamaCppModel, LlamaCppRunner
+
+    if id(model) not in _GGUF_COPIES:  # one file per model object (kept alive beside it)
+        path = Path(tempfile.mkdtemp(prefix="specdecode-gguf-")) / "model.gguf"
+        _GGUF_COPIES[id(model)] = (model, LlamaCppModel(write_gguf_like(model, path), threads=1))
+    return LlamaCppRunner(_GGUF_COPIES[id(model)][1])
+
+
 def make_engine(target, tokenizer, draft=None, k: int = 0, num_slots: int = 4, max_len: int = 256, drafter=None,
-                verifier=None):
-    """An engine on tiny models; it sizes both runners' caches itself."""
+                verifier=None, backend: str | None = None):
+    """An engine on tiny models; it sizes both runners' caches itself (see :func:`runner_for`)."""
     from specdecode.drafters.draft_model import DraftModelDrafter
 
     if draft is not None:
-        drafter = DraftModelDrafter(HFRunner(draft))
-    return Engine(HFRunner(target), tokenizer, drafter, k, max_batch_size=num_slots, max_context=max_len,
+        drafter = DraftModelDrafter(runner_for(draft, backend))
+    return Engine(runner_for(target, backend), tokenizer, drafter, k, max_batch_size=num_slots, max_context=max_len,
                   verifier=verifier)

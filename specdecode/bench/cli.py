@@ -14,7 +14,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-SETTINGS_KEYS = ("target", "draft", "dtype", "max_new_tokens", "ignore_eos", "seed", "draft_schedule")
+SETTINGS_KEYS = ("target", "draft", "dtype", "max_new_tokens", "ignore_eos", "seed", "draft_schedule", "backend")
+OLD_DEFAULTS = {"backend": "torch"}  # what runs recorded before a setting existed used
 
 
 def _csv(kind):
@@ -58,8 +59,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--max-new-tokens", type=int, default=128)
     r.add_argument("--stop-at-eos", action="store_true",
                    help="stop at EOS (default: ignore EOS so every configuration generates the same number of tokens)")
-    r.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's choice; 1 is steadier on a shared machine)")
     r.add_argument("--warmup-tokens", type=int, default=4, help="tokens per warm-up run of each config (0 = none)")
     o = parser.add_argument_group("output")
     o.add_argument("--out", type=Path, default=Path("runs/bench"), help="output directory (default runs/bench)")
@@ -73,13 +72,6 @@ def main(args: argparse.Namespace) -> int:
     from specdecode.bench.prompts import PromptSetError
     from specdecode.bench.runner import BenchInputError
 
-    if args.threads is not None:
-        if args.threads < 1:
-            print("error: --threads must be >= 1", file=sys.stderr)
-            return 2
-        import torch
-
-        torch.set_num_threads(args.threads)
     try:
         if args.memory_check is not None:
             return _memory_check(args)
@@ -90,7 +82,10 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _settings(args: argparse.Namespace) -> dict:
+    from specdecode.build import choose_backend, config_from_args
+
     return {"target": args.target, "draft": args.draft, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
+            "backend": choose_backend(config_from_args(args)),  # torch | llamacpp, resolved
             "ignore_eos": not args.stop_at_eos, "seed": args.seed, "repeats": args.repeats,
             "sampling": args.sampling, "draft_lengths": args.draft_lengths or [args.num_draft_tokens],
             "baselines": args.baselines, "threads": args.threads, "draft_schedule": draft_schedule(args),
@@ -176,8 +171,19 @@ def _prepare(args: argparse.Namespace, meta: dict, configs: list, samplings: lis
     if args.draft and parse_draft(args.draft).quantization:
         raise BenchInputError(f"--draft {args.draft!r}: in bench, give the draft unquantized and compare modes with "
                               "--draft-quantization none,int8,...")
+    backend = meta["settings"]["backend"]
+    if backend == "llamacpp":
+        if [c for c in configs if c.name.startswith("hf")]:
+            raise BenchInputError("the transformers baselines (--baselines hf,hf-assisted) run torch models; with the "
+                                  "llama.cpp backend pass --baselines none")
+        if [c for c in configs if c.quantization != "none"]:
+            raise BenchInputError("--draft-quantization quantizes torch models; a .gguf draft on llama.cpp runs as "
+                                  "quantized in its file")
+        if [c for c in configs if c.tree]:
+            raise BenchInputError("trees (--tree-shapes) are verified by the torch runner only; drop them or use "
+                                  "--backend torch")
     pair = load_pair(args.target, args.draft, args.dtype, args.device,  # draft: quantized copies in make_backend
-                     target_quantization=args.target_quantization)
+                     target_quantization=args.target_quantization, backend=backend, threads=args.threads)
     model_ctx = getattr(pair.target.config, "max_position_embeddings", 4096)
     limit = args.max_context or min(model_ctx, 4096)
     if limit > model_ctx:
@@ -269,14 +275,20 @@ def make_backend(pair, args: argparse.Namespace, max_context: int):
             hf[assisted] = HFBaseline(pair.target, pair.draft if assisted else None, pad)
         return hf[assisted]
 
-    @torch.inference_mode()
-    def target_logits(ids: list[int]) -> torch.Tensor:  # [V]
-        return pair.target(torch.tensor([ids], device=pair.target.device), logits_to_keep=1).logits[0, -1].float().cpu()
-
     from specdecode.bench.runner import RunConfig
 
     target_only = engine_for(RunConfig("target", "engine"))
-    return Backend(engine_for, hf_for, target_logits, sorted(target_only.eos_token_ids), torch.finfo(target_only.target.dtype).eps)
+
+    @torch.inference_mode()
+    def target_logits(ids: list[int]) -> torch.Tensor:  # [V]
+        if pair.backend == "llamacpp":
+            from specdecode.check.common import next_token_logits
+
+            return next_token_logits(target_only.target, ids)
+        return pair.target(torch.tensor([ids], device=pair.target.device), logits_to_keep=1).logits[0, -1].float().cpu()
+
+    eps = getattr(target_only.target, "logit_eps", None) or torch.finfo(target_only.target.dtype).eps
+    return Backend(engine_for, hf_for, target_logits, sorted(target_only.eos_token_ids), eps)
 
 
 def _meta(out: Path, settings: dict, env) -> dict:
@@ -286,7 +298,7 @@ def _meta(out: Path, settings: dict, env) -> dict:
     if path.exists():
         meta = json.loads(path.read_text(encoding="utf-8"))
         old = meta.get("settings", {})
-        changed = [k for k in SETTINGS_KEYS if old.get(k) != settings.get(k)]
+        changed = [k for k in SETTINGS_KEYS if old.get(k, OLD_DEFAULTS.get(k)) != settings.get(k)]
         if changed:
             diff = ", ".join(f"{k}: {old.get(k)!r} -> {settings.get(k)!r}" for k in changed)
             raise BenchInputError(f"{out} holds a run with other settings ({diff}); use another --out to start afresh")

@@ -123,7 +123,8 @@ def main(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"sample": i, "token_ids": out.token_ids, "text": out.text,
                               "finish_reason": out.finish_reason, "stats": out.stats.to_dict(), "timing": timing,
-                              "target_quantization": engine.target_quantization, "lossy": bool(engine.lossy)}
+                              "backend": engine.backend, "target_quantization": engine.target_quantization,
+                              "lossy": bool(engine.lossy)}
                              | ({"lossy_because": engine.lossy} if engine.lossy else {})))
             continue
         if live:

@@ -22,6 +22,8 @@ PREFILL_TOKENS = 2048  # tokens per prefill forward (all rows together): bounds 
 
 
 class HFRunner:
+    backend = "torch"
+
     def __init__(self, model: torch.nn.Module, num_slots: int = 0, max_len: int = 0,
                  batch_invariant: bool = False) -> None:
         cfg = model.config

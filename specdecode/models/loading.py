@@ -127,12 +127,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def cache_dir_for(gguf: Path, dtype: torch.dtype) -> Path:
-    """Where the safetensors cache of ``gguf`` converted to ``dtype`` lives (existing or not)."""
+def cache_dir_for(gguf: Path, dtype: torch.dtype | str) -> Path:
+    """Where the safetensors cache of ``gguf`` converted to ``dtype`` lives (existing or not); a string
+    names another product of the file (``"tokenizer"``)."""
     gguf = Path(gguf).resolve()
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_root() / "converted" / f"{gguf.stem}-{key}-{_dtype_name(dtype)}"
+    what = dtype if isinstance(dtype, str) else _dtype_name(dtype)
+    return cache_root() / "converted" / f"{gguf.stem}-{key}-{what}"
 
 
 def _is_complete(directory: Path) -> bool:
@@ -277,6 +279,40 @@ def load_model(
     return model, tokenizer
 
 
+def load_gguf_tokenizer(gguf: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of a GGUF file, rebuilt from its metadata once and cached (``<stem>-<key>-tokenizer``
+    beside the converted models): what the llama.cpp backend pairs with the file's weights."""
+    from transformers import AutoTokenizer
+
+    gguf = Path(gguf).expanduser().resolve()
+    final = cache_dir_for(gguf, "tokenizer")
+    if (final / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(final)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}.{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tokenizer.save_pretrained(tmp)
+        make_readable(tmp)
+        if not final.exists():
+            os.rename(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizer
+
+
+def load_llamacpp(spec: str | Path, threads: int | None = None):
+    """``(LlamaCppModel, tokenizer)`` for a spec naming a GGUF file (path or alias): the llama.cpp backend."""
+    from specdecode.models.llamacpp import LlamaCppModel
+
+    resolved = resolve(str(spec))
+    if resolved.kind != "gguf":
+        raise ModelNotFoundError(f"{spec!r} is a {resolved.describe()}; the llama.cpp backend runs .gguf files "
+                                 "(use --backend torch for other models)")
+    return LlamaCppModel(resolved.path, threads), load_gguf_tokenizer(resolved.path)
+
+
 # ---------------------------------------------------------------------------------------------------
 # draft/target compatibility
 
@@ -285,6 +321,8 @@ def _vocab_rows(model, tokenizer) -> int:
     """How many token ids the model can embed and score (its embedding matrix may be padded)."""
     if model is None:
         return len(tokenizer)
+    if not isinstance(model, torch.nn.Module):  # a llama.cpp model: its output rows
+        return int(model.vocab_size)
     rows = [model.get_input_embeddings().weight.shape[0]]
     output = model.get_output_embeddings()
     if output is not None:  # a quantized head has out_features (its weight may be packed or a method)

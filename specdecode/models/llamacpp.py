@@ -1,0 +1,390 @@
+"""The llama.cpp runner: GGUF models on llama.cpp's kernels, behind :class:`~specdecode.models.base.Runner`.
+
+Everything above the runner (the exact engine, drafters, ``check``, ``bench``, the server) is the
+same as with the PyTorch runner; only the forward passes run on llama.cpp, through the low-level
+C API of ``llama-cpp-python`` (installed by ``scripts/install-llamacpp.sh``, the one place its
+version and build flags are kept). The file's quantized weights are used as they are (Q4_K, Q8_0,
+...): no dequantization, no conversion cache.
+
+How the interface maps onto llama.cpp:
+
+* a slot is a llama.cpp sequence id, each with its own KV stream (``kv_unified = false``), so a
+  batched forward of many sequences attends each row to its own cache only;
+* ``forward`` puts every row's tokens in one ``llama_batch`` (positions as given, logits for every
+  token) and returns the **logits** as ``hidden``: llama.cpp computes them inside the forward, so
+  this runner's :meth:`logits` is the identity (the protocol allows it: ``hidden`` is whatever
+  ``logits()`` takes). The final normed hidden state (feature layer ``FINAL``) comes from llama.cpp's
+  embeddings output, switched on only for forwards that ask for it;
+* llama.cpp keys its cache by position, not by index, and insists that a sequence's new tokens
+  continue right after the last one it holds: ``truncate`` is ``llama_memory_seq_rm`` and the runner
+  also drops a slot's stale tail before any forward that writes over it (a drafter's padding, say);
+* ``copy_slot`` copies a whole stream (``llama_memory_seq_cp``) then cuts it to the length;
+  ``export_kv``/``import_kv`` use llama.cpp's per-sequence state.
+
+Not served (a clear :class:`BackendUnsupported` error, before anything runs): trees (a tree's
+candidates need several sequence ids per cell and a mask llama.cpp builds itself from positions),
+hidden states of intermediate layers, and feeding input embeddings — so EAGLE drafters and tree
+drafting need ``--backend torch``. The draft model, n-gram and Medusa drafters work.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from specdecode.errors import UserError
+from specdecode.models.base import FINAL, Features, ForwardOutput
+
+INSTALL_HINT = "install it with `scripts/install-llamacpp.sh` (builds llama-cpp-python from source, a few minutes)"
+BATCH_TOKENS = 512  # tokens per llama_decode call (llama.cpp's n_batch = n_ubatch)
+KV_PAD = 256  # llama.cpp rounds each sequence's cache to a multiple of this
+
+
+class BackendMissing(UserError, ImportError):
+    """The llama.cpp backend was asked for but llama-cpp-python is not installed."""
+
+
+class BackendUnsupported(UserError, ValueError):
+    """Something the llama.cpp runner does not do (trees, intermediate layers, input embeddings)."""
+
+
+_LIB = None
+_LOG_CALLBACK = None  # kept alive: llama.cpp holds the pointer
+
+
+def available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def lib():
+    """The low-level llama.cpp bindings, initialised once (errors only on stderr)."""
+    global _LIB, _LOG_CALLBACK
+    if _LIB is None:
+        try:
+            import llama_cpp
+        except ImportError as exc:
+            raise BackendMissing(f"the llama.cpp backend needs llama-cpp-python: {INSTALL_HINT}") from exc
+        llama_cpp.llama_backend_init()
+        quiet = os.environ.get("SPECDECODE_LLAMACPP_LOG", "") == ""
+
+        @llama_cpp.llama_log_callback
+        def _log(level, text, _user):
+            if not quiet or level == 4:  # GGML_LOG_LEVEL_ERROR
+                os.write(2, text)
+
+        _LOG_CALLBACK = _log
+        llama_cpp.llama_log_set(_LOG_CALLBACK, None)
+        _LIB = llama_cpp
+    return _LIB
+
+
+def default_threads() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+class LlamaCppModel:
+    """A GGUF file loaded by llama.cpp (weights memory-mapped; every runner over it shares them)."""
+
+    def __init__(self, path: str | Path, threads: int | None = None) -> None:
+        ll = lib()
+        self.path = Path(path).resolve()
+        if not self.path.is_file():
+            raise FileNotFoundError(f"{self.path}: no such GGUF file")
+        self.threads = threads or default_threads()
+        if self.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {self.threads}")
+        params = ll.llama_model_default_params()
+        params.n_gpu_layers = 0
+        self.ptr = ll.llama_model_load_from_file(str(self.path).encode(), params)
+        if not self.ptr:
+            raise ValueError(f"llama.cpp could not load {self.path} (not a GGUF model it supports?)")
+        vocab = ll.llama_model_get_vocab(self.ptr)
+        self.vocab_size = int(ll.llama_vocab_n_tokens(vocab))
+        self.hidden_size = int(ll.llama_model_n_embd(self.ptr))
+        self.num_layers = int(ll.llama_model_n_layer(self.ptr))
+        self.context_length = int(ll.llama_model_n_ctx_train(self.ptr))
+        self.eos_token_ids = {int(t) for t in (ll.llama_vocab_eos(vocab), ll.llama_vocab_eot(vocab)) if t >= 0}
+        stat = self.path.stat()
+        self.identity = f"llamacpp:{self.path}:{stat.st_size}:{stat.st_mtime_ns}"
+        # what commands read off a model: its context length (like a transformers config)
+        self.config = SimpleNamespace(max_position_embeddings=self.context_length)
+        buf = ctypes.create_string_buffer(256)
+        ll.llama_model_desc(self.ptr, buf, len(buf))
+        self.description = buf.value.decode(errors="replace")
+        self.size_bytes = int(ll.llama_model_size(self.ptr))
+
+    def __del__(self) -> None:
+        ptr, self.ptr = getattr(self, "ptr", None), None
+        if ptr and _LIB is not None:
+            _LIB.llama_model_free(ptr)
+
+
+class LlamaCppRunner:
+    """Slot-addressed sequences on a llama.cpp context (see the module docstring)."""
+
+    backend = "llamacpp"
+
+    def __init__(self, model: LlamaCppModel, num_slots: int = 0, max_len: int = 0) -> None:
+        self.ll = lib()
+        self.model = model
+        self.vocab_size = model.vocab_size
+        self.hidden_size = model.hidden_size
+        self.num_layers = model.num_layers
+        self.dtype = torch.float32  # what logits and features come back as
+        self.device = torch.device("cpu")
+        self.identity = model.identity
+        self.eos_token_ids = set(model.eos_token_ids)
+        self.num_slots = self.max_len = 0
+        self.ctx = None
+        self._batch = None
+        self._embeddings = False
+        self._length: list[int] = []  # per slot: 1 + the highest position the cache holds (0: empty)
+        if num_slots and max_len:
+            self.ensure_capacity(num_slots, max_len)
+
+    # -- sizes ------------------------------------------------------------------------------------
+    def ensure_capacity(self, num_slots: int, max_len: int) -> None:
+        if self.ctx is not None and self.num_slots >= num_slots and self.max_len >= max_len:
+            return
+        num_slots, max_len = max(num_slots, self.num_slots), max(max_len, self.max_len)
+        if num_slots > 256:
+            raise BackendUnsupported(f"llama.cpp serves at most 256 sequences per context, asked for {num_slots}")
+        self._free()
+        per_slot = -(-max_len // KV_PAD) * KV_PAD
+        params = self.ll.llama_context_default_params()
+        params.n_ctx = per_slot * num_slots
+        params.n_batch = params.n_ubatch = BATCH_TOKENS
+        params.n_seq_max = num_slots
+        params.n_threads = params.n_threads_batch = self.model.threads
+        params.kv_unified = False  # a stream per sequence: a row attends to its own cache only
+        params.pooling_type = 0  # LLAMA_POOLING_TYPE_NONE: per-token embeddings when asked for
+        params.embeddings = False
+        params.no_perf = True
+        ctx = self.ll.llama_init_from_model(self.model.ptr, params)
+        if not ctx:
+            raise RuntimeError(f"llama.cpp could not create a context of {num_slots} x {per_slot} positions")
+        self.ctx, self.mem = ctx, self.ll.llama_get_memory(ctx)
+        self._embeddings = False
+        self._batch = self.ll.llama_batch_init(BATCH_TOKENS, 0, 1)
+        self.num_slots, self.max_len = num_slots, max_len
+        self._length = [0] * num_slots
+
+    def _free(self) -> None:
+        if self._batch is not None:
+            self.ll.llama_batch_free(self._batch)
+            self._batch = None
+        if self.ctx is not None:
+            self.ll.llama_free(self.ctx)
+            self.ctx = None
+
+    def __del__(self) -> None:
+        if getattr(self, "ll", None) is not None:
+            self._free()
+
+    def kv_bytes(self) -> int:
+        if self.ctx is None:
+            return 0
+        # K and V of every layer, f16 (llama.cpp's default cache type), every slot
+        kv_heads_dim = self.ll.llama_model_n_embd_gqa(self.model.ptr) if hasattr(self.ll, "llama_model_n_embd_gqa") \
+            else self.hidden_size
+        return 2 * 2 * self.num_layers * kv_heads_dim * self.num_slots * (-(-self.max_len // KV_PAD) * KV_PAD)
+
+    # -- forward ----------------------------------------------------------------------------------
+    @staticmethod
+    def _check(layers: Sequence[int]) -> bool:
+        other = [layer for layer in layers if layer != FINAL]
+        if other:
+            raise BackendUnsupported(f"the llama.cpp backend gives the final hidden state only, not layers {other} "
+                                     "(EAGLE drafters need --backend torch)")
+        return FINAL in layers
+
+    def _set_embeddings(self, on: bool) -> None:
+        if on != self._embeddings:
+            self.ll.llama_set_embeddings(self.ctx, on)
+            self._embeddings = on
+
+    def _forget_from(self, slot: int, position: int) -> None:
+        """Drop what ``slot`` holds at ``position`` and past (a no-op when it holds nothing there)."""
+        if self._length[slot] > position:
+            self.ll.llama_memory_seq_rm(self.mem, slot, position, -1)
+            self._length[slot] = position
+
+    def _decode(self, rows: list[tuple[int, list[int], int]], outputs: bool, features: bool,
+                logits_out: list, feats_out: list) -> None:
+        """Run ``rows`` = (slot, tokens, first position), at most BATCH_TOKENS tokens in all, as one
+        llama_decode; append each row's logits [n, V] (and final states [n, H]) when ``outputs``."""
+        b = self._batch
+        n = 0
+        for slot, toks, p0 in rows:
+            for j, tok in enumerate(toks):
+                b.token[n] = tok
+                b.pos[n] = p0 + j
+                b.n_seq_id[n] = 1
+                b.seq_id[n][0] = slot
+                b.logits[n] = outputs
+                n += 1
+        b.n_tokens = n
+        self._set_embeddings(features)
+        code = self.ll.llama_decode(self.ctx, b)
+        if code != 0:
+            raise RuntimeError(f"llama_decode failed with status {code} ({n} tokens, slots "
+                               f"{sorted({r[0] for r in rows})})")
+        for slot, toks, p0 in rows:
+            self._length[slot] = p0 + len(toks)
+        if not outputs:
+            return
+        logits = np.ctypeslib.as_array(self.ll.llama_get_logits(self.ctx), shape=(n, self.vocab_size))
+        at = 0
+        for _, toks, _ in rows:
+            logits_out.append(torch.from_numpy(logits[at: at + len(toks)].copy()))
+            at += len(toks)
+        if features:
+            embd = np.ctypeslib.as_array(self.ll.llama_get_embeddings(self.ctx), shape=(n, self.hidden_size))
+            at = 0
+            for _, toks, _ in rows:
+                feats_out.append(torch.from_numpy(embd[at: at + len(toks)].copy()))
+                at += len(toks)
+
+    def _run(self, rows: list[tuple[int, list[int], int]], outputs: bool, features: bool):
+        """Decode ``rows`` in llama_decode calls of at most BATCH_TOKENS tokens (a long row in pieces,
+        in order); per row, its logits and features concatenated."""
+        for slot, _, p0 in rows:
+            if not 0 <= slot < self.num_slots:
+                raise ValueError(f"slot {slot} outside 0..{self.num_slots - 1}")
+            self._forget_from(slot, p0)
+            if self._length[slot] != p0:
+                raise ValueError(f"slot {slot} holds {self._length[slot]} positions; a forward cannot start at {p0}")
+        pieces = [(i, slot, toks[lo: lo + BATCH_TOKENS], p0 + lo) for i, (slot, toks, p0) in enumerate(rows)
+                  for lo in range(0, len(toks), BATCH_TOKENS)]
+        logits: list[list[torch.Tensor]] = [[] for _ in rows]
+        feats: list[list[torch.Tensor]] = [[] for _ in rows]
+        group: list = []
+        size = 0
+
+        def flush() -> None:
+            out_l, out_f = [], []
+            self._decode([(slot, toks, p0) for _, slot, toks, p0 in group], outputs, features, out_l, out_f)
+            for k, (i, *_rest) in enumerate(group):
+                if outputs:
+                    logits[i].append(out_l[k])
+                if features:
+                    feats[i].append(out_f[k])
+
+        for piece in pieces:
+            # a row's pieces go in order: a new group starts before a second piece of a row in this one
+            if group and (size + len(piece[2]) > BATCH_TOKENS or any(g[0] == piece[0] for g in group)):
+                flush()
+                group, size = [], 0
+            group.append(piece)
+            size += len(piece[2])
+        if group:
+            flush()
+        return ([torch.cat(x) if x else torch.zeros(0, self.vocab_size) for x in logits],
+                [torch.cat(x) if x else torch.zeros(0, self.hidden_size) for x in feats])
+
+    @torch.inference_mode()
+    def forward(self, slots: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, *,
+                write_positions: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
+                tree_start: torch.Tensor | None = None, layers: Sequence[int] = (),
+                inputs_embeds: torch.Tensor | None = None) -> ForwardOutput:
+        """``hidden`` holds the logits ``[B, q, V]`` (see the module docstring). A row's tokens must
+        sit at consecutive positions; a row's tail whose positions stop increasing (a drafter's
+        padding clamped at the end of the cache) is not run and gets zero logits."""
+        if tree_mask is not None or (write_positions is not None and not torch.equal(write_positions.cpu(),
+                                                                                      positions.cpu())):
+            raise BackendUnsupported("the llama.cpp backend verifies chains only; trees (--tree-topk > 1) need "
+                                     "--backend torch")
+        if inputs_embeds is not None:
+            raise BackendUnsupported("the llama.cpp backend cannot feed input embeddings (EAGLE drafters need "
+                                     "--backend torch)")
+        assert self.ctx is not None, "no context: call ensure_capacity() first"
+        features = self._check(layers)
+        ids, pos = input_ids.tolist(), positions.tolist()
+        rows = []
+        for slot, toks, ps in zip(slots.tolist(), ids, pos):
+            n = 1
+            while n < len(ps) and ps[n] == ps[n - 1] + 1:
+                n += 1
+            rows.append((slot, toks[:n], ps[0]))
+        logits, feats = self._run(rows, True, features)
+        bsz, q = input_ids.shape
+        out = torch.zeros(bsz, q, self.vocab_size)
+        final = torch.zeros(bsz, q, self.hidden_size) if features else None
+        for b, (_, toks, _) in enumerate(rows):
+            out[b, : len(toks)] = logits[b]
+            if final is not None:
+                final[b, : len(toks)] = feats[b]
+        return ForwardOutput(out, {FINAL: final} if final is not None else {})
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The identity: :meth:`forward` already returns logits as ``hidden``."""
+        if hidden.shape[-1] != self.vocab_size:
+            raise BackendUnsupported("the llama.cpp runner cannot apply its output layer to hidden states; "
+                                     "logits() takes what its forward returned")
+        return hidden.float()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise BackendUnsupported("the llama.cpp backend does not expose input embeddings (EAGLE drafters need "
+                                 "--backend torch)")
+
+    @torch.inference_mode()
+    def prefill(self, slots: Sequence[int], prompts: Sequence[list[int]], layers: Sequence[int] = ()) -> list[Features]:
+        features = self._check(layers)
+        for slot in slots:  # a prefill starts the slot afresh
+            self._forget_from(slot, 0)
+        rows = [(slot, list(p), 0) for slot, p in zip(slots, prompts) if p]
+        _, feats = self._run(rows, features, features) if rows else ([], [])
+        out: list[Features] = []
+        it = iter(feats)
+        for p in prompts:
+            if not features:
+                out.append({})
+            else:
+                out.append({FINAL: next(it) if p else torch.zeros(0, self.hidden_size)})
+        return out
+
+    # -- KV operations ----------------------------------------------------------------------------
+    def truncate(self, slot: int, length: int) -> None:
+        self._forget_from(slot, length)
+
+    def compact(self, slot: int, src: Sequence[int], dst_start: int) -> None:
+        if list(src) != list(range(dst_start, dst_start + len(src))):
+            raise BackendUnsupported("the llama.cpp backend verifies chains only; trees need --backend torch")
+
+    def copy_slot(self, src: int, dst: int, length: int) -> None:
+        if src == dst:
+            return
+        self.ll.llama_memory_seq_rm(self.mem, dst, -1, -1)
+        self.ll.llama_memory_seq_cp(self.mem, src, dst, -1, -1)  # across streams: the whole stream
+        self._length[dst] = self._length[src]
+        self._forget_from(dst, length)
+
+    def export_kv(self, slot: int, length: int):
+        self._forget_from(slot, length)  # the snapshot holds exactly the prefix (the rest is stale anyway)
+        size = self.ll.llama_state_seq_get_size(self.ctx, slot)
+        buf = (ctypes.c_uint8 * size)()
+        written = self.ll.llama_state_seq_get_data(self.ctx, buf, size, slot)
+        return (self.identity, length, bytes(buf[:written]))
+
+    def import_kv(self, slot: int, state) -> None:
+        identity, length, data = state
+        if identity != self.identity:
+            raise ValueError("a KV snapshot of other weights cannot be imported")
+        self.ll.llama_memory_seq_rm(self.mem, slot, -1, -1)
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if self.ll.llama_state_seq_set_data(self.ctx, buf, len(data), slot) == 0:
+            raise RuntimeError(f"llama.cpp refused a KV snapshot for slot {slot}")
+        self._length[slot] = length

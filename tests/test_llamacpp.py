@@ -1,0 +1,279 @@
+"""The llama.cpp backend (specdecode/models/llamacpp.py) on tiny GGUF files written here: the runner
+against the torch runner on the same weights, rollback, batching and slot operations, greedy equality
+and the two-token law through the engine (with a negative control), the CLI's backend selection, and
+the server and engine test modules rerun with every engine on llama.cpp."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("llama_cpp", reason="the llama.cpp backend is not installed (scripts/install-llamacpp.sh)")
+
+from gguf_util import write_gguf_like  # noqa: E402
+from specdecode.drafters.draft_model import DraftModelDrafter  # noqa: E402
+from specdecode.drafters.ngram import NgramDrafter  # noqa: E402
+from specdecode.engine import Engine  # noqa: E402
+from specdecode.models.hf import HFRunner  # noqa: E402
+from specdecode.models.llamacpp import BackendUnsupported, LlamaCppModel, LlamaCppRunner  # noqa: E402
+from specdecode.sampling import SamplingParams, params_tensors, warp  # noqa: E402
+from tiny import make_model, make_tokenizer, perturbed_copy  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+V = 32
+TOL = 0.05  # logits: llama.cpp keeps K/V in float16, torch in float32 (observed max difference ~0.006)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny target and a draft that mostly agrees, as transformers models and as GGUF copies."""
+    d = tmp_path_factory.mktemp("gguf")
+    target = make_model(V, seed=1)
+    draft = perturbed_copy(target, noise=0.15)
+    return target, draft, LlamaCppModel(write_gguf_like(target, d / "t.gguf"), threads=1), \
+        LlamaCppModel(write_gguf_like(draft, d / "d.gguf"), threads=1), d
+
+
+def _fwd(runner, slots, ids, positions):
+    out = runner.forward(torch.tensor(slots), torch.tensor(ids), torch.tensor(positions))
+    return runner.logits(out.hidden)
+
+
+def test_logits_equal_the_torch_runner_on_the_same_weights(tiny):
+    target, _, gguf, _, _ = tiny
+    ll, hf = LlamaCppRunner(gguf, 3, 64), HFRunner(target, 3, 64)
+    prompts = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12, 13, 14]]  # ragged prefill
+    for r in (ll, hf):
+        r.prefill([0, 1, 2], prompts)
+    ids = [[3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    pos = [[5, 6, 7], [2, 3, 4], [7, 8, 9]]
+    a, b = _fwd(ll, [0, 1, 2], ids, pos), _fwd(hf, [0, 1, 2], ids, pos)
+    assert a.shape == b.shape == (3, 3, V)
+    assert (a - b).abs().max() < TOL
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_rollback_then_continue_equals_a_fresh_prefill(tiny):
+    _, _, gguf, _, _ = tiny
+    r = LlamaCppRunner(gguf, 2, 64)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    r.prefill([0], [prompt])
+    _fwd(r, [0], [[5, 3, 5, 8]], [[8, 9, 10, 11]])  # a verify of 4 tokens ...
+    r.truncate(0, 10)  # ... of which the first two are kept
+    again = _fwd(r, [0], [[9, 7]], [[10, 11]])
+    r.prefill([1], [prompt + [5, 3]])
+    fresh = _fwd(r, [1], [[9, 7]], [[10, 11]])
+    assert (again - fresh).abs().max() < 1e-3
+    # without the truncation the stale positions would be attended to (or refused): the runner drops
+    # a slot's tail before writing over it, so feeding from position 10 again is the same computation
+    repeat = _fwd(r, [0], [[9, 7]], [[10, 11]])
+    assert torch.equal(repeat, again)
+
+
+def test_batched_rows_equal_each_row_alone(tiny):
+    _, _, gguf, _, _ = tiny
+    r = LlamaCppRunner(gguf, 3, 64)
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10], [11]]
+    r.prefill([0, 1, 2], prompts)
+    together = _fwd(r, [0, 1, 2], [[1, 2], [3, 4], [5, 6]], [[4, 5], [6, 7], [1, 2]])
+    for b, (ids, pos) in enumerate([([1, 2], [4, 5]), ([3, 4], [6, 7]), ([5, 6], [1, 2])]):
+        r.truncate(b, pos[0])
+        alone = _fwd(r, [b], [ids], [pos])
+        assert (alone[0] - together[b]).abs().max() < 1e-3
+
+
+def test_copy_slot_export_and_import(tiny):
+    _, _, gguf, _, _ = tiny
+    r = LlamaCppRunner(gguf, 3, 64)
+    r.prefill([0], [[1, 2, 3, 4, 5, 6]])
+    r.copy_slot(0, 2, 4)  # slot 2 holds positions 0..3 of slot 0
+    state = r.export_kv(0, 5)
+    r.import_kv(1, state)  # slot 1 holds positions 0..4
+    a = _fwd(r, [2], [[5, 6]], [[4, 5]])
+    b = _fwd(r, [1], [[6]], [[5]])
+    r.prefill([0], [[1, 2, 3, 4]])
+    ref = _fwd(r, [0], [[5, 6]], [[4, 5]])
+    assert (a - ref).abs().max() < 1e-3 and (b[0, 0] - ref[0, 1]).abs().max() < 1e-3
+    with pytest.raises(ValueError, match="other weights"):
+        r.import_kv(1, ("llamacpp:another", 5, state[2]))
+
+
+def test_features_are_the_final_hidden_state(tiny):
+    target, _, gguf, _, _ = tiny
+    from specdecode.models.base import FINAL
+
+    ll, hf = LlamaCppRunner(gguf, 1, 64), HFRunner(target, 1, 64)
+    fl = ll.prefill([0], [[1, 2, 3, 4]], layers=(FINAL,))[0][FINAL]
+    fh = hf.prefill([0], [[1, 2, 3, 4]], layers=(FINAL,))[0][FINAL]
+    assert fl.shape == fh.shape == (4, 32) and (fl - fh).abs().max() < TOL
+    out = ll.forward(torch.tensor([0]), torch.tensor([[5, 6]]), torch.tensor([[4, 5]]), layers=(FINAL,))
+    assert out.features[FINAL].shape == (1, 2, 32)
+    with pytest.raises(BackendUnsupported, match="final hidden state only"):
+        ll.prefill([0], [[1, 2]], layers=(1,))
+
+
+def test_trees_and_embeddings_are_refused_clearly(tiny):
+    _, _, gguf, _, _ = tiny
+    r = LlamaCppRunner(gguf, 1, 64)
+    r.prefill([0], [[1, 2, 3]])
+    with pytest.raises(BackendUnsupported, match="chains only"):
+        r.forward(torch.tensor([0]), torch.tensor([[1, 2]]), torch.tensor([[3, 4]]),
+                  tree_mask=torch.ones(1, 2, 2, dtype=torch.bool))
+    with pytest.raises(BackendUnsupported, match="embeddings"):
+        r.embed(torch.tensor([1]))
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_greedy_speculation_equals_llamacpp_target_only(tiny, k):
+    """Draft model (on llama.cpp too) and n-gram drafts, alone and batched: the same tokens as
+    target-only decoding on llama.cpp."""
+    _, _, gguf_t, gguf_d, _ = tiny
+    tok = make_tokenizer(V)
+    prompts = [[1, 2, 3, 1, 2, 3], [4, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2]]
+    sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    ref = Engine(LlamaCppRunner(gguf_t), tok, None, 0, max_batch_size=1, max_context=64).generate(prompts, sp)
+    for drafter in (DraftModelDrafter(LlamaCppRunner(gguf_d)), NgramDrafter()):
+        eng = Engine(LlamaCppRunner(gguf_t), tok, drafter, k, max_batch_size=3, max_context=64)
+        outs = eng.generate(prompts, sp)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+        assert sum(o.stats.accepted for o in outs) > 0
+
+
+# -- the law of sampled tokens ------------------------------------------------------------------------
+
+VS = 12
+
+
+def _law(runner: LlamaCppRunner, prompt: list[int], sp: SamplingParams) -> torch.Tensor:
+    """P(t1, t2) from the llama.cpp target alone: one-row forwards, warped like the engine warps."""
+    t, k, p = params_tensors([sp])
+    runner.prefill([0], [prompt[:-1]])
+    first = warp(_fwd(runner, [0], [[prompt[-1]]], [[len(prompt) - 1]])[0], t, k, p)[0]
+    second = []
+    for a in range(VS):
+        runner.truncate(0, len(prompt))
+        second.append(warp(_fwd(runner, [0], [[a]], [[len(prompt)]])[0], t, k, p)[0])
+    return first[:, None] * torch.stack(second)
+
+
+@pytest.mark.parametrize("wrong", [False, True], ids=["exact", "negative-control"])
+@pytest.mark.parametrize("sp", [SamplingParams(1.0), SamplingParams(0.7, top_p=0.9)], ids=["T1", "T0.7-p0.9"])
+def test_samples_follow_the_llamacpp_target_law(tmp_path, sp, wrong):
+    """Chi-square GOF (bound ALPHA = 1e-4) of the first two tokens of 4000 seeded samples, target and
+    draft both on llama.cpp, against the law computed from the llama.cpp target alone. The negative
+    control (sample the target instead of the residual at a rejection) must fail."""
+    from specdecode.sampling import sample
+    from specdecode.verify import Verifier, verify_speculative
+    from test_engine import ALPHA, chi_square_p
+
+    def wrong_rule(draft_tokens, draft_probs, target_probs, num_draft, uniforms):
+        res = verify_speculative(draft_tokens, draft_probs, target_probs, num_draft, uniforms)
+        rows = torch.arange(len(num_draft))
+        res.tokens[rows, res.num_accepted] = sample(target_probs[rows, res.num_accepted], uniforms[:, -1])
+        return res
+
+    if wrong and sp.temperature != 1.0:
+        pytest.skip("one negative control is enough")
+    target = make_model(VS, seed=5, scale=0.5)
+    draft = perturbed_copy(target, noise=0.6, seed=3)
+    gt = LlamaCppModel(write_gguf_like(target, tmp_path / "t.gguf"), threads=1)
+    gd = LlamaCppModel(write_gguf_like(draft, tmp_path / "d.gguf"), threads=1)
+    prompt, n, batch = [1, 2, 3], 4000, 250
+    engine = Engine(LlamaCppRunner(gt), make_tokenizer(VS), DraftModelDrafter(LlamaCppRunner(gd)), 3,
+                    max_batch_size=batch, max_context=8, verifier=Verifier(speculative=wrong_rule) if wrong else None)
+    counts = torch.zeros(VS, VS)
+    for start in range(0, n, batch):
+        params = [SamplingParams(sp.temperature, sp.top_k, sp.top_p, seed=start + i, max_new_tokens=2, ignore_eos=True)
+                  for i in range(batch)]
+        for out in engine.generate([prompt] * batch, params):
+            counts[out.token_ids[0], out.token_ids[1]] += 1
+    p = chi_square_p(counts, _law(LlamaCppRunner(gt, 1, 16), prompt, sp), n)
+    assert (p < ALPHA) if wrong else (p > ALPHA)
+
+
+# -- commands -------------------------------------------------------------------------------------------
+
+def _cli(args: list[str], capsys) -> tuple[int, str, str]:
+    from specdecode.cli import main
+
+    code = main(args)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_generate_runs_on_llamacpp_and_says_so(tiny, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    _, _, gt, gd, _ = tiny
+    code, out, err = _cli(["generate", "--backend", "llamacpp", "--target", str(gt.path), "--draft", str(gd.path),
+                           "--prompt", "xyxyx", "--max-new-tokens", "12", "--json", "--threads", "1"], capsys)
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["backend"] == "llamacpp"
+    auto_code, auto_out, auto_err = _cli(["generate", "--target", str(gt.path), "--draft", str(gd.path),
+                                          "--prompt", "xyxyx", "--max-new-tokens", "12", "--json"], capsys)
+    assert auto_code == 0, auto_err
+    auto = json.loads(auto_out)  # auto: a .gguf target on llama.cpp, the same greedy tokens
+    assert auto["backend"] == "llamacpp" and auto["token_ids"] == result["token_ids"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--tree-topk", "2"], "trees"),
+    (["--dtype", "bfloat16"], "--dtype"),
+    (["--batch-invariant", "on"], "--batch-invariant"),
+    (["--draft-quantization", "int8"], "--draft-quantization"),
+])
+def test_llamacpp_refuses_what_it_cannot_run_before_loading(tiny, capsys, extra, message):
+    _, _, gt, gd, _ = tiny
+    code, _, err = _cli(["generate", "--backend", "llamacpp", "--target", str(gt.path), "--draft", str(gd.path),
+                         "--prompt", "xy", *extra], capsys)
+    assert code == 2 and message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_missing_install_is_one_line_with_the_fix(tiny, capsys, monkeypatch):
+    from specdecode.models import llamacpp
+
+    monkeypatch.setattr(llamacpp, "available", lambda: False)
+    _, _, gt, _, _ = tiny
+    code, _, err = _cli(["generate", "--backend", "llamacpp", "--target", str(gt.path), "--prompt", "xy"], capsys)
+    assert code == 2 and "scripts/install-llamacpp.sh" in err
+    code, out, err = _cli(["generate", "--target", str(gt.path), "--prompt", "xy", "--max-new-tokens", "2",
+                           "--json"], capsys)  # auto falls back to torch
+    assert code == 0 and json.loads(out)["backend"] == "torch"
+
+
+def test_a_non_gguf_target_is_refused_for_llamacpp(tiny, capsys, tmp_path):
+    target, *_ = tiny
+    target.save_pretrained(tmp_path / "m")
+    make_tokenizer(V).save_pretrained(tmp_path / "m")
+    code, _, err = _cli(["generate", "--backend", "llamacpp", "--target", str(tmp_path / "m"), "--prompt", "xy"], capsys)
+    assert code == 2 and ".gguf" in err
+
+
+def test_check_passes_on_llamacpp(tiny, capsys, tmp_path, monkeypatch):
+    """`specdecode check` end to end on the llama.cpp pair (small settings)."""
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    _, _, gt, gd, _ = tiny
+    code, out, err = _cli(["check", "--backend", "llamacpp", "--target", str(gt.path), "--draft", str(gd.path),
+                           "--num-prompts", "2", "--law-samples", "300", "--no-progress",
+                           "--json", str(tmp_path / "check.json")], capsys)
+    report = json.loads((tmp_path / "check.json").read_text())
+    assert code == 0, out + err
+    assert report["meta"]["backend"] == "llamacpp"
+
+
+@pytest.mark.slow
+def test_server_and_engine_suites_pass_with_every_engine_on_llamacpp():
+    """The server and engine test modules, rerun with $SPECDECODE_TEST_BACKEND=llamacpp: every engine
+    they build (tests/tiny.py make_engine) runs its models on llama.cpp over GGUF copies."""
+    modules = ["tests/test_server_e2e.py", "tests/test_server_faults.py", "tests/test_server_units.py",
+               "tests/test_engine.py", "tests/test_first_token.py"]
+    env = os.environ | {"SPECDECODE_TEST_BACKEND": "llamacpp", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *modules], cwd=ROOT,
+                          env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
