@@ -61,7 +61,7 @@ def versions() -> dict:
     import importlib.metadata as md
 
     out = {"python": platform.python_version()}
-    for name in ("specdecode", "torch", "transformers", "accelerate", "numpy"):
+    for name in ("specdecode", "torch", "transformers", "accelerate", "numpy", "llama_cpp_python"):
         try:
             out[name] = md.version(name)
         except md.PackageNotFoundError:

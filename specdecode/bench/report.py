@@ -114,7 +114,10 @@ def _setup(meta: dict[str, Any], sessions: list[dict[str, Any]]) -> list[str]:
         f"- machine: {m.get('cpu')}, {m.get('cores')} cores ({m.get('torch_threads')} torch threads), "
         f"{m.get('ram_gib')} GiB RAM, CPU flags: {m.get('cpu_flags')}; {m.get('note', '')}",
         "- versions: " + ", ".join(f"{k} {v}" for k, v in meta.get("versions", {}).items()),
-        f"- models: target `{s.get('target')}`, draft `{s.get('draft')}`, {s.get('dtype')}, batch 1"
+        f"- models: target `{s.get('target')}`, draft `{s.get('draft')}`, "
+        + (f"{s.get('dtype')}" if s.get("backend", "torch") == "torch"
+           else f"{s.get('backend')} backend (the .gguf files' own quantization, {s.get('threads') or 'all'} threads)")
+        + ", batch 1"
         + (f"; **LOSSY: the target run was quantized to {s['target_quantization']}** (--target-quantization), "
            "not the model named" if s.get("target_quantization", "none") != "none" else "")
         + (f"; **LOSSY: {s['acceptance']} acceptance** (epsilon, alpha = {s.get('typical')}): sampled speculative "

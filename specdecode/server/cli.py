@@ -85,6 +85,7 @@ def main(args: argparse.Namespace) -> int:
     except (PairError, ValueError, OSError) as exc:
         print(f"specdecode serve: {exc}", file=sys.stderr)
         return 2
+    logging.getLogger("specdecode.server").info("models on the %s backend", engine.backend)
     run_server(create_app(engine, server_config(args)), args.host, args.port, args.graceful_timeout, args.log_level)
     return 0
 
