@@ -22,6 +22,9 @@ def table(tmp):
         (["generate", "--target", good, "--prompt", "a", "--dtype", "float8"], "float8"),
         (["generate", "--target", good, "--prompt", "a", "--draft", "medusa:/nonexistent/heads"], "/nonexistent/heads"),
         (["generate", "--target", good, "--prompt-ids", "1,x"], "--prompt-ids"),
+        (["generate", "--target", good, "--prompt", "a", "--threads", "0"], "--threads"),
+        (["generate", "--target", good, "--prompt", "a", "--backend", "llamacpp"], ".gguf"),
+        (["generate", "--target", good, "--prompt", "a", "--backend", "onnx"], "--backend"),
         # bench
         (["bench", "--target", MISSING, "--out", str(tmp / "b1")], MISSING),
         (["bench", "--target", good, "--draft", "ngram", "--draft-lengths", "0", "--out", str(tmp / "b2")], "draft lengths"),
@@ -36,6 +39,7 @@ def table(tmp):
         # serve
         (["serve", "--target", MISSING], MISSING),
         (["serve", "--target", good, "--max-batch-size", "0"], "max-batch-size"),
+        (["serve", "--target", good, "--backend", "llamacpp"], ".gguf"),
         # load
         (["load", "--endpoint", "http://127.0.0.1:9", "--concurrency", "0"], "concurrency"),
         (["load", "--endpoint", "http://127.0.0.1:9", "--prompts", str(tmp / "nope.jsonl")], "nope.jsonl"),
@@ -84,3 +88,17 @@ def test_every_bad_invocation_is_one_line_exit_2(tmp, capsys, monkeypatch):
         elif loaded and MISSING not in argv and "qwen-typo" not in argv:
             failures.append(f"{' '.join(argv)}: loaded {loaded} before refusing")
     assert not failures, "\n".join(failures)
+
+
+def test_the_llamacpp_backend_without_its_install_is_one_line_with_the_fix(tmp_path, capsys, monkeypatch):
+    """Whether or not llama-cpp-python is installed here: pretend it is not."""
+    from gguf_util import write_tiny_qwen2_gguf
+    from specdecode.models import llamacpp
+
+    monkeypatch.setattr(llamacpp, "available", lambda: False)
+    write_tiny_qwen2_gguf(tmp_path / "tiny.gguf")
+    for argv in (["generate", "--prompt", "a"], ["serve"], ["check", "--draft", "ngram"],
+                 ["bench", "--out", str(tmp_path / "b")]):
+        code = main([*argv, "--backend", "llamacpp", "--target", str(tmp_path / "tiny.gguf")])
+        err = capsys.readouterr().err
+        assert code == 2 and "scripts/install-llamacpp.sh" in err and "Traceback" not in err, (argv, err)

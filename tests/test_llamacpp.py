@@ -94,6 +94,7 @@ def test_copy_slot_export_and_import(tiny):
     r.prefill([0], [[1, 2, 3, 4, 5, 6]])
     r.copy_slot(0, 2, 4)  # slot 2 holds positions 0..3 of slot 0
     state = r.export_kv(0, 5)
+    _fwd(r, [0], [[7]], [[6]])  # exporting a prefix leaves the slot whole: it continues at position 6
     r.import_kv(1, state)  # slot 1 holds positions 0..4
     a = _fwd(r, [2], [[5, 6]], [[4, 5]])
     b = _fwd(r, [1], [[6]], [[5]])
@@ -101,7 +102,7 @@ def test_copy_slot_export_and_import(tiny):
     ref = _fwd(r, [0], [[5, 6]], [[4, 5]])
     assert (a - ref).abs().max() < 1e-3 and (b[0, 0] - ref[0, 1]).abs().max() < 1e-3
     with pytest.raises(ValueError, match="other weights"):
-        r.import_kv(1, ("llamacpp:another", 5, state[2]))
+        r.import_kv(1, ("llamacpp:another", *state[1:]))
 
 
 def test_features_are_the_final_hidden_state(tiny):
@@ -143,6 +144,27 @@ def test_greedy_speculation_equals_llamacpp_target_only(tiny, k):
         outs = eng.generate(prompts, sp)
         assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
         assert sum(o.stats.accepted for o in outs) > 0
+
+
+def test_medusa_heads_draft_from_the_llamacpp_final_state(tiny):
+    """Medusa reads the target's final hidden state, which llama.cpp gives as its embeddings output:
+    the same heads draft and get accepted as they do over the torch runner (wrong features would not)."""
+    from specdecode.drafters.medusa import MedusaDrafter
+    from test_medusa import tiny_heads
+
+    target, _, gguf, _, _ = tiny
+    tok = make_tokenizer(V)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]
+    sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    ref = Engine(LlamaCppRunner(gguf), tok, None, 0, max_batch_size=3, max_context=64).generate(prompts, sp)
+    heads = tiny_heads(target, noise=0.0, draft_vocab=V)
+    outs = Engine(LlamaCppRunner(gguf), tok, MedusaDrafter(heads), 3, max_batch_size=3, max_context=64).generate(
+        prompts, sp)
+    on_torch = Engine(HFRunner(target), tok, MedusaDrafter(heads), 3, max_batch_size=3, max_context=64).generate(
+        prompts, sp)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref] == [o.token_ids for o in on_torch]
+    accepted, drafted = sum(o.stats.accepted for o in outs), sum(o.stats.drafted for o in outs)
+    assert accepted > 0 and abs(accepted - sum(o.stats.accepted for o in on_torch)) <= 0.1 * drafted
 
 
 # -- the law of sampled tokens ------------------------------------------------------------------------

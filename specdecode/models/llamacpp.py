@@ -43,6 +43,7 @@ from specdecode.models.base import FINAL, Features, ForwardOutput
 
 INSTALL_HINT = "install it with `scripts/install-llamacpp.sh` (builds llama-cpp-python from source, a few minutes)"
 BATCH_TOKENS = 512  # tokens per llama_decode call (llama.cpp's n_batch = n_ubatch)
+OUTPUT_TOKENS = 256  # at most this many tokens per call when logits come back (its buffer: rows x vocab floats)
 KV_PAD = 256  # llama.cpp rounds each sequence's cache to a multiple of this
 
 
@@ -265,16 +266,17 @@ class LlamaCppRunner:
                 at += len(toks)
 
     def _run(self, rows: list[tuple[int, list[int], int]], outputs: bool, features: bool):
-        """Decode ``rows`` in llama_decode calls of at most BATCH_TOKENS tokens (a long row in pieces,
-        in order); per row, its logits and features concatenated."""
+        """Decode ``rows`` in llama_decode calls of at most BATCH_TOKENS tokens (OUTPUT_TOKENS when logits
+        come back; a long row in pieces, in order); per row, its logits and features concatenated."""
         for slot, _, p0 in rows:
             if not 0 <= slot < self.num_slots:
                 raise ValueError(f"slot {slot} outside 0..{self.num_slots - 1}")
             self._forget_from(slot, p0)
             if self._length[slot] != p0:
                 raise ValueError(f"slot {slot} holds {self._length[slot]} positions; a forward cannot start at {p0}")
-        pieces = [(i, slot, toks[lo: lo + BATCH_TOKENS], p0 + lo) for i, (slot, toks, p0) in enumerate(rows)
-                  for lo in range(0, len(toks), BATCH_TOKENS)]
+        limit = OUTPUT_TOKENS if outputs else BATCH_TOKENS
+        pieces = [(i, slot, toks[lo: lo + limit], p0 + lo) for i, (slot, toks, p0) in enumerate(rows)
+                  for lo in range(0, len(toks), limit)]
         logits: list[list[torch.Tensor]] = [[] for _ in rows]
         feats: list[list[torch.Tensor]] = [[] for _ in rows]
         group: list = []
@@ -291,7 +293,7 @@ class LlamaCppRunner:
 
         for piece in pieces:
             # a row's pieces go in order: a new group starts before a second piece of a row in this one
-            if group and (size + len(piece[2]) > BATCH_TOKENS or any(g[0] == piece[0] for g in group)):
+            if group and (size + len(piece[2]) > limit or any(g[0] == piece[0] for g in group)):
                 flush()
                 group, size = [], 0
             group.append(piece)
@@ -379,18 +381,19 @@ class LlamaCppRunner:
         self._forget_from(dst, length)
 
     def export_kv(self, slot: int, length: int):
-        self._forget_from(slot, length)  # the snapshot holds exactly the prefix (the rest is stale anyway)
+        """The slot's whole llama.cpp sequence state (the slot is untouched); import keeps ``length``."""
         size = self.ll.llama_state_seq_get_size(self.ctx, slot)
         buf = (ctypes.c_uint8 * size)()
         written = self.ll.llama_state_seq_get_data(self.ctx, buf, size, slot)
-        return (self.identity, length, bytes(buf[:written]))
+        return (self.identity, length, self._length[slot], bytes(buf[:written]))
 
     def import_kv(self, slot: int, state) -> None:
-        identity, length, data = state
+        identity, length, held, data = state
         if identity != self.identity:
             raise ValueError("a KV snapshot of other weights cannot be imported")
         self.ll.llama_memory_seq_rm(self.mem, slot, -1, -1)
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         if self.ll.llama_state_seq_set_data(self.ctx, buf, len(data), slot) == 0:
             raise RuntimeError(f"llama.cpp refused a KV snapshot for slot {slot}")
-        self._length[slot] = length
+        self._length[slot] = held
+        self._forget_from(slot, length)
