@@ -227,8 +227,8 @@ def test_specdecode_serve_sigterm_drains_in_flight_streams(tmp_path):
         chunks = [json.loads(e) for e in events[:-1]]
         assert chunks[-1]["usage"]["completion_tokens"] == 240
         text = "".join(ch["choices"][0]["text"] for ch in chunks if ch["choices"])
-        alone = engine(k=0, slots=1, max_len=256, backend="torch").generate(  # the served model runs on torch[ids("abc")], SamplingParams(max_new_tokens=240,
-                                                                                        ignore_eos=True))
+        reference = engine(k=0, slots=1, max_len=256, backend="torch")  # the served model runs on torch
+        alone = reference.generate([ids("abc")], SamplingParams(max_new_tokens=240, ignore_eos=True))
         assert text == alone[0].text
         # uvicorn re-raises the signal once it has shut down cleanly
         assert proc.wait(300) in (0, -signal.SIGTERM), "".join(log)
