@@ -103,6 +103,9 @@ def test_copy_slot_export_and_import(tiny):
     assert (a - ref).abs().max() < 1e-3 and (b[0, 0] - ref[0, 1]).abs().max() < 1e-3
     with pytest.raises(ValueError, match="other weights"):
         r.import_kv(1, ("llamacpp:another", *state[1:]))
+    other = LlamaCppRunner(gguf, 5, 128)  # another context size and stream count (as `check` has)
+    other.import_kv(3, state)
+    assert (_fwd(other, [3], [[6]], [[5]]) - b).abs().max() < 1e-3
 
 
 def test_features_are_the_final_hidden_state(tiny):

@@ -173,9 +173,10 @@ def _prepare(args: argparse.Namespace, meta: dict, configs: list, samplings: lis
                               "--draft-quantization none,int8,...")
     backend = meta["settings"]["backend"]
     if backend == "llamacpp":
-        if [c for c in configs if c.name.startswith("hf")]:
-            raise BenchInputError("the transformers baselines (--baselines hf,hf-assisted) run torch models; with the "
-                                  "llama.cpp backend pass --baselines none")
+        if [c for c in configs if c.kind == "hf"]:  # they run torch models: not what this run measures
+            configs[:] = [c for c in configs if c.kind != "hf"]
+            print("note: the transformers baselines are left out: the models run on llama.cpp "
+                  "(--backend torch compares with transformers)", file=sys.stderr)
         if [c for c in configs if c.quantization != "none"]:
             raise BenchInputError("--draft-quantization quantizes torch models; a .gguf draft on llama.cpp runs as "
                                   "quantized in its file")

@@ -381,17 +381,28 @@ class LlamaCppRunner:
         self._forget_from(dst, length)
 
     def export_kv(self, slot: int, length: int):
-        """The slot's whole llama.cpp sequence state (the slot is untouched); import keeps ``length``."""
+        """The slot's llama.cpp sequence state (the slot is untouched); import keeps ``length``.
+
+        llama.cpp frames a sequence's state as ``[magic][seq id][n_stream]`` then ``[count, cells]``
+        per stream, only the sequence's own stream non-empty, and refuses it in a context with another
+        stream count. The snapshot keeps the magic and that one stream's record, so any context over
+        these weights (another batch size: another stream count) can import it."""
         size = self.ll.llama_state_seq_get_size(self.ctx, slot)
         buf = (ctypes.c_uint8 * size)()
-        written = self.ll.llama_state_seq_get_data(self.ctx, buf, size, slot)
-        return (self.identity, length, self._length[slot], bytes(buf[:written]))
+        data = bytes(buf[: self.ll.llama_state_seq_get_data(self.ctx, buf, size, slot)])
+        streams = int.from_bytes(data[8:12], "little")
+        head, tail = 12 + 4 * slot, len(data) - 4 * (streams - slot - 1)  # a stream per slot (kv_unified off)
+        if streams != self.num_slots or any(data[12:head]) or any(data[tail:]):
+            raise RuntimeError("unexpected llama.cpp sequence-state layout (another llama-cpp-python version?)")
+        return (self.identity, length, self._length[slot], (data[:4], data[head:tail]))
 
     def import_kv(self, slot: int, state) -> None:
-        identity, length, held, data = state
+        identity, length, held, (magic, record) = state
         if identity != self.identity:
             raise ValueError("a KV snapshot of other weights cannot be imported")
         self.ll.llama_memory_seq_rm(self.mem, slot, -1, -1)
+        data = (magic + slot.to_bytes(4, "little") + self.num_slots.to_bytes(4, "little") + record
+                + bytes(4 * (self.num_slots - 1)))
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         if self.ll.llama_state_seq_set_data(self.ctx, buf, len(data), slot) == 0:
             raise RuntimeError(f"llama.cpp refused a KV snapshot for slot {slot}")
