@@ -252,9 +252,14 @@ def choose_backend(cfg: EngineConfig) -> str:
     if cfg.backend == "torch":
         return "torch"
     from specdecode.models import llamacpp
-    from specdecode.models.loading import resolve
+    from specdecode.models.loading import ModelNotFoundError, resolve
 
-    gguf = resolve(cfg.target).kind == "gguf"
+    try:
+        gguf = resolve(cfg.target).kind == "gguf"
+    except ModelNotFoundError:
+        if cfg.backend == "llamacpp":
+            raise
+        return "torch"  # loading it says what is wrong
     why = needs_torch(cfg)
     if cfg.backend == "llamacpp":
         if not gguf:
