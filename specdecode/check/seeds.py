@@ -85,7 +85,7 @@ def check_seeds(pool: EnginePool, prompts: list[list[int]], cfg: CheckConfig, pr
                    f"as {b} copies in one batch, and at {len(mixed)} positions among other requests")
         if numeric:
             summary += (f"; {len(numeric)} batched runs differ from the alone run where the logits are batch-variant "
-                        f"(max |dlogit| {max(variance.values()):.2g}); use --dtype float32 to separate")
+                        f"(max |dlogit| {max(variance.values()):.2g}); --backend torch --dtype float32 separates them")
     details = {"x": {"prompt": 0, "setting": cfg.seed_setting.name, "seed": x_params.seed, "tokens": cfg.seed_tokens},
                "batch": b, "comparisons": records, "logit_batch_variance": variance}
     return PartResult(5, "seeds", status, summary, details)
