@@ -122,6 +122,15 @@ def test_features_are_the_final_hidden_state(tiny):
         ll.prefill([0], [[1, 2]], layers=(1,))
 
 
+def test_kv_bytes_counts_the_kv_heads(tiny):
+    target, _, gguf, _, _ = tiny
+    cfg = target.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    # K and V, float16, every layer, every slot's stream (rounded up to 256 positions)
+    assert LlamaCppRunner(gguf, 3, 100).kv_bytes() == 2 * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * \
+        head_dim * 3 * 256
+
+
 def test_trees_and_embeddings_are_refused_clearly(tiny):
     _, _, gguf, _, _ = tiny
     r = LlamaCppRunner(gguf, 1, 64)

@@ -204,10 +204,10 @@ class LlamaCppRunner:
     def kv_bytes(self) -> int:
         if self.ctx is None:
             return 0
-        # K and V of every layer, f16 (llama.cpp's default cache type), every slot
-        kv_heads_dim = self.ll.llama_model_n_embd_gqa(self.model.ptr) if hasattr(self.ll, "llama_model_n_embd_gqa") \
-            else self.hidden_size
-        return 2 * 2 * self.num_layers * kv_heads_dim * self.num_slots * (-(-self.max_len // KV_PAD) * KV_PAD)
+        # K and V of every layer in float16 (llama.cpp's default cache type), for every slot's stream
+        m = self.model.ptr
+        kv_width = self.ll.llama_model_n_head_kv(m) * (self.hidden_size // self.ll.llama_model_n_head(m))
+        return 2 * 2 * self.num_layers * kv_width * self.num_slots * (-(-self.max_len // KV_PAD) * KV_PAD)
 
     # -- forward ----------------------------------------------------------------------------------
     @staticmethod
