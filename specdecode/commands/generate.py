@@ -43,14 +43,15 @@ def _prompt_ids(args, tokenizer) -> list[int]:
     return tokenizer(args.prompt, add_special_tokens=False).input_ids
 
 
-def _summary(out, timing: dict) -> str:
+def _summary(out, timing: dict, backend: str = "torch") -> str:
     s = out.stats
     rate = "n/a" if s.acceptance_rate is None else f"{s.acceptance_rate:.2f}"
     tree = f"; {s.nodes / s.target_steps:.1f} tree nodes/step" if s.nodes > s.drafted else ""
     return (f"[{out.finish_reason}; {len(out.token_ids)} tokens in {timing['total_s']:.2f} s ({timing['tok_s']:.1f} tok/s); "
             f"time to first token {timing['ttft_s']:.2f} s (prefill {s.prefill_s:.2f} s); decode {timing['decode_s']:.2f} s "
             f"({timing['decode_tok_s']:.1f} tok/s); acceptance {rate}; {s.tokens_per_step:.2f} tokens/step{tree}; "
-            f"draft {s.draft_s:.2f} s verify {s.verify_s:.2f} s]")
+            f"draft {s.draft_s:.2f} s verify {s.verify_s:.2f} s"
+            + ("; on llama.cpp" if backend == "llamacpp" else "") + "]")
 
 
 def _timing(start: float, first: float | None, end: float, tokens: int) -> dict:
@@ -131,5 +132,5 @@ def main(args: argparse.Namespace) -> int:
             print()
         else:
             print(out.text)
-        print(_summary(out, timing), file=sys.stderr)
+        print(_summary(out, timing, engine.backend), file=sys.stderr)
     return 0
