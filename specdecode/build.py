@@ -25,19 +25,23 @@ class ConfigError(UserError, ValueError):
 
 
 BACKENDS = ("auto", "torch", "llamacpp")
+POLICIES = ("fixed", "acceptance", "auto")
+KINDS_WITH_FILES = {"model", "medusa", "eagle"}  # drafter kinds whose argument names weights on disk
 
 
 @dataclass
 class EngineConfig:
     target: str
     draft: str | None = None  # a drafter spec (see specdecode.drafters), or None for target-only
+    extra_drafts: tuple[str, ...] = ()  # more drafters (a repeated --draft): the auto policy chooses among all
     num_draft_tokens: int = 4
     dtype: str = "auto"  # decided for the device (specdecode.models.device)
     device: str = "auto"  # auto: CUDA when present, else the CPU
     max_batch_size: int = 1
     max_context: int | None = None  # default: min(model context, 4096)
-    draft_policy: str = "fixed"  # "fixed": always num_draft_tokens; "acceptance": adapt per sequence
-    max_draft_tokens: int = 16  # upper bound for the acceptance policy
+    draft_policy: str = "fixed"  # "fixed": always num_draft_tokens; "acceptance": adapt per sequence;
+    # "auto": choose drafter and length per sequence and step from measured cost and acceptance (selector)
+    max_draft_tokens: int = 16  # upper bound for the acceptance and auto policies
     draft_confidence: float = 0.0  # draft model: end a chain after a token the draft gives less than this
     verify_budget: int = 0  # > 0: at most this many tokens verified per step across the batch (load-aware k)
     draft_quantization: str = "none"  # none | int8 | int4 | auto (the draft only; a spec's @mode wins)
@@ -53,6 +57,22 @@ class EngineConfig:
     # torch | llamacpp | auto (llama.cpp for .gguf models when installed and nothing asked needs torch)
     backend: str = "auto"
     threads: int | None = None  # llama.cpp backend: CPU threads (default: every core this process may use)
+    recalibrate: bool = False  # auto policy: measure the cost model again instead of reading its cache
+
+    @property
+    def drafts(self) -> list[str]:
+        """Every drafter spec: ``draft`` and the extra ones."""
+        return ([self.draft] if self.draft else []) + list(self.extra_drafts)
+
+
+class DraftAction(argparse.Action):
+    """``--draft`` may repeat: the first is ``args.draft``, the others go to ``args.extra_drafts``."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is None:
+            setattr(namespace, self.dest, values)
+        else:
+            namespace.extra_drafts = [*(getattr(namespace, "extra_drafts", None) or []), values]
 
 
 @dataclass
@@ -78,10 +98,12 @@ def add_model_arguments(parser: argparse.ArgumentParser, draft_required: bool = 
                         quantization_sweep: bool = False) -> None:
     g = parser.add_argument_group("models")
     g.add_argument("--target", required=True, help="alias, local dir, .gguf file or hub id of the target model")
-    g.add_argument("--draft", required=draft_required, default=None,
+    g.add_argument("--draft", required=draft_required, default=None, action=DraftAction,
                    help="draft model (alias/dir/.gguf/hub id), 'ngram' (or ngram:MAX, ngram:MIN-MAX) for prompt "
-                        "lookup, or medusa:DIR for Medusa heads (`specdecode heads train`)"
+                        "lookup, or medusa:DIR / eagle:DIR for trained heads (`specdecode heads train`); repeat it "
+                        "with --draft-policy auto to let the selector choose among several (at most one model)"
                         + ("" if draft_required else "; omit for target-only"))
+    parser.set_defaults(extra_drafts=[])
     g.add_argument("--num-draft-tokens", "-k", type=int, default=4, help="tokens drafted per step (default 4)")
     g.add_argument("--device", type=device_arg, default="auto",
                    help="auto | cpu | cuda | cuda:N (default auto: CUDA when present, else the CPU)")
@@ -89,10 +111,16 @@ def add_model_arguments(parser: argparse.ArgumentParser, draft_required: bool = 
                    help="bfloat16 | float16 | float32 | auto (default: bfloat16 where the device has native bf16 "
                         "matmuls (CUDA, AVX512-BF16/AMX CPUs), else float32)")
     g.add_argument("--max-context", type=int, default=None, help="max prompt+generated tokens (default min(model, 4096))")
-    g.add_argument("--draft-policy", choices=("fixed", "acceptance"), default="fixed",
+    g.add_argument("--draft-policy", choices=POLICIES, default="fixed",
                    help="fixed: always -k tokens; acceptance: start at -k, +2 after a fully accepted step, "
-                        "-1 after a rejection, per sequence, up to --max-draft-tokens")
-    g.add_argument("--max-draft-tokens", type=int, default=16, help="upper bound for --draft-policy acceptance")
+                        "-1 after a rejection, per sequence, up to --max-draft-tokens; auto: before each step "
+                        "choose per sequence the drafter (of the --draft given), the length up to "
+                        "--max-draft-tokens, or no drafting, from this machine's measured costs (cached; "
+                        "--recalibrate) and each request's acceptance (docs/architecture.md)")
+    g.add_argument("--max-draft-tokens", type=int, default=16,
+                   help="upper bound for --draft-policy acceptance and auto (default 16)")
+    g.add_argument("--recalibrate", action="store_true",
+                   help="--draft-policy auto: measure the step costs again instead of using the cached ones")
     g.add_argument("--draft-confidence", type=float, default=0.0, metavar="P",
                    help="draft model and Medusa heads: end a sequence's draft chain after a token whose draft probability "
                         "is below P (0 = off, the default; transformers' assisted generation uses 0.4). "
@@ -143,7 +171,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, draft_required: bool = 
 
 def config_from_args(args: argparse.Namespace, max_batch_size: int = 1) -> EngineConfig:
     dtype = args.dtype if getattr(args, "dtype_given", True) else "auto"
-    return EngineConfig(args.target, args.draft, args.num_draft_tokens, dtype, getattr(args, "device", "auto"),
+    return EngineConfig(args.target, args.draft, tuple(getattr(args, "extra_drafts", None) or ()), args.num_draft_tokens, dtype, getattr(args, "device", "auto"),
                         max_batch_size, args.max_context,
                         getattr(args, "draft_policy", "fixed"), getattr(args, "max_draft_tokens", 16),
                         getattr(args, "draft_confidence", 0.0), getattr(args, "verify_budget", 0),
@@ -152,7 +180,7 @@ def config_from_args(args: argparse.Namespace, max_batch_size: int = 1) -> Engin
                         getattr(args, "tree_nodes", 16), getattr(args, "acceptance", "exact"),
                         getattr(args, "typical_epsilon", 0.09), getattr(args, "typical_alpha", 0.3),
                         getattr(args, "batch_invariant", "auto"), getattr(args, "backend", "auto"),
-                        getattr(args, "threads", None))
+                        getattr(args, "threads", None), getattr(args, "recalibrate", False))
 
 
 def _single(mode) -> str:
@@ -223,13 +251,13 @@ def needs_torch(cfg: EngineConfig) -> str | None:
     """Why these settings need the torch backend (None: llama.cpp can run them)."""
     from specdecode.drafters import parse_draft
 
-    spec = parse_draft(cfg.draft) if cfg.draft else None
+    specs = [parse_draft(d) for d in cfg.drafts]
     reasons = []
-    if spec is not None and spec.kind == "eagle":
+    if any(spec.kind == "eagle" for spec in specs):
         reasons.append("EAGLE drafters read intermediate layers and feed embeddings")
-    if spec is not None and cfg.tree_topk > 1:
+    if specs and cfg.tree_topk > 1:
         reasons.append("trees (--tree-topk > 1) are verified by the torch runner only")
-    if cfg.draft_quantization != "none" or (spec is not None and spec.quantization):
+    if cfg.draft_quantization != "none" or any(spec.quantization for spec in specs):
         reasons.append("--draft-quantization quantizes torch modules (a .gguf draft on llama.cpp is used as quantized)")
     if cfg.target_quantization != "none":
         reasons.append("--target-quantization quantizes torch modules")
@@ -290,13 +318,30 @@ def make_policy(cfg: EngineConfig):
 
     if cfg.num_draft_tokens < 0:
         raise ConfigError(f"--num-draft-tokens must be >= 0, got {cfg.num_draft_tokens}")
-    if cfg.draft_policy not in ("fixed", "acceptance"):
-        raise ConfigError(f"unknown draft policy {cfg.draft_policy!r}")
+    if cfg.draft_policy not in POLICIES:
+        raise ConfigError(f"unknown draft policy {cfg.draft_policy!r}: {', '.join(POLICIES)}")
+    if cfg.extra_drafts and cfg.draft_policy != "auto":
+        raise ConfigError(f"several --draft ({', '.join(cfg.drafts)}) need --draft-policy auto to choose among them")
+    if cfg.draft_policy == "auto":
+        if not cfg.draft:
+            raise ConfigError("--draft-policy auto chooses among drafters: give at least one --draft")
+        if cfg.max_draft_tokens < 1:
+            raise ConfigError(f"--max-draft-tokens must be >= 1, got {cfg.max_draft_tokens}")
+        if cfg.tree_topk > 1:
+            raise ConfigError("--draft-policy auto chooses among chains; drop --tree-topk")
+        if len(set(cfg.drafts)) != len(cfg.drafts):
+            raise ConfigError(f"a --draft is given twice: {', '.join(cfg.drafts)}")
     if cfg.verify_budget < 0:
         raise ConfigError(f"--verify-budget must be >= 0, got {cfg.verify_budget}")
     if cfg.tree_topk < 1 or cfg.tree_nodes < 1:
         raise ConfigError(f"--tree-topk and --tree-nodes must be >= 1, got {cfg.tree_topk}, {cfg.tree_nodes}")
     k = cfg.num_draft_tokens if cfg.draft else 0
+    if cfg.draft_policy == "auto":
+        from specdecode.drafters import unique_labels
+        from specdecode.selector import AutoPolicy
+
+        policy = AutoPolicy(unique_labels(cfg.drafts), max_k=cfg.max_draft_tokens)
+        return BudgetPolicy(policy, cfg.verify_budget) if cfg.verify_budget else policy
     policy = FixedPolicy(k)
     if cfg.draft and cfg.draft_policy == "acceptance":
         policy = AcceptancePolicy(start_k=k, max_k=max(k, cfg.max_draft_tokens))
@@ -324,7 +369,16 @@ def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
             batch_invariant.enable(pair.draft, batch_invariant.DRAFT_WORKLOAD)
         make_draft = ((lambda: make_runner(pair.draft, invariant))
                       if pair.draft is not None else None)
-        drafter = build_drafter(cfg.draft, DraftContext(target, cfg, make_draft))
+        if cfg.draft_policy == "auto":
+            from specdecode.drafters import unique_labels
+            from specdecode.drafters.multi import MultiDrafter
+
+            selector = policy.inner if hasattr(policy, "inner") else policy  # under a verify budget
+            parts = {name: build_drafter(spec, DraftContext(target, cfg, make_draft))
+                     for name, spec in zip(unique_labels(cfg.drafts), cfg.drafts)}
+            drafter = MultiDrafter(parts, selector.route, selector.observe_draft)
+        else:
+            drafter = build_drafter(cfg.draft, DraftContext(target, cfg, make_draft))
     tree_nodes = cfg.tree_nodes if cfg.draft and cfg.tree_topk > 1 else 0
     verifier = None
     if cfg.acceptance == "typical":
@@ -337,7 +391,66 @@ def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
                     max_context=max_context, max_tree_nodes=tree_nodes, verifier=verifier)
     engine.target_quantization = pair.target_quantization
     engine.lossy = lossy_labels(pair.target_quantization, cfg)
+    if cfg.draft_policy == "auto":
+        attach_cost_model(engine, cfg, pair)
     return engine
+
+
+def attach_cost_model(engine: "Engine", cfg: EngineConfig, pair: LoadedPair, cache_dir=None) -> None:
+    """Give the engine's selector its cost model: from the cache when these models, device, dtype,
+    backend, threads and grid were measured before, else measured now (a few seconds to a minute)."""
+    import sys
+
+    import torch
+
+    from specdecode import costmodel
+
+    selector = engine.policy.inner
+    selector = getattr(selector, "inner", selector)  # under a verify budget
+    parts = engine.drafter.parts
+    key = "|".join([
+        "cost-model v3", _fingerprint(cfg.target), *(f"{n}={_fingerprint(d)}" for n, d in zip(parts, cfg.drafts)),
+        f"draft quantization {pair.draft_quantization}", f"target quantization {pair.target_quantization}",
+        f"device {engine.target.device}", f"dtype {engine.target.dtype}", f"backend {engine.backend}",
+        f"threads {cfg.threads or torch.get_num_threads()}", f"torch {torch.__version__}",
+        f"batch {engine.max_batch_size}", f"window {engine.window}", f"confidence {cfg.draft_confidence}"])
+
+    def measure():
+        print(f"calibrating step costs for --draft-policy auto (batch <= {engine.max_batch_size}, "
+              f"draft <= {engine.window - 1}; cached for the next run) ...", file=sys.stderr, flush=True)
+        return costmodel.calibrate(engine.target, parts, engine.max_batch_size, engine.window,
+                                   engine.window - 1, engine.max_context)
+
+    selector.cost = costmodel.cached(key, measure, cache_dir, cfg.recalibrate)
+
+
+def _fingerprint(name: str) -> str:
+    """A model or drafter spec, with the size and modification time of what it names on disk, so a
+    cost model measured for other weights is not reused."""
+    import os
+    from pathlib import Path
+
+    from specdecode.drafters import parse_draft
+
+    try:
+        spec = parse_draft(name)
+    except ValueError:
+        return name
+    if not KINDS_WITH_FILES.intersection({spec.kind}) or not spec.arg:
+        return name
+    path = Path(spec.arg).expanduser()
+    if spec.kind == "model" and not path.exists():
+        try:
+            from specdecode.models.loading import resolve
+
+            path = resolve(spec.arg).path
+        except Exception:
+            path = None
+        if path is None:  # a hub id: its name is all we know
+            return name
+    files = [path] if path.is_file() else sorted(p for p in path.glob("*") if p.is_file()) if path.is_dir() else []
+    stats = [os.stat(f) for f in files[:64]]
+    return f"{name}:{sum(st.st_size for st in stats)}:{max((st.st_mtime_ns for st in stats), default=0)}"
 
 
 def batch_invariant_on(cfg: EngineConfig, target: "torch.nn.Module") -> bool:
@@ -372,8 +485,9 @@ def validate_config(cfg: EngineConfig) -> None:
     from specdecode.drafters import check_draft
 
     make_policy(cfg)
-    if cfg.draft:
-        check_draft(cfg.draft)
+    specs = [check_draft(d) for d in cfg.drafts]
+    if sum(spec.loads_model for spec in specs) > 1:
+        raise ConfigError(f"at most one --draft may be a draft model; got {', '.join(cfg.drafts)}")
     if cfg.acceptance not in ("exact", "typical"):
         raise ConfigError(f"unknown acceptance {cfg.acceptance!r}: exact or typical")
     if cfg.acceptance == "typical" and not (0 < cfg.typical_epsilon <= 1 and cfg.typical_alpha > 0):
@@ -391,5 +505,12 @@ def validate_config(cfg: EngineConfig) -> None:
 def build_engine(cfg: EngineConfig) -> "Engine":
     validate_config(cfg)
     backend = choose_backend(cfg)
-    return engine_from_pair(load_pair(cfg.target, cfg.draft, cfg.dtype, cfg.device, cfg.draft_quantization,
+    return engine_from_pair(load_pair(cfg.target, model_draft(cfg), cfg.dtype, cfg.device, cfg.draft_quantization,
                                       cfg.target_quantization, backend=backend, threads=cfg.threads), cfg)
+
+
+def model_draft(cfg: EngineConfig) -> str | None:
+    """The drafter spec whose model :func:`load_pair` loads: the one that names a model, else ``draft``."""
+    from specdecode.drafters import parse_draft
+
+    return next((d for d in cfg.drafts if parse_draft(d).loads_model), cfg.draft)

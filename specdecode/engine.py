@@ -29,7 +29,7 @@ from specdecode.drafters.base import Drafter, Proposal, TargetFeatures
 from specdecode.errors import UserError
 from specdecode.metrics import SpecStats
 from specdecode.models.base import Runner
-from specdecode.policy import DraftPolicy, FixedPolicy, SwitchPolicy
+from specdecode.policy import DraftPolicy, FixedPolicy, SwitchPolicy, plan_of
 from specdecode.sampling import SamplingParams, make_generator, params_tensors, warp
 from specdecode.text import IncrementalText
 from specdecode.tree import tree_layout
@@ -252,16 +252,24 @@ class Engine:
                     and (s.output_ids or not self.first_token_from_target)]
             if late:
                 self._start_drafter(late)
-        # never draft past the token budget (a step emits depth + 1 tokens at most); a sequence whose
-        # drafter has not seen its prompt yet (its first step) drafts nothing
-        ks = [max(0, min(self.policy.num_draft(s, bsz), s.params.max_new_tokens - len(s.output_ids) - 1))
-              if s.drafter_started else 0 for s in seqs]
+        # the policy plans the sequences that may draft: not one whose drafter has not seen its prompt
+        # yet (its first step), nor one with a single token left; never past the token budget (a step
+        # emits depth + 1 tokens at most)
+        room = [s.params.max_new_tokens - len(s.output_ids) - 1 if s.drafter_started else 0 for s in seqs]
+        ready = [s for s, r in zip(seqs, room) if r > 0]
+        planned = dict(zip(map(id, ready), plan_of(self.policy, ready, bsz) if ready and self.drafter else []))
+        ks = [max(0, min(planned.get(id(s), 0), r)) for s, r in zip(seqs, room)]
+        for s, k in zip(seqs, ks):
+            label = self.policy.label(s, k)
+            if label is not None:
+                s.stats.record_choice(label)
 
         t0 = time.perf_counter()
         proposal = self.drafter.propose(seqs, ks) if self.drafter is not None and any(ks) else Proposal.empty(bsz)
         t1 = time.perf_counter()
         verified = self._verify_tree(seqs, proposal) if proposal.parents is not None else self._verify_chain(seqs, proposal)
         t2 = time.perf_counter()
+        self.policy.observe_step(bsz, verified.input_ids.shape[1], t1 - t0, t2 - t1)
 
         events = []
         for b, seq in enumerate(seqs):

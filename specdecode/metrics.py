@@ -13,6 +13,8 @@ Conventions (used everywhere in the toolkit: CLI, benchmarks, server, check):
   decoding therefore has ``tokens_per_step == 1``. (vLLM calls this the mean acceptance length.)
 * per-position acceptance ``accepted_at[j] / drafted_at[j]`` is the rate at which the ``j``-th draft
   token (0-based) was accepted, among steps that drafted at least ``j + 1`` tokens;
+* ``choices`` (only with ``--draft-policy auto``) counts the steps a sequence took with each choice
+  of the selector: ``<drafter>:k<k>`` or ``off`` (no drafting);
 * times are wall-clock seconds of the batched steps a sequence took part in, split into the drafter
   (``draft_s``) and target verification including the acceptance test (``verify_s``).
 """
@@ -34,6 +36,10 @@ class SpecStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     prefill_s: float = 0.0
+    choices: dict[str, int] = field(default_factory=dict)  # --draft-policy auto: steps per choice ("ngram:k4", "off")
+
+    def record_choice(self, label: str) -> None:
+        self.choices[label] = self.choices.get(label, 0) + 1
 
     def record_step(self, num_draft: int, num_accepted: int, num_emitted: int, num_nodes: int | None = None) -> None:
         self.target_steps += 1
@@ -57,6 +63,8 @@ class SpecStats:
         pad = lambda xs: xs + [0] * (n - len(xs))  # noqa: E731
         self.drafted_at = [a + b for a, b in zip(pad(self.drafted_at), pad(other.drafted_at))]
         self.accepted_at = [a + b for a, b in zip(pad(self.accepted_at), pad(other.accepted_at))]
+        for label, n in other.choices.items():
+            self.choices[label] = self.choices.get(label, 0) + n
 
     @property
     def acceptance_rate(self) -> float | None:

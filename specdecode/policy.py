@@ -1,8 +1,12 @@
 """How many tokens to draft for each sequence at each step.
 
-A policy answers ``num_draft(seq, batch_size)`` before a step, hears ``observe(seq, drafted,
-accepted)`` after it, and ``forget(seq)`` when the sequence finishes. It only changes speed, never
-the output law: verification is exact for any draft length.
+A policy answers ``plan(seqs, batch_size)`` before a step (one draft length per sequence that may
+draft; most policies decide per sequence with ``num_draft``), hears ``observe(seq, drafted,
+accepted)`` for each sequence and ``observe_step(...)`` for the whole step after it, and
+``forget(seq)`` when the sequence finishes. ``label(seq, k)`` names the choice for per-request
+stats (``None``: nothing worth recording). It only changes speed, never the output law:
+verification is exact for any draft length. The workload-aware selector that also picks the
+drafter lives in :mod:`specdecode.selector`.
 """
 
 from __future__ import annotations
@@ -19,6 +23,32 @@ class DraftPolicy(Protocol):
 
     def forget(self, seq) -> None: ...
 
+    def plan(self, seqs: list, batch_size: int) -> list[int]: ...
+
+    def observe_step(self, batch_size: int, width: int, draft_s: float, verify_s: float) -> None: ...
+
+    def label(self, seq, k: int) -> str | None: ...
+
+
+class PerSequence:
+    """Defaults for policies that decide each sequence on its own."""
+
+    def plan(self, seqs: list, batch_size: int) -> list[int]:
+        return [self.num_draft(s, batch_size) for s in seqs]  # type: ignore[attr-defined]
+
+    def observe_step(self, batch_size: int, width: int, draft_s: float, verify_s: float) -> None:
+        pass
+
+    def label(self, seq, k: int) -> str | None:
+        return None
+
+
+def plan_of(policy, seqs: list, batch_size: int) -> list[int]:
+    """``policy.plan``, or ``num_draft`` per sequence for a policy written before ``plan`` existed."""
+    if hasattr(policy, "plan"):
+        return policy.plan(seqs, batch_size)
+    return [policy.num_draft(s, batch_size) for s in seqs]
+
 
 def _check_k(name: str, k: int) -> int:
     if isinstance(k, bool) or not isinstance(k, int) or k < 0:
@@ -26,7 +56,7 @@ def _check_k(name: str, k: int) -> int:
     return k
 
 
-class FixedPolicy:
+class FixedPolicy(PerSequence):
     """Always draft ``k`` tokens (``k = 0`` is target-only decoding)."""
 
     def __init__(self, k: int) -> None:
@@ -42,7 +72,7 @@ class FixedPolicy:
         pass
 
 
-class AcceptancePolicy:
+class AcceptancePolicy(PerSequence):
     """Per-sequence draft length driven by acceptance: grow by ``grow`` after a step that accepted
     every draft token, shrink by 1 after one that rejected, within ``[min_k, max_k]``.
 
@@ -71,7 +101,7 @@ class AcceptancePolicy:
         self._k.pop(id(seq), None)
 
 
-class BudgetPolicy:
+class BudgetPolicy(PerSequence):
     """Caps another policy by load: a step verifies at most ``budget`` tokens across the batch, so
     each of ``B`` sequences drafts at most ``budget // B - 1`` (0 = target-only once ``B`` reaches
     ``budget``). Under load the target's forward is already wide and verification stops being
@@ -84,10 +114,23 @@ class BudgetPolicy:
         self.inner, self.budget, self.max_k = inner, budget, inner.max_k
 
     def num_draft(self, seq, batch_size: int) -> int:
-        return min(self.inner.num_draft(seq, batch_size), max(0, self.budget // max(1, batch_size) - 1))
+        return min(self.inner.num_draft(seq, batch_size), self._cap(batch_size))
+
+    def _cap(self, batch_size: int) -> int:
+        return max(0, self.budget // max(1, batch_size) - 1)
+
+    def plan(self, seqs: list, batch_size: int) -> list[int]:
+        return [min(k, self._cap(batch_size)) for k in plan_of(self.inner, seqs, batch_size)]
 
     def observe(self, seq, drafted: int, accepted: int) -> None:
         self.inner.observe(seq, drafted, accepted)
+
+    def observe_step(self, batch_size: int, width: int, draft_s: float, verify_s: float) -> None:
+        if hasattr(self.inner, "observe_step"):
+            self.inner.observe_step(batch_size, width, draft_s, verify_s)
+
+    def label(self, seq, k: int) -> str | None:
+        return self.inner.label(seq, k) if hasattr(self.inner, "label") else None
 
     def forget(self, seq) -> None:
         self.inner.forget(seq)
@@ -116,8 +159,20 @@ class SwitchPolicy:
     def num_draft(self, seq, batch_size: int) -> int:
         return self.inner.num_draft(seq, batch_size) if self.drafts_for(seq) else 0
 
+    def plan(self, seqs: list, batch_size: int) -> list[int]:
+        drafting = [s for s in seqs if self.drafts_for(s)]
+        ks = dict(zip(map(id, drafting), plan_of(self.inner, drafting, batch_size) if drafting else []))
+        return [ks.get(id(s), 0) for s in seqs]
+
     def observe(self, seq, drafted: int, accepted: int) -> None:
         self.inner.observe(seq, drafted, accepted)
+
+    def observe_step(self, batch_size: int, width: int, draft_s: float, verify_s: float) -> None:
+        if hasattr(self.inner, "observe_step"):
+            self.inner.observe_step(batch_size, width, draft_s, verify_s)
+
+    def label(self, seq, k: int) -> str | None:
+        return self.inner.label(seq, k) if hasattr(self.inner, "label") else None
 
     def forget(self, seq) -> None:
         self._opted_out.discard(getattr(seq, "request_id", None))

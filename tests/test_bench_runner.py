@@ -272,3 +272,20 @@ def test_an_extra_drafter_may_name_its_own_lengths_and_trees():
     for bad in ("ngram|k=x", "ngram|depth=3", "ngram|trees=1x4", "ngram|k="):
         with pytest.raises(R.BenchInputError):
             R.make_configs([4], [], extra_drafts=[bad])
+
+
+def test_auto_policy_runs_beside_every_fixed_configuration_it_chooses_from(models, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "auto"
+    assert cli.main(bench_args(models, out, "--draft-lengths", "3", "--baselines", "none", "--draft", "ngram",
+                               "--draft-policy", "auto", "--max-draft-tokens", "4", "--max-new-tokens", "16")) == 0
+    runs = [r for r in read_records(out) if r["type"] == "run"]
+    assert {r["config"] for r in runs} == {"target", "spec-k3", "spec-k3[ngram]", "auto"}
+    auto = [r for r in runs if r["config"] == "auto"]
+    assert all(sum(r["stats"]["choices"].values()) == r["stats"]["target_steps"] for r in auto)
+    fixed = [r for r in runs if r["config"] == "spec-k3"]
+    assert all(not r["stats"]["choices"] for r in fixed)  # the fixed configs stay fixed
+    checks = [r for r in read_records(out) if r["type"] == "check" and r["config"] == "auto"]
+    assert len(checks) == 4 and all(c["match"] for c in checks)
+    report = (out / "report.md").read_text()
+    assert "| auto | 4 |" in report and "## What --draft-policy auto chose" in report

@@ -25,6 +25,14 @@ def table(tmp):
         (["generate", "--target", good, "--prompt", "a", "--threads", "0"], "--threads"),
         (["generate", "--target", good, "--prompt", "a", "--backend", "llamacpp"], ".gguf"),
         (["generate", "--target", good, "--prompt", "a", "--backend", "onnx"], "--backend"),
+        (["generate", "--target", good, "--prompt", "a", "--draft", "ngram", "--draft", "ngram:4"], "--draft-policy auto"),
+        (["generate", "--target", good, "--prompt", "a", "--draft-policy", "auto"], "at least one --draft"),
+        (["generate", "--target", good, "--prompt", "a", "--draft", good, "--draft", good + "/",
+          "--draft-policy", "auto"], "at most one --draft may be a draft model"),
+        (["generate", "--target", good, "--prompt", "a", "--draft", "ngram", "--draft", "ngram",
+          "--draft-policy", "auto"], "given twice"),
+        (["generate", "--target", good, "--prompt", "a", "--draft", "ngram", "--draft-policy", "auto",
+          "--tree-topk", "2"], "chains"),
         # bench
         (["bench", "--target", MISSING, "--out", str(tmp / "b1")], MISSING),
         (["bench", "--target", good, "--draft", "ngram", "--draft-lengths", "0", "--out", str(tmp / "b2")], "draft lengths"),
@@ -32,6 +40,7 @@ def table(tmp):
         (["bench", "--target", good, "--prompts", str(tmp / "nope.jsonl"), "--out", str(tmp / "b4")], "nope.jsonl"),
         (["bench", "--target", good, "--sampling", "bogus", "--out", str(tmp / "b5")], "bogus"),
         (["bench", "--target", good, "--threads", "0", "--out", str(tmp / "b6")], "--threads"),
+        (["bench", "--target", good, "--draft-policy", "auto", "--out", str(tmp / "b7")], "at least one --draft"),
         # check
         (["check", "--target", MISSING, "--draft", "ngram"], MISSING),
         (["check", "--target", good, "--draft", "ngram", "--parts", "9"], "part"),

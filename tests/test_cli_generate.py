@@ -57,6 +57,25 @@ def test_draft_confidence_and_policy_flags_keep_the_greedy_output(model_dirs, ca
     assert code == 0 and json.loads(spec)["token_ids"] == json.loads(base)["token_ids"]
 
 
+def test_auto_policy_over_two_drafters_keeps_the_greedy_output_and_reports_its_choices(model_dirs, capsys,
+                                                                                       tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    common = ["--target", model_dirs["target"], "--prompt-ids", "1,2,3,1,2,3,1,2", "--max-new-tokens", "16",
+              "--ignore-eos", "--dtype", "float32"]
+    _, base, _ = run(capsys, *common, "--json")
+    auto = [*common, "--draft", model_dirs["draft"], "--draft", "ngram", "--draft-policy", "auto",
+            "--max-draft-tokens", "4"]
+    code, spec, err = run(capsys, *auto, "--json")
+    assert code == 0 and "calibrating step costs" in err, err
+    out = json.loads(spec)
+    assert out["token_ids"] == json.loads(base)["token_ids"]
+    choices = out["stats"]["choices"]
+    assert sum(choices.values()) == out["stats"]["target_steps"]
+    assert all(label == "off" or label.split(":")[0] in ("draft", "ngram") for label in choices), choices
+    code, _, err = run(capsys, *auto)  # the summary line names the choices; the costs come from the cache now
+    assert code == 0 and "chose " in err and "calibrating" not in err, err
+
+
 def test_verify_budget_turns_drafting_off_for_a_full_batch(model_dirs, capsys):
     argv = ["--target", model_dirs["target"], "--draft", model_dirs["draft"], "-k", "3", "--prompt-ids", "1,2,3",
             "--num-samples", "3", "--max-new-tokens", "8", "--ignore-eos", "--dtype", "float32", "--json"]

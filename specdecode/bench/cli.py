@@ -98,7 +98,7 @@ def _settings(args: argparse.Namespace) -> dict:
 def draft_schedule(args: argparse.Namespace) -> str | None:
     """How spec-k<k> configs choose their draft length beyond a fixed k; None for plain fixed k."""
     parts = []
-    if args.draft_policy != "fixed":
+    if args.draft_policy == "acceptance":
         parts.append(f"{args.draft_policy} policy starting at k, up to {args.max_draft_tokens}")
     if args.draft_confidence:
         parts.append(f"chains end below draft confidence {args.draft_confidence}")
@@ -111,6 +111,12 @@ def _run(args: argparse.Namespace) -> int:
     from specdecode.bench import env
     from specdecode.bench.report import write_report
     from specdecode.bench.runner import BenchInputError, RecordStore
+
+    # in bench, a repeated --draft is one more drafter to compare (and for the auto config to choose from)
+    args.extra_draft = [*getattr(args, "extra_drafts", []), *args.extra_draft]
+    args.extra_drafts = []
+    if args.draft_policy == "auto" and not args.draft:
+        raise BenchInputError("--draft-policy auto chooses among drafters: give at least one --draft")
 
     configs, samplings = _configs(args)
     store = RecordStore(args.out / "records.jsonl")
@@ -135,7 +141,8 @@ def _configs(args: argparse.Namespace) -> tuple[list, list]:
     samplings = [bench_setting(s) for s in args.sampling]
     baselines = [] if args.baselines == ["none"] else args.baselines
     configs = make_configs(_settings(args)["draft_lengths"] if args.draft or args.extra_draft else [], baselines,
-                           args.tree_shapes, args.draft_quantization, args.extra_draft, main_draft=bool(args.draft))
+                           args.tree_shapes, args.draft_quantization, args.extra_draft, main_draft=bool(args.draft),
+                           auto_k=args.max_draft_tokens if args.draft_policy == "auto" else 0)
     from specdecode.drafters import parse_draft
 
     if not args.draft or not parse_draft(args.draft).loads_model:  # HF's assistant_model needs a model
@@ -262,12 +269,17 @@ def make_backend(pair, args: argparse.Namespace, max_context: int):
         return drafts[mode]
 
     def engine_for(config):
-        key = (config.k, config.tree, config.quantization, config.draft)
+        key = (config.k, config.tree, config.quantization, config.draft, config.auto)
         if key not in engines:
             topk, nodes = config.tree or (1, 16)
             cfg = replace(config_from_args(args), draft=(config.draft or args.draft) if config.k else None,
+                          extra_drafts=(), draft_policy="fixed" if args.draft_policy == "auto" else args.draft_policy,
                           num_draft_tokens=config.k,
                           max_context=max_context, tree_topk=topk, tree_nodes=nodes)
+            if config.auto:  # the selector over the main drafter and every extra one, at their own specs
+                extras = tuple(dict.fromkeys(text.split("|")[0] for text in args.extra_draft))
+                cfg = replace(cfg, draft=args.draft, extra_drafts=extras, draft_policy="auto",
+                              max_draft_tokens=config.k, num_draft_tokens=min(args.num_draft_tokens, config.k))
             engines[key] = engine_from_pair(draft_pair(config.quantization), cfg)
         return engines[key]
 

@@ -74,7 +74,9 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], meta: dict[str, A
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
-    (out_dir / "report.md").write_text(markdown(summary, meta, sessions), encoding="utf-8")
+    choices = _choices_section(records)
+    (out_dir / "report.md").write_text(markdown(summary, meta, sessions) + ("\n" + "\n".join(choices) + "\n" if choices else ""),
+                                       encoding="utf-8")
     plot(summary, out_dir)
     return summary
 
@@ -102,6 +104,27 @@ def markdown(summary: Summary, meta: dict[str, Any], sessions: list[dict[str, An
     lines += ["", "## Plots", ""] + [f"![{p[:-4]}]({p})" for p in PLOTS]
     lines += ["", "## Definitions", "", A.DEFINITIONS, ""]
     return "\n".join(lines)
+
+
+def _choices_section(records: list[dict[str, Any]]) -> list[str]:
+    """Share of target steps per choice of ``--draft-policy auto``, by sampling and category."""
+    from collections import Counter, defaultdict
+
+    by: dict[tuple[str, str], Counter] = defaultdict(Counter)
+    for r in records:
+        if r.get("type") == "run" and (r.get("stats") or {}).get("choices"):
+            for key in ((r["sampling"], "overall"), (r["sampling"], r.get("category", "?"))):
+                by[key].update(r["stats"]["choices"])
+    if not by:
+        return []
+    lines = ["## What --draft-policy auto chose", "",
+             "Share of target steps by choice (`<drafter>:k<k>`, or `off` = no drafting), over the `auto` runs.", "",
+             "| sampling | category | choices |", "|---|---|---|"]
+    for (sampling, group), counts in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1] != "overall", kv[0][1])):
+        total = sum(counts.values())
+        top = ", ".join(f"{label} {n / total:.0%}" for label, n in counts.most_common(8))
+        lines.append(f"| {sampling} | {group} | {top} |")
+    return lines
 
 
 def _setup(meta: dict[str, Any], sessions: list[dict[str, Any]]) -> list[str]:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from specdecode.bench.analysis import TARGET, first_difference, is_near_tie
+from specdecode.drafters import draft_label
 from specdecode.errors import UserError
 
 if TYPE_CHECKING:
@@ -61,6 +62,7 @@ class RunConfig:
     tree: tuple[int, int] | None = None  # engine trees: (children per expanded node, nodes per step)
     quantization: str = "none"  # engine: the draft model's quantization (configs named <name>@<mode>)
     draft: str | None = None  # engine: another drafter than --draft (--extra-draft; configs named <name>[<label>])
+    auto: bool = False  # engine: --draft-policy auto over --draft and every --extra-draft (config "auto", k = its cap)
 
 
 def parse_tree_shape(spec: str) -> tuple[int, int]:
@@ -73,15 +75,6 @@ def parse_tree_shape(spec: str) -> tuple[int, int]:
     if not sep or shape is None or shape[0] < 2 or shape[1] < 1:
         raise BenchInputError(f"bad tree shape {spec!r}: use TxN with T >= 2 children per node and N >= 1 nodes, e.g. 2x8")
     return shape
-
-
-def draft_label(spec: str) -> str:
-    """A short config label for an extra drafter: its kind, or a model's file/directory name."""
-    from specdecode.drafters import parse_draft
-
-    parsed = parse_draft(spec)
-    name = parsed.kind if parsed.kind != "model" else Path(parsed.arg).name.removesuffix(".gguf")
-    return re.sub(r"[^\w.-]", "_", name) or "draft"
 
 
 def parse_extra_draft(text: str, draft_lengths: list[int], shapes: list[tuple[int, int]]):
@@ -107,10 +100,11 @@ def parse_extra_draft(text: str, draft_lengths: list[int], shapes: list[tuple[in
 
 def make_configs(draft_lengths: list[int], baselines: list[str], tree_shapes: list[str] = (),
                  quantizations: list[str] = ("none",), extra_drafts: list[str] = (),
-                 main_draft: bool = True) -> list[RunConfig]:
+                 main_draft: bool = True, auto_k: int = 0) -> list[RunConfig]:
     """target, then for each k: the main drafter (``spec-k<k>``, trees, quantizations) and each extra
     drafter (``spec-k<k>[<label>]`` and its trees, at its own lengths/shapes if its spec names them),
-    then the HF baselines."""
+    then, with ``auto_k``, the selector choosing among all of them (``auto``, drafts of up to
+    ``auto_k``), then the HF baselines."""
     configs = [RunConfig(TARGET, "engine")]
     shapes = [parse_tree_shape(s) for s in tree_shapes]
     extras: list[tuple[str, str, list[int], list[tuple[int, int]]]] = []
@@ -135,6 +129,10 @@ def make_configs(draft_lengths: list[int], baselines: list[str], tree_shapes: li
             configs.append(RunConfig(f"spec-k{k}[{label}]", "engine", k, draft=spec))
             configs += [RunConfig(f"spec-k{k}-t{t}n{n}[{label}]", "engine", k, tree=(t, n), draft=spec)
                         for t, n in own]
+    if auto_k:
+        # the draft model in the quantization the run compares, when it compares one
+        configs.append(RunConfig("auto", "engine", auto_k, auto=True,
+                                 quantization=quantizations[0] if len(quantizations) == 1 else "none"))
     for name in baselines:
         if name not in ("hf", "hf-assisted"):
             raise BenchInputError(f"unknown baseline {name!r}: use hf, hf-assisted")

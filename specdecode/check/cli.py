@@ -128,7 +128,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from specdecode.bench.prompts import PromptSetError
-    from specdecode.build import PairError, choose_backend, engine_from_pair, load_pair
+    from specdecode.build import PairError, choose_backend, engine_from_pair, load_pair, model_draft
     from specdecode.build import config_from_args as engine_config
     from specdecode.check.common import TqdmProgress
     from specdecode.check.prefix import reuse_prefills
@@ -138,7 +138,7 @@ def main(args: argparse.Namespace) -> int:
         cfg = config_from_args(args)
         prompts = load_prompts(args.prompts, args.num_prompts, args.seed)
         backend = choose_backend(engine_config(args))
-        pair = load_pair(args.target, args.draft, args.dtype, args.device, args.draft_quantization,
+        pair = load_pair(args.target, model_draft(engine_config(args)), args.dtype, args.device, args.draft_quantization,
                          args.target_quantization, backend=backend, threads=args.threads)
         ids = encode_prompts(pair.tokenizer, prompts, args.max_prompt_tokens)
     except (ValueError, PromptSetError, PairError, OSError) as exc:
@@ -151,11 +151,16 @@ def main(args: argparse.Namespace) -> int:
     def factory(k: int, batch: int):
         engine_cfg = replace(engine_config(args, batch), draft=args.draft if k else None, num_draft_tokens=k,
                              max_context=max_context)
+        if not k:  # the target-only reference
+            engine_cfg = replace(engine_cfg, extra_drafts=(), draft_policy="fixed")
+        elif args.draft_policy == "auto":  # the selector drafts up to k tokens
+            engine_cfg = replace(engine_cfg, max_draft_tokens=k)
         engine = engine_from_pair(pair, engine_cfg)
         reuse_prefills(engine, store)
         return engine
 
     meta = {"target": args.target, "draft": args.draft, "dtype": args.dtype, "num_draft_tokens": cfg.num_draft_tokens,
+            "extra_drafts": list(getattr(args, "extra_drafts", None) or []), "draft_policy": args.draft_policy,
             "draft_quantization": pair.draft_quantization, "tree_topk": args.tree_topk, "tree_nodes": args.tree_nodes,
             "target_quantization": pair.target_quantization, "acceptance": args.acceptance,
             "batch_invariant": args.batch_invariant,  # auto | on | off, as asked (auto: on for bf16/fp16 on a CPU)

@@ -51,7 +51,16 @@ def _summary(out, timing: dict, backend: str = "torch") -> str:
             f"time to first token {timing['ttft_s']:.2f} s (prefill {s.prefill_s:.2f} s); decode {timing['decode_s']:.2f} s "
             f"({timing['decode_tok_s']:.1f} tok/s); acceptance {rate}; {s.tokens_per_step:.2f} tokens/step{tree}; "
             f"draft {s.draft_s:.2f} s verify {s.verify_s:.2f} s"
-            + ("; on llama.cpp" if backend == "llamacpp" else "") + "]")
+            + ("; on llama.cpp" if backend == "llamacpp" else "") + _choices(s) + "]")
+
+
+def _choices(s) -> str:
+    """What ``--draft-policy auto`` chose: the most frequent choices and their share of the steps."""
+    if not s.choices:
+        return ""
+    total = sum(s.choices.values())
+    top = sorted(s.choices.items(), key=lambda kv: -kv[1])[:4]
+    return "; chose " + ", ".join(f"{label} {n / total:.0%}" for label, n in top)
 
 
 def _timing(start: float, first: float | None, end: float, tokens: int) -> dict:

@@ -8,6 +8,7 @@ else, the name of a draft model (an alias, a directory, a ``.gguf`` file or a hu
 from __future__ import annotations
 
 import importlib
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -96,3 +97,21 @@ def check_draft(spec: str) -> DraftSpec:
 def build_drafter(spec: str | DraftSpec, ctx: DraftContext) -> Drafter:
     spec = parse_draft(spec) if isinstance(spec, str) else spec
     return importlib.import_module(KINDS[spec.kind].module).build(spec.arg, ctx)
+
+
+def draft_label(spec: str) -> str:
+    """A short name for a drafter spec: its kind, or a model's file/directory name."""
+    from pathlib import Path
+
+    parsed = parse_draft(spec)
+    name = parsed.kind if parsed.kind != "model" else Path(parsed.arg).name.removesuffix(".gguf")
+    return re.sub(r"[^\w.-]", "_", name) or "draft"
+
+
+def unique_labels(specs: list[str]) -> list[str]:
+    """:func:`draft_label` of each spec, numbered where two would be equal (``ngram``, ``ngram2``)."""
+    out: list[str] = []
+    for spec in specs:
+        label = draft_label(spec)
+        out.append(label if label not in out else f"{label}{len(out) + 1}")
+    return out

@@ -89,6 +89,7 @@ def markdown(result: SweepResult, config: LoadConfig, report: Report) -> str:
     lines += [f"| {label} | {e['url']} | {e['model']} |" for label, e in result.endpoints.items()]
     lines += ["", "## Results", "", *_results_table(report, level_name(config.mode))]
     lines += _server_table(report, level_name(config.mode))
+    lines += _choices_table(report, level_name(config.mode))
     if report.comparison:
         lines += ["", *_comparison_section(report.comparison, level_name(config.mode))]
     lines += ["", "## Definitions", "", DEFINITIONS, ""]
@@ -122,6 +123,21 @@ def _results_table(report: Report, level: str) -> list[str]:
             f"| {_ms(summary.latency)} | {_num(spec.get('acceptance_rate'), '.3f')} "
             f"| {_num(spec.get('tokens_per_step'))} |"
         )
+    return rows
+
+
+def _choices_table(report: Report, level: str) -> list[str]:
+    """What a server's ``--draft-policy auto`` chose (share of target steps), where it reports it."""
+    summaries = [s for runs in report.summaries.values() for s in runs if (s.speculation or {}).get("choices")]
+    if not summaries:
+        return []
+    rows = ["", "Draft choices reported by the server (`--draft-policy auto`; share of target steps):", "",
+            f"| endpoint | {level} | choices |", "|---" * 3 + "|"]
+    for s in summaries:
+        counts = s.speculation["choices"]
+        total = sum(counts.values()) or 1
+        top = sorted(counts.items(), key=lambda kv: -kv[1])[:8]
+        rows.append(f"| {s.label} | {s.level:g} | " + ", ".join(f"{k} {n / total:.0%}" for k, n in top) + " |")
     return rows
 
 

@@ -90,7 +90,7 @@ class LevelSummary:
     itl: Distribution | None
     latency: Distribution | None
     token_source: dict[str, int] = field(default_factory=dict)
-    speculation: dict[str, float] | None = None
+    speculation: dict[str, Any] | None = None  # incl. "choices" (label -> steps) from a selector
     # the server's own view, where it reports one (specdecode serve): queue, prefill and TTFT seconds
     server_queue: Distribution | None = None
     server_prefill: Distribution | None = None
@@ -140,7 +140,7 @@ def _server(records: Sequence[RequestRecord], key: str) -> Distribution | None:
     return distribution([r.server_timing[key] for r in records if r.server_timing and key in r.server_timing])
 
 
-def speculation_totals(records: Sequence[RequestRecord]) -> dict[str, float] | None:
+def speculation_totals(records: Sequence[RequestRecord]) -> dict[str, Any] | None:
     """Server-reported speculation stats summed over requests, or ``None`` if none reported."""
     reports = [(r.output_tokens, r.speculation) for r in records if r.speculation]
     if not reports:
@@ -149,11 +149,17 @@ def speculation_totals(records: Sequence[RequestRecord]) -> dict[str, float] | N
     accepted = sum(int(s.get("accepted", 0)) for _, s in reports)
     steps = [(n, n / s["tokens_per_step"]) for n, s in reports
              if n > 0 and float(s.get("tokens_per_step") or 0) > 0]
-    totals: dict[str, float] = {"requests": len(reports), "drafted": drafted, "accepted": accepted}
+    totals: dict[str, Any] = {"requests": len(reports), "drafted": drafted, "accepted": accepted}
     if drafted:
         totals["acceptance_rate"] = accepted / drafted
     if steps:
         totals["tokens_per_step"] = sum(n for n, _ in steps) / sum(k for _, k in steps)
+    choices: dict[str, int] = {}  # a server's selector (--draft-policy auto): steps per choice
+    for _, s in reports:
+        for label, n in (s.get("choices") or {}).items() if isinstance(s.get("choices"), dict) else ():
+            choices[str(label)] = choices.get(str(label), 0) + int(n)
+    if choices:
+        totals["choices"] = choices
     return totals
 
 

@@ -55,6 +55,9 @@ class ServerMetrics:
                                        "position in the draft", ["position"], registry=r)
         self.spec_accepted_at = Counter(p + "spec_accepted_tokens_at_position", "draft tokens accepted, by 0-based "
                                         "position in the draft", ["position"], registry=r)
+        self.spec_choices = Counter(p + "spec_choice_steps", "--draft-policy auto: target steps (summed over "
+                                    "sequences) by the selector's choice, <drafter>:k<k> or off", ["choice"],
+                                    registry=r)
         self.draft_failures = Counter(p + "draft_failures", "drafter exceptions absorbed (rows fell back to "
                                       "target-only)", registry=r)
         self.step_failures = Counter(p + "step_failures", "decoding steps that raised (their batch failed)",
@@ -98,6 +101,8 @@ class ServerMetrics:
         for j, (d, a) in enumerate(zip(s.drafted_at, s.accepted_at)):
             self.spec_drafted_at.labels(str(j)).inc(d)
             self.spec_accepted_at.labels(str(j)).inc(a)
+        for choice, n in s.choices.items():
+            self.spec_choices.labels(choice).inc(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -87,8 +87,9 @@ def speculation_summary(seq: Sequence, lossy_labels: dict | None = None) -> dict
     """The response's ``speculation`` object; ``lossy_labels`` (engine.lossy) mark a LOSSY engine."""
     s = seq.stats
     lossy = {"lossy": True} | lossy_labels if lossy_labels else {}
+    choices = {"choices": dict(s.choices)} if s.choices else {}  # --draft-policy auto: steps per choice
     return lossy | {"drafted": s.drafted, "accepted": s.accepted, "acceptance_rate": s.acceptance_rate,
-            "tokens_per_step": s.tokens_per_step, "target_steps": s.target_steps, "nodes": s.nodes}
+            "tokens_per_step": s.tokens_per_step, "target_steps": s.target_steps, "nodes": s.nodes} | choices
 
 
 class QueueFull(Exception):

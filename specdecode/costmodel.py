@@ -1,0 +1,266 @@
+"""What a step costs on the running machine: the target's verify forward ``v(batch, width)`` and each
+drafter's proposal ``draft(drafter, rows, k)``, in seconds.
+
+Measured once at engine start by :func:`calibrate` through the runner and drafter protocols (a
+synthetic prompt in scratch slots, the best of three repeats per grid point, then made
+non-decreasing in the number of tokens — noise from a shared machine only ever adds time, and a
+step never gets cheaper with more tokens), cached as JSON per
+(models, device, dtype, backend, threads, grid) under ``<cache>/calibration`` (``--recalibrate``
+measures again), and interpolated linearly between grid points (extrapolated past the last one).
+
+Running conditions drift from the calibration (longer contexts, another process on the CPU), so
+the model also hears every step's measured times (:meth:`CostModel.record`) and keeps, per part
+(``verify`` and each drafter), a correction factor: an exponential moving average of
+observed / predicted in log space. The selector (:mod:`specdecode.selector`) compares plans by
+ratios of these costs; the correction keeps those ratios honest as the machine changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+Grid = dict[int, dict[int, float]]  # outer (batch or rows) -> inner (width or k) -> seconds
+
+CORRECTION_WEIGHT = 0.1  # weight of each new observation in the correction's moving average
+CORRECTION_RANGE = (0.2, 5.0)  # a correction never moves a prediction by more than this factor
+
+
+def _interp1(points: dict[int, float], x: float) -> float:
+    """Piecewise-linear through ``points``; flat below the first, the last slope past the last."""
+    xs = sorted(points)
+    if len(xs) == 1 or x <= xs[0]:
+        return points[xs[0]]
+    for lo, hi in zip(xs, xs[1:]):
+        if x <= hi:
+            break
+    t = (x - lo) / (hi - lo)
+    return max(0.0, points[lo] + t * (points[hi] - points[lo]))
+
+
+def _interp2(grid: Grid, outer: float, inner: float) -> float:
+    return _interp1({o: _interp1(row, inner) for o, row in grid.items()}, outer)
+
+
+@dataclass
+class CostModel:
+    verify: Grid  # batch -> width (queries per row) -> seconds of the target's verify step
+    draft: dict[str, Grid]  # drafter name -> rows -> k -> seconds of one proposal of k tokens
+    key: str = ""  # what was measured (models, device, dtype, ...): the cache is keyed by it
+    calibration_s: float = 0.0  # how long measuring took
+    correction: dict[str, float] = field(default_factory=dict)  # part -> log(observed / predicted), EMA
+
+    def verify_s(self, batch: int, width: int) -> float:
+        return _interp2(self.verify, batch, width) * self._factor("verify")
+
+    def draft_s(self, name: str, rows: int, k: int) -> float:
+        if rows <= 0 or k <= 0:
+            return 0.0
+        return _interp2(self.draft[name], rows, k) * self._factor(name)
+
+    def _factor(self, part: str) -> float:
+        return math.exp(self.correction.get(part, 0.0))
+
+    def record(self, part: str, outer: int, inner: int, seconds: float) -> None:
+        """A measured step: ``part`` is ``verify`` (outer = batch, inner = width) or a drafter's name
+        (outer = rows, inner = k)."""
+        grid = self.verify if part == "verify" else self.draft.get(part)
+        if grid is None or seconds <= 0 or outer <= 0 or inner <= 0:
+            return
+        predicted = _interp2(grid, outer, inner)
+        if predicted <= 0:
+            return
+        lo, hi = (math.log(x) for x in CORRECTION_RANGE)
+        old = self.correction.get(part, 0.0)
+        new = old + CORRECTION_WEIGHT * (math.log(seconds / predicted) - old)
+        self.correction[part] = min(hi, max(lo, new))
+
+    def to_json(self) -> dict:
+        return {"key": self.key, "calibration_s": self.calibration_s,
+                "verify": {str(b): {str(w): s for w, s in row.items()} for b, row in self.verify.items()},
+                "draft": {name: {str(r): {str(k): s for k, s in row.items()} for r, row in grid.items()}
+                          for name, grid in self.draft.items()}}
+
+    @staticmethod
+    def from_json(data: dict) -> "CostModel":
+        grid = lambda g: {int(o): {int(i): float(s) for i, s in row.items()} for o, row in g.items()}  # noqa: E731
+        return CostModel(grid(data["verify"]), {n: grid(g) for n, g in data["draft"].items()}, data.get("key", ""),
+                         data.get("calibration_s", 0.0))
+
+
+def isotonic(values: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to ``values`` in least squares (pool adjacent violators):
+    a step never gets cheaper with more tokens, whatever noise a shared machine added to one point."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, n1), (m2, n2) = blocks.pop(-2), blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return [m for m, n in blocks for _ in range(int(n))]
+
+
+def _monotone(grid: Grid) -> Grid:
+    return {o: dict(zip(sorted(row), isotonic([row[i] for i in sorted(row)]))) for o, row in grid.items()}
+
+
+def grid_points(limit: int, points: tuple[int, ...]) -> list[int]:
+    """The grid's values up to ``limit``, always including 1 and ``limit`` itself."""
+    return sorted({1, limit, *(p for p in points if p <= limit)})
+
+
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+WIDTHS = (1, 2, 3, 5, 9, 17, 33)
+DRAFT_LENGTHS = (1, 2, 4, 8, 16)
+PROMPT_LEN = 64  # tokens of context the calibration runs at
+
+
+@dataclass
+class _View:  # a SequenceView for calibration proposals
+    slot: int
+    token_ids: list[int]
+    params: object
+    generator: torch.Generator
+
+
+def _best(fn: Callable[[], object], reps: int, sync: Callable[[], None],
+          prepare: Callable[[], None] = lambda: None) -> float:
+    times = []
+    for _ in range(reps):
+        prepare()
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+@torch.inference_mode()
+def calibrate(target, drafters: dict, max_batch: int, max_width: int, max_k: int, max_context: int,
+              reps: int = 3, prompt_len: int = PROMPT_LEN) -> CostModel:
+    """Measure ``v(batch, width)`` of ``target`` and ``draft(name, rows, k)`` of each drafter in
+    ``drafters`` (name -> drafter) on a synthetic prompt in slots ``0 .. max_batch - 1`` with room for
+    ``max_context`` tokens. The runner and drafters must hold no sequences (the engine calls this
+    before admitting any)."""
+    from specdecode.drafters.base import TargetFeatures
+    from specdecode.sampling import SamplingParams
+
+    t_start = time.perf_counter()
+    prompt_len = max(2, min(prompt_len, max_context // 2))
+    dev = target.device
+    sync = torch.cuda.synchronize if getattr(dev, "type", str(dev)) == "cuda" else (lambda: None)
+    vocab = target.vocab_size
+    prompt = [(17 + 7919 * i) % max(2, vocab - 1) for i in range(prompt_len)]  # varied, no repeated n-grams
+    batches = grid_points(max_batch, BATCHES)
+    widths = grid_points(max_width, WIDTHS)
+    slots = list(range(max_batch))
+    layers = tuple(sorted({layer for d in drafters.values() for layer in d.feature_layers}))
+    feats = target.prefill(slots, [prompt[:-1]] * max_batch, layers)
+
+    verify: Grid = {}
+    for b in batches:
+        verify[b] = {}
+        for w in widths:
+            ids = torch.tensor([prompt[-1:] + prompt[:w - 1]] * b, device=dev)
+            positions = (prompt_len - 1 + torch.arange(w, device=dev))[None].expand(b, w)
+
+            def step() -> None:
+                out = target.forward(torch.arange(b, device=dev), ids, positions, layers=layers)
+                target.logits(out.hidden).argmax(-1)
+                for slot in range(b):
+                    target.truncate(slot, prompt_len - 1)
+
+            step() if not verify[b] else None  # warm-up: the first call of a shape pays for allocation
+            verify[b][w] = _best(step, reps, sync)
+
+    draft: dict[str, Grid] = {}
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_k + 1)
+    for name, drafter in drafters.items():
+        views: list[_View] = []
+
+        def restart() -> None:
+            for s in slots:
+                drafter.release(s)
+            drafter.start(slots, [prompt] * max_batch)
+            if drafter.feature_layers:
+                drafter.observe(slots, [TargetFeatures(0, prompt[:-1], {layer: f[layer] for layer in drafter.feature_layers})
+                                        for f in feats])
+            views[:] = [_View(s, list(prompt), params, torch.Generator().manual_seed(s)) for s in slots]
+
+        last: list = [None]  # the last proposal
+
+        def grow() -> None:
+            # as after a step that accepted every proposed token: the sequence goes on with the proposal
+            # and one more token (a drafter with a cache then feeds two); back to the prompt before the
+            # context outgrows the caches
+            if len(views[0].token_ids) + 3 * max_k + 4 > max_context:
+                restart()
+                last[0] = None
+            starts = [len(v.token_ids) - 1 for v in views]  # each pending token's position
+            for i, v in enumerate(views):
+                p = last[0]
+                if p is not None and i < p.tokens.shape[0]:
+                    v.token_ids += p.tokens[i, : int(p.num_tokens[i])].tolist()
+                v.token_ids.append((v.token_ids[-1] + 7919) % vocab)
+            if drafter.feature_layers:  # what the target cached: the old pending token and the accepted ones
+                observed = []
+                for v, start, f in zip(views, starts, feats):
+                    ids = v.token_ids[start:-1]
+                    rows = torch.arange(len(ids)) % (prompt_len - 1)  # stand-in values: cost does not depend on them
+                    observed.append(TargetFeatures(start, ids, {layer: f[layer][rows.to(f[layer].device)]
+                                                                for layer in drafter.feature_layers}))
+                drafter.observe(slots, observed)
+
+        def call(r: int, k: int) -> None:
+            last[0] = drafter.propose(views[:r], [k] * r)
+
+        restart()
+        grid: Grid = {}
+        for r in batches:
+            grid[r] = {}
+            for k in grid_points(max_k, DRAFT_LENGTHS):
+                if not grid[r]:
+                    grow()
+                    call(r, k)
+                grid[r][k] = _best(lambda r=r, k=k: call(r, k), reps, sync, grow)
+        for s in slots:
+            drafter.release(s)
+        draft[name] = grid
+    for s in slots:
+        target.truncate(s, 0)
+    return CostModel(_monotone(verify), {name: _monotone(g) for name, g in draft.items()},
+                     calibration_s=time.perf_counter() - t_start)
+
+
+def cached(key: str, measure: Callable[[], CostModel], cache_dir: Path | None = None,
+           recalibrate: bool = False) -> CostModel:
+    """The cost model stored under ``key`` in ``<cache>/calibration``, else ``measure()``'s (stored)."""
+    from specdecode.fsutil import make_readable
+    from specdecode.models.fetch import cache_root
+
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    path = (cache_dir or cache_root()) / "calibration" / f"cost-{digest}.json"
+    if path.is_file() and not recalibrate:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if data.get("key") == key:
+                return CostModel.from_json(data)
+        except (OSError, ValueError, KeyError):
+            pass  # unreadable: measure again
+    model = measure()
+    model.key = key
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(model.to_json(), indent=1) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    make_readable(path)
+    return model

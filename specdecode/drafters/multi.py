@@ -1,0 +1,116 @@
+"""Several drafters behind one: each step, each sequence drafts with the part ``route(seq)`` names
+(``--draft A --draft B --draft-policy auto``; the selector, :mod:`specdecode.selector`, routes).
+
+Every part sees every sequence (``start``, ``observe``, ``move``, ``release``), so any of them can
+take over a sequence at any step: a draft model catches up on the tokens it missed at its next
+proposal, as after a rejection. Proposals of the parts are merged into one batch proposal; a part
+that proposes point masses (n-gram lookup) gets explicit one-hot distributions when another part in
+the same step carries distributions, which the verifier treats exactly as it treats ``probs=None``
+(accept with probability ``p_target(x)``, residual ``p_target`` without ``x``). The merged chain is
+as wide as its longest proposal, not as the longest request (n-gram lookup often finds nothing).
+Chains only: a part that drafts trees is refused. A sequence asked for without a route (a caller
+outside the engine's plan, such as ``check``'s verifier-law part) goes to the parts in turn, so each
+part's proposals meet the verifier.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from specdecode.drafters.base import Drafter, Proposal, SequenceView, TargetFeatures
+from specdecode.models.base import Runner
+
+
+class MultiDrafter:
+    max_tree_nodes = 0
+
+    def __init__(self, parts: dict[str, Drafter], route: Callable[[SequenceView], str | None],
+                 on_timing: Callable[[str, int, int, float], None] = lambda name, rows, k, s: None) -> None:
+        if not parts:
+            raise ValueError("a multi-drafter needs at least one part")
+        trees = [name for name, d in parts.items() if getattr(d, "max_tree_nodes", 0)]
+        if trees:
+            raise ValueError(f"the selector chooses among chains; {', '.join(trees)} drafts trees")
+        self.parts, self.route, self.on_timing = dict(parts), route, on_timing
+        self._turn = 0  # for callers outside the engine's plan (see propose)
+        self.name = "+".join(parts)
+        self.feature_layers = tuple(sorted({layer for d in parts.values() for layer in d.feature_layers}))
+
+    def reserve(self, num_slots: int, max_len: int) -> None:
+        for d in self.parts.values():
+            d.reserve(num_slots, max_len)
+
+    def runners(self) -> dict[str, Runner]:
+        out: dict[str, Runner] = {}
+        for name, d in self.parts.items():
+            for role, runner in d.runners().items():
+                out[role if role not in out else f"{role}[{name}]"] = runner
+        return out
+
+    def start(self, slots: list[int], prompts: list[list[int]]) -> None:
+        for d in self.parts.values():
+            d.start(slots, prompts)
+
+    def observe(self, slots: list[int], features: list[TargetFeatures]) -> None:
+        for d in self.parts.values():
+            if d.feature_layers:
+                d.observe(slots, [TargetFeatures(f.start, f.token_ids, {layer: f.hidden[layer] for layer in d.feature_layers})
+                                  for f in features])
+
+    def propose(self, seqs: Sequence[SequenceView], num_tokens: list[int]) -> Proposal:
+        bsz = len(seqs)
+        rows_of: dict[str, list[int]] = {}
+        names = list(self.parts)
+        for b, (s, k) in enumerate(zip(seqs, num_tokens)):
+            if k <= 0:
+                continue
+            name = self.route(s)
+            if name is None:  # asked without a plan (``check``'s law part): the parts take turns
+                name, self._turn = names[self._turn % len(names)], self._turn + 1
+            rows_of.setdefault(name, []).append(b)
+        parts: list[tuple[list[int], Proposal]] = []
+        for name, rows in rows_of.items():
+            ks = [num_tokens[b] for b in rows]
+            t0 = time.perf_counter()
+            parts.append((rows, self.parts[name].propose([seqs[b] for b in rows], ks)))
+            self.on_timing(name, len(rows), max(ks), time.perf_counter() - t0)
+        return merge(bsz, parts)
+
+    def move(self, src: int, dst: int) -> None:
+        for d in self.parts.values():
+            d.move(src, dst)
+
+    def release(self, slot: int) -> None:
+        for d in self.parts.values():
+            d.release(slot)
+
+
+def merge(batch: int, parts: list[tuple[list[int], Proposal]]) -> Proposal:
+    """One chain proposal for ``batch`` rows from the parts' proposals for their rows."""
+    width = max([int(p.num_tokens.max()) for _, p in parts if p.num_tokens.numel()] + [0])
+    tokens = torch.zeros(batch, width, dtype=torch.long)
+    num = torch.zeros(batch, dtype=torch.long)
+    vocab = max([p.probs.shape[-1] for _, p in parts if p.probs is not None] + [0])
+    probs = None
+    if vocab:
+        dtype = next(p.probs.dtype for _, p in parts if p.probs is not None)
+        device = next(p.probs.device for _, p in parts if p.probs is not None)
+        probs = torch.zeros(batch, width, vocab, dtype=dtype, device=device)
+    for rows, p in parts:
+        n = p.num_tokens.clamp(max=width)
+        for i, b in enumerate(rows):
+            m = int(n[i])
+            if m == 0:
+                continue
+            tokens[b, :m] = p.tokens[i, :m].cpu()
+            num[b] = m
+            if probs is None:
+                continue
+            if p.probs is None:  # a point mass: the distribution a deterministic draft was "sampled" from
+                probs[b, torch.arange(m, device=probs.device), tokens[b, :m].to(probs.device)] = 1.0
+            else:
+                probs[b, :m, : p.probs.shape[-1]] = p.probs[i, :m].to(probs.device, probs.dtype)
+    return Proposal(tokens, probs, num)

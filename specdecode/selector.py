@@ -1,0 +1,218 @@
+"""``--draft-policy auto``: before each step, choose for every sequence which drafter drafts for it and
+how many tokens (or none), maximising the whole batch's expected tokens per second.
+
+Three parts:
+
+* **Cost** (:mod:`specdecode.costmodel`): seconds of the target's verify step ``v(batch, width)`` and
+  of each drafter's proposal ``draft(d, rows, k)``, measured at engine start and corrected online
+  from every step's measured times.
+* **Acceptance**, per sequence and drafter: a per-token acceptance rate ``alpha`` and a *fill* rate
+  (the share of the requested tokens the drafter actually proposed: n-gram lookup often finds
+  nothing). Each is a ratio of discounted counts (each step's observation counts 1, older ones decay
+  by ``decay`` per observation, so the estimate follows drift), with a prior from the drafter's
+  history over all sequences (itself discounted more slowly) worth ``prior_weight`` observations.
+  Only a step a drafter drafted for updates it. With chains, a step that drafted ``n`` tokens and
+  accepted ``a`` adds ``a`` acceptances and, when ``a < n``, one rejection; expected tokens of a
+  chain of ``k`` are ``1 + fill * (alpha + alpha^2 + ... + alpha^k)``.
+* **Choice**: the step time of a plan is ``v(B, 1 + max k) + sum_d draft(d, rows_d, k_d)`` (rows
+  are padded to the widest chain), its yield the sum of the sequences' expected tokens; each
+  sequence goes to the drafter that promises it most at that drafter's length. Coordinate ascent
+  over one length per drafter (``0`` = not used) from "nothing drafts", two rounds; drafting is
+  chosen only when it beats plain decoding by ``margin``. As the batch grows, ``v(B, width)`` stops
+  being nearly free and the chosen lengths shrink to zero on their own.
+
+**Exploration.** A drafter not used for a sequence learns nothing about it, so every
+``explore_every`` steps of a sequence, a drafter it has not used for that long drafts for it once
+(at that step's length for the drafter, or ``explore_k``), unless the cost model says that drafter
+could not pay even if it were always right (then it is never tried: exploring it would only lose).
+New sequences start from the drafters' history, so a drafter that does well on some requests is
+chosen at once for similar ones.
+
+It only changes which tokens are proposed and how many: verification is exact for any proposal, so
+the output law is the target's whatever it decides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specdecode.costmodel import CostModel
+
+LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16)
+
+
+@dataclass
+class _Counts:
+    """Discounted evidence about one drafter (for one sequence, or overall)."""
+
+    accepted: float = 0.0
+    rejected: float = 0.0
+    proposed: float = 0.0
+    requested: float = 0.0
+
+    def add(self, requested: int, drafted: int, accepted: int, decay: float) -> None:
+        self.accepted = decay * self.accepted + accepted
+        self.rejected = decay * self.rejected + (1 if accepted < drafted else 0)
+        self.proposed = decay * self.proposed + drafted
+        self.requested = decay * self.requested + requested
+
+
+@dataclass
+class _SeqState:
+    counts: dict[str, _Counts] = field(default_factory=dict)
+    last_used: dict[str, int] = field(default_factory=dict)  # drafter -> step index it last drafted
+    steps: int = 0
+    choice: tuple[str | None, int] = (None, 0)  # this step's (drafter, requested length)
+
+
+def expected_tokens(alpha: float, fill: float, k: int) -> float:
+    """Tokens a step emits for a chain of ``k`` with per-token acceptance ``alpha``."""
+    total, term = 0.0, 1.0
+    for _ in range(k):
+        term *= alpha
+        total += term
+    return 1.0 + fill * total
+
+
+class AutoPolicy:
+    """The selector (see the module docstring). ``drafters`` are the names of the parts of the
+    engine's :class:`~specdecode.drafters.multi.MultiDrafter`, which asks :meth:`route` which part
+    drafts for a sequence. ``cost`` may be set after construction (the engine must exist to measure)."""
+
+    def __init__(self, drafters: list[str], max_k: int, cost: CostModel | None = None,
+                 lengths: tuple[int, ...] = LENGTHS, explore_every: int = 16, explore_k: int = 2,
+                 decay: float = 0.7, prior_decay: float = 0.98, prior_weight: float = 3.0,
+                 prior_alpha: float = 0.5, prior_fill: float = 0.8, margin: float = 0.03) -> None:
+        if not drafters:
+            raise ValueError("the selector needs at least one drafter")
+        if max_k < 1:
+            raise ValueError(f"max draft length must be >= 1, got {max_k}")
+        self.drafters, self.max_k, self.cost = list(drafters), max_k, cost
+        self.lengths = sorted({k for k in lengths if k <= max_k} | {max_k})
+        self.explore_every, self.explore_k = explore_every, min(explore_k, max_k)
+        self.decay, self.prior_decay, self.prior_weight, self.margin = decay, prior_decay, prior_weight, margin
+        self.history = {d: _Counts(prior_alpha * prior_weight, (1 - prior_alpha) * prior_weight,
+                                   prior_fill * prior_weight, prior_weight) for d in self.drafters}
+        self._seqs: dict[int, _SeqState] = {}
+
+    # -- estimates ----------------------------------------------------------------------------------
+    def estimate(self, seq, drafter: str) -> tuple[float, float]:
+        """(alpha, fill) for ``seq`` and ``drafter``: its own discounted counts plus the prior."""
+        h = self.history[drafter]
+        own = self._state(seq).counts.get(drafter, _Counts())
+        w = self.prior_weight
+        prior_alpha = h.accepted / max(h.accepted + h.rejected, 1e-9)
+        prior_fill = h.proposed / max(h.requested, 1e-9)
+        alpha = (own.accepted + w * prior_alpha) / (own.accepted + own.rejected + w)
+        fill = (own.proposed + w * prior_fill) / (own.requested + w)
+        return min(alpha, 0.999), min(fill, 1.0)
+
+    def _state(self, seq) -> _SeqState:
+        return self._seqs.setdefault(id(seq), _SeqState())
+
+    # -- the policy protocol ----------------------------------------------------------------------
+    def plan(self, seqs: list, batch_size: int) -> list[int]:
+        if self.cost is None:
+            raise RuntimeError("the selector has no cost model yet (see specdecode.costmodel)")
+        est = [{d: self.estimate(s, d) for d in self.drafters} for s in seqs]
+        lengths = self._best_lengths(est, batch_size)
+        out = []
+        for s, e in zip(seqs, est):
+            state = self._state(s)
+            state.steps += 1
+            choice = self._assign(e, lengths)
+            explore = self._explore(state, lengths, batch_size)
+            if explore is not None:
+                choice = explore
+            state.choice = choice
+            out.append(choice[1])
+        return out
+
+    def num_draft(self, seq, batch_size: int) -> int:
+        return self.plan([seq], batch_size)[0]
+
+    def route(self, seq) -> str | None:
+        """The drafter chosen for ``seq`` at the last plan (None: it does not draft)."""
+        state = self._seqs.get(id(seq))
+        return state.choice[0] if state is not None and state.choice[1] > 0 else None
+
+    def label(self, seq, k: int) -> str | None:
+        drafter = self.route(seq)
+        return f"{drafter}:k{k}" if drafter is not None and k > 0 else "off"
+
+    def observe(self, seq, drafted: int, accepted: int) -> None:
+        state = self._seqs.get(id(seq))
+        if state is None or state.choice[0] is None or state.choice[1] <= 0:
+            return
+        drafter, requested = state.choice
+        state.counts.setdefault(drafter, _Counts()).add(requested, drafted, accepted, self.decay)
+        self.history[drafter].add(requested, drafted, accepted, self.prior_decay)
+        state.last_used[drafter] = state.steps
+        state.choice = (None, 0)
+
+    def observe_step(self, batch_size: int, width: int, draft_s: float, verify_s: float) -> None:
+        if self.cost is not None:
+            self.cost.record("verify", batch_size, width, verify_s)
+
+    def observe_draft(self, drafter: str, rows: int, k: int, seconds: float) -> None:
+        """One part's proposal time (the multi-drafter reports it)."""
+        if self.cost is not None:
+            self.cost.record(drafter, rows, k, seconds)
+
+    def forget(self, seq) -> None:
+        self._seqs.pop(id(seq), None)
+
+    # -- the choice ----------------------------------------------------------------------------------
+    def _assign(self, est: dict[str, tuple[float, float]], lengths: dict[str, int]) -> tuple[str | None, int]:
+        best, gain = (None, 0), 1.0
+        for d, k in lengths.items():
+            if k > 0:
+                e = expected_tokens(*est[d], k)
+                if e > gain:
+                    best, gain = (d, k), e
+        return best
+
+    def _rate(self, est: list[dict], lengths: dict[str, int], batch: int) -> float:
+        """Expected tokens per second of a step of ``batch`` sequences (``est`` covers the drafting ones)."""
+        rows: dict[str, int] = {}
+        tokens = batch - len(est)  # sequences not planned here emit one token each
+        for e in est:
+            d, k = self._assign(e, lengths)
+            tokens += expected_tokens(*e[d], k) if d is not None else 1.0
+            if d is not None:
+                rows[d] = rows.get(d, 0) + 1
+        width = 1 + max((lengths[d] for d in rows), default=0)
+        seconds = self.cost.verify_s(batch, width) + sum(self.cost.draft_s(d, n, lengths[d]) for d, n in rows.items())
+        return tokens / max(seconds, 1e-12)
+
+    def _best_lengths(self, est: list[dict], batch: int) -> dict[str, int]:
+        off = {d: 0 for d in self.drafters}
+        base = self._rate(est, off, batch)
+        best, best_rate = dict(off), base
+        for _ in range(2):  # coordinate ascent over one length per drafter
+            for d in self.drafters:
+                for k in [0, *self.lengths]:
+                    trial = {**best, d: k}
+                    rate = self._rate(est, trial, batch)
+                    if rate > best_rate:
+                        best, best_rate = trial, rate
+        return best if best_rate > base * (1 + self.margin) else off
+
+    def could_pay(self, drafter: str, batch: int) -> bool:
+        """Would ``drafter`` beat plain decoding for a whole batch if it were always right?"""
+        plain = batch / self.cost.verify_s(batch, 1)
+        for k in self.lengths:
+            seconds = self.cost.verify_s(batch, k + 1) + self.cost.draft_s(drafter, batch, k)
+            if batch * (k + 1) / seconds > plain * (1 + self.margin):
+                return True
+        return False
+
+    def _explore(self, state: _SeqState, lengths: dict[str, int], batch: int) -> tuple[str, int] | None:
+        if self.explore_every <= 0:
+            return None
+        due = [d for d in self.drafters if state.steps - state.last_used.get(d, 0) >= self.explore_every]
+        for d in sorted(due, key=lambda d: state.last_used.get(d, 0)):
+            if self.could_pay(d, batch):
+                return d, lengths[d] or self.explore_k
+            state.last_used[d] = state.steps  # cannot pay at this load: look again later
+        return None

@@ -1,0 +1,383 @@
+"""``--draft-policy auto``: the cost model, the selector's arithmetic on scripted costs and acceptance,
+exploration, the multi-drafter's merged proposals, and exactness through the engine (greedy equality
+with target-only, the chi-square law of two sampled tokens, ALPHA = 1e-4) over a mixed drafter set."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from specdecode import costmodel
+from specdecode.costmodel import CostModel
+from specdecode.drafters.base import Proposal
+from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.drafters.multi import MultiDrafter, merge
+from specdecode.drafters.ngram import NgramDrafter
+from specdecode.engine import Engine
+from specdecode.models.hf import HFRunner
+from specdecode.sampling import SamplingParams
+from specdecode.selector import AutoPolicy, expected_tokens
+from test_engine import ALPHA, VS, chi_square_p, exact_two_token_law, sample_pairs
+from tiny import make_model, make_tokenizer, perturbed_copy
+
+V = 32
+TOK = make_tokenizer(V)
+
+
+def flat_cost(verify_per_token=0.0, step=1.0, drafts=None, batches=(1, 2, 4, 8, 16), widths=(1, 2, 3, 5, 9, 17)):
+    """A scripted cost model: verify = step + verify_per_token * batch * (width - 1) (+ batch * 0.01 * step);
+    ``drafts``: name -> seconds per drafted token per step (the same at any rows)."""
+    verify = {b: {w: step * (1 + 0.01 * b) + verify_per_token * b * (w - 1) for w in widths} for b in batches}
+    draft = {name: {r: {k: c * k for k in (1, 2, 4, 8, 16)} for r in batches} for name, c in (drafts or {}).items()}
+    return CostModel(verify, draft)
+
+
+@dataclass(eq=False)
+class Seq:
+    slot: int = 0
+    token_ids: list = field(default_factory=lambda: [1, 2, 3])
+    params: SamplingParams = field(default_factory=SamplingParams)
+    generator: torch.Generator = field(default_factory=torch.Generator)
+
+
+def teach(policy, seq, drafter, alpha_steps, k=4):
+    """Make ``seq``'s estimate for ``drafter`` come from ``alpha_steps``: accepted counts per step."""
+    for accepted in alpha_steps:
+        state = policy._state(seq)
+        state.choice = (drafter, k)
+        policy.observe(seq, k, accepted)
+
+
+# -- the cost model ---------------------------------------------------------------------------------------------
+def test_cost_model_interpolates_extrapolates_and_corrects_online():
+    cm = CostModel({1: {1: 1.0, 5: 2.0}, 4: {1: 2.0, 5: 6.0}}, {"d": {1: {1: 0.1, 4: 0.4}}})
+    assert cm.verify_s(1, 3) == pytest.approx(1.5)
+    assert cm.verify_s(2, 1) == pytest.approx(4 / 3)  # between batch 1 and 4
+    assert cm.verify_s(1, 9) == pytest.approx(3.0)  # past the grid: the last slope
+    assert cm.draft_s("d", 3, 2) == pytest.approx(0.2) and cm.draft_s("d", 1, 0) == 0.0
+    for _ in range(200):  # the machine became twice as slow for verification
+        cm.record("verify", 1, 3, 3.0)
+    assert cm.verify_s(1, 3) == pytest.approx(3.0, rel=0.01) and cm.verify_s(4, 5) == pytest.approx(12.0, rel=0.01)
+    assert cm.draft_s("d", 1, 4) == pytest.approx(0.4)  # each part has its own correction
+    back = CostModel.from_json(json.loads(json.dumps(cm.to_json())))
+    assert back.verify == cm.verify and back.draft == cm.draft
+
+
+def test_calibrated_costs_never_fall_with_more_tokens():
+    assert costmodel.isotonic([0.68, 0.6, 1.44, 0.8]) == pytest.approx([0.64, 0.64, 1.12, 1.12])
+    assert costmodel.isotonic([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    assert costmodel._monotone({1: {1: 2.0, 2: 1.0, 4: 5.0}}) == {1: {1: 1.5, 2: 1.5, 4: 5.0}}
+
+
+def test_calibration_measures_every_grid_point_through_the_protocols():
+    target = HFRunner(make_model(V, seed=0))
+    draft = DraftModelDrafter(HFRunner(perturbed_copy(make_model(V, seed=0), 0.1)))
+    engine = Engine(target, TOK, MultiDrafter({"m": draft, "ngram": NgramDrafter()}, lambda s: "m"), 4,
+                    max_batch_size=4, max_context=100)
+    cm = costmodel.calibrate(engine.target, engine.drafter.parts, 4, 5, 4, 40, reps=1, prompt_len=16)
+    assert sorted(cm.verify) == [1, 2, 4] and sorted(cm.verify[4]) == [1, 2, 3, 5]
+    assert sorted(cm.draft) == ["m", "ngram"] and sorted(cm.draft["m"][2]) == [1, 2, 4]
+    assert all(s > 0 for row in cm.verify.values() for s in row.values())
+    # the engine still works afterwards (calibration leaves no sequence behind)
+    ref = Engine(HFRunner(make_model(V, seed=0)), TOK, None, 0, max_batch_size=1, max_context=100)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    assert engine.generate([[1, 2, 3]], params)[0].token_ids == ref.generate([[1, 2, 3]], params)[0].token_ids
+
+
+def test_calibration_proposals_are_real_for_every_kind_of_drafter():
+    """Each timed proposal drafts tokens (a feature drafter is fed features as in the engine), so the
+    measured cost is the cost of drafting, not of declining to."""
+    from specdecode.drafters.medusa import MedusaDrafter
+    from test_medusa import tiny_heads
+
+    model = make_model(V, seed=0)
+    proposed: dict[str, list[int]] = {}
+
+    def counting(name, drafter):
+        inner = drafter.propose
+
+        def propose(seqs, ks):
+            out = inner(seqs, ks)
+            proposed.setdefault(name, []).append(int(out.num_tokens.min()))
+            return out
+
+        drafter.propose = propose
+        return drafter
+
+    parts = {"m": counting("m", DraftModelDrafter(HFRunner(perturbed_copy(model, 0.1)))),
+             "medusa": counting("medusa", MedusaDrafter(tiny_heads(model)))}
+    engine = Engine(HFRunner(model), TOK, MultiDrafter(parts, lambda s: "m"), 3, max_batch_size=2, max_context=60)
+    cm = costmodel.calibrate(engine.target, engine.drafter.parts, 2, 4, 3, 60, reps=2, prompt_len=24)
+    assert len(proposed["m"]) == len(proposed["medusa"]) == 2 * (1 + 3 * 2)  # per row count: a warm-up + 3 lengths x 2 reps
+    assert min(proposed["m"]) >= 1 and min(proposed["medusa"]) >= 1
+    assert cm.draft_s("medusa", 2, 3) > 0
+
+
+def test_the_cost_cache_is_keyed_by_model_device_and_dtype(tmp_path, monkeypatch):
+    from specdecode.build import EngineConfig, build_engine
+
+    root = tmp_path / "models"
+    for name, seed in (("target", 0), ("draft", 1)):
+        make_model(V, seed=seed, arch="llama").save_pretrained(root / name)
+        TOK.save_pretrained(root / name)
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    calls = []
+    real = costmodel.calibrate
+    monkeypatch.setattr(costmodel, "calibrate", lambda *a, **kw: calls.append(1) or real(*a, **{**kw, "reps": 1}))
+
+    def build(**kw):
+        cfg = EngineConfig(str(root / "target"), str(root / "draft"), ("ngram",), draft_policy="auto",
+                           max_draft_tokens=4, max_context=64, backend="torch", **kw)
+        return build_engine(cfg)
+
+    build()
+    build()
+    assert len(calls) == 1  # the second engine read the cache
+    build(dtype="bfloat16")
+    assert len(calls) == 2  # another dtype: measured afresh
+    build(recalibrate=True)
+    assert len(calls) == 3
+    make_model(V, seed=2, arch="llama").save_pretrained(root / "draft")  # other weights for the draft: measured afresh
+    build()
+    assert len(calls) == 4
+    assert len(list((tmp_path / "cache" / "calibration").glob("cost-*.json"))) == 3
+    # (a device change enters the key the same way: f"device {engine.target.device}")
+
+
+# -- the selector's arithmetic -----------------------------------------------------------------------------------
+def brute_force(policy, seq, batch=1):
+    """The best (drafter, k) for a lone sequence by direct evaluation of every choice."""
+    cost = policy.cost
+    best, best_rate = (None, 0), batch / cost.verify_s(batch, 1)
+    for d, k in itertools.product(policy.drafters, policy.lengths):
+        e = expected_tokens(*policy.estimate(seq, d), k)
+        rate = e / (cost.verify_s(batch, k + 1) + cost.draft_s(d, 1, k))
+        if rate > best_rate:
+            best, best_rate = (d, k), rate
+    return best
+
+
+def test_the_selector_picks_what_the_arithmetic_says():
+    cost = flat_cost(verify_per_token=0.02, drafts={"model": 0.15, "ngram": 0.002})
+    policy = AutoPolicy(["model", "ngram"], max_k=16, cost=cost, explore_every=0)
+    seq = Seq()
+    teach(policy, seq, "model", [3, 4, 4, 2, 4, 4, 3, 4])  # ~0.9 per token
+    teach(policy, seq, "ngram", [0, 1, 0, 0, 1, 0, 0, 0])  # ~0.2
+    ks = policy.plan([seq], 1)
+    assert (policy.route(seq), ks[0]) == brute_force(policy, seq) and policy.route(seq) == "model"
+    other = Seq()
+    teach(policy, other, "model", [0, 1, 0, 0, 0, 0])  # the model fails on this one
+    teach(policy, other, "ngram", [4, 4, 4, 3, 4, 4])  # and lookup succeeds (copying text)
+    ks = policy.plan([other], 1)
+    assert (policy.route(other), ks[0]) == brute_force(policy, other) and policy.route(other) == "ngram"
+    assert policy.label(other, ks[0]) == f"ngram:k{ks[0]}"
+
+
+def test_the_selector_switches_when_acceptance_drifts():
+    cost = flat_cost(verify_per_token=0.02, drafts={"a": 0.05, "b": 0.05})
+    policy = AutoPolicy(["a", "b"], max_k=8, cost=cost, explore_every=8)
+    seq = Seq()
+    teach(policy, seq, "b", [2, 2, 1, 2], k=4)  # b: middling
+    chosen = []
+    for step in range(40):
+        ks = policy.plan([seq], 1)
+        drafter = policy.route(seq)
+        chosen.append(drafter)
+        good = "a" if step < 20 else "b"  # a is right at first, then stops being right
+        policy.observe(seq, ks[0], ks[0] if drafter == good else 0)
+    assert chosen[:4].count("b") >= 2 and chosen[8:20].count("a") >= 9  # a took over from b
+    assert chosen[-6:].count("b") >= 4  # and lost it again when it drifted (found by exploring b)
+
+
+def test_the_selector_stops_drafting_when_verification_stops_being_free():
+    # at batch 1 a wider verify costs little; at batch 16 every extra token costs its full share
+    verify = {1: {w: 1.0 + 0.02 * (w - 1) for w in (1, 2, 3, 5, 9, 17)},
+              16: {w: 1.0 * w for w in (1, 2, 3, 5, 9, 17)}}
+    cost = CostModel(verify, {"d": {r: {k: 0.01 * k for k in (1, 2, 4, 8, 16)} for r in (1, 16)}})
+    policy = AutoPolicy(["d"], max_k=16, cost=cost, explore_every=8)
+    seqs = [Seq(slot=i) for i in range(16)]
+    for s in seqs:
+        teach(policy, s, "d", [3, 3, 4, 2], k=4)  # ~0.75 per token
+    assert max(policy.plan(seqs[:1], 1)) > 0
+    for _ in range(30):  # never, not even to explore: it could not pay at this load if it were always right
+        assert policy.plan(seqs, 16) == [0] * 16
+        assert all(policy.label(s, 0) == "off" for s in seqs)
+        for s in seqs:
+            policy.observe(s, 0, 0)
+
+
+def test_the_selector_explores_a_drafter_it_does_not_use():
+    cost = flat_cost(verify_per_token=0.01, drafts={"a": 0.01, "b": 0.01})
+    policy = AutoPolicy(["a", "b"], max_k=4, cost=cost, explore_every=5)
+    seq = Seq()
+    teach(policy, seq, "a", [4, 4, 4, 4, 4, 4], k=4)
+    teach(policy, seq, "b", [0, 0, 0, 0, 0, 0], k=4)
+    routes = []
+    for _ in range(20):
+        ks = policy.plan([seq], 1)
+        routes.append(policy.route(seq))
+        policy.observe(seq, ks[0], ks[0] if routes[-1] == "a" else 0)
+    assert routes.count("b") in (3, 4) and routes.count("a") == 20 - routes.count("b")  # b once every 5 steps
+    # a sequence that learns b is now better (its text turned repetitive) is switched to it
+    for _ in range(10):
+        ks = policy.plan([seq], 1)
+        policy.observe(seq, ks[0], ks[0] if policy.route(seq) == "b" else 0)
+    assert policy.route(seq) == "b" or policy.plan([seq], 1) and policy.route(seq) == "b"
+
+
+def test_history_gives_new_sequences_a_prior():
+    cost = flat_cost(verify_per_token=0.02, drafts={"a": 0.05, "b": 0.05})
+    policy = AutoPolicy(["a", "b"], max_k=8, cost=cost, explore_every=0)
+    for i in range(30):
+        teach(policy, Seq(slot=i), "b", [4, 4, 3, 4], k=4)
+        teach(policy, Seq(slot=i), "a", [0, 1, 0, 0], k=4)
+    fresh = Seq()
+    policy.plan([fresh], 1)
+    assert policy.route(fresh) == "b"
+
+
+# -- the multi-drafter --------------------------------------------------------------------------------------------
+def test_merge_widens_point_masses_and_trims_to_the_longest_proposal():
+    probs = torch.softmax(torch.randn(1, 3, 10), -1)
+    a = Proposal(torch.tensor([[4, 5, 6]]), probs, torch.tensor([3]))
+    b = Proposal(torch.tensor([[7, 8, 0, 0], [0, 0, 0, 0]]), None, torch.tensor([2, 0]))
+    out = merge(4, [([2], a), ([0, 3], b)])
+    assert out.tokens.shape == (4, 3) and out.num_tokens.tolist() == [2, 0, 3, 0]
+    assert out.tokens[0, :2].tolist() == [7, 8] and out.tokens[2].tolist() == [4, 5, 6]
+    assert torch.equal(out.probs[2], probs[0])
+    assert out.probs[0, 0, 7] == 1 and out.probs[0, 1, 8] == 1 and out.probs[0, :2].sum() == 2
+    nothing = merge(2, [([0, 1], Proposal(torch.zeros(2, 4, dtype=torch.long), None, torch.tensor([0, 0])))])
+    assert nothing.tokens.shape == (2, 0) and nothing.probs is None
+
+
+def test_a_part_that_drafts_trees_is_refused():
+    with pytest.raises(ValueError, match="chains"):
+        MultiDrafter({"ngram": NgramDrafter(tree_topk=2, tree_nodes=4)}, lambda s: "ngram")
+
+
+# -- exactness through the engine -------------------------------------------------------------------------------
+PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 7, 8, 9, 10], [11], [20, 21, 22, 5, 6, 20, 21, 22, 5]]
+
+
+def auto_engine(target, draft, slots, cost=None, explore_every=3, max_context=80):
+    policy = AutoPolicy(["model", "ngram"], max_k=6, explore_every=explore_every,
+                        cost=cost or flat_cost(verify_per_token=0.001, drafts={"model": 0.02, "ngram": 0.001}))
+    parts = {"model": DraftModelDrafter(HFRunner(draft)), "ngram": NgramDrafter()}
+    multi = MultiDrafter(parts, policy.route, policy.observe_draft)
+    return Engine(HFRunner(target), TOK if target.config.vocab_size == V else make_tokenizer(target.config.vocab_size),
+                  multi, policy, max_batch_size=slots, max_context=max_context)
+
+
+def test_greedy_auto_over_a_model_and_ngram_equals_target_only():
+    target = make_model(V, seed=0)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    reference = Engine(HFRunner(target), TOK, None, 0, max_batch_size=2, max_context=80).generate(PROMPTS, params)
+    engine = auto_engine(target, perturbed_copy(target, 0.2), slots=2)
+    outs = engine.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    choices = {}
+    for o in outs:
+        for label, n in o.stats.choices.items():
+            choices[label.split(":")[0]] = choices.get(label.split(":")[0], 0) + n
+        assert sum(o.stats.choices.values()) == o.stats.target_steps  # one choice per step ("off" included)
+    assert set(choices) >= {"model", "ngram"}  # both were used in this run
+
+
+@pytest.mark.parametrize("sp", [SamplingParams(1.0), SamplingParams(0.7, top_p=0.9)], ids=["T1", "T0.7-p0.9"])
+def test_auto_over_mixed_drafters_keeps_the_target_law(sp):
+    """4000 samples of the first two tokens, the selector choosing between a draft model and n-gram
+    lookup (prompt [1, 2, 1, 2, 1]: lookup proposes), every sequence exploring the other drafter."""
+    target = make_model(VS, seed=5, scale=0.5)
+    draft = perturbed_copy(target, noise=0.6, seed=3)
+    engine = auto_engine(target, draft, slots=250, explore_every=1, max_context=12)
+    prompt = [1, 2, 1, 2, 1]
+    counts = sample_pairs(engine, prompt, sp, 4000, 250, max_new_tokens=3)
+    assert chi_square_p(counts, exact_two_token_law(target, prompt, sp), 4000) > ALPHA
+    used = engine.policy.inner.history
+    assert used["model"].requested > 3 and used["ngram"].requested > 3  # both drafted
+
+
+def test_mixed_rows_in_one_step_keep_the_target_law():
+    """Rows of one step drafted by different parts (by slot parity): the merged proposal, point masses
+    beside full distributions, is verified exactly; negative control: claiming the point masses were
+    the draft model's distribution is detected."""
+    target = make_model(VS, seed=5, scale=0.5)
+    draft = perturbed_copy(target, noise=0.6, seed=3)
+    sp = SamplingParams(1.0)
+    prompt = [1, 2, 1, 2, 1]
+
+    def engine(multi_cls=MultiDrafter):
+        parts = {"model": DraftModelDrafter(HFRunner(draft)), "ngram": NgramDrafter()}
+        multi = multi_cls(parts, lambda s: "model" if s.slot % 2 else "ngram")
+        return Engine(HFRunner(target), make_tokenizer(VS), multi, 2, max_batch_size=250, max_context=12)
+
+    law = exact_two_token_law(target, prompt, sp)
+    assert chi_square_p(sample_pairs(engine(), prompt, sp, 4000, 250), law, 4000) > ALPHA
+
+    class Lying(MultiDrafter):  # drops the point masses' one-hot rows: they then look like probability 0 drafts
+        def propose(self, seqs, num_tokens):
+            out = super().propose(seqs, num_tokens)
+            if out.probs is not None:
+                for b, s in enumerate(seqs):
+                    if s.slot % 2 == 0:
+                        out.probs[b] = 0.5 * out.probs[b] + 0.5 / out.probs.shape[-1]
+            return out
+
+    assert chi_square_p(sample_pairs(engine(Lying), prompt, sp, 4000, 250), law, 4000) < ALPHA
+
+
+def test_check_passes_with_the_selector_over_a_model_and_ngram():
+    from specdecode.check import CheckConfig, run_check
+    from specdecode.check.report import PASS
+    from test_check import CFG, PROMPTS as CHECK_PROMPTS, TOK as CHECK_TOK, V as CV
+
+    target = make_model(CV, seed=5, scale=0.5)
+    draft = perturbed_copy(target, noise=0.3, seed=3)
+
+    def factory(k, batch):
+        if not k:
+            return Engine(HFRunner(target), CHECK_TOK, None, 0, max_batch_size=batch, max_context=64)
+        policy = AutoPolicy(["model", "ngram"], max_k=k, explore_every=2,
+                            cost=flat_cost(verify_per_token=0.001, drafts={"model": 0.02, "ngram": 0.001}))
+        multi = MultiDrafter({"model": DraftModelDrafter(HFRunner(draft)), "ngram": NgramDrafter()}, policy.route,
+                             policy.observe_draft)
+        return Engine(HFRunner(target), CHECK_TOK, multi, policy, max_batch_size=batch, max_context=64)
+
+    report = run_check(factory, CHECK_PROMPTS, CheckConfig(**{**CFG.__dict__, "parts": (1, 3)}))
+    assert report.part(1).status == PASS and report.part(3).status == PASS, [p.summary for p in report.parts]
+
+
+def test_the_server_reports_the_choices_and_keeps_greedy_outputs_under_concurrency():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_server_harness import MODEL, pair, reference, serve, tokenizer
+
+    target, draft = pair()
+    policy = AutoPolicy(["model", "ngram"], max_k=4, explore_every=3,
+                        cost=flat_cost(verify_per_token=0.001, drafts={"model": 0.02, "ngram": 0.001}))
+    multi = MultiDrafter({"model": DraftModelDrafter(HFRunner(draft)), "ngram": NgramDrafter()}, policy.route,
+                         policy.observe_draft)
+    eng = Engine(HFRunner(target), tokenizer(), multi, policy, max_batch_size=4, max_context=96)
+    prompts = ["abcabcab", "hello", "xyzzy", "kitten", "q", "mmmm"]
+    with serve(eng) as s:
+        def ask(p):
+            with s.http() as c:
+                r = c.post("/v1/completions", json={"model": MODEL, "prompt": p, "max_tokens": 16, "temperature": 0})
+                return r.json()
+
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(ask, prompts))
+        metrics = s.wait_idle()
+    steps = 0
+    for p, a in zip(prompts, answers):
+        assert a["choices"][0]["text"] == reference(tokenizer()(p).input_ids, max_new_tokens=16)[0]
+        spec = a["speculation"]
+        assert sum(spec["choices"].values()) == spec["target_steps"]
+        steps += spec["target_steps"]
+    served = {k: v for k, v in metrics.items() if k.startswith("specdecode_spec_choice_steps_total")}
+    assert sum(served.values()) == steps and any("ngram:" in k or "model:" in k for k in served), served
