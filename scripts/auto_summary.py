@@ -1,6 +1,7 @@
 """Summarise a `specdecode bench --draft-policy auto` run: per category and sampling, the `auto` config's
 speedup over target-only beside every fixed configuration's, auto / best fixed, and the same for the
-whole run taken as one mixed workload (sums of wall time over every prompt).
+whole run taken as one mixed workload. Wall time per (prompt, config) is the median over repeats;
+prompts are summed; a prompt counts only once every configuration ran it as often.
 
     python scripts/auto_summary.py runs/auto-mixed [--markdown]
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from collections import defaultdict
 from pathlib import Path
 
@@ -18,18 +20,21 @@ def main() -> None:
     ap.add_argument("out", type=Path, help="the bench --out directory")
     args = ap.parse_args()
     runs = [r for r in map(json.loads, (args.out / "records.jsonl").read_text().splitlines()) if r.get("type") == "run"]
-    wall: dict[tuple, float] = defaultdict(float)  # (sampling, group, config) -> seconds
-    tps: dict[tuple, list] = defaultdict(list)
-    complete = defaultdict(set)  # (sampling, prompt) -> configs run
+    by_run: dict[tuple, list] = defaultdict(list)  # (sampling, prompt, config) -> its runs (one per repeat)
     for r in runs:
-        complete[(r["sampling"], r["prompt_id"])].add(r["config"])
+        by_run[(r["sampling"], r["prompt_id"], r["config"])].append(r)
     configs = sorted({r["config"] for r in runs}, key=lambda c: (c != "target", c == "auto", c))
-    for r in runs:
-        if complete[(r["sampling"], r["prompt_id"])] != set(configs):
-            continue  # only prompts every configuration finished
-        for group in (r["category"], "mixed (all prompts)"):
-            wall[(r["sampling"], group, r["config"])] += r["wall_s"]
-            tps[(r["sampling"], group, r["config"])].append((r["new_tokens"], r["stats"]["target_steps"]))
+    wall: dict[tuple, float] = defaultdict(float)  # (sampling, group, config) -> summed median seconds
+    tps: dict[tuple, list] = defaultdict(list)
+    for sampling, prompt in sorted({(s, p) for s, p, _ in by_run}):
+        cells = [by_run.get((sampling, prompt, c), []) for c in configs]
+        repeats = {len(c) for c in cells}
+        if len(repeats) != 1 or 0 in repeats:
+            continue  # only prompts every configuration ran as often
+        for c, rs in zip(configs, cells):
+            for group in (rs[0]["category"], "mixed (all prompts)"):
+                wall[(sampling, group, c)] += statistics.median(r["wall_s"] for r in rs)
+                tps[(sampling, group, c)] += [(r["new_tokens"], r["stats"]["target_steps"]) for r in rs]
     fixed = [c for c in configs if c not in ("target", "auto")]
     print("| sampling | category | " + " | ".join(f"{c}" for c in fixed) + " | auto | auto / best fixed | auto tok/step |")
     print("|---" * (len(fixed) + 5) + "|")
