@@ -436,7 +436,7 @@ def _fingerprint(name: str) -> str:
         spec = parse_draft(name)
     except ValueError:
         return name
-    if not KINDS_WITH_FILES.intersection({spec.kind}) or not spec.arg:
+    if spec.kind not in KINDS_WITH_FILES or not spec.arg:
         return name
     path = Path(spec.arg).expanduser()
     if spec.kind == "model" and not path.exists():
