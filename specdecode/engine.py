@@ -7,7 +7,14 @@ one, and stale entries past it are masked by position and overwritten later (rol
 Target-only decoding is the same loop with ``k = 0``.
 
 Running sequences always occupy slots ``0 .. n-1`` in order; when one finishes, the last one is
-moved into its slot, so every forward addresses a contiguous block of the cache.
+moved into its slot, so every forward addresses a contiguous block of the cache. Admitted sequences
+whose prompt is still being prefilled (``prefilling``, first come first served) hold the slots right
+after them, in order, so the first to finish its prefill joins the running block without a copy.
+
+Chunked prefill (``max_num_batched_tokens``): a step first prefills a chunk of the waiting prompts —
+the step's token budget minus the running sequences' verify windows — then drafts and verifies the
+running batch, so a long prompt never stalls running streams for more than one chunk. A prompt whose
+last chunk ran takes its first decode step in the same step.
 
 The engine talks to models only through the runner interface (:mod:`specdecode.models.base`) and to
 drafters only through their protocol (:mod:`specdecode.drafters.base`); it sizes the caches itself
@@ -41,6 +48,14 @@ class RequestError(UserError, ValueError):
     """A request the engine cannot serve (empty prompt, too long, bad token ids)."""
 
 
+class PrefillError(RuntimeError):
+    """The target's prefill failed; ``seqs`` (the prompts of that call) were aborted, nothing else."""
+
+    def __init__(self, seqs: list["Sequence"]) -> None:
+        super().__init__(f"prefill failed for {len(seqs)} request(s)")
+        self.seqs = seqs
+
+
 @dataclass(eq=False)  # identity semantics: sequences are compared and looked up by object
 class Sequence:
     request_id: str
@@ -55,6 +70,14 @@ class Sequence:
     drafter_started: bool = False  # the drafter has seen the prompt (after the first token: see add_batch)
     early_features: list[TargetFeatures] = field(default_factory=list)  # target features kept until then
     drafter_eligible: bool = True  # False once a feature drafter could no longer catch up (features dropped)
+    prefilled: int = 0  # prompt tokens the target has cached (all but the last once prefill is complete)
+    prefill_began: float | None = None  # perf_counter at the start / end of its target prefill
+    prefill_ended: float | None = None
+    cancelled: bool = False  # set from any thread: the client has gone; the engine skips its work at once
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.prefill_ended is None
 
     @property
     def output_ids(self) -> list[int]:
@@ -111,6 +134,7 @@ class Engine:
         verifier: Verifier | None = None,
         max_tree_nodes: int = 0,
         first_token_from_target: bool = False,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         self.target = target
         self.tokenizer = tokenizer
@@ -142,7 +166,13 @@ class Engine:
         # True (the server, `generate`): a new sequence's first token comes from the target alone and the
         # drafter sees its prompt only after that (see add_batch), so speculation never delays it
         self.first_token_from_target = first_token_from_target
+        # tokens one step may carry (the verify windows of the running batch + a chunk of waiting
+        # prompts); None: a prompt is prefilled whole in the step after its admission
+        if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.running: list[Sequence] = []
+        self.prefilling: list[Sequence] = []  # admitted, prompt not yet fully cached; slots after the running ones
         self._ids = itertools.count()
 
     @property
@@ -186,7 +216,7 @@ class Engine:
             )
 
     def free_slots(self) -> int:
-        return self.max_batch_size - len(self.running)
+        return self.max_batch_size - len(self.running) - len(self.prefilling)
 
     def has_capacity(self) -> bool:
         return self.free_slots() > 0
@@ -196,69 +226,125 @@ class Engine:
         return self.add_batch([(prompt_ids, params, request_id)])[0]
 
     def add_batch(self, requests: list[tuple[list[int], SamplingParams, str | None]]) -> list[Sequence]:
-        """Admit requests into free slots and prefill the target in one batched pass (every prompt
-        token but the last, which becomes the pending token).
+        """Admit requests and prefill them now, whole (every prompt token but the last, which becomes
+        the pending token), in one batched pass: :meth:`admit` then :meth:`prefill`."""
+        seqs = self.admit(requests)
+        self.prefill()
+        return seqs
 
-        The drafter prefills the same prompts right after, unless ``first_token_from_target``: then a
-        new sequence's first step drafts nothing, so its first token comes from the target alone,
-        sampled exactly as target-only decoding would, and the drafter catches up on the prompt at
-        the start of the sequence's second step (target features it wants are kept until then), so
-        speculation never delays the first token."""
+    def admit(self, requests: list[tuple[list[int], SamplingParams, str | None]]) -> list[Sequence]:
+        """Give requests free slots; their prompts wait in ``prefilling`` (first come, first served)
+        until :meth:`prefill` or the next :meth:`step` caches them. Nothing is computed here."""
         for prompt_ids, params, *_ in requests:
             self.validate(prompt_ids, params)
-        if len(self.running) + len(requests) > self.max_batch_size:
+        if len(requests) > self.free_slots():
             raise RuntimeError("not enough free slots: check free_slots() first")
+        first = len(self.running) + len(self.prefilling)
         seqs = [
             Sequence(
                 request_id=request_id or f"req-{next(self._ids)}",
                 prompt_ids=list(prompt_ids),
                 params=params,
-                slot=len(self.running) + i,
+                slot=first + i,
                 generator=make_generator(params.seed),
                 text=IncrementalText(self.tokenizer, params.stop),
                 token_ids=list(prompt_ids),
             )
             for i, (prompt_ids, params, request_id) in enumerate(requests)
         ]
-        t0 = time.perf_counter()
-        slots = [s.slot for s in seqs]
-        cached = [s.prompt_ids[:-1] for s in seqs]
-        feats = self.target.prefill(slots, cached, self.feature_layers)
-        if self.feature_layers:
-            for s, c, f in zip(seqs, cached, feats):
-                s.early_features.append(TargetFeatures(0, c, f))
-        elapsed = time.perf_counter() - t0
-        if self.drafter is not None and not self.first_token_from_target:
-            self._start_drafter([s for s in seqs if self.switch.drafts_for(s)])
-        for s in seqs:
-            s.stats.prefill_s += elapsed
-        self.running.extend(seqs)
+        self.prefilling.extend(seqs)
         return seqs
+
+    def prefill(self, budget: int | None = None) -> list[Sequence]:
+        """Prefill the target on waiting prompts in admission order, at most ``budget`` tokens in all
+        (None: all of them), in one batched pass; a prompt may stop mid-way and continue at the next
+        call. Those whose prompt is complete join the running batch (returned).
+
+        The drafter prefills the same prompts right after, unless ``first_token_from_target``: then a
+        new sequence's first step drafts nothing, so its first token comes from the target alone,
+        sampled exactly as target-only decoding would, and the drafter catches up on the prompt at
+        the start of the sequence's second step (target features it wants are kept until then), so
+        speculation never delays the first token."""
+        chunks: list[tuple[Sequence, int]] = []  # (sequence, tokens this call)
+        left = budget
+        for s in self.prefilling:
+            n = len(s.prompt_ids) - 1 - s.prefilled
+            if left is not None:
+                if left <= 0 and n > 0:
+                    break
+                n = min(n, left)
+                left -= n
+            chunks.append((s, n))
+        if not chunks:
+            return []
+        t0 = time.perf_counter()
+        for s, _ in chunks:
+            if s.prefill_began is None:
+                s.prefill_began = t0
+        work = [(s, n) for s, n in chunks if n > 0]
+        if work:
+            pieces = [s.prompt_ids[s.prefilled: s.prefilled + n] for s, n in work]
+            try:
+                feats = self.target.prefill([s.slot for s, _ in work], pieces, self.feature_layers,
+                                            starts=[s.prefilled for s, _ in work])
+            except Exception as exc:
+                for s, _ in work:
+                    self.abort(s)
+                raise PrefillError([s for s, _ in work]) from exc
+            for (s, n), piece, f in zip(work, pieces, feats):
+                if self.feature_layers:
+                    s.early_features.append(TargetFeatures(s.prefilled, piece, f))
+                s.prefilled += n
+        t1 = time.perf_counter()
+        for s, _ in work:
+            s.stats.prefill_s += t1 - t0
+        done = list(itertools.takewhile(lambda s: s.prefilled == len(s.prompt_ids) - 1, self.prefilling))
+        for s in done:  # the first ones in admission order: their slots follow the running block already
+            s.prefill_ended = t1
+        del self.prefilling[: len(done)]
+        self.running.extend(done)
+        if self.drafter is not None and not self.first_token_from_target:
+            self._start_drafter([s for s in done if self.switch.drafts_for(s)])
+        return done
 
     def abort(self, seq: Sequence) -> None:
         if seq in self.running:
             seq.finish_reason = seq.finish_reason or "abort"
             self._release(seq)
+        elif seq in self.prefilling:
+            seq.finish_reason = seq.finish_reason or "abort"
+            self.prefilling.remove(seq)
+            self._pack_prefilling()
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[StepEvent]:
-        seqs = self.running
-        if not seqs:
-            return []
-        bsz = len(seqs)
+        """One step: a chunk of waiting prompts' prefill (all of them when ``max_num_batched_tokens`` is
+        None), then one draft + verify of every running sequence, those just prefilled included."""
         if self.drafter is not None:
             # (a request that opted out of speculation never costs the drafter anything)
-            late = [s for s in seqs if not s.drafter_started and s.drafter_eligible and self.switch.drafts_for(s)
-                    and (s.output_ids or not self.first_token_from_target)]
+            late = [s for s in self.running if not s.drafter_started and s.drafter_eligible
+                    and self.switch.drafts_for(s) and (s.output_ids or not self.first_token_from_target)]
             if late:
                 self._start_drafter(late)
         # the policy plans the sequences that may draft: not one whose drafter has not seen its prompt
         # yet (its first step), nor one with a single token left; never past the token budget (a step
         # emits depth + 1 tokens at most)
+        seqs = self.running
         room = [s.params.max_new_tokens - len(s.output_ids) - 1 if s.drafter_started else 0 for s in seqs]
         ready = [s for s, r in zip(seqs, room) if r > 0]
-        planned = dict(zip(map(id, ready), plan_of(self.policy, ready, bsz) if ready and self.drafter else []))
+        planned = dict(zip(map(id, ready), plan_of(self.policy, ready, len(seqs)) if ready and self.drafter else []))
         ks = [max(0, min(planned.get(id(s), 0), r)) for s, r in zip(seqs, room)]
+        if self.prefilling:
+            done = self.prefill(self._chunk_budget(ks))
+            ks += [0] * len(done)  # (their first token comes from the target alone)
+            for s in [s for s in done if s.cancelled]:  # its client left during the prefill: no step
+                i = self.running.index(s)
+                ks[i] = ks[-1]  # as _release moves the last running sequence into the freed place
+                ks.pop()
+                self.abort(s)
+        if not seqs:
+            return []
+        bsz = len(seqs)
         for s, k in zip(seqs, ks):
             label = self.policy.label(s, k)
             if label is not None:
@@ -300,6 +386,22 @@ class Engine:
             if ev.finished:
                 self._release(ev.seq)
         return events
+
+    def _chunk_budget(self, ks: list[int]) -> int | None:
+        """Prompt tokens for this step: the step's budget less the running rows' verify windows, never
+        below a quarter of it, so waiting prompts always progress."""
+        if self.max_num_batched_tokens is None:
+            return None
+        budget = self.max_num_batched_tokens
+        return max(budget - sum(1 + k for k in ks), max(1, budget // 4))
+
+    def _pack_prefilling(self) -> None:
+        """Move the prefilling sequences down to the slots right after the running block (in order)."""
+        for j, s in enumerate(self.prefilling):
+            slot = len(self.running) + j
+            if s.slot != slot:
+                self.target.copy_slot(s.slot, slot, s.prefilled)
+                s.slot = slot
 
     def _start_drafter(self, seqs: list[Sequence]) -> None:
         """The drafter's prefill for ``seqs`` (at admission, or after their first token): the prompt,
@@ -423,6 +525,7 @@ class Engine:
                 self.drafter.move(last.slot, i)
             last.slot = i
             self.running[i] = last
+        self._pack_prefilling()
 
     # -- convenience ----------------------------------------------------------------------------
     def stream(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams) -> Iterator[StepEvent]:
@@ -433,10 +536,11 @@ class Engine:
         for p, sp in zip(prompts, params_list):
             self.validate(p, sp)
         queue = [(p, sp, str(i)) for i, (p, sp) in enumerate(zip(prompts, params_list))]
-        while queue or self.running:
+        while queue or self.running or self.prefilling:
             if queue and self.free_slots():
                 admit, queue = queue[: self.free_slots()], queue[self.free_slots() :]
-                self.add_batch(admit)
+                # whole prompts now, or (chunked prefill) a chunk per step from the next step on
+                (self.add_batch if self.max_num_batched_tokens is None else self.admit)(admit)
             yield from self.step()
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams) -> list[Output]:

@@ -76,6 +76,22 @@ def test_rollback_then_continue_equals_a_fresh_prefill(tiny):
     assert torch.equal(repeat, again)
 
 
+def test_prefill_in_chunks_equals_one_prefill(tiny):
+    """A prompt prefilled in pieces (each starting where the slot ends, beside another row's piece)
+    leaves the K/V of one whole prefill; a piece that does not continue the slot is refused."""
+    _, _, gguf, _, _ = tiny
+    r = LlamaCppRunner(gguf, 3, 64)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]
+    r.prefill([0], [prompt])
+    r.prefill([1, 2], [prompt[:5], [7, 7, 7]])
+    r.prefill([2, 1], [[1], prompt[5:11]], starts=[3, 5])
+    r.prefill([1], [prompt[11:]], starts=[11])
+    whole, chunked = _fwd(r, [0, 1], [[9, 3], [9, 3]], [[14, 15], [14, 15]]).unbind(0)
+    assert (whole - chunked).abs().max() < 1e-2
+    with pytest.raises(ValueError, match="cannot start at 20"):
+        r.prefill([1], [[1, 2]], starts=[20])
+
+
 def test_batched_rows_equal_each_row_alone(tiny):
     _, _, gguf, _, _ = tiny
     r = LlamaCppRunner(gguf, 3, 64)
@@ -306,7 +322,7 @@ def test_server_and_engine_suites_pass_with_every_engine_on_llamacpp():
     """The server and engine test modules, rerun with $SPECDECODE_TEST_BACKEND=llamacpp: every engine
     they build (tests/tiny.py make_engine) runs its models on llama.cpp over GGUF copies."""
     modules = ["tests/test_server_e2e.py", "tests/test_server_faults.py", "tests/test_server_units.py",
-               "tests/test_engine.py", "tests/test_first_token.py"]
+               "tests/test_engine.py", "tests/test_first_token.py", "tests/test_chunked_prefill.py"]
     env = os.environ | {"SPECDECODE_TEST_BACKEND": "llamacpp", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *modules], cwd=ROOT,
                           env=env, capture_output=True, text=True)

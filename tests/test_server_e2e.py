@@ -27,6 +27,13 @@ def srv():
         yield s
 
 
+@pytest.fixture(scope="module")
+def chunked():
+    """A server whose steps carry 6 tokens: every prompt here is prefilled a token or two per step."""
+    with serve(engine(k=3, slots=4), max_num_batched_tokens=6) as s:
+        yield s
+
+
 def ids(text: str) -> list[int]:
     return tokenizer()(text).input_ids
 
@@ -264,7 +271,9 @@ def _client(srv) -> httpx.AsyncClient:
                              trust_env=False)
 
 
-def test_concurrent_greedy_requests_equal_each_request_alone(srv):
+@pytest.mark.parametrize("server", ["srv", "chunked"])
+def test_concurrent_greedy_requests_equal_each_request_alone(server, request):
+    srv = request.getfixturevalue(server)
     cases = _cases()
     expected = [_expected(c) for c in cases]
     stream = [i % 2 == 0 for i in range(len(cases))]
@@ -289,6 +298,21 @@ def test_concurrent_greedy_requests_equal_each_request_alone(srv):
     assert accepted > 0
     assert any(f == "stop" for _, f, _ in expected) and any(f == "length" for _, f, _ in expected)
     srv.wait_idle()
+
+
+def test_seeded_samples_under_concurrency_and_chunked_prefill_equal_each_request_alone(srv, chunked):
+    bodies = [{"prompt": p * 3, "max_tokens": 20, "temperature": 0.9, "top_p": 0.95, "seed": i, "ignore_eos": True}
+              for i, p in enumerate(PROMPTS[:8])]
+    with srv.http() as c:
+        alone = [c.post("/v1/completions", json=b).json()["choices"][0]["text"] for b in bodies]
+
+    async def run():
+        async with _client(chunked) as client:
+            return await asyncio.gather(*[_post(client, "/v1/completions", b) for b in bodies])
+
+    results = asyncio.run(run())
+    assert [got["choices"][0]["text"] for _, got in results] == alone
+    chunked.wait_idle()
 
 
 def test_many_requests_with_random_cancels_leave_no_trace(srv):
@@ -437,14 +461,23 @@ def test_a_queued_request_whose_client_left_leaves_the_queue_at_once():
         s.wait_idle()
 
 
-def test_prefill_is_admitted_in_token_bounded_groups():
+def test_long_prompt_is_prefilled_in_chunks_while_a_stream_decodes():
+    """A long prompt arriving while a request decodes is prefilled a bounded chunk per step, the
+    running request emitting tokens between its chunks; both answers equal the requests alone."""
     eng = engine(k=3, slots=4)
-    gate, step, add_batch, sizes = threading.Event(), eng.step, eng.add_batch, []
+    gate, step, prefill, log = threading.Event(), eng.step, eng.target.prefill, []
     gate.set()
     eng.step = lambda: gate.wait(600) and step()  # the test opens it again (600 s: a guard only)
-    eng.add_batch = lambda requests: sizes.append(len(requests)) or add_batch(requests)
-    body = {"prompt": "abc", "max_tokens": 8, "ignore_eos": True, "temperature": 0}  # 3 prompt tokens each
-    long = body | {"max_tokens": MAX_LEN - 3}  # still running when the others arrive
+
+    def logged_prefill(slots, prompts, layers=(), starts=None):
+        running = [len(s.output_ids) for s in eng.running]
+        log.append((sum(len(p) for p in prompts), running))
+        return prefill(slots, prompts, layers, starts=starts)
+
+    eng.target.prefill = logged_prefill
+    first = {"prompt": "abc", "max_tokens": MAX_LEN - 3, "ignore_eos": True, "temperature": 0}
+    prompt = "".join(random.Random(5).choice("abcdefghijklmnopqrstuvwxyz") for _ in range(60))
+    long = {"prompt": prompt, "max_tokens": 12, "ignore_eos": True, "temperature": 0}
 
     async def arrived(condition, what):
         deadline = time.monotonic() + 120  # generous; ends as soon as the condition holds
@@ -454,25 +487,27 @@ def test_prefill_is_admitted_in_token_bounded_groups():
 
     async def run(s):
         async with _client(s) as client:
-            first = asyncio.ensure_future(client.post("/v1/completions", json=long))
-            await arrived(lambda: sizes, "the first request was not admitted")
+            a = asyncio.ensure_future(client.post("/v1/completions", json=first))
+            await arrived(lambda: eng.running and eng.running[0].output_ids, "the first request did not start")
             gate.clear()  # hold the engine in its next step
-            rest = [asyncio.ensure_future(client.post("/v1/completions", json=body)) for _ in range(3)]
-            # all three are in (one may have been admitted by a step that began before the gate closed)
-            await arrived(lambda: len(sizes) - 1 + s.scheduler.state()["queued"] == 3, "the requests did not arrive")
+            b = asyncio.ensure_future(client.post("/v1/completions", json=long))
+            await arrived(lambda: s.scheduler.state()["queued"] == 1, "the long request did not arrive")
             gate.set()
-            return await asyncio.gather(first, *rest)
+            return await asyncio.gather(a, b)
 
-    with serve(eng, max_prefill_tokens=5) as s:
+    with serve(eng, max_num_batched_tokens=12) as s:
         try:
             responses = asyncio.run(run(s))
         finally:
             gate.set()
     assert responses[0].json()["choices"][0]["text"] == reference(ids("abc"), max_new_tokens=MAX_LEN - 3,
                                                                  ignore_eos=True)[0]
-    text = reference(ids("abc"), max_new_tokens=8, ignore_eos=True)[0]
-    assert [r.json()["choices"][0]["text"] for r in responses[1:]] == [text] * 3
-    assert sizes == [1, 1, 1, 1]  # 3 + 3 tokens > 5: one request per engine call
+    assert responses[1].json()["choices"][0]["text"] == reference(ids(prompt), max_new_tokens=12, ignore_eos=True)[0]
+    chunks = [(n, running[0]) for n, running in log[1:]]  # after the first request's own prefill
+    assert sum(n for n, _ in chunks) == len(ids(prompt)) - 1 and len(chunks) >= 5
+    assert all(n <= 12 for n, _ in chunks)
+    emitted = [tokens for _, tokens in chunks]
+    assert emitted == sorted(set(emitted))  # the running request advanced between every two chunks
 
 
 def test_speculation_off_for_the_server():

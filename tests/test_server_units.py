@@ -126,11 +126,11 @@ def test_cli_flags():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--target", "t", "--draft", "d", "-k", "5", "--max-batch-size", "16",
-                              "--max-queue", "4", "--api-key", "k", "--no-speculation", "--max-prefill-tokens", "64"])
+                              "--max-queue", "4", "--api-key", "k", "--no-speculation", "--max-num-batched-tokens", "64"])
     assert check_arguments(args) is None
     cfg = server_config(args)
     assert (cfg.model_name, cfg.api_key, cfg.max_queue, cfg.speculation) == ("t", "k", 4, False)
-    assert cfg.max_prefill_tokens == 64
-    assert "--max-prefill-tokens" in check_arguments(parser.parse_args(["--target", "t", "--max-prefill-tokens", "0"]))
+    assert cfg.max_num_batched_tokens == 64
+    assert "--max-num-batched-tokens" in check_arguments(parser.parse_args(["--target", "t", "--max-num-batched-tokens", "0"]))
     assert args.host == "127.0.0.1"
     assert "--max-queue" in check_arguments(parser.parse_args(["--target", "t", "--max-queue", "0"]))

@@ -77,14 +77,14 @@ class ToyRunner:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return (hidden @ self.head).float()
 
-    def prefill(self, slots, prompts, layers=()):
+    def prefill(self, slots, prompts, layers=(), starts=None):
         feats = []
-        for slot, p in zip(slots, prompts):
+        for slot, p, start in zip(slots, prompts, starts or [0] * len(prompts)):
             if not p:
                 feats.append({})
                 continue
             n = len(p)
-            out = self.forward(torch.tensor([slot]), torch.tensor([p]), torch.arange(n)[None], layers=layers)
+            out = self.forward(torch.tensor([slot]), torch.tensor([p]), start + torch.arange(n)[None], layers=layers)
             feats.append({layer: h[0] for layer, h in out.features.items()})
         return feats
 

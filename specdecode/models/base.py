@@ -3,8 +3,10 @@
 A runner holds one model and a KV cache of ``num_slots`` sequences ("slots") of up to ``max_len``
 positions each. Everything above it speaks slots, token ids and positions:
 
-* ``prefill(slots, prompts, layers)`` writes the K/V of each prompt at positions ``0..len-1`` of its
-  slot and returns the hidden states of the requested feature layers for every prompt token;
+* ``prefill(slots, prompts, layers, starts=)`` writes the K/V of each prompt at positions
+  ``start..start+len-1`` of its slot (``start`` 0 by default; a prompt prefilled in chunks continues
+  where its slot's cache ends) and returns the hidden states of the requested feature layers for
+  every prompt token;
 * ``forward(slots, ids, positions, write_positions=, tree_mask=, tree_start=, layers=)`` runs ``ids``
   with RoPE positions ``positions``; the K/V of query ``i`` are written at ``write_positions[:, i]``
   (default: ``positions``). Without a tree mask a query sees every cached key up to its own write
@@ -60,10 +62,12 @@ class Runner(Protocol):
     def ensure_capacity(self, num_slots: int, max_len: int) -> None:
         """Make room for at least ``num_slots`` slots of ``max_len`` positions (may drop cached K/V)."""
 
-    def prefill(self, slots: Sequence[int], prompts: Sequence[list[int]],
-                layers: Sequence[int] = ()) -> list[Features]:
-        """Write each prompt's K/V at positions ``0..len-1`` of its slot; per prompt, the requested
-        layers' hidden states ``[len, H]`` (empty dicts when ``layers`` is empty)."""
+    def prefill(self, slots: Sequence[int], prompts: Sequence[list[int]], layers: Sequence[int] = (),
+                starts: Sequence[int] | None = None) -> list[Features]:
+        """Write each prompt's K/V at positions ``starts[i]..starts[i]+len-1`` of its slot (default 0;
+        the slot's positions before ``starts[i]`` stay as they are and are attended to: a prompt in
+        chunks); per prompt, the requested layers' hidden states ``[len, H]`` (empty dicts when
+        ``layers`` is empty)."""
 
     def forward(self, slots: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, *,
                 write_positions: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,

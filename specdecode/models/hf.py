@@ -165,13 +165,16 @@ class HFRunner:
         return self.lm_head(hidden).float()
 
     @torch.inference_mode()
-    def prefill(self, slots: Sequence[int], prompts: Sequence[list[int]], layers: Sequence[int] = ()) -> list[Features]:
-        """Write K/V for each ``prompts[i]`` at positions ``0..len-1`` of ``slots[i]``; return the
-        requested layers' hidden states of every prompt token.
+    def prefill(self, slots: Sequence[int], prompts: Sequence[list[int]], layers: Sequence[int] = (),
+                starts: Sequence[int] | None = None) -> list[Features]:
+        """Write K/V for each ``prompts[i]`` at positions ``starts[i]..`` (default 0) of ``slots[i]``;
+        return the requested layers' hidden states of every prompt token.
 
-        Rows are right-padded (padding writes past a row's length, where it is masked and later
-        overwritten) and processed in chunks that bound attention memory.
+        Rows are right-padded (padding writes past a row's length, at most at the cache's last
+        position, where it is masked and later overwritten) and processed in chunks that bound
+        attention memory.
         """
+        starts = [0] * len(prompts) if starts is None else list(starts)
         empty = {layer: torch.zeros(0, self.hidden_size, dtype=self.dtype, device=self.device) for layer in layers}
         feats: list[Features] = [dict(empty) for _ in prompts]
         rows = [i for i, p in enumerate(prompts) if p]
@@ -183,11 +186,15 @@ class HFRunner:
         for r, i in enumerate(rows):
             ids[r, : len(prompts[i])] = torch.tensor(prompts[i])
         slot_t = torch.tensor([slots[i] for i in rows])
+        first = torch.tensor([starts[i] for i in rows])[:, None]
+        end = max(starts[i] + len(prompts[i]) for i in rows)
+        if end > self.max_len:
+            raise ValueError(f"prefill past the cache: position {end - 1} of a cache of {self.max_len}")
         parts: list[Features] = []
         with batch_invariant_mode.bulk():  # prompt tokens: the bulk plans, whatever the batch
             for lo in range(0, width, chunk):
                 hi = min(width, lo + chunk)
-                positions = torch.arange(lo, hi)[None].expand(len(rows), -1)
+                positions = (first + torch.arange(lo, hi)[None]).clamp_(max=self.max_len - 1)
                 parts.append(self.forward(slot_t, ids[:, lo:hi], positions, layers=layers).features)
         for layer in layers:
             full = torch.cat([p[layer] for p in parts], dim=1)  # [rows, width, H]

@@ -349,11 +349,15 @@ class LlamaCppRunner:
                                  "--backend torch)")
 
     @torch.inference_mode()
-    def prefill(self, slots: Sequence[int], prompts: Sequence[list[int]], layers: Sequence[int] = ()) -> list[Features]:
+    def prefill(self, slots: Sequence[int], prompts: Sequence[list[int]], layers: Sequence[int] = (),
+                starts: Sequence[int] | None = None) -> list[Features]:
         features = self._check(layers)
-        for slot in slots:  # a prefill starts the slot afresh
-            self._forget_from(slot, 0)
-        rows = [(slot, list(p), 0) for slot, p in zip(slots, prompts) if p]
+        starts = [0] * len(prompts) if starts is None else list(starts)
+        for slot, start in zip(slots, starts):  # the slot keeps what precedes the prompt (chunks), no more
+            self._forget_from(slot, start)
+            if self._length[slot] != start:
+                raise ValueError(f"slot {slot} holds {self._length[slot]} positions; a prefill cannot start at {start}")
+        rows = [(slot, list(p), start) for slot, p, start in zip(slots, prompts, starts) if p]
         _, feats = self._run(rows, features, features) if rows else ([], [])
         out: list[Features] = []
         it = iter(feats)

@@ -28,9 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-batch-size", type=int, default=8, help="sequences decoded together (default 8)")
     g.add_argument("--max-queue", type=int, default=128,
                    help="requests waiting for a batch slot before new ones get 429 (default 128)")
-    g.add_argument("--max-prefill-tokens", type=int, default=1024,
-                   help="prompt tokens prefilled per engine call (at least one request); between calls the batch "
-                        "decodes and cancellations take effect (default 1024)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=256,
+                   help="tokens one engine step carries: the running sequences' verify windows plus a chunk of "
+                        "waiting prompts (at least a quarter of it), so a long prompt stalls the running streams "
+                        "for one chunk at most (default 256)")
     g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit, else 413 (default 1 MiB)")
     g.add_argument("--no-speculation", action="store_true",
                    help="load the draft but decode target-only (requests cannot turn it on)")
@@ -42,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_arguments(args: argparse.Namespace) -> str | None:
-    for name in ("max_batch_size", "max_queue", "max_body_bytes", "max_prefill_tokens"):
+    for name in ("max_batch_size", "max_queue", "max_body_bytes", "max_num_batched_tokens"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1"
     if not 0 <= args.port <= 65535:
@@ -55,7 +56,7 @@ def server_config(args: argparse.Namespace):
 
     return ServerConfig(model_name=args.served_model_name or args.target, api_key=args.api_key or None,
                         max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
-                        max_prefill_tokens=args.max_prefill_tokens,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
                         speculation=not args.no_speculation, wedge_timeout_s=args.wedge_timeout)
 
 

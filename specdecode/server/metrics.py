@@ -38,13 +38,13 @@ class ServerMetrics:
                               buckets=TOKEN_TIME_BUCKETS, registry=r)
         self.e2e = Histogram(p + "request_latency_seconds", "arrival to last token (finished requests)",
                              buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram(p + "queue_time_seconds", "arrival to admission into the batch",
+        self.queue_time = Histogram(p + "queue_time_seconds", "arrival to the start of the request's prefill",
                                     buckets=LATENCY_BUCKETS, registry=r)
-        self.prefill_time = Histogram(p + "prefill_time_seconds", "the target prefill of a request's admission batch "
-                                      "(the drafter catches up after the first token)", buckets=LATENCY_BUCKETS,
-                                      registry=r)
-        self.step_time = Histogram(p + "step_seconds", "one batched draft+verify step", buckets=TOKEN_TIME_BUCKETS,
-                                   registry=r)
+        self.prefill_time = Histogram(p + "prefill_time_seconds", "the target's prefill of the prompt, first chunk's "
+                                      "start to last chunk's end (the drafter catches up after the first token)",
+                                      buckets=LATENCY_BUCKETS, registry=r)
+        self.step_time = Histogram(p + "step_seconds", "one engine step: a prefill chunk (if prompts wait) and a "
+                                   "batched draft+verify", buckets=TOKEN_TIME_BUCKETS, registry=r)
         self.spec_drafted = Counter(p + "spec_draft_tokens", "draft tokens verified by the target", registry=r)
         self.spec_accepted = Counter(p + "spec_accepted_tokens", "draft tokens accepted", registry=r)
         self.spec_steps = Counter(p + "spec_target_steps", "target verification steps (summed over sequences)",

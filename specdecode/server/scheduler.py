@@ -2,10 +2,15 @@
 
 Each loop iteration, between two batched steps:
 
-1. queued requests are admitted into free slots (prefilled together in one batched pass);
-2. requests whose client went away (while queued, during prefill or while decoding) are dropped
-   from the queue or aborted, so their slot and KV are free before the next step;
-3. one speculative step advances every running sequence by its own accepted count.
+1. queued requests are admitted, first come first served, into free slots (nothing is computed:
+   their prompts wait in the engine's ``prefilling`` list, in arrival order);
+2. requests whose client went away (while queued, while their prompt is prefilled, or while decoding)
+   are dropped from the queue or aborted, so their slot and KV are free before the next step;
+3. one engine step: a chunk of the waiting prompts' prefill — at most ``max_num_batched_tokens``
+   tokens less the running sequences' verify windows (never less than a quarter of it), the oldest
+   prompt first — then one speculative step that advances every running sequence by its own
+   accepted count; a prompt whose last chunk ran takes its first (target-only) step in the same
+   engine step. A long prompt therefore never stalls the running streams for more than one chunk.
 
 Results travel back to the asyncio side as immutable :class:`Update` objects through
 ``loop.call_soon_threadsafe`` into each request's ``asyncio.Queue``. Streaming requests get one
@@ -26,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from specdecode.engine import Engine, RequestError, Sequence
+from specdecode.engine import Engine, PrefillError, RequestError, Sequence
 from specdecode.sampling import SamplingParams
 from specdecode.server.metrics import ServerMetrics
 from specdecode.server.protocol import APIError
@@ -64,15 +69,16 @@ class Handle:
     done: bool = False
     # engine-thread state
     seq: Sequence | None = None
-    admitted_at: float | None = None
-    prefill_s: float | None = None  # the target prefill of the admission batch this request was in
     first_token_at: float | None = None
 
     def timing(self) -> dict[str, float | None]:
-        """Seconds from arrival: queued until admitted, the prefill, and the first token."""
-        since = (lambda t: None if t is None else t - self.arrival)
-        return {"queue_time_s": since(self.admitted_at), "prefill_time_s": self.prefill_s,
-                "time_to_first_token_s": since(self.first_token_at)}
+        """Seconds: queued from arrival until its prefill began, the prefill (first chunk's start to
+        last chunk's end, steps of other requests in between included), arrival to first token."""
+        seq = self.seq
+        began, ended = (seq.prefill_began, seq.prefill_ended) if seq is not None else (None, None)
+        return {"queue_time_s": None if began is None else began - self.arrival,
+                "prefill_time_s": None if ended is None else ended - began,
+                "time_to_first_token_s": None if self.first_token_at is None else self.first_token_at - self.arrival}
 
     def push(self, update: Update) -> None:
         if update.final:
@@ -98,15 +104,15 @@ class QueueFull(Exception):
 
 class Scheduler:
     def __init__(self, engine: Engine, metrics: ServerMetrics, max_queue: int = 128, speculation: bool = True,
-                 max_prefill_tokens: int = 1024) -> None:
+                 max_num_batched_tokens: int = 256) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
-        if max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
-        # prompt tokens admitted per engine call (at least one request): between calls the batch
-        # takes a decoding step and cancellations take effect, so a burst of long prompts neither
-        # stalls the running sequences nor keeps the engine busy with requests whose clients left
-        self.max_prefill_tokens = max_prefill_tokens
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        # tokens per engine step: the running rows' verify windows + a chunk of waiting prompts; between
+        # steps cancellations take effect, so a long prompt neither stalls the running sequences for
+        # more than one chunk nor keeps the engine busy once its client has left
+        engine.max_num_batched_tokens = max_num_batched_tokens
         self.engine = engine
         # a request's first token comes from the target's prefill and one target step; its drafter
         # catches up after that, so speculation never delays the first token (Engine.add_batch)
@@ -121,7 +127,6 @@ class Scheduler:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="specdecode-engine", daemon=True)
         self.busy_since: float | None = None  # monotonic start of the engine call in progress
-        self._admitting = 0  # requests being prefilled (they already hold slots)
         self.dead: BaseException | None = None
         metrics.bind_state(self)
 
@@ -152,6 +157,8 @@ class Scheduler:
         if handle.done or handle.cancelled:
             return
         handle.cancelled = True
+        if handle.seq is not None:  # in the batch: the engine skips its first step if its prefill is running
+            handle.seq.cancelled = True
         with self._cond:
             # a request still waiting leaves the queue now, not at the end of the engine's current
             # call (a long prefill): queue depth and the 429 limit count only live requests
@@ -199,14 +206,11 @@ class Scheduler:
             self._finish(h, "abort")
 
     def _admit(self) -> None:
-        """Admit queued requests into free slots, prefilled in one batched pass of at most
-        ``max_prefill_tokens`` prompt tokens (always at least one request)."""
+        """Give queued requests free slots, in arrival order; their prompts are prefilled by the
+        following steps, a chunk at a time."""
         batch: list[Handle] = []
-        tokens = 0
         with self._cond:
             while self._queue and len(batch) < self.engine.free_slots():
-                if batch and tokens + len(self._queue[0].prompt_ids) > self.max_prefill_tokens:
-                    break
                 h = self._queue.popleft()
                 if h.cancelled:
                     self.metrics.finished(h, "abort")
@@ -214,42 +218,34 @@ class Scheduler:
                 try:
                     self.engine.validate(h.prompt_ids, h.params)  # checked on arrival too; fail only this one
                     batch.append(h)
-                    tokens += len(h.prompt_ids)
                 except RequestError as exc:
                     self._fail(h, APIError(400, str(exc)))
         if not batch:
             return
-        now = time.perf_counter()
         for h in batch:
-            h.admitted_at = now
-            self.metrics.queue_time.observe(now - h.arrival)
             if not h.speculate:
                 self.engine.switch.opt_out(h.request_id)
-        self.busy_since, self._admitting = time.monotonic(), len(batch)
-        try:
-            seqs = self.engine.add_batch([(h.prompt_ids, h.params, h.request_id) for h in batch])
-        except Exception:
-            log.exception("prefill failed for %d request(s)", len(batch))
-            for h in batch:
-                self._fail(h, APIError(500, "internal error during prefill", "server_error", code="internal_error"))
-            return
-        finally:
-            self.busy_since, self._admitting = None, 0
-        prefill_s = time.perf_counter() - now
-        for h, seq in zip(batch, seqs):
-            h.seq, h.prefill_s = seq, prefill_s
-            self.metrics.prefill_time.observe(prefill_s)
+        for h, seq in zip(batch, self.engine.admit([(h.prompt_ids, h.params, h.request_id) for h in batch])):
+            h.seq = seq
             self._running[id(seq)] = h
 
     def _step(self) -> None:
-        if not self.engine.running:
+        engine = self.engine
+        if not engine.running and not engine.prefilling:
             return
+        waiting = [self._running[id(s)] for s in engine.prefilling]
         t0 = time.perf_counter()
         self.busy_since = time.monotonic()
         try:
-            events = self.engine.step()
+            events = engine.step()
+        except PrefillError as exc:  # those prompts only (the engine dropped them); the others step next time
+            log.exception("prefill failed for %d request(s)", len(exc.seqs))
+            for seq in exc.seqs:
+                self._finish(self._running[id(seq)], "error", APIError(
+                    500, "internal error during prefill", "server_error", code="internal_error"))
+            return
         except Exception:
-            log.exception("decoding step failed; failing the %d requests in the batch", len(self._running))
+            log.exception("engine step failed; failing the %d requests in the batch", len(self._running))
             self.metrics.step_failures.inc()
             error = APIError(500, "internal error during decoding", "server_error", code="internal_error")
             for h in list(self._running.values()):
@@ -259,6 +255,12 @@ class Scheduler:
             self.busy_since = None
         now = time.perf_counter()
         self.metrics.step_time.observe(now - t0)
+        for h in waiting:  # whose prefill began or ended in this step
+            seq = h.seq
+            if seq.prefill_began is not None and seq.prefill_began >= t0:
+                self.metrics.queue_time.observe(seq.prefill_began - h.arrival)
+            if seq.prefill_ended is not None:
+                self.metrics.prefill_time.observe(seq.prefill_ended - seq.prefill_began)
         for ev in events:
             h = self._running[id(ev.seq)]
             if ev.new_token_ids and h.first_token_at is None:
@@ -303,12 +305,11 @@ class Scheduler:
 
     def state(self) -> dict[str, int]:
         """Batch and KV occupancy (read from other threads: a snapshot, not a transaction)."""
-        running = list(self.engine.running)
-        in_prefill = self._admitting
+        running, prefilling = list(self.engine.running), list(self.engine.prefilling)
         return {
             "queued": len(self._queue),
-            "running": len(running) + in_prefill,
-            "kv_slots_used": len(running) + in_prefill,
-            "kv_tokens_used": sum(len(s.token_ids) - 1 for s in running),
+            "running": len(running) + len(prefilling),
+            "kv_slots_used": len(running) + len(prefilling),
+            "kv_tokens_used": sum(len(s.token_ids) - 1 for s in running) + sum(s.prefilled for s in prefilling),
             "draft_slots_used": self.engine.draft_slots_used,
         }
