@@ -21,7 +21,7 @@ serve() {  # serve DIR PORT ARGS...
   echo $!
 }
 A=$(serve "$WT" 8131 ${BASE_ARGS:-}); B=$(serve "$PWD" 8132 ${NEW_ARGS:-})
-trap 'kill -TERM $A $B 2>/dev/null; wait $A $B 2>/dev/null; git worktree remove --force "$WT"' EXIT
+trap 'kill -TERM $A $B 2>/dev/null || true; sleep 2; git worktree remove --force "$WT" || true' EXIT
 for port in 8131 8132; do
   for _ in $(seq 1 900); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 1; done
   curl -sf "http://127.0.0.1:$port/health" >/dev/null || { echo "server $port did not come up"; cat "$OUT/serve-$port.log"; exit 1; }

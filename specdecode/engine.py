@@ -70,6 +70,7 @@ class Sequence:
     drafter_started: bool = False  # the drafter has seen the prompt (after the first token: see add_batch)
     early_features: list[TargetFeatures] = field(default_factory=list)  # target features kept until then
     drafter_eligible: bool = True  # False once a feature drafter could no longer catch up (features dropped)
+    drafter_prefilled: int = 0  # prompt tokens the drafter cached in chunks ahead of its start (chunked prefill)
     prefilled: int = 0  # prompt tokens the target has cached (all but the last once prefill is complete)
     prefill_began: float | None = None  # perf_counter at the start / end of its target prefill
     prefill_ended: float | None = None
@@ -324,6 +325,8 @@ class Engine:
             # (a request that opted out of speculation never costs the drafter anything)
             late = [s for s in self.running if not s.drafter_started and s.drafter_eligible
                     and self.switch.drafts_for(s) and (s.output_ids or not self.first_token_from_target)]
+            if late and self.max_num_batched_tokens is not None:
+                late = self._drafter_prefill(late)  # a chunk; those whose prompt it has cached start now
             if late:
                 self._start_drafter(late)
         # the policy plans the sequences that may draft: not one whose drafter has not seen its prompt
@@ -394,6 +397,28 @@ class Engine:
             return None
         budget = self.max_num_batched_tokens
         return max(budget - sum(1 + k for k in ks), max(1, budget // 4))
+
+    def _drafter_prefill(self, seqs: list[Sequence]) -> list[Sequence]:
+        """The drafter's prompt prefill in chunks too (a draft model's): at most
+        ``max_num_batched_tokens`` prompt tokens per sequence and step; returns the sequences whose
+        prompt the drafter has cached (all of them when it does nothing in pieces). The others keep
+        decoding target-only until then. The chunk is per sequence, not shared, so when a request
+        starts drafting never depends on the rest of the batch (nor, then, do its seeded samples)."""
+        prefill = getattr(self.drafter, "prefill", None)
+        if prefill is None:
+            return seqs
+        work = [(s, min(len(s.prompt_ids) - 1 - s.drafter_prefilled, self.max_num_batched_tokens)) for s in seqs]
+        work = [(s, n) for s, n in work if n > 0]
+        if work:
+            t0 = time.perf_counter()
+            if not prefill([s.slot for s, _ in work], [s.prompt_ids[s.drafter_prefilled: s.drafter_prefilled + n]
+                                                       for s, n in work], [s.drafter_prefilled for s, _ in work]):
+                return seqs
+            elapsed = time.perf_counter() - t0
+            for s, n in work:
+                s.drafter_prefilled += n
+                s.stats.prefill_s += elapsed
+        return [s for s in seqs if s.drafter_prefilled >= len(s.prompt_ids) - 1]
 
     def _pack_prefilling(self) -> None:
         """Move the prefilling sequences down to the slots right after the running block (in order)."""
@@ -517,11 +542,11 @@ class Engine:
         i = self.running.index(seq)
         last = self.running.pop()
         self.policy.forget(seq)
-        if self.drafter is not None and seq.drafter_started:
+        if self.drafter is not None and (seq.drafter_started or seq.drafter_prefilled):
             self.drafter.release(seq.slot)
         if last is not seq:  # keep slots contiguous: move the last sequence into the freed slot
             self.target.copy_slot(last.slot, i, len(last.token_ids) - 1)
-            if self.drafter is not None and last.drafter_started:
+            if self.drafter is not None and (last.drafter_started or last.drafter_prefilled):
                 self.drafter.move(last.slot, i)
             last.slot = i
             self.running[i] = last

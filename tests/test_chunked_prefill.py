@@ -36,34 +36,49 @@ def _engine(pair, k=3, budget=None, slots=3, draft=True, first_token_from_target
     return eng
 
 
-def _record_prefills(eng) -> list[tuple[list[int], list[int], list[int]]]:
-    """Log (slots, chunk lengths, starts) of every target prefill call."""
-    calls, real = [], eng.target.prefill
+def _record_prefills(owner) -> list[tuple[list[int], list[int], list[int]]]:
+    """Log (slots, chunk lengths, starts) of every prefill call of ``owner``'s runner (an engine's
+    target or a draft model drafter's)."""
+    runner = getattr(owner, "target", None) or owner.runner
+    calls, real = [], runner.prefill
 
     def prefill(slots, prompts, layers=(), starts=None):
         calls.append((list(slots), [len(p) for p in prompts], list(starts or [0] * len(prompts))))
         return real(slots, prompts, layers, starts=starts)
 
-    eng.target.prefill = prefill
+    runner.prefill = prefill
     return calls
 
 
 @pytest.mark.parametrize("budget", [5, 16, 64])
-@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "seeded"])
-def test_chunked_prefill_gives_the_outputs_of_whole_prompt_prefill(pair, budget, temperature):
-    params = [SamplingParams(max_new_tokens=6 + 5 * (i % 3), temperature=temperature, seed=100 + i, ignore_eos=True)
+def test_chunked_prefill_gives_the_greedy_outputs_of_whole_prompt_prefill(pair, budget):
+    params = [SamplingParams(max_new_tokens=6 + 5 * (i % 3), temperature=0.0, ignore_eos=True)
               for i in range(len(PROMPTS))]
-    # (as in the server: every first token from the target alone, so the draft schedule — and with it
-    # the random draws of a seeded request — is the same however the prompt was prefilled)
     whole = _engine(pair, first_token_from_target=True).generate(PROMPTS, params)
     eng = _engine(pair, budget=budget, first_token_from_target=True)
     calls = _record_prefills(eng)
+    draft_calls = _record_prefills(eng.drafter)  # the draft model's prompt prefill, in chunks too
     chunked = eng.generate(PROMPTS, params)
     assert [o.token_ids for o in chunked] == [o.token_ids for o in whole]
     assert all(sum(lengths) <= budget for _, lengths, _ in calls)  # every call within the step's budget
+    assert all(n <= budget for _, lengths, _ in draft_calls for n in lengths)  # per sequence for the drafter
     if budget < 57:  # the 57-token prompt took several calls, each continuing where the last stopped
         assert any(start > 0 for _, _, starts in calls for start in starts)
+        assert any(start > 0 for _, _, starts in draft_calls for start in starts)
+    assert sum(o.stats.accepted for o in chunked) > 0
     assert not eng.running and not eng.prefilling
+
+
+@pytest.mark.parametrize("budget", [5, 64])
+def test_seeded_samples_with_chunked_prefill_do_not_depend_on_the_batch(pair, budget):
+    """When a request's drafter is ready (so when it drafts, and which random draws it uses) depends
+    only on its own prompt and the budget: batched equals alone, draw for draw."""
+    params = [SamplingParams(max_new_tokens=6 + 5 * (i % 3), temperature=0.8, seed=100 + i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    alone = [_engine(pair, budget=budget, slots=1, first_token_from_target=True).generate([p], [sp])[0].token_ids
+             for p, sp in zip(PROMPTS, params)]
+    batched = _engine(pair, budget=budget, slots=3, first_token_from_target=True).generate(PROMPTS, params)
+    assert [o.token_ids for o in batched] == alone
 
 
 def test_target_only_chunked_equals_target_only_whole(pair):
@@ -96,7 +111,7 @@ def test_slots_stay_packed_when_sequences_finish_or_abort_mid_prefill(pair):
     prompts move down (their partial K/V copied) and still decode exactly."""
     greedy = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
     long_params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
-    eng = _engine(pair, budget=6, slots=4)
+    eng = _engine(pair, budget=6, slots=4, first_token_from_target=True)
     copies, real_copy = [], eng.target.copy_slot
     eng.target.copy_slot = lambda src, dst, n: copies.append((src, dst, n)) or real_copy(src, dst, n)
     short = eng.admit([(PROMPTS[1], greedy, "s1"), (PROMPTS[4], greedy, "s2")])
@@ -110,6 +125,7 @@ def test_slots_stay_packed_when_sequences_finish_or_abort_mid_prefill(pair):
                 done[ev.seq.request_id] = ev.seq.output_ids
         assert [s.slot for s in eng.running + eng.prefilling] == list(range(len(eng.running) + len(eng.prefilling)))
     assert any(n > 0 for _, _, n in copies)  # a partially prefilled prompt did move
+    assert not eng.drafter._cached  # nothing left behind by sequences that ended before their drafter was ready
     ref = _engine(pair, k=0, draft=False)
     for seq, p, params in zip(short + long, [PROMPTS[1], PROMPTS[4], PROMPTS[2], PROMPTS[5]],
                               [greedy, greedy, long_params, long_params]):
@@ -165,6 +181,34 @@ def test_a_failed_prefill_aborts_only_its_prompts(pair):
         eng.step()
     ref = _engine(pair, k=0, draft=False).generate([PROMPTS[1]], greedy)[0].token_ids
     assert running.output_ids == ref
+
+
+def test_drafter_prefill_in_chunks_starts_drafting_late_and_survives_a_fault(pair):
+    """A draft model caches a long prompt a chunk per step (the sequence decodes target-only
+    meanwhile); a drafter failing in its chunked prefill only makes that row decode target-only."""
+    greedy = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
+    ref = _engine(pair, k=0, draft=False).generate([PROMPTS[2]], greedy)[0].token_ids
+    eng = _engine(pair, budget=8, slots=2, first_token_from_target=True)
+    seq = eng.admit([(PROMPTS[2], greedy, "long")])[0]
+    drafted_from = None
+    while not seq.finished:
+        for ev in eng.step():
+            if ev.drafted and drafted_from is None:
+                drafted_from = len(seq.output_ids) - len(ev.new_token_ids)
+    # target prefill: 7 steps of 8 tokens, the first token in the last; then 7 drafter chunks of 8, one
+    # per step from the second token on, the step of the 7th drafting at once: tokens 2..7 target-only
+    assert seq.drafter_prefilled == 56 and drafted_from == 7 and seq.output_ids == ref
+
+    failures = []
+    eng = _engine(pair, budget=8, slots=2, first_token_from_target=True)
+    eng.isolate_drafter_faults(failures.append)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    eng.drafter.inner.prefill = broken
+    out = eng.generate([PROMPTS[2]], greedy)[0]
+    assert failures and failures[0] == "prefill" and out.token_ids == ref
 
 
 def test_long_prompt_chunks_interleave_with_the_running_streams(pair):

@@ -300,10 +300,10 @@ def test_concurrent_greedy_requests_equal_each_request_alone(server, request):
     srv.wait_idle()
 
 
-def test_seeded_samples_under_concurrency_and_chunked_prefill_equal_each_request_alone(srv, chunked):
+def test_seeded_samples_under_concurrency_and_chunked_prefill_equal_each_request_alone(chunked):
     bodies = [{"prompt": p * 3, "max_tokens": 20, "temperature": 0.9, "top_p": 0.95, "seed": i, "ignore_eos": True}
               for i, p in enumerate(PROMPTS[:8])]
-    with srv.http() as c:
+    with chunked.http() as c:
         alone = [c.post("/v1/completions", json=b).json()["choices"][0]["text"] for b in bodies]
 
     async def run():

@@ -72,6 +72,12 @@ class Drafter(Protocol):
     def start(self, slots: list[int], prompts: list[list[int]]) -> None:
         """New sequences occupy ``slots``; ``prompts[i]`` is the prompt of ``slots[i]``."""
 
+    def prefill(self, slots: list[int], pieces: list[list[int]], starts: list[int]) -> bool:
+        """Optional, ahead of ``start`` (the engine's chunked prefill): cache the prompt tokens
+        ``pieces[i]`` at positions ``starts[i]..`` of the new sequence in ``slots[i]`` (``0``: its first
+        piece), so ``start`` later has only the rest to do. False: nothing is done in pieces (then
+        ``start`` takes whole prompts); :class:`DrafterBase` says False."""
+
     def observe(self, slots: list[int], features: list[TargetFeatures]) -> None:
         """Target features of newly cached tokens (only called when ``feature_layers`` is non-empty)."""
 
@@ -109,6 +115,9 @@ class DrafterBase:
 
     def start(self, slots: list[int], prompts: list[list[int]]) -> None:
         pass
+
+    def prefill(self, slots: list[int], pieces: list[list[int]], starts: list[int]) -> bool:
+        return False
 
     def observe(self, slots: list[int], features: list[TargetFeatures]) -> None:
         pass

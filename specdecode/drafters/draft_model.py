@@ -59,8 +59,17 @@ class DraftModelDrafter(DrafterBase):
     def runners(self) -> dict[str, Runner]:
         return {"draft": self.runner}
 
+    def prefill(self, slots: list[int], pieces: list[list[int]], starts: list[int]) -> bool:
+        self.runner.prefill(slots, pieces, starts=starts)
+        for slot, piece, start in zip(slots, pieces, starts):
+            self._cached[slot] = self._cached.get(slot, [])[:start] + list(piece)
+            self._floor[slot] = len(self._cached[slot])
+        return True
+
     def start(self, slots: list[int], prompts: list[list[int]]) -> None:
-        self.runner.prefill(slots, [p[:-1] for p in prompts])
+        # what ``prefill`` cached of a prompt (in pieces) is kept; the rest is prefilled now
+        have = [common_prefix(self._cached.get(slot, []), p[:-1]) for slot, p in zip(slots, prompts)]
+        self.runner.prefill(slots, [p[h:-1] for p, h in zip(prompts, have)], starts=have)
         for slot, p in zip(slots, prompts):
             self._cached[slot] = list(p[:-1])
             self._floor[slot] = len(p) - 1

@@ -45,6 +45,19 @@ class GuardedDrafter:
         except Exception:
             self._failed("start", slots)
 
+    def prefill(self, slots: list[int], pieces: list[list[int]], starts: list[int]) -> bool:
+        prefill = getattr(self.inner, "prefill", None)
+        if prefill is None:
+            return False
+        try:
+            done = prefill(slots, pieces, starts)
+        except Exception:
+            self._failed("prefill", slots)
+            return False  # the engine then starts them whole (and that, guarded too, may fall back)
+        if done:
+            self.live.update(slots)
+        return done
+
     def observe(self, slots: list[int], features: list[TargetFeatures]) -> None:
         rows = [i for i, s in enumerate(slots) if s in self.live]
         if not rows:

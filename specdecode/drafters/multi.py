@@ -54,6 +54,10 @@ class MultiDrafter:
         for d in self.parts.values():
             d.start(slots, prompts)
 
+    def prefill(self, slots: list[int], pieces: list[list[int]], starts: list[int]) -> bool:
+        done = [d.prefill(slots, pieces, starts) for d in self.parts.values() if hasattr(d, "prefill")]
+        return any(done)
+
     def observe(self, slots: list[int], features: list[TargetFeatures]) -> None:
         for d in self.parts.values():
             if d.feature_layers:
