@@ -25,7 +25,9 @@ class _ReusingPrefill:
         self.compute = runner.prefill  # the runner's own (bound) prefill
         self.store = store
 
-    def __call__(self, slots: list[int], prompts: list[list[int]], layers=()) -> list:
+    def __call__(self, slots: list[int], prompts: list[list[int]], layers=(), starts=None) -> list:
+        if starts is not None and any(starts):  # a prompt's later chunk: not a whole prompt to reuse
+            return self.compute(slots, prompts, layers, starts=starts)
         layers = tuple(layers)  # features (for drafters that read them) are stored beside the K/V
         keys = [(self.runner.identity, tuple(p)) + ((layers,) if layers else ()) for p in prompts]
         todo = [i for i, key in enumerate(keys) if prompts[i] and key not in self.store]
