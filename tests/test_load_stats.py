@@ -101,5 +101,12 @@ def test_compare_ratios_per_level() -> None:
     assert comparison.crossover["output_throughput"] == 4
     assert comparison.ratios["latency.p50"] == pytest.approx([1.0, 1.0, 1.0])
     assert comparison.crossover["latency.p50"] is None
+    # the tail latencies chunked prefill trades: first token and the longest gaps between chunks
+    stalls = compare([summarize(LevelRun("a", 1, "closed", records=[_record(2.0, 9.0, 10, itl=[0.5, 8.0])],
+                                         wall_s=9.0, issued=1))],
+                     [summarize(LevelRun("b", 1, "closed", records=[_record(3.0, 9.0, 10, itl=[1.0, 2.0])],
+                                         wall_s=9.0, issued=1))])
+    assert stalls.ratios["ttft.p99"] == pytest.approx([1.5])
+    assert stalls.ratios["itl.p99"] == pytest.approx([(1.0 + 0.99 * 1.0) / (0.5 + 0.99 * 7.5)])
     partial = compare(off, on[:2])  # the candidate never ran level 4
     assert partial.levels == [1, 2]

@@ -35,7 +35,9 @@ RATIO_METRICS: tuple[tuple[str, str, bool], ...] = (
     ("output_throughput", "output tok/s", True),
     ("request_throughput", "requests/s", True),
     ("ttft.p50", "TTFT p50", False),
+    ("ttft.p99", "TTFT p99", False),
     ("tpot.p50", "TPOT p50", False),
+    ("itl.p99", "ITL p99", False),  # the stalls a long prompt's prefill causes (chunked prefill)
     ("latency.p50", "latency p50", False),
     ("latency.p99", "latency p99", False),
 )
