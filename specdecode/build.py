@@ -44,7 +44,7 @@ class EngineConfig:
     max_draft_tokens: int = 16  # upper bound for the acceptance and auto policies
     draft_confidence: float = 0.0  # draft model: end a chain after a token the draft gives less than this
     verify_budget: int = 0  # > 0: at most this many tokens verified per step across the batch (load-aware k)
-    draft_quantization: str = "none"  # none | int8 | int4 | auto (the draft only; a spec's @mode wins)
+    draft_quantization: str = "none"  # none | int8 | int4 | auto | gguf | q8_0 | q4_0 (the draft only; a spec's @mode wins)
     target_quantization: str = "none"  # none | int8 | int4: LOSSY w.r.t. the named target; outputs say so
     tree_topk: int = 1  # children per expanded node; 1 = chains
     tree_nodes: int = 16  # trees: draft nodes verified per step (root excluded); depth = num_draft_tokens
@@ -87,10 +87,12 @@ class LoadedPair:
 
 
 def _quantizations(text: str) -> list[str]:
+    from specdecode.models.quantize import DRAFT_MODES
+
     modes = [m.strip() for m in text.split(",") if m.strip()]
-    bad = [m for m in modes if m not in ("none", "int8", "int4", "auto")]
+    bad = [m for m in modes if m not in DRAFT_MODES]
     if not modes or bad:
-        raise argparse.ArgumentTypeError(f"draft quantization must be none, int8, int4 or auto, got {text!r}")
+        raise argparse.ArgumentTypeError(f"draft quantization must be one of {', '.join(DRAFT_MODES)}, got {text!r}")
     return modes
 
 
@@ -127,13 +129,17 @@ def add_model_arguments(parser: argparse.ArgumentParser, draft_required: bool = 
                         "Exact either way: only the draft length changes")
     if quantization_sweep:
         g.add_argument("--draft-quantization", type=_quantizations, default=["none"], metavar="MODE,...",
-                       help="draft quantizations to compare side by side (none, int8, int4, auto), e.g. none,int8,int4; "
+                       help="draft quantizations to compare side by side (none, int8, int4, auto, gguf, q8_0, q4_0), "
+                            "e.g. none,int8,gguf; "
                             "configs other than none are named <config>@<mode>. The target is untouched")
     else:
-        g.add_argument("--draft-quantization", choices=("none", "int8", "int4", "auto"), default="none",
+        g.add_argument("--draft-quantization", choices=("none", "int8", "int4", "auto", "gguf", "q8_0", "q4_0"),
+                       default="none",
                        help="quantize the draft model's weights (the target is untouched, so output stays exact): "
-                            "int8, int4, or auto (the fastest on this machine, measured once and cached); a draft "
-                            "spec's @mode suffix (e.g. qwen2.5-coder-0.5b@int8) wins. Default none")
+                            "int8, int4, or auto (the fastest on this machine, measured once and cached); for a .gguf "
+                            "draft, gguf keeps the file's own quantization and runs the draft on llama.cpp's kernels "
+                            "beside any target, q8_0/q4_0 requantize it once (cached) and do the same; a draft spec's "
+                            "@mode suffix (e.g. qwen2.5-coder-0.5b@int8) wins. Default none")
     g.add_argument("--target-quantization", choices=("none", "int8", "int4"), default="none",
                    help="LOSSY: quantize the target itself. Output then follows the quantized target's law (still "
                         "exactly, speculation included), not the model you named; every output is marked "
@@ -197,9 +203,22 @@ def load_pair(target: str, draft: str | None, dtype: str = "auto", device: str =
     from specdecode.drafters import parse_draft
     from specdecode.models.loading import load_model, tokenizers_compatible
 
+    from specdecode.models.quantize import GGUF_MODES
+
     spec = parse_draft(draft) if draft else None  # a bad spec fails before anything loads
+    mode = (spec.quantization or draft_quantization) if spec is not None and spec.loads_model else "none"
+    if mode in GGUF_MODES:  # the draft on llama.cpp: is it a .gguf file, is llama.cpp there? (before any load)
+        from specdecode.models import llamacpp
+        from specdecode.models.loading import resolve
+
+        if resolve(spec.arg).kind != "gguf":
+            raise ConfigError(f"--draft-quantization {mode} keeps a .gguf draft quantized on llama.cpp; "
+                              f"{spec.arg!r} is not a .gguf file (use none, int8, int4 or auto for it)")
+        if not llamacpp.available():
+            raise llamacpp.BackendMissing(f"--draft-quantization {mode} runs the draft on llama.cpp, which needs "
+                                          f"llama-cpp-python: {llamacpp.INSTALL_HINT}")
     if backend == "llamacpp":
-        return _load_llamacpp_pair(target, spec, draft, threads)
+        return _load_llamacpp_pair(target, spec, draft, threads, mode)
     if backend != "torch":
         raise ConfigError(f"backend must be torch or llamacpp here, got {backend!r}")
     dev = resolve_device(device)
@@ -211,11 +230,18 @@ def load_pair(target: str, draft: str | None, dtype: str = "auto", device: str =
         quantize_model(target_model, target_quantization, row_independent=True)
     if spec is None or not spec.loads_model:
         return LoadedPair(target_model, tokenizer, None, None, "none", target_quantization)
+    if mode in GGUF_MODES:
+        from specdecode.models.loading import load_gguf_draft
+
+        draft_model, draft_tokenizer = load_gguf_draft(spec.arg, mode, threads)
+        problem = tokenizers_compatible(tokenizer, draft_tokenizer, target_model, draft_model)
+        if problem:
+            raise PairError(f"draft {draft!r} cannot draft for target {target!r}: {problem}")
+        return LoadedPair(target_model, tokenizer, draft_model, draft_tokenizer, mode, target_quantization)
     draft_model, draft_tokenizer = load_model(spec.arg, torch_dtype, dev)
     problem = tokenizers_compatible(tokenizer, draft_tokenizer, target_model, draft_model)  # before quantizing
     if problem:
         raise PairError(f"draft {draft!r} cannot draft for target {target!r}: {problem}")
-    mode = spec.quantization or draft_quantization
     if mode == "auto":
         from specdecode.models.quantize import auto_mode
 
@@ -227,18 +253,19 @@ def load_pair(target: str, draft: str | None, dtype: str = "auto", device: str =
     return LoadedPair(target_model, tokenizer, draft_model, draft_tokenizer, mode, target_quantization)
 
 
-def _load_llamacpp_pair(target: str, spec, draft: str | None, threads: int | None) -> LoadedPair:
-    """The target on llama.cpp; a draft model on llama.cpp too when it is a .gguf file, else on the
-    CPU with torch in float32 (both exact: each drafter's distribution is the one verified)."""
+def _load_llamacpp_pair(target: str, spec, draft: str | None, threads: int | None, mode: str = "none") -> LoadedPair:
+    """The target on llama.cpp; a draft model on llama.cpp too when it is a .gguf file (requantized
+    for ``mode`` q8_0/q4_0), else on the CPU with torch in float32 (both exact: each drafter's
+    distribution is the one verified)."""
     import torch
 
-    from specdecode.models.loading import load_llamacpp, load_model, resolve, tokenizers_compatible
+    from specdecode.models.loading import load_gguf_draft, load_llamacpp, load_model, resolve, tokenizers_compatible
 
     target_model, tokenizer = load_llamacpp(target, threads)
     if spec is None or not spec.loads_model:
         return LoadedPair(target_model, tokenizer, None, None, backend="llamacpp")
     if resolve(spec.arg).kind == "gguf":
-        draft_model, draft_tokenizer = load_llamacpp(spec.arg, threads)
+        draft_model, draft_tokenizer = load_gguf_draft(spec.arg, "gguf" if mode == "none" else mode, threads)
     else:
         draft_model, draft_tokenizer = load_model(spec.arg, torch.float32, "cpu")
     problem = tokenizers_compatible(tokenizer, draft_tokenizer, target_model, draft_model)
@@ -257,8 +284,12 @@ def needs_torch(cfg: EngineConfig) -> str | None:
         reasons.append("EAGLE drafters read intermediate layers and feed embeddings")
     if specs and cfg.tree_topk > 1:
         reasons.append("trees (--tree-topk > 1) are verified by the torch runner only")
-    if cfg.draft_quantization != "none" or any(spec.quantization for spec in specs):
-        reasons.append("--draft-quantization quantizes torch modules (a .gguf draft on llama.cpp is used as quantized)")
+    from specdecode.models.quantize import GGUF_MODES
+
+    torch_modes = {cfg.draft_quantization, *(spec.quantization for spec in specs)} - {None, "none", *GGUF_MODES}
+    if torch_modes:
+        reasons.append(f"--draft-quantization {'/'.join(sorted(torch_modes))} quantizes torch modules (a .gguf "
+                       "draft on llama.cpp is used as quantized, or requantized with q8_0/q4_0)")
     if cfg.target_quantization != "none":
         reasons.append("--target-quantization quantizes torch modules")
     if cfg.batch_invariant in (True, "on"):
@@ -351,6 +382,8 @@ def make_policy(cfg: EngineConfig):
 
 
 def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
+    import torch
+
     from specdecode.drafters import DraftContext, build_drafter
     from specdecode.engine import Engine
 
@@ -363,7 +396,7 @@ def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
     target = make_runner(pair.target, invariant)  # the engine sizes its cache
     drafter = None
     if cfg.draft:
-        if invariant and pair.draft is not None:  # plans for a draft's calls: mostly one row each
+        if invariant and isinstance(pair.draft, torch.nn.Module):  # plans for a draft's calls: mostly one row each
             from specdecode.models import batch_invariant
 
             batch_invariant.enable(pair.draft, batch_invariant.DRAFT_WORKLOAD)
@@ -493,6 +526,12 @@ def validate_config(cfg: EngineConfig) -> None:
     if cfg.acceptance == "typical" and not (0 < cfg.typical_epsilon <= 1 and cfg.typical_alpha > 0):
         raise ConfigError(f"typical acceptance needs 0 < epsilon <= 1 and alpha > 0, got {cfg.typical_epsilon}, "
                          f"{cfg.typical_alpha}")
+    from specdecode.models.quantize import GGUF_MODES
+
+    gguf_draft = any(spec.loads_model and (spec.quantization or cfg.draft_quantization) in GGUF_MODES for spec in specs)
+    if gguf_draft and cfg.tree_topk > 1:
+        raise ConfigError(f"--draft-quantization {cfg.draft_quantization} runs the draft on llama.cpp, which grows "
+                          "chains only; use --tree-topk 1, or a torch draft (none, int8, int4) for trees")
     if cfg.batch_invariant in (True, "on") and cfg.draft and cfg.tree_topk > 1:
         raise ConfigError("--batch-invariant covers chain drafting only: a tree writes a candidate's key at another "
                           "index than a chain does, which reorders the attention sum; use --tree-topk 1")

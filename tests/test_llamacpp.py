@@ -327,3 +327,106 @@ def test_server_and_engine_suites_pass_with_every_engine_on_llamacpp():
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *modules], cwd=ROOT,
                           env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+
+
+# -- a .gguf draft kept quantized on llama.cpp beside a torch target (--draft-quantization gguf|q8_0|q4_0) ----
+
+@pytest.mark.parametrize("wrong", [False, True], ids=["exact", "negative-control"])
+def test_torch_target_with_a_llamacpp_draft_keeps_the_target_law(tmp_path, wrong):
+    """Chi-square GOF (ALPHA = 1e-4) of the first two tokens of 4000 seeded samples at T = 0.8, the
+    target on torch and the draft on llama.cpp, against the target's law by plain HF forwards; the
+    negative control (sample the target instead of the residual at a rejection) must fail."""
+    from specdecode.sampling import sample
+    from specdecode.verify import Verifier, verify_speculative
+    from test_engine import ALPHA, chi_square_p, exact_two_token_law
+
+    def wrong_rule(draft_tokens, draft_probs, target_probs, num_draft, uniforms):
+        res = verify_speculative(draft_tokens, draft_probs, target_probs, num_draft, uniforms)
+        rows = torch.arange(len(num_draft))
+        res.tokens[rows, res.num_accepted] = sample(target_probs[rows, res.num_accepted], uniforms[:, -1])
+        return res
+
+    target = make_model(VS, seed=5, scale=0.5)
+    draft = perturbed_copy(target, noise=0.6, seed=3)
+    gd = LlamaCppModel(write_gguf_like(draft, tmp_path / "d.gguf"), threads=1)
+    sp, prompt, n, batch = SamplingParams(0.8), [1, 2, 3], 4000, 250
+    engine = Engine(HFRunner(target), make_tokenizer(VS), DraftModelDrafter(LlamaCppRunner(gd)), 3,
+                    max_batch_size=batch, max_context=8, verifier=Verifier(speculative=wrong_rule) if wrong else None)
+    counts = torch.zeros(VS, VS)
+    for start in range(0, n, batch):
+        params = [SamplingParams(sp.temperature, seed=start + i, max_new_tokens=2, ignore_eos=True)
+                  for i in range(batch)]
+        for out in engine.generate([prompt] * batch, params):
+            counts[out.token_ids[0], out.token_ids[1]] += 1
+    p = chi_square_p(counts, exact_two_token_law(target, prompt, sp), n)
+    assert (p < ALPHA) if wrong else (p > ALPHA)
+
+
+def test_requantized_drafts_are_cached_and_draft_exactly(tiny, tmp_path, monkeypatch):
+    from specdecode.models import llamacpp
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    target, _, _, gd, _ = tiny
+    tok = make_tokenizer(V)
+    prompts = [[1, 2, 3, 1, 2, 3], [4, 5, 6, 7]]
+    sp = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    ref = Engine(HFRunner(target), tok, None, 0, max_batch_size=2, max_context=64).generate(prompts, sp)
+    for mode in ("q8_0", "q4_0"):
+        path = llamacpp.requantize(gd.path, mode, threads=1)
+        assert path.is_file() and path.parent.parent == tmp_path / "cache"
+        real = llamacpp.lib().llama_model_quantize
+        monkeypatch.setattr(llamacpp.lib(), "llama_model_quantize", lambda *a: pytest.fail("quantized twice"))
+        assert llamacpp.requantize(gd.path, mode, threads=1) == path  # the cached file
+        monkeypatch.setattr(llamacpp.lib(), "llama_model_quantize", real)
+        drafter = DraftModelDrafter(LlamaCppRunner(LlamaCppModel(path, threads=1)))
+        outs = Engine(HFRunner(target), tok, drafter, 3, max_batch_size=2, max_context=64).generate(prompts, sp)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+        assert sum(o.stats.accepted for o in outs) > 0
+    with pytest.raises(ValueError, match="q8_0"):
+        llamacpp.requantize(gd.path, "q2_k")
+
+
+def test_cli_runs_a_gguf_draft_on_llamacpp_beside_a_torch_target(tiny, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    _, _, gt, gd, d = tiny
+    base = ["generate", "--backend", "torch", "--target", str(gt.path), "--prompt", "xyxyx", "--max-new-tokens", "12",
+            "--json", "--threads", "1"]
+    code, out, err = _cli(base, capsys)
+    assert code == 0, err
+    alone = json.loads(out)["token_ids"]
+    for extra in (["--draft", str(gd.path), "--draft-quantization", "gguf"], ["--draft", f"{gd.path}@q4_0"]):
+        code, out, err = _cli(base + extra, capsys)
+        assert code == 0, err
+        result = json.loads(out)
+        assert result["backend"] == "torch" and result["token_ids"] == alone
+    tiny[1].save_pretrained(d / "hf")  # the draft as a transformers directory: not a .gguf file
+    make_tokenizer(V).save_pretrained(d / "hf")
+    capsys.readouterr()
+    for extra, message in [(["--draft", str(d / "hf"), "--draft-quantization", "gguf"], "not a .gguf"),
+                           (["--draft", str(gd.path), "--draft-quantization", "q4_0", "--tree-topk", "2"], "chains")]:
+        code, _, err = _cli(base + extra, capsys)
+        assert code == 2 and message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_bench_compares_the_gguf_draft_on_llamacpp_with_the_torch_one(tiny, tmp_path, monkeypatch):
+    import argparse
+
+    from specdecode.bench import cli as bench_cli
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    _, _, gt, gd, _ = tiny
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("xyxyxy", "yxxy", "xxyyxx")))
+    parser = argparse.ArgumentParser()
+    bench_cli.add_arguments(parser)
+    out = tmp_path / "bench"
+    args = parser.parse_args(["--backend", "torch", "--target", str(gt.path), "--draft", str(gd.path), "--prompts",
+                              str(prompts), "--draft-lengths", "3", "--draft-quantization", "none,gguf,q4_0",
+                              "--max-new-tokens", "10", "--baselines", "none", "--no-progress", "--warmup-tokens", "2",
+                              "--threads", "1", "--out", str(out)])
+    assert bench_cli.main(args) == 0
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert {r["config"] for r in records if r["type"] == "run"} == {"target", "spec-k3", "spec-k3@gguf",
+                                                                     "spec-k3@q4_0"}
+    checks = [r for r in records if r["type"] == "check" and "@" in r["config"]]
+    assert len(checks) == 6 and all(c["match"] for c in checks)  # greedy: the target-only tokens

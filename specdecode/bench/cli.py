@@ -179,14 +179,31 @@ def _prepare(args: argparse.Namespace, meta: dict, configs: list, samplings: lis
         raise BenchInputError(f"--draft {args.draft!r}: in bench, give the draft unquantized and compare modes with "
                               "--draft-quantization none,int8,...")
     backend = meta["settings"]["backend"]
+    from specdecode.models.quantize import GGUF_MODES
+
+    gguf_modes = sorted({c.quantization for c in configs} & set(GGUF_MODES))
+    if gguf_modes and args.draft:  # the draft on llama.cpp: checked before any model loads
+        from specdecode.models import llamacpp
+        from specdecode.models.loading import resolve
+
+        if resolve(parse_draft(args.draft).arg).kind != "gguf":
+            raise BenchInputError(f"--draft-quantization {','.join(gguf_modes)} keeps a .gguf draft quantized on "
+                                  f"llama.cpp; --draft {args.draft!r} is not a .gguf file")
+        if not llamacpp.available():
+            raise BenchInputError(f"--draft-quantization {','.join(gguf_modes)} needs llama-cpp-python: "
+                                  f"{llamacpp.INSTALL_HINT}")
+        if [c for c in configs if c.tree and c.quantization in GGUF_MODES]:
+            raise BenchInputError("a draft on llama.cpp grows chains only: drop --tree-shapes or the gguf modes")
     if backend == "llamacpp":
         if [c for c in configs if c.kind == "hf"]:  # they run torch models: not what this run measures
             configs[:] = [c for c in configs if c.kind != "hf"]
             print("note: the transformers baselines are left out: the models run on llama.cpp "
                   "(--backend torch compares with transformers)", file=sys.stderr)
-        if [c for c in configs if c.quantization != "none"]:
-            raise BenchInputError("--draft-quantization quantizes torch models; a .gguf draft on llama.cpp runs as "
-                                  "quantized in its file")
+        from specdecode.models.quantize import GGUF_MODES
+
+        if [c for c in configs if c.quantization not in ("none", *GGUF_MODES)]:
+            raise BenchInputError("--draft-quantization int8/int4/auto quantize torch models; a .gguf draft on "
+                                  "llama.cpp runs as quantized in its file (or requantized: q8_0, q4_0)")
         if [c for c in configs if c.tree]:
             raise BenchInputError("trees (--tree-shapes) are verified by the torch runner only; drop them or use "
                                   "--backend torch")
@@ -256,8 +273,15 @@ def make_backend(pair, args: argparse.Namespace, max_context: int):
 
     def draft_pair(mode: str):
         """The pair with its draft quantized to ``mode`` (a copy per mode; the original stays for HF)."""
+        from specdecode.models.quantize import GGUF_MODES
+
         if mode == "none" or pair.draft is None:
             return pair
+        if mode not in drafts and mode in GGUF_MODES:  # the .gguf draft on llama.cpp, as in its file or requantized
+            from specdecode.models.loading import load_gguf_draft
+
+            drafts[mode] = replace(pair, draft=load_gguf_draft(args.draft, mode, args.threads)[0],
+                                   draft_quantization=mode)
         if mode not in drafts:
             import copy
 

@@ -45,7 +45,7 @@ KINDS: dict[str, DrafterKind] = {
 class DraftSpec:
     kind: str
     arg: str
-    quantization: str | None = None  # a model's ``@int8`` / ``@int4`` / ``@auto`` / ``@none`` suffix
+    quantization: str | None = None  # a model's ``@int8``/``@int4``/``@auto``/``@none``/``@gguf``/``@q4_0``... suffix
 
     @property
     def loads_model(self) -> bool:
@@ -53,7 +53,7 @@ class DraftSpec:
 
 
 def parse_draft(spec: str) -> DraftSpec:
-    from specdecode.models.quantize import MODES
+    from specdecode.models.quantize import DRAFT_MODES
 
     kind, sep, arg = spec.partition(":")
     if kind not in KINDS:
@@ -65,7 +65,7 @@ def parse_draft(spec: str) -> DraftSpec:
     quantization = None
     if KINDS[kind].loads_model:
         name, at, suffix = arg.rpartition("@")
-        if at and suffix in MODES:
+        if at and suffix in DRAFT_MODES:
             arg, quantization = name, suffix
     return DraftSpec(kind, arg, quantization)
 

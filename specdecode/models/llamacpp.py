@@ -96,6 +96,36 @@ def default_threads() -> int:
         return os.cpu_count() or 1
 
 
+REQUANT_TYPES = {"q8_0": 7, "q4_0": 2}  # --draft-quantization -> llama_ftype (LLAMA_FTYPE_MOSTLY_*)
+
+
+def requantize(path: str | Path, mode: str, threads: int | None = None) -> Path:
+    """``path`` (a .gguf file) requantized to ``mode`` (q8_0 or q4_0) by llama.cpp's own quantizer,
+    cached beside the converted models (keyed by the file's path, size and mtime); the cached file
+    when it exists. Each tensor llama.cpp can quantize to that type is; the others keep theirs."""
+    from specdecode.models.loading import cache_dir_for
+
+    if mode not in REQUANT_TYPES:
+        raise ValueError(f"cannot requantize to {mode!r}: choose one of {', '.join(REQUANT_TYPES)}")
+    out = cache_dir_for(Path(path), f"{mode}.gguf")
+    if out.is_file():
+        return out
+    ll = lib()
+    params = ll.llama_model_quantize_default_params()
+    params.ftype = REQUANT_TYPES[mode]
+    params.nthread = threads or default_threads()
+    params.allow_requantize = True  # the file's tensors are often quantized already (Q8_0, Q4_K, ...)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".tmp-{out.name}.{os.getpid()}")
+    try:
+        if ll.llama_model_quantize(str(path).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
+            raise RuntimeError(f"llama.cpp could not requantize {path} to {mode}")
+        tmp.replace(out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
 class LlamaCppModel:
     """A GGUF file loaded by llama.cpp (weights memory-mapped; every runner over it shares them)."""
 

@@ -313,6 +313,20 @@ def load_llamacpp(spec: str | Path, threads: int | None = None):
     return LlamaCppModel(resolved.path, threads), load_gguf_tokenizer(resolved.path)
 
 
+def load_gguf_draft(spec: str | Path, mode: str, threads: int | None = None):
+    """``(LlamaCppModel, tokenizer)`` of a .gguf draft kept quantized on llama.cpp's kernels, beside a
+    target on any backend: ``mode`` ``gguf`` runs the file's own types, ``q8_0``/``q4_0`` a copy
+    requantized once into the cache (:func:`specdecode.models.llamacpp.requantize`)."""
+    from specdecode.models import llamacpp
+
+    resolved = resolve(str(spec))
+    if resolved.kind != "gguf":
+        raise ModelNotFoundError(f"--draft-quantization {mode} keeps a .gguf draft quantized on llama.cpp; "
+                                 f"{spec!r} is a {resolved.describe()} (use none, int8, int4 or auto for it)")
+    path = resolved.path if mode == "gguf" else llamacpp.requantize(resolved.path, mode, threads)
+    return llamacpp.LlamaCppModel(path, threads), load_gguf_tokenizer(resolved.path)
+
+
 # ---------------------------------------------------------------------------------------------------
 # draft/target compatibility
 

@@ -40,6 +40,10 @@ import torch
 from torch import nn
 
 MODES = ("none", "int8", "int4", "auto")
+# a .gguf draft kept quantized on llama.cpp's kernels beside any target: its own types ("gguf"), or
+# requantized once by llama.cpp's quantizer into the cache (see specdecode.models.llamacpp.requantize)
+GGUF_MODES = ("gguf", "q8_0", "q4_0")
+DRAFT_MODES = MODES + GGUF_MODES
 INT4_GROUP = 32
 
 
