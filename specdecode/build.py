@@ -528,10 +528,11 @@ def validate_config(cfg: EngineConfig) -> None:
                          f"{cfg.typical_alpha}")
     from specdecode.models.quantize import GGUF_MODES
 
-    gguf_draft = any(spec.loads_model and (spec.quantization or cfg.draft_quantization) in GGUF_MODES for spec in specs)
-    if gguf_draft and cfg.tree_topk > 1:
-        raise ConfigError(f"--draft-quantization {cfg.draft_quantization} runs the draft on llama.cpp, which grows "
-                          "chains only; use --tree-topk 1, or a torch draft (none, int8, int4) for trees")
+    gguf = [mode for spec in specs if spec.loads_model
+            for mode in [spec.quantization or cfg.draft_quantization] if mode in GGUF_MODES]
+    if gguf and cfg.tree_topk > 1:
+        raise ConfigError(f"draft quantization {gguf[0]} runs the draft on llama.cpp, which grows chains only; use "
+                          "--tree-topk 1, or a torch draft (none, int8, int4) for trees")
     if cfg.batch_invariant in (True, "on") and cfg.draft and cfg.tree_topk > 1:
         raise ConfigError("--batch-invariant covers chain drafting only: a tree writes a candidate's key at another "
                           "index than a chain does, which reorders the attention sum; use --tree-topk 1")
