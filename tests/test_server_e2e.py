@@ -465,9 +465,18 @@ def test_long_prompt_is_prefilled_in_chunks_while_a_stream_decodes():
     """A long prompt arriving while a request decodes is prefilled a bounded chunk per step, the
     running request emitting tokens between its chunks; both answers equal the requests alone."""
     eng = engine(k=3, slots=4)
-    gate, step, prefill, log = threading.Event(), eng.step, eng.target.prefill, []
+    gate, step, prefill, log, armed = threading.Event(), eng.step, eng.target.prefill, [], [True]
     gate.set()
-    eng.step = lambda: gate.wait(600) and step()  # the test opens it again (600 s: a guard only)
+
+    def held_step():
+        gate.wait(600)  # the test opens it again (600 s: a guard only)
+        events = step()
+        if armed[0] and any(ev.new_token_ids for ev in events):  # the first request's first token:
+            armed[0] = False  # hold the engine before its next step (here, not from the test's thread, so
+            gate.clear()  # the first request cannot finish before the long one arrives, however fast)
+        return events
+
+    eng.step = held_step
 
     def logged_prefill(slots, prompts, layers=(), starts=None):
         running = [len(s.output_ids) for s in eng.running]
@@ -488,8 +497,7 @@ def test_long_prompt_is_prefilled_in_chunks_while_a_stream_decodes():
     async def run(s):
         async with _client(s) as client:
             a = asyncio.ensure_future(client.post("/v1/completions", json=first))
-            await arrived(lambda: eng.running and eng.running[0].output_ids, "the first request did not start")
-            gate.clear()  # hold the engine in its next step
+            await arrived(lambda: not armed[0], "the first request did not start")
             b = asyncio.ensure_future(client.post("/v1/completions", json=long))
             # queued, or already given a slot by a loop iteration that began before the gate closed (its
             # prefill has not started either way: the engine is held before its next step)
