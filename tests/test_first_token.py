@@ -138,16 +138,10 @@ def test_tokens_after_a_target_first_token_follow_the_target_law(wrong):
     """Chi-square GOF (bound ALPHA = 1e-4) of tokens 2 and 3 with first_token_from_target: token 1
     from the target alone, then the drafter's first chain (1 token: accepted + bonus, or rejected +
     residual). The negative control samples from the target instead of the residual: it must fail."""
-    from specdecode.sampling import sample
-    from specdecode.verify import Verifier, verify_speculative
+    from specdecode.verify import Verifier
+    from test_verify import wrong_rule_no_residual as wrong_rule
     from test_engine import ALPHA, VS, chi_square_p
     from tiny import make_engine, perturbed_copy
-
-    def wrong_rule(draft_tokens, draft_probs, target_probs, num_draft, uniforms):
-        res = verify_speculative(draft_tokens, draft_probs, target_probs, num_draft, uniforms)
-        rows = torch.arange(len(num_draft))
-        res.tokens[rows, res.num_accepted] = sample(target_probs[rows, res.num_accepted], uniforms[:, -1])
-        return res
 
     target = make_model(VS, seed=5, scale=0.5)
     engine = make_engine(target, make_tokenizer(VS), perturbed_copy(target, noise=0.6, seed=3), k=3, num_slots=250,

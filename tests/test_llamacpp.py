@@ -218,15 +218,9 @@ def test_samples_follow_the_llamacpp_target_law(tmp_path, sp, wrong):
     """Chi-square GOF (bound ALPHA = 1e-4) of the first two tokens of 4000 seeded samples, target and
     draft both on llama.cpp, against the law computed from the llama.cpp target alone. The negative
     control (sample the target instead of the residual at a rejection) must fail."""
-    from specdecode.sampling import sample
-    from specdecode.verify import Verifier, verify_speculative
+    from specdecode.verify import Verifier
+    from test_verify import wrong_rule_no_residual as wrong_rule
     from test_engine import ALPHA, chi_square_p
-
-    def wrong_rule(draft_tokens, draft_probs, target_probs, num_draft, uniforms):
-        res = verify_speculative(draft_tokens, draft_probs, target_probs, num_draft, uniforms)
-        rows = torch.arange(len(num_draft))
-        res.tokens[rows, res.num_accepted] = sample(target_probs[rows, res.num_accepted], uniforms[:, -1])
-        return res
 
     if wrong and sp.temperature != 1.0:
         pytest.skip("one negative control is enough")
@@ -336,15 +330,9 @@ def test_torch_target_with_a_llamacpp_draft_keeps_the_target_law(tmp_path, wrong
     """Chi-square GOF (ALPHA = 1e-4) of the first two tokens of 4000 seeded samples at T = 0.8, the
     target on torch and the draft on llama.cpp, against the target's law by plain HF forwards; the
     negative control (sample the target instead of the residual at a rejection) must fail."""
-    from specdecode.sampling import sample
-    from specdecode.verify import Verifier, verify_speculative
+    from specdecode.verify import Verifier
+    from test_verify import wrong_rule_no_residual as wrong_rule
     from test_engine import ALPHA, chi_square_p, exact_two_token_law
-
-    def wrong_rule(draft_tokens, draft_probs, target_probs, num_draft, uniforms):
-        res = verify_speculative(draft_tokens, draft_probs, target_probs, num_draft, uniforms)
-        rows = torch.arange(len(num_draft))
-        res.tokens[rows, res.num_accepted] = sample(target_probs[rows, res.num_accepted], uniforms[:, -1])
-        return res
 
     target = make_model(VS, seed=5, scale=0.5)
     draft = perturbed_copy(target, noise=0.6, seed=3)
