@@ -1,5 +1,23 @@
+import os
+
+import pytest
 import torch
 
 # Tiny models gain nothing from intra-op threads, and on a shared 2-core machine OpenMP barriers
 # make them many times slower; one thread keeps the suite fast and its timing stable.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache_root(tmp_path_factory):
+    """The suite never reads or writes the user's cache (``~/.cache/specdecode``): calibration results,
+    converted models and the registry go to a directory of this run (subprocesses inherit it), so two
+    runs on one machine cannot meet in a shared file. A test that needs its own root still sets
+    ``SPECDECODE_CACHE`` itself."""
+    before = os.environ.get("SPECDECODE_CACHE")
+    os.environ["SPECDECODE_CACHE"] = str(tmp_path_factory.mktemp("specdecode-cache"))
+    yield
+    if before is None:
+        os.environ.pop("SPECDECODE_CACHE", None)
+    else:
+        os.environ["SPECDECODE_CACHE"] = before
