@@ -165,7 +165,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, draft_required: bool = 
     g.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="what runs the models: torch (PyTorch, CPU or CUDA), llamacpp (llama.cpp's kernels on the CPU, "
                         ".gguf files as they are quantized; `scripts/install-llamacpp.sh`), or auto (default): llamacpp "
-                        "for a .gguf target when it is installed and nothing asked needs torch (trees, EAGLE, "
+                        "for a .gguf target when it is installed and nothing asked needs torch (EAGLE, "
                         "--dtype, quantization flags, --batch-invariant on, CUDA), else torch")
     g.add_argument("--threads", type=int, default=None, metavar="N",
                    help="CPU threads: llama.cpp's (default: every core this process may use) and torch's "
@@ -282,8 +282,6 @@ def needs_torch(cfg: EngineConfig) -> str | None:
     reasons = []
     if any(spec.kind == "eagle" for spec in specs):
         reasons.append("EAGLE drafters read intermediate layers and feed embeddings")
-    if specs and cfg.tree_topk > 1:
-        reasons.append("trees (--tree-topk > 1) are verified by the torch runner only")
     from specdecode.models.quantize import GGUF_MODES
 
     torch_modes = {cfg.draft_quantization, *(spec.quantization for spec in specs)} - {None, "none", *GGUF_MODES}
@@ -331,8 +329,9 @@ def choose_backend(cfg: EngineConfig) -> str:
     return "llamacpp" if gguf and not why and llamacpp.available() else "torch"
 
 
-def make_runner(model, batch_invariant: bool = False):
-    """The runner for a loaded model: torch modules get :class:`HFRunner`, llama.cpp models theirs."""
+def make_runner(model, batch_invariant: bool = False, trees: bool = False):
+    """The runner for a loaded model: torch modules get :class:`HFRunner`, llama.cpp models theirs
+    (``trees``: one that verifies and grows trees, see :mod:`specdecode.models.llamacpp_tree`)."""
     import torch
 
     if isinstance(model, torch.nn.Module):
@@ -341,7 +340,7 @@ def make_runner(model, batch_invariant: bool = False):
         return HFRunner(model, batch_invariant=batch_invariant)
     from specdecode.models.llamacpp import LlamaCppRunner
 
-    return LlamaCppRunner(model)
+    return LlamaCppRunner(model, trees=trees)
 
 
 def make_policy(cfg: EngineConfig):
@@ -393,14 +392,22 @@ def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
     if max_context > model_ctx:
         raise ConfigError(f"max context {max_context} exceeds the model's {model_ctx}")
     invariant = batch_invariant_on(cfg, pair.target)
-    target = make_runner(pair.target, invariant)  # the engine sizes its cache
+    trees = bool(cfg.draft) and cfg.tree_topk > 1
+    if trees:  # llama.cpp expresses a tree by sequence ids, a finite pool: refuse what could run out of them
+        from specdecode.models.llamacpp_tree import check_ids
+
+        if not isinstance(pair.target, torch.nn.Module):
+            check_ids(cfg.max_batch_size, cfg.tree_nodes, "the target's tree verify")
+        if pair.draft is not None and not isinstance(pair.draft, torch.nn.Module):
+            check_ids(cfg.max_batch_size, cfg.tree_topk * cfg.num_draft_tokens + 1, "the draft model's tree growth")
+    target = make_runner(pair.target, invariant, trees)  # the engine sizes its cache
     drafter = None
     if cfg.draft:
         if invariant and isinstance(pair.draft, torch.nn.Module):  # plans for a draft's calls: mostly one row each
             from specdecode.models import batch_invariant
 
             batch_invariant.enable(pair.draft, batch_invariant.DRAFT_WORKLOAD)
-        make_draft = ((lambda: make_runner(pair.draft, invariant))
+        make_draft = ((lambda: make_runner(pair.draft, invariant, trees))
                       if pair.draft is not None else None)
         if cfg.draft_policy == "auto":
             from specdecode.drafters import unique_labels
@@ -412,7 +419,7 @@ def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
             drafter = MultiDrafter(parts, selector.route, selector.observe_draft)
         else:
             drafter = build_drafter(cfg.draft, DraftContext(target, cfg, make_draft))
-    tree_nodes = cfg.tree_nodes if cfg.draft and cfg.tree_topk > 1 else 0
+    tree_nodes = cfg.tree_nodes if trees else 0
     verifier = None
     if cfg.acceptance == "typical":
         from specdecode.verify.typical import typical_verifier
@@ -530,9 +537,6 @@ def validate_config(cfg: EngineConfig) -> None:
 
     gguf = [mode for spec in specs if spec.loads_model
             for mode in [spec.quantization or cfg.draft_quantization] if mode in GGUF_MODES]
-    if gguf and cfg.tree_topk > 1:
-        raise ConfigError(f"draft quantization {gguf[0]} runs the draft on llama.cpp, which grows chains only; use "
-                          "--tree-topk 1, or a torch draft (none, int8, int4) for trees")
     if cfg.batch_invariant in (True, "on") and cfg.draft and cfg.tree_topk > 1:
         raise ConfigError("--batch-invariant covers chain drafting only: a tree writes a candidate's key at another "
                           "index than a chain does, which reorders the attention sum; use --tree-topk 1")

@@ -187,3 +187,15 @@ def write_gguf_like(model, path: Path, tokens: list[str] | None = None) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def tiny_llamacpp_pair(directory: Path, vocab: int, seed: int, noise: float = 0.15):
+    """A tiny target, a draft that mostly agrees (transformers models), and their GGUF copies written to
+    ``directory`` and loaded by llama.cpp on one thread: ``(target, draft, gguf_target, gguf_draft)``."""
+    from specdecode.models.llamacpp import LlamaCppModel
+    from tiny import make_model, perturbed_copy
+
+    target = make_model(vocab, seed=seed)
+    draft = perturbed_copy(target, noise=noise)
+    return (target, draft, LlamaCppModel(write_gguf_like(target, directory / "t.gguf"), threads=1),
+            LlamaCppModel(write_gguf_like(draft, directory / "d.gguf"), threads=1))

@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("llama_cpp", reason="the llama.cpp backend is not installed (scripts/install-llamacpp.sh)")
 
-from gguf_util import write_gguf_like  # noqa: E402
+from gguf_util import tiny_llamacpp_pair, write_gguf_like  # noqa: E402
 from specdecode.drafters.draft_model import DraftModelDrafter  # noqa: E402
 from specdecode.drafters.ngram import NgramDrafter  # noqa: E402
 from specdecode.engine import Engine  # noqa: E402
@@ -34,10 +34,7 @@ TOL = 0.05  # logits: llama.cpp keeps K/V in float16, torch in float32 (observed
 def tiny(tmp_path_factory):
     """A tiny target and a draft that mostly agrees, as transformers models and as GGUF copies."""
     d = tmp_path_factory.mktemp("gguf")
-    target = make_model(V, seed=1)
-    draft = perturbed_copy(target, noise=0.15)
-    return target, draft, LlamaCppModel(write_gguf_like(target, d / "t.gguf"), threads=1), \
-        LlamaCppModel(write_gguf_like(draft, d / "d.gguf"), threads=1), d
+    return (*tiny_llamacpp_pair(d, V, seed=1), d)
 
 
 def _fwd(runner, slots, ids, positions):
@@ -147,13 +144,9 @@ def test_kv_bytes_counts_the_kv_heads(tiny):
         head_dim * 3 * 256
 
 
-def test_trees_and_embeddings_are_refused_clearly(tiny):
+def test_embeddings_are_refused_clearly(tiny):
     _, _, gguf, _, _ = tiny
     r = LlamaCppRunner(gguf, 1, 64)
-    r.prefill([0], [[1, 2, 3]])
-    with pytest.raises(BackendUnsupported, match="chains only"):
-        r.forward(torch.tensor([0]), torch.tensor([[1, 2]]), torch.tensor([[3, 4]]),
-                  tree_mask=torch.ones(1, 2, 2, dtype=torch.bool))
     with pytest.raises(BackendUnsupported, match="embeddings"):
         r.embed(torch.tensor([1]))
 
@@ -267,7 +260,6 @@ def test_generate_runs_on_llamacpp_and_says_so(tiny, capsys, monkeypatch, tmp_pa
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--tree-topk", "2"], "trees"),
     (["--dtype", "bfloat16"], "--dtype"),
     (["--batch-invariant", "on"], "--batch-invariant"),
     (["--draft-quantization", "int8"], "--draft-quantization"),
@@ -390,10 +382,11 @@ def test_cli_runs_a_gguf_draft_on_llamacpp_beside_a_torch_target(tiny, capsys, m
     tiny[1].save_pretrained(d / "hf")  # the draft as a transformers directory: not a .gguf file
     make_tokenizer(V).save_pretrained(d / "hf")
     capsys.readouterr()
-    for extra, message in [(["--draft", str(d / "hf"), "--draft-quantization", "gguf"], "not a .gguf"),
-                           (["--draft", str(gd.path), "--draft-quantization", "q4_0", "--tree-topk", "2"], "chains")]:
-        code, _, err = _cli(base + extra, capsys)
-        assert code == 2 and message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    code, out, err = _cli(base + ["--draft", f"{gd.path}@q4_0", "--tree-topk", "2", "--tree-nodes", "6"], capsys)
+    assert code == 0, err  # trees grown by the llama.cpp draft beside the torch target
+    assert json.loads(out)["token_ids"] == alone
+    code, _, err = _cli(base + ["--draft", str(d / "hf"), "--draft-quantization", "gguf"], capsys)
+    assert code == 2 and "not a .gguf" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_bench_compares_the_gguf_draft_on_llamacpp_with_the_torch_one(tiny, tmp_path, monkeypatch):

@@ -192,8 +192,6 @@ def _prepare(args: argparse.Namespace, meta: dict, configs: list, samplings: lis
         if not llamacpp.available():
             raise BenchInputError(f"--draft-quantization {','.join(gguf_modes)} needs llama-cpp-python: "
                                   f"{llamacpp.INSTALL_HINT}")
-        if [c for c in configs if c.tree and c.quantization in GGUF_MODES]:
-            raise BenchInputError("a draft on llama.cpp grows chains only: drop --tree-shapes or the gguf modes")
     if backend == "llamacpp":
         if [c for c in configs if c.kind == "hf"]:  # they run torch models: not what this run measures
             configs[:] = [c for c in configs if c.kind != "hf"]
@@ -204,9 +202,6 @@ def _prepare(args: argparse.Namespace, meta: dict, configs: list, samplings: lis
         if [c for c in configs if c.quantization not in ("none", *GGUF_MODES)]:
             raise BenchInputError("--draft-quantization int8/int4/auto quantize torch models; a .gguf draft on "
                                   "llama.cpp runs as quantized in its file (or requantized: q8_0, q4_0)")
-        if [c for c in configs if c.tree]:
-            raise BenchInputError("trees (--tree-shapes) are verified by the torch runner only; drop them or use "
-                                  "--backend torch")
     pair = load_pair(args.target, args.draft, args.dtype, args.device,  # draft: quantized copies in make_backend
                      target_quantization=args.target_quantization, backend=backend, threads=args.threads)
     model_ctx = getattr(pair.target.config, "max_position_embeddings", 4096)

@@ -19,12 +19,16 @@ How the interface maps onto llama.cpp:
   continue right after the last one it holds: ``truncate`` is ``llama_memory_seq_rm`` and the runner
   also drops a slot's stale tail before any forward that writes over it (a drafter's padding, say);
 * ``copy_slot`` copies a whole stream (``llama_memory_seq_cp``) then cuts it to the length;
-  ``export_kv``/``import_kv`` use llama.cpp's per-sequence state.
+  ``export_kv``/``import_kv`` use llama.cpp's per-sequence state;
+* trees (``trees=True``, asked for by the engine builder when a drafter grows trees): one KV stream
+  shared by all sequences (``kv_unified``) and a sequence id per root-to-leaf path, so llama.cpp's own mask
+  (by sequence id and position) is the tree's; ``compact`` of an accepted branch moves nothing, it
+  hands the branch's cells to the slot (:mod:`specdecode.models.llamacpp_tree`). Chains-only runners
+  keep a stream per slot: a row attends to its own cache only, which costs less at large batches.
 
-Not served (a clear :class:`BackendUnsupported` error, before anything runs): trees (a tree's
-candidates need several sequence ids per cell and a mask llama.cpp builds itself from positions),
-hidden states of intermediate layers, and feeding input embeddings — so EAGLE drafters and tree
-drafting need ``--backend torch``. The draft model, n-gram and Medusa drafters work.
+Not served (a clear :class:`BackendUnsupported` error, before anything runs): hidden states of
+intermediate layers, and feeding input embeddings — so EAGLE drafters need ``--backend torch``.
+The draft model, n-gram and Medusa drafters work, as chains and as trees.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import torch
 
 from specdecode.errors import UserError
 from specdecode.models.base import FINAL, Features, ForwardOutput
+from specdecode.models.llamacpp_tree import MAX_SEQ, NodeTable
 
 INSTALL_HINT = "install it with `scripts/install-llamacpp.sh` (builds llama-cpp-python from source, a few minutes)"
 BATCH_TOKENS = 512  # tokens per llama_decode call (llama.cpp's n_batch = n_ubatch)
@@ -52,7 +57,8 @@ class BackendMissing(UserError, ImportError):
 
 
 class BackendUnsupported(UserError, ValueError):
-    """Something the llama.cpp runner does not do (trees, intermediate layers, input embeddings)."""
+    """Something the llama.cpp runner does not do (intermediate layers, input embeddings, trees on a
+    chains-only runner)."""
 
 
 _LIB = None
@@ -174,9 +180,11 @@ class LlamaCppRunner:
     near_tie_rel = 2.0**-5
     logit_eps = 2.0**-6
 
-    def __init__(self, model: LlamaCppModel, num_slots: int = 0, max_len: int = 0) -> None:
+    def __init__(self, model: LlamaCppModel, num_slots: int = 0, max_len: int = 0, trees: bool = False) -> None:
         self.ll = lib()
         self.model = model
+        self.trees = trees  # one KV stream for all slots and sequence ids per tree path (see the module docstring)
+        self._tree: NodeTable | None = None
         self.vocab_size = model.vocab_size
         self.hidden_size = model.hidden_size
         self.num_layers = model.num_layers
@@ -204,9 +212,11 @@ class LlamaCppRunner:
         params = self.ll.llama_context_default_params()
         params.n_ctx = per_slot * num_slots
         params.n_batch = params.n_ubatch = BATCH_TOKENS
-        params.n_seq_max = num_slots
+        tree = NodeTable(num_slots) if self.trees else None  # (refuses too many slots before anything is made)
+        params.n_seq_max = MAX_SEQ if self.trees else num_slots
         params.n_threads = params.n_threads_batch = self.model.threads
-        params.kv_unified = False  # a stream per sequence: a row attends to its own cache only
+        # chains: a stream per sequence, a row attends to its own cache only; trees: one stream, ids per path
+        params.kv_unified = self.trees
         params.pooling_type = 0  # LLAMA_POOLING_TYPE_NONE: per-token embeddings when asked for
         params.embeddings = False
         params.no_perf = True
@@ -215,9 +225,10 @@ class LlamaCppRunner:
             raise RuntimeError(f"llama.cpp could not create a context of {num_slots} x {per_slot} positions")
         self.ctx, self.mem = ctx, self.ll.llama_get_memory(ctx)
         self._embeddings = False
-        self._batch = self.ll.llama_batch_init(BATCH_TOKENS, 0, 1)
+        self._batch = self.ll.llama_batch_init(BATCH_TOKENS, 0, MAX_SEQ if self.trees else 1)
         self.num_slots, self.max_len = num_slots, max_len
         self._length = [0] * num_slots
+        self._tree = tree
 
     def _free(self) -> None:
         if self._batch is not None:
@@ -259,41 +270,46 @@ class LlamaCppRunner:
             self.ll.llama_memory_seq_rm(self.mem, slot, position, -1)
             self._length[slot] = position
 
+    def _submit(self, tokens: list[tuple[int, int, Sequence[int]]], outputs: bool, features: bool):
+        """One llama_decode of ``tokens`` = (token, position, sequence ids); the logits [n, V] and final
+        states [n, H] (numpy views, valid until the next decode) when ``outputs``."""
+        b = self._batch
+        for n, (tok, pos, seqs) in enumerate(tokens):
+            b.token[n] = tok
+            b.pos[n] = pos
+            b.n_seq_id[n] = len(seqs)
+            for j, seq in enumerate(seqs):
+                b.seq_id[n][j] = seq
+            b.logits[n] = outputs
+        n = b.n_tokens = len(tokens)
+        self._set_embeddings(features)
+        code = self.ll.llama_decode(self.ctx, b)
+        if code != 0:
+            raise RuntimeError(f"llama_decode failed with status {code} ({n} tokens, sequences "
+                               f"{sorted({s for t in tokens for s in t[2]})[:16]})")
+        if not outputs:
+            return None, None
+        logits = np.ctypeslib.as_array(self.ll.llama_get_logits(self.ctx), shape=(n, self.vocab_size))
+        embd = (np.ctypeslib.as_array(self.ll.llama_get_embeddings(self.ctx), shape=(n, self.hidden_size))
+                if features else None)
+        return logits, embd
+
     def _decode(self, rows: list[tuple[int, list[int], int]], outputs: bool, features: bool,
                 logits_out: list, feats_out: list) -> None:
         """Run ``rows`` = (slot, tokens, first position), at most BATCH_TOKENS tokens in all, as one
         llama_decode; append each row's logits [n, V] (and final states [n, H]) when ``outputs``."""
-        b = self._batch
-        n = 0
-        for slot, toks, p0 in rows:
-            for j, tok in enumerate(toks):
-                b.token[n] = tok
-                b.pos[n] = p0 + j
-                b.n_seq_id[n] = 1
-                b.seq_id[n][0] = slot
-                b.logits[n] = outputs
-                n += 1
-        b.n_tokens = n
-        self._set_embeddings(features)
-        code = self.ll.llama_decode(self.ctx, b)
-        if code != 0:
-            raise RuntimeError(f"llama_decode failed with status {code} ({n} tokens, slots "
-                               f"{sorted({r[0] for r in rows})})")
+        logits, embd = self._submit([(tok, p0 + j, (slot,)) for slot, toks, p0 in rows for j, tok in enumerate(toks)],
+                                    outputs, features)
         for slot, toks, p0 in rows:
             self._length[slot] = p0 + len(toks)
         if not outputs:
             return
-        logits = np.ctypeslib.as_array(self.ll.llama_get_logits(self.ctx), shape=(n, self.vocab_size))
         at = 0
         for _, toks, _ in rows:
             logits_out.append(torch.from_numpy(logits[at: at + len(toks)].copy()))
-            at += len(toks)
-        if features:
-            embd = np.ctypeslib.as_array(self.ll.llama_get_embeddings(self.ctx), shape=(n, self.hidden_size))
-            at = 0
-            for _, toks, _ in rows:
+            if features:
                 feats_out.append(torch.from_numpy(embd[at: at + len(toks)].copy()))
-                at += len(toks)
+            at += len(toks)
 
     def _run(self, rows: list[tuple[int, list[int], int]], outputs: bool, features: bool):
         """Decode ``rows`` in llama_decode calls of at most BATCH_TOKENS tokens (OUTPUT_TOKENS when logits
@@ -301,6 +317,7 @@ class LlamaCppRunner:
         for slot, _, p0 in rows:
             if not 0 <= slot < self.num_slots:
                 raise ValueError(f"slot {slot} outside 0..{self.num_slots - 1}")
+            self._release_tree(slot)  # a chain forward after a tree: the tree's nodes are stale
             self._forget_from(slot, p0)
             if self._length[slot] != p0:
                 raise ValueError(f"slot {slot} holds {self._length[slot]} positions; a forward cannot start at {p0}")
@@ -341,15 +358,21 @@ class LlamaCppRunner:
         """``hidden`` holds the logits ``[B, q, V]`` (see the module docstring). A row's tokens must
         sit at consecutive positions; a row's tail whose positions stop increasing (a drafter's
         padding clamped at the end of the cache) is not run and gets zero logits."""
-        if tree_mask is not None or (write_positions is not None and not torch.equal(write_positions.cpu(),
-                                                                                      positions.cpu())):
-            raise BackendUnsupported("the llama.cpp backend verifies chains only; trees (--tree-topk > 1) need "
-                                     "--backend torch")
         if inputs_embeds is not None:
             raise BackendUnsupported("the llama.cpp backend cannot feed input embeddings (EAGLE drafters need "
                                      "--backend torch)")
         assert self.ctx is not None, "no context: call ensure_capacity() first"
         features = self._check(layers)
+        if tree_mask is not None or (write_positions is not None and not torch.equal(write_positions.cpu(),
+                                                                                      positions.cpu())):
+            if not self.trees:
+                raise BackendUnsupported("this llama.cpp runner was made for chains (a KV stream per slot); a tree "
+                                         "forward needs LlamaCppRunner(trees=True), which the engine builds for "
+                                         "--tree-topk > 1")
+            if tree_mask is None:
+                raise BackendUnsupported("the llama.cpp backend writes K/V away from their positions only for "
+                                         "tree nodes (with a tree mask)")
+            return self._forward_tree(slots, input_ids, positions, write_positions, tree_mask, tree_start, features)
         ids, pos = input_ids.tolist(), positions.tolist()
         rows = []
         for slot, toks, ps in zip(slots.tolist(), ids, pos):
@@ -366,6 +389,79 @@ class LlamaCppRunner:
             if final is not None:
                 final[b, : len(toks)] = feats[b]
         return ForwardOutput(out, {FINAL: final} if final is not None else {})
+
+    def _forward_tree(self, slots, input_ids, positions, write_positions, tree_mask, tree_start,
+                      features: bool) -> ForwardOutput:
+        """A tree forward (see :mod:`specdecode.models.llamacpp_tree`): every row's new nodes in one
+        llama_decode where they fit (rows split across calls, never a row). A row's window starts at
+        ``tree_start`` (default: its smallest write index); the slot's cells from the first window
+        key a node does not see, or from the first write index, are dropped first (a drafter's
+        padding, a slot's stale tail: as a chain forward drops one), the ones before are the prefix
+        every node sees."""
+        writes = (positions if write_positions is None else write_positions).tolist()
+        ids, pos, mask = input_ids.tolist(), positions.tolist(), tree_mask.cpu()
+        bsz, q = input_ids.shape
+        plans = []  # (slot, where its cells end, plan)
+        try:
+            for b, slot in enumerate(slots.tolist()):
+                if not 0 <= slot < self.num_slots:
+                    raise ValueError(f"slot {slot} outside 0..{self.num_slots - 1}")
+                t0 = int(tree_start[b]) if tree_start is not None else min(writes[b])
+                committed = self._length[slot]
+                seen_by_all = mask[b, :, : max(0, min(committed - t0, mask.shape[-1]))].all(0).tolist()
+                if t0 < committed:
+                    committed = t0 + (seen_by_all.index(False) if False in seen_by_all else len(seen_by_all))
+                committed = min(committed, *writes[b])  # cells the nodes are written over are a stale tail too
+                visible = [{t0 + j for j in mask[b, i].nonzero().flatten().tolist() if t0 + j >= committed}
+                           for i in range(q)]
+                plans.append((slot, committed, self._tree.plan(slot, committed, writes[b], ids[b], pos[b], visible)))
+        except BaseException:
+            self._drop_planned(plans)
+            raise
+        for slot, committed, plan in plans:
+            self._forget_from(slot, committed)
+            for seq, p0 in plan.drop:
+                self.ll.llama_memory_seq_rm(self.mem, seq, p0, -1)
+            for src, dst, p1 in plan.copies:
+                self.ll.llama_memory_seq_cp(self.mem, src, dst, -1, p1)
+        out = torch.zeros(bsz, q, self.vocab_size)
+        final = torch.zeros(bsz, q, self.hidden_size) if features else None
+        group: list[int] = []
+
+        def flush() -> None:
+            logits, embd = self._submit([t for b in group for t in plans[b][2].tokens], True, features)
+            at = 0
+            for b in group:
+                plan = plans[b][2]
+                rows = torch.tensor([at + t for t in plan.query_token])
+                out[b] = torch.from_numpy(logits)[rows]
+                if final is not None:
+                    final[b] = torch.from_numpy(embd)[rows]
+                at += len(plan.tokens)
+
+        try:
+            for b, (_, _, plan) in enumerate(plans):
+                if len(plan.tokens) > OUTPUT_TOKENS:
+                    raise BackendUnsupported(f"a tree of {len(plan.tokens)} nodes exceeds llama.cpp's {OUTPUT_TOKENS} "
+                                             "outputs per call")
+                if group and sum(len(plans[g][2].tokens) for g in group) + len(plan.tokens) > OUTPUT_TOKENS:
+                    flush()
+                    group = []
+                group.append(b)
+            if group:
+                flush()
+        except BaseException:
+            for slot, _, _ in plans:  # the rows' trees are unusable: forget them, keep the committed cells
+                self._release_tree(slot)
+            raise
+        return ForwardOutput(out, {FINAL: final} if final is not None else {})
+
+    def _drop_planned(self, plans) -> None:
+        """Undo planned rows that never ran: remove what their plans freed, then their trees."""
+        for slot, _, plan in plans:
+            for seq, p0 in plan.drop:
+                self.ll.llama_memory_seq_rm(self.mem, seq, p0, -1)
+            self._release_tree(slot)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The identity: :meth:`forward` already returns logits as ``hidden``."""
@@ -384,6 +480,7 @@ class LlamaCppRunner:
         features = self._check(layers)
         starts = [0] * len(prompts) if starts is None else list(starts)
         for slot, start in zip(slots, starts):  # the slot keeps what precedes the prompt (chunks), no more
+            self._release_tree(slot)
             self._forget_from(slot, start)
             if self._length[slot] != start:
                 raise ValueError(f"slot {slot} holds {self._length[slot]} positions; a prefill cannot start at {start}")
@@ -399,18 +496,43 @@ class LlamaCppRunner:
         return out
 
     # -- KV operations ----------------------------------------------------------------------------
+    def _release_tree(self, slot: int) -> None:
+        """Remove the slot's tree nodes from the cache (their cells go unless the slot took them)."""
+        if self._tree is not None and self._tree.held(slot):
+            for seq in self._tree.release(slot):
+                self.ll.llama_memory_seq_rm(self.mem, seq, -1, -1)
+
+    def _adopt(self, slot: int, branch: tuple[int, int, int] | None) -> None:
+        """The slot takes a branch of its tree (its cells, already at their positions), then drops the tree."""
+        if branch is not None:
+            seq, lo, hi = branch
+            self.ll.llama_memory_seq_cp(self.mem, seq, slot, lo, hi)
+            self._length[slot] = hi
+        self._release_tree(slot)
+
     def truncate(self, slot: int, length: int) -> None:
+        if self._tree is not None and self._tree.held(slot):  # keeps a branch taken in node order (no compact)
+            self._adopt(slot, self._tree.prefix_branch(slot, self._length[slot], length))
         self._forget_from(slot, length)
 
     def compact(self, slot: int, src: Sequence[int], dst_start: int) -> None:
+        if self._tree is not None and self._tree.held(slot):
+            branch = self._tree.branch(slot, self._length[slot], list(src))
+            if branch is not None and branch[2] != dst_start + len(src):
+                raise BackendUnsupported(f"tree nodes {list(src)} of slot {slot} cannot move to {dst_start}: on "
+                                         "llama.cpp a branch stays at its positions")
+            self._adopt(slot, branch)
+            return
         if list(src) != list(range(dst_start, dst_start + len(src))):
-            raise BackendUnsupported("the llama.cpp backend verifies chains only; trees need --backend torch")
+            raise BackendUnsupported("this llama.cpp runner holds no tree nodes to compact (trees need "
+                                     "LlamaCppRunner(trees=True))")
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         if src == dst:
             return
+        self._release_tree(dst)
         self.ll.llama_memory_seq_rm(self.mem, dst, -1, -1)
-        self.ll.llama_memory_seq_cp(self.mem, src, dst, -1, -1)  # across streams: the whole stream
+        self.ll.llama_memory_seq_cp(self.mem, src, dst, -1, -1)  # a stream per slot: the whole stream; unified: shared cells
         self._length[dst] = self._length[src]
         self._forget_from(dst, length)
 
@@ -424,9 +546,9 @@ class LlamaCppRunner:
         size = self.ll.llama_state_seq_get_size(self.ctx, slot)
         buf = (ctypes.c_uint8 * size)()
         data = bytes(buf[: self.ll.llama_state_seq_get_data(self.ctx, buf, size, slot)])
-        streams = int.from_bytes(data[8:12], "little")
-        head, tail = 12 + 4 * slot, len(data) - 4 * (streams - slot - 1)  # a stream per slot (kv_unified off)
-        if streams != self.num_slots or any(data[12:head]) or any(data[tail:]):
+        streams, own = int.from_bytes(data[8:12], "little"), self._stream(slot)
+        head, tail = 12 + 4 * own, len(data) - 4 * (streams - own - 1)
+        if streams != self._streams() or any(data[12:head]) or any(data[tail:]):
             raise RuntimeError("unexpected llama.cpp sequence-state layout (another llama-cpp-python version?)")
         return (self.identity, length, self._length[slot], (data[:4], data[head:tail]))
 
@@ -434,11 +556,18 @@ class LlamaCppRunner:
         identity, length, held, (magic, record) = state
         if identity != self.identity:
             raise ValueError("a KV snapshot of other weights cannot be imported")
+        self._release_tree(slot)
         self.ll.llama_memory_seq_rm(self.mem, slot, -1, -1)
-        data = (magic + slot.to_bytes(4, "little") + self.num_slots.to_bytes(4, "little") + record
-                + bytes(4 * (self.num_slots - 1)))
+        data = (magic + slot.to_bytes(4, "little") + self._streams().to_bytes(4, "little") + record
+                + bytes(4 * (self._streams() - 1)))  # llama.cpp reads the record into the slot's own stream
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         if self.ll.llama_state_seq_set_data(self.ctx, buf, len(data), slot) == 0:
             raise RuntimeError(f"llama.cpp refused a KV snapshot for slot {slot}")
         self._length[slot] = held
         self._forget_from(slot, length)
+
+    def _streams(self) -> int:
+        return 1 if self.trees else self.num_slots
+
+    def _stream(self, slot: int) -> int:
+        return 0 if self.trees else slot
