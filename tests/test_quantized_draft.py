@@ -42,6 +42,25 @@ def test_quantized_layers_replace_every_linear_and_stay_close(mode):
     assert (out - ref).abs().max() < (0.2 if mode == "int8" else 0.8) * ref.abs().max()
 
 
+def test_int8_on_the_cpu_is_dynamic_for_a_draft_and_weight_only_for_a_target():
+    """The kernel measured fastest on both CPUs (dynamic, fbgemm) for drafts of any dtype — a bf16 draft's
+    activations are cast around it and its logits stay bf16 — and weight-only (row-independent) for a
+    quantized target."""
+    model = make_model(V, seed=1, hidden=64).to(torch.bfloat16)
+    ids = torch.tensor([PROMPTS[1]])
+    with torch.inference_mode():
+        ref = model(ids).logits.float()
+        draft = Q.quantize_model(perturbed_copy(model, noise=0.0), "int8")
+        target = Q.quantize_model(perturbed_copy(model, noise=0.0), "int8", row_independent=True)
+        out_draft, out_target = draft(ids).logits, target(ids).logits
+    assert {type(m) for m in draft.modules()} >= {Q.DynamicInt8Linear}
+    assert Q.DynamicInt8Linear not in {type(m) for m in target.modules()}
+    assert {type(m) for m in target.modules()} >= {Q.Int8WeightOnlyLinear}
+    assert out_draft.dtype == out_target.dtype == torch.bfloat16
+    for out in (out_draft, out_target):
+        assert (out.float() - ref).abs().max() < 0.2 * ref.abs().max()
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_greedy_with_a_quantized_draft_equals_target_only(mode):
     target = make_model(V, seed=0, hidden=64)

@@ -9,11 +9,13 @@ it agrees with the target (acceptance).
 Modes (``--draft-quantization``, or a ``@mode`` suffix on the draft spec):
 
 * ``int8`` — int8 weights, one scale per output channel. The kernel is chosen by measurement
-  (docs/benchmarks.md): a float32 draft on the CPU uses dynamic quantization (activations quantized
-  per call, fbgemm kernels; ``torch.ao``), because PyTorch's weight-only int8 kernel
-  (``aten._weight_int8pack_mm``) was 2-6x *slower* than float32 on an AVX512 CPU without VNNI;
-  bf16/fp16 drafts and CUDA use that weight-only kernel (the gpt-fast recipe), and so does a
-  quantized *target* always (dynamic quantization would make a row's logits depend on the batch).
+  (docs/benchmarks.md, ``scripts/draft_kernels.py``): a draft on the CPU uses dynamic quantization
+  (activations quantized per call, fbgemm kernels; ``torch.ao``; a bf16/fp16 draft's activations are
+  cast to float32 around each layer), the fastest int8 kernel on both CPUs measured — on an AVX512 CPU
+  without VNNI PyTorch's weight-only int8 kernel (``aten._weight_int8pack_mm``) was 2-6x *slower* than
+  float32, and on an AVX512-BF16/VNNI CPU dynamic int8 took 17 ms per 0.5B forward's linears against
+  26 ms weight-only and 48 ms bf16. CUDA uses the weight-only kernel (the gpt-fast recipe), and so
+  does a quantized *target* always (dynamic quantization would make a row's logits depend on the batch).
 * ``int4`` — weight-only int4, groups of 32 along the input, asymmetric, bf16 compute
   (``aten._weight_int4pack_mm_for_cpu``; CPU only).
 * ``auto`` — the fastest of none / int8 / int4 for a single-token draft forward on this machine
@@ -119,8 +121,8 @@ def quantize_model(model: nn.Module, mode: str, row_independent: bool = False) -
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     if mode == "int8":
-        dynamic = device.type == "cpu" and dtype == torch.float32 and not row_independent
-        _replace_linears(model, _dynamic_int8 if dynamic else Int8WeightOnlyLinear)
+        dynamic = device.type == "cpu" and not row_independent
+        _replace_linears(model, DynamicInt8Linear if dynamic else Int8WeightOnlyLinear)
     else:
         if device.type != "cpu":
             raise ValueError("int4 draft quantization runs on the CPU kernel only; use int8 on CUDA")
@@ -129,9 +131,28 @@ def quantize_model(model: nn.Module, mode: str, row_independent: bool = False) -
     return model
 
 
+class DynamicInt8Linear(nn.Module):
+    """Dynamic int8 (fbgemm): int8 weights, activations quantized per call; computes in float32, so a
+    bf16/fp16 model's activations are cast around it and the output comes back in the input's dtype."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.inner = _dynamic_int8(linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return self.inner(x)
+        return self.inner(x.float()).to(x.dtype)
+
+
 def _dynamic_int8(linear: nn.Linear) -> nn.Module:
     from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
+    if linear.weight.dtype != torch.float32:  # fbgemm quantizes from float32 weights
+        f32 = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None)
+        f32.load_state_dict({k: v.float() for k, v in linear.state_dict().items()})
+        linear = f32
     with warnings.catch_warnings():  # torch.ao's quantized tensors are deprecated; the kernels are what we measured
         warnings.simplefilter("ignore", UserWarning)
         return DynamicLinear.from_float(_with_qconfig(linear))
