@@ -56,7 +56,7 @@ def main() -> None:
                 batch_invariant.disable(pair.target)
                 batch_invariant.disable(pair.draft)
             for name, draft in configs.items():
-                cfg = EngineConfig(args.target, draft, args.k, args.dtype, batch_invariant=mode)
+                cfg = EngineConfig(args.target, draft, num_draft_tokens=args.k, dtype=args.dtype, batch_invariant=mode)
                 engine = engine_from_pair(pair, cfg)
                 engine.generate([prompts[0].ids], SamplingParams(max_new_tokens=2, temperature=0.0))  # warm, probe
                 tokens, decode_s, outs = 0, 0.0, []

@@ -117,10 +117,11 @@ def main() -> int:
     def engine_for(name: str):
         if name not in engines:
             if name == "target":
-                cfg = EngineConfig(args.target, None, 0, backend="llamacpp", threads=args.threads)
+                cfg = EngineConfig(args.target, None, num_draft_tokens=0, backend="llamacpp", threads=args.threads)
             else:
                 m = re.fullmatch(r"(draft|ngram)-k(\d+)(?:-conf([\d.]+))?", name)
-                cfg = EngineConfig(args.target, args.draft if m.group(1) == "draft" else "ngram", int(m.group(2)),
+                cfg = EngineConfig(args.target, args.draft if m.group(1) == "draft" else "ngram",
+                                   num_draft_tokens=int(m.group(2)),
                                    backend="llamacpp", threads=args.threads,
                                    draft_confidence=float(m.group(3) or 0))
             cfg.max_context = 4096

@@ -22,12 +22,12 @@ k = int(sys.argv[4]) if len(sys.argv) > 4 else 4
 torch.set_num_threads(1)
 pair = load_pair("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", dtype)
 configs = {
-    "target": EngineConfig("t", None, 0, dtype),
-    f"fixed-k{k}": EngineConfig("t", "d", k, dtype),
-    f"acceptance-k{k}..16": EngineConfig("t", "d", k, dtype, draft_policy="acceptance", max_draft_tokens=16),
-    f"acceptance-k{k}..16+conf0.4": EngineConfig("t", "d", k, dtype, draft_policy="acceptance", max_draft_tokens=16,
+    "target": EngineConfig("t", None, num_draft_tokens=0, dtype=dtype),
+    f"fixed-k{k}": EngineConfig("t", "d", num_draft_tokens=k, dtype=dtype),
+    f"acceptance-k{k}..16": EngineConfig("t", "d", num_draft_tokens=k, dtype=dtype, draft_policy="acceptance", max_draft_tokens=16),
+    f"acceptance-k{k}..16+conf0.4": EngineConfig("t", "d", num_draft_tokens=k, dtype=dtype, draft_policy="acceptance", max_draft_tokens=16,
                                                 draft_confidence=0.4),
-    "fixed-k12+conf0.4": EngineConfig("t", "d", 12, dtype, draft_confidence=0.4),
+    "fixed-k12+conf0.4": EngineConfig("t", "d", num_draft_tokens=12, dtype=dtype, draft_confidence=0.4),
 }
 engines = {name: engine_from_pair(pair, cfg) for name, cfg in configs.items()}
 sp = SamplingParams(max_new_tokens=max_new, ignore_eos=True)

@@ -4,7 +4,7 @@ serve) turn their ``--target/--draft`` flags into models, runners and a drafter.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING
 
 from specdecode.errors import UserError
@@ -33,6 +33,7 @@ KINDS_WITH_FILES = {"model", "medusa", "eagle"}  # drafter kinds whose argument 
 class EngineConfig:
     target: str
     draft: str | None = None  # a drafter spec (see specdecode.drafters), or None for target-only
+    _: KW_ONLY  # the rest by name only: a positional call once put a draft length into extra_drafts
     extra_drafts: tuple[str, ...] = ()  # more drafters (a repeated --draft): the auto policy chooses among all
     num_draft_tokens: int = 4
     dtype: str = "auto"  # decided for the device (specdecode.models.device)
@@ -177,16 +178,18 @@ def add_model_arguments(parser: argparse.ArgumentParser, draft_required: bool = 
 
 def config_from_args(args: argparse.Namespace, max_batch_size: int = 1) -> EngineConfig:
     dtype = args.dtype if getattr(args, "dtype_given", True) else "auto"
-    return EngineConfig(args.target, args.draft, tuple(getattr(args, "extra_drafts", None) or ()), args.num_draft_tokens, dtype, getattr(args, "device", "auto"),
-                        max_batch_size, args.max_context,
-                        getattr(args, "draft_policy", "fixed"), getattr(args, "max_draft_tokens", 16),
-                        getattr(args, "draft_confidence", 0.0), getattr(args, "verify_budget", 0),
-                        _single(getattr(args, "draft_quantization", "none")),
-                        getattr(args, "target_quantization", "none"), getattr(args, "tree_topk", 1),
-                        getattr(args, "tree_nodes", 16), getattr(args, "acceptance", "exact"),
-                        getattr(args, "typical_epsilon", 0.09), getattr(args, "typical_alpha", 0.3),
-                        getattr(args, "batch_invariant", "auto"), getattr(args, "backend", "auto"),
-                        getattr(args, "threads", None), getattr(args, "recalibrate", False))
+    return EngineConfig(
+        args.target, args.draft, extra_drafts=tuple(getattr(args, "extra_drafts", None) or ()),
+        num_draft_tokens=args.num_draft_tokens, dtype=dtype, device=getattr(args, "device", "auto"),
+        max_batch_size=max_batch_size, max_context=args.max_context,
+        draft_policy=getattr(args, "draft_policy", "fixed"), max_draft_tokens=getattr(args, "max_draft_tokens", 16),
+        draft_confidence=getattr(args, "draft_confidence", 0.0), verify_budget=getattr(args, "verify_budget", 0),
+        draft_quantization=_single(getattr(args, "draft_quantization", "none")),
+        target_quantization=getattr(args, "target_quantization", "none"), tree_topk=getattr(args, "tree_topk", 1),
+        tree_nodes=getattr(args, "tree_nodes", 16), acceptance=getattr(args, "acceptance", "exact"),
+        typical_epsilon=getattr(args, "typical_epsilon", 0.09), typical_alpha=getattr(args, "typical_alpha", 0.3),
+        batch_invariant=getattr(args, "batch_invariant", "auto"), backend=getattr(args, "backend", "auto"),
+        threads=getattr(args, "threads", None), recalibrate=getattr(args, "recalibrate", False))
 
 
 def _single(mode) -> str:

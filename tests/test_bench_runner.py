@@ -289,3 +289,13 @@ def test_auto_policy_runs_beside_every_fixed_configuration_it_chooses_from(model
     assert len(checks) == 4 and all(c["match"] for c in checks)
     report = (out / "report.md").read_text()
     assert "| auto | 4 |" in report and "## What --draft-policy auto chose" in report
+
+
+def test_memory_check_runs_a_speculative_request_and_reports_the_peak(models):
+    """`bench --memory-check`: one batch-1 request at the asked context, with the draft at k."""
+    from specdecode.bench.memory import measure
+
+    result = measure(str(models["target"]), str(models["draft"]), "float32", context=48, k=3, new_tokens=8)
+    assert result["k"] == 3 and result["new_tokens"] == 8 and result["prompt_tokens"] == 40
+    assert result["draft"] == str(models["draft"]) and result["acceptance_rate"] is not None
+    assert result["peak_rss_gib"] > 0 and result["weights_gib"] > 0

@@ -131,7 +131,7 @@ def test_the_cost_cache_is_keyed_by_model_device_and_dtype(tmp_path, monkeypatch
     monkeypatch.setattr(costmodel, "calibrate", lambda *a, **kw: calls.append(1) or real(*a, **{**kw, "reps": 1}))
 
     def build(**kw):  # float32 unless asked: --dtype auto is bfloat16 on a CPU with native bf16
-        cfg = EngineConfig(str(root / "target"), str(root / "draft"), ("ngram",), draft_policy="auto",
+        cfg = EngineConfig(str(root / "target"), str(root / "draft"), extra_drafts=("ngram",), draft_policy="auto",
                            max_draft_tokens=4, max_context=64, backend="torch", **{"dtype": "float32", **kw})
         return build_engine(cfg)
 

@@ -47,7 +47,9 @@ def measure(target: str, draft: str | None, dtype: str, context: int, k: int, ne
     rss_start = psutil.Process().memory_info().rss
     pair = load_pair(target, draft, dtype)
     weights = weight_bytes(pair.target) + (weight_bytes(pair.draft) if pair.draft is not None else 0)
-    engine = engine_from_pair(pair, EngineConfig(target, draft, k if draft else 0, dtype, max_batch_size=1, max_context=context))
+    cfg = EngineConfig(target, draft, num_draft_tokens=k if draft else 0, dtype=dtype, max_batch_size=1,
+                       max_context=context)
+    engine = engine_from_pair(pair, cfg)
     cache = sum(runner.kv_bytes() for runner in engine.runners().values())
     prompt = long_prompt(pair.tokenizer, context - new_tokens)
     t0 = time.perf_counter()
