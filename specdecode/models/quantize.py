@@ -9,13 +9,16 @@ it agrees with the target (acceptance).
 Modes (``--draft-quantization``, or a ``@mode`` suffix on the draft spec):
 
 * ``int8`` — int8 weights, one scale per output channel. The kernel is chosen by measurement
-  (docs/benchmarks.md, ``scripts/draft_kernels.py``): a draft on the CPU uses dynamic quantization
-  (activations quantized per call, fbgemm kernels; ``torch.ao``; a bf16/fp16 draft's activations are
-  cast to float32 around each layer), the fastest int8 kernel on both CPUs measured — on an AVX512 CPU
-  without VNNI PyTorch's weight-only int8 kernel (``aten._weight_int8pack_mm``) was 2-6x *slower* than
-  float32, and on an AVX512-BF16/VNNI CPU dynamic int8 took 17 ms per 0.5B forward's linears against
-  26 ms weight-only and 48 ms bf16. CUDA uses the weight-only kernel (the gpt-fast recipe), and so
-  does a quantized *target* always (dynamic quantization would make a row's logits depend on the batch).
+  (docs/benchmarks.md; ``scripts/draft_kernels.py`` for speed, ``scripts/draft_fidelity.py`` for
+  agreement): a float32 draft on the CPU uses dynamic quantization (activations quantized per call,
+  fbgemm kernels; ``torch.ao``), because PyTorch's weight-only int8 kernel
+  (``aten._weight_int8pack_mm``) with float32 activations was 2-6x *slower* than float32 on both
+  AVX512 CPUs measured. bf16/fp16 drafts and CUDA use that weight-only kernel (the gpt-fast recipe): on
+  an AVX512-BF16 CPU it took 26 ms per 0.5B forward's linears (bf16: 48 ms) and kept the draft's
+  predictions (top-1 agreement with the unquantized draft 0.98), where dynamic int8, though faster
+  (17 ms), moved them (0.88: its per-call activation scale crushes the channels beside Qwen's
+  activation outliers). A quantized *target* always uses weight-only (dynamic quantization would
+  make a row's logits depend on the batch).
 * ``int4`` — weight-only int4, groups of 32 along the input, asymmetric, bf16 compute
   (``aten._weight_int4pack_mm_for_cpu``; CPU only).
 * ``auto`` — the fastest of none / int8 / int4 for a single-token draft forward on this machine
@@ -121,7 +124,7 @@ def quantize_model(model: nn.Module, mode: str, row_independent: bool = False) -
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     if mode == "int8":
-        dynamic = device.type == "cpu" and not row_independent
+        dynamic = device.type == "cpu" and dtype == torch.float32 and not row_independent
         _replace_linears(model, DynamicInt8Linear if dynamic else Int8WeightOnlyLinear)
     else:
         if device.type != "cpu":
@@ -132,13 +135,13 @@ def quantize_model(model: nn.Module, mode: str, row_independent: bool = False) -
 
 
 class DynamicInt8Linear(nn.Module):
-    """Dynamic int8 (fbgemm): int8 weights, activations quantized per call; computes in float32, so a
-    bf16/fp16 model's activations are cast around it and the output comes back in the input's dtype."""
+    """Dynamic int8 (fbgemm): int8 weights, activations quantized per call; computes in float32 (other
+    dtypes are cast around it, for measurements: see the module docstring for where it is used)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, per_channel: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.inner = _dynamic_int8(linear)
+        self.inner = _dynamic_int8(linear, per_channel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
@@ -146,7 +149,7 @@ class DynamicInt8Linear(nn.Module):
         return self.inner(x.float()).to(x.dtype)
 
 
-def _dynamic_int8(linear: nn.Linear) -> nn.Module:
+def _dynamic_int8(linear: nn.Linear, per_channel: bool = True) -> nn.Module:
     from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 
     if linear.weight.dtype != torch.float32:  # fbgemm quantizes from float32 weights
@@ -155,13 +158,15 @@ def _dynamic_int8(linear: nn.Linear) -> nn.Module:
         linear = f32
     with warnings.catch_warnings():  # torch.ao's quantized tensors are deprecated; the kernels are what we measured
         warnings.simplefilter("ignore", UserWarning)
-        return DynamicLinear.from_float(_with_qconfig(linear))
+        return DynamicLinear.from_float(_with_qconfig(linear, per_channel))
 
 
-def _with_qconfig(linear: nn.Linear) -> nn.Linear:
-    from torch.ao.quantization import default_dynamic_qconfig
+def _with_qconfig(linear: nn.Linear, per_channel: bool = True) -> nn.Linear:
+    # one weight scale per output channel: torch.ao's default (one per tensor) cost the 0.5B draft much
+    # of its agreement with the target (docs/benchmarks.md, session 12; scripts/draft_fidelity.py)
+    from torch.ao.quantization import default_dynamic_qconfig, per_channel_dynamic_qconfig
 
-    linear.qconfig = default_dynamic_qconfig
+    linear.qconfig = per_channel_dynamic_qconfig if per_channel else default_dynamic_qconfig
     return linear
 
 
