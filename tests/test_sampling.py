@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from specdecode.sampling import (
-    SamplingError, SamplingParams, SamplingSetting, make_generator, params_tensors, parse_setting, sample, warp,
+    SamplingError, SamplingParams, SamplingSetting, make_generator, params_tensors, parse_setting, sample,
+    top_p_threshold, warp,
 )
 
 
@@ -22,14 +23,10 @@ def reference_warp(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
     if top_k:
         kth = float(x[order[min(top_k, len(x)) - 1]])
         keep = {i for i in keep if float(x[i]) >= kth}
-    if top_p < 1:
+    if top_p < 1:  # keep a token iff the mass of the tokens strictly more likely than it is below top_p
         probs = torch.softmax(torch.tensor([float(x[i]) if i in keep else -math.inf for i in range(len(x))]), 0)
-        kept, mass = set(), 0.0
-        for i in order:
-            if i in keep and mass < top_p:
-                kept.add(i)
-                mass += float(probs[i])
-        keep = kept
+        ahead = (x[None, :] > x[:, None]).double() @ probs.double()  # [i]: mass strictly more likely than i
+        keep = {i for i in keep if float(ahead[i]) < top_p}
     masked = torch.tensor([float(x[i]) if i in keep else -math.inf for i in range(len(x))])
     return torch.softmax(masked, 0).float()
 
@@ -42,6 +39,64 @@ def test_warp_matches_reference(t, k, p):
     got = warp(logits, *params_tensors(params))
     for row in range(6):
         torch.testing.assert_close(got[row], reference_warp(logits[row], t, k, p), atol=1e-6, rtol=1e-5)
+
+
+def nucleus_rows(vocab: int = 3000) -> torch.Tensor:
+    """Rows whose nucleus (p = 0.9) is decided by each rung of the ladder: a few tokens, hundreds, most of
+    the vocabulary; and rows with ties straddling the cut."""
+    g = torch.Generator().manual_seed(0)
+    peaky = torch.randn(4, vocab, generator=g) + torch.where(torch.rand(4, vocab, generator=g) < 0.003, 12.0, 0.0)
+    medium = torch.randn(4, vocab, generator=g) * 1.5
+    flat = torch.randn(4, vocab, generator=g) * 0.1
+    ties = torch.full((3, vocab), -12.0)
+    ties[:, :3] = torch.tensor([4.0, 2.0, 2.0])  # the cut falls inside the tied pair
+    ties[1, 100:400] = 1.0  # a tied group of 300 across the first rung
+    ties[2] = ties[2][torch.randperm(vocab, generator=g)]
+    return torch.cat([peaky, medium, flat, ties])
+
+
+def test_top_p_ladder_equals_one_full_sort():
+    rows = nucleus_rows()
+    p = torch.full((rows.shape[0],), 0.9)
+    fast = top_p_threshold(rows, p)
+    assert torch.equal(fast, top_p_threshold(rows, p, ladder=()))
+    assert torch.equal(fast, top_p_threshold(rows, p, ladder=(16, 64, 256)))
+    alone = torch.cat([top_p_threshold(rows[i:i + 1], p[:1]) for i in range(rows.shape[0])])
+    assert torch.equal(fast, alone)  # a row's cut does not depend on its batch
+
+
+def test_top_p_keeps_tied_tokens_together_whatever_their_order():
+    rows = nucleus_rows()[-3:]
+    params = [SamplingParams(1.0, top_p=0.9)] * 3
+    probs = warp(rows, *params_tensors(params))
+    for row, got in zip(rows, probs):
+        for value in row.unique():
+            assert len(got[row == value].unique()) == 1  # kept or dropped as one group
+    assert (probs[0] > 0).sum() == 3  # 4.0 alone holds < 0.9: both tokens at 2.0 are kept
+    perm = torch.randperm(rows.shape[1])
+    permuted = warp(rows[:, perm], *params_tensors(params))
+    assert torch.equal(permuted > 0, probs[:, perm] > 0)  # the same tokens kept (sums may round otherwise)
+    torch.testing.assert_close(permuted, probs[:, perm])
+
+
+def test_peaky_rows_never_sort_the_vocabulary(monkeypatch):
+    rows = nucleus_rows()[:4]
+    p = torch.full((4,), 0.9)
+    expected = top_p_threshold(rows, p, ladder=())
+
+    def no_sort(*a, **kw):
+        raise AssertionError("a full sort for a row the first rung decides")
+
+    monkeypatch.setattr(torch, "sort", no_sort)
+    assert torch.equal(top_p_threshold(rows, p), expected)
+
+
+@pytest.mark.parametrize("t,p", [(0.7, 0.95), (1.0, 0.5)])
+def test_warp_matches_reference_on_a_large_vocabulary(t, p):
+    rows = nucleus_rows(vocab=1500)[::2]
+    got = warp(rows, *params_tensors([SamplingParams(t, top_p=p)] * rows.shape[0]))
+    for row in range(rows.shape[0]):
+        torch.testing.assert_close(got[row], reference_warp(rows[row], t, 0, p), atol=1e-6, rtol=1e-5)
 
 
 def test_warp_mixed_rows_equal_single_rows():
