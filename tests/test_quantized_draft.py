@@ -133,3 +133,15 @@ def test_auto_is_measured_once_and_cached_per_key(tmp_path, monkeypatch):
     assert len(calls) > n
     cached = [json.loads(p.read_text())["key"] for p in (tmp_path / "calibration").glob("*.json")]
     assert sorted(k.split("|")[2] for k in cached) == ["torch.bfloat16", "torch.float32"]
+
+
+@pytest.mark.parametrize("cls", [Q.Int8WeightOnlyLinear, Q.Int4WeightOnlyLinear])
+def test_quantizing_in_row_blocks_gives_the_same_weights(cls, monkeypatch):
+    """Blocks bound the float32 working copy (peak RSS); the packed weights must not notice them."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 80).to(torch.bfloat16)
+    whole = cls(linear)
+    monkeypatch.setattr(Q, "ROW_BLOCK", 64)  # 80 rows: a full tile and a tail
+    blocked = cls(linear)
+    for name, buf in whole.named_buffers():
+        assert torch.equal(buf, dict(blocked.named_buffers())[name]), name

@@ -52,14 +52,27 @@ DRAFT_MODES = MODES + GGUF_MODES
 INT4_GROUP = 32
 
 
+# Rows quantized at a time: the float32 working copy of a 152k-row LM head is 0.5 GiB, which made a
+# quantized draft's peak RSS *higher* than the bf16 draft's (docs/benchmarks.md, session 12).
+ROW_BLOCK = 2048  # a multiple of 64 (the int4 packing tile)
+
+
+def _row_blocks(weight: torch.Tensor):
+    for start in range(0, weight.shape[0], ROW_BLOCK):
+        yield weight[start:start + ROW_BLOCK].detach().float()
+
+
 class Int8WeightOnlyLinear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        w = linear.weight.detach().float()
-        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [N]
+        q, scales = [], []
+        for w in _row_blocks(linear.weight):
+            scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [rows]
+            q.append(torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8))
+            scales.append(scale)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("weight", torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8))
-        self.register_buffer("scales", scale.to(linear.weight.dtype))
+        self.register_buffer("weight", torch.cat(q))
+        self.register_buffer("scales", torch.cat(scales).to(linear.weight.dtype))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -77,14 +90,18 @@ class Int4WeightOnlyLinear(nn.Module):
         n, k = linear.weight.shape
         if k % group:
             raise ValueError(f"int4: {k} input features are not a multiple of the group size {group}")
-        w = linear.weight.detach().float().reshape(n, k // group, group)
-        lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-        scale = ((hi - lo) / 15).clamp(min=1e-12)
-        q = torch.round((w - lo) / scale).clamp_(0, 15).to(torch.int32).reshape(n, k)
-        zero = lo + 8 * scale  # the kernel dequantizes (q - 8) * scale + zero
+        packed, sz = [], []
+        for w in _row_blocks(linear.weight):  # the CPU packing works in 64-row tiles: blocks concatenate
+            w = w.reshape(-1, k // group, group)
+            lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+            scale = ((hi - lo) / 15).clamp(min=1e-12)
+            q = torch.round((w - lo) / scale).clamp_(0, 15).to(torch.int32).reshape(-1, k)
+            zero = lo + 8 * scale  # the kernel dequantizes (q - 8) * scale + zero
+            packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+            sz.append(torch.stack([scale.squeeze(-1), zero.squeeze(-1)], dim=-1))  # [rows, K/g, 2]
         self.in_features, self.out_features, self.group = k, n, group
-        self.register_buffer("weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
-        sz = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], dim=-1)  # [N, K/g, 2]
+        self.register_buffer("weight", torch.cat(packed))
+        sz = torch.cat(sz)  # [N, K/g, 2]
         self.register_buffer("scales_and_zeros", sz.transpose(0, 1).contiguous().to(torch.bfloat16))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
