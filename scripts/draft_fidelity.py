@@ -4,8 +4,9 @@ each quantized draft with the target (a proxy for greedy acceptance) and with th
 and the mean total-variation distance to the unquantized draft's distribution. Seconds, not minutes:
 use it to choose a quantization recipe before an end-to-end bench.
 
-Usage: python scripts/draft_fidelity.py [--modes int8,int8-tensor,int4] [--num-problems 10] [--dtype bfloat16]
+Usage: python scripts/draft_fidelity.py [--modes int8,int8-dynamic,int8-tensor,int8-weight-only,int4] [--num-problems 10] [--dtype bfloat16]
   int8         what --draft-quantization int8 does now
+  int8-dynamic dynamic int8 (fbgemm), one weight scale per output channel (what a float32 draft gets)
   int8-tensor  dynamic int8 with one weight scale per tensor (torch.ao's default qconfig)
   int8-weight-only  int8 weights per output channel, activations as they are (aten._weight_int8pack_mm)
 """
@@ -49,6 +50,9 @@ def main() -> None:
             model = copy.deepcopy(pair.draft)
             if mode == "int8-tensor":
                 rows[mode] = per_tensor_int8(model)
+            elif mode == "int8-dynamic":
+                Q._replace_linears(model, Q.DynamicInt8Linear)
+                rows[mode] = model
             elif mode == "int8-weight-only":
                 Q._replace_linears(model, Q.Int8WeightOnlyLinear)
                 rows[mode] = model
