@@ -267,5 +267,5 @@ def train(fs: FeatureSet, out: Path, settings: EagleSettings, target, checkpoint
         }
         model.save(out)
         loop.finish(lambda c: c["top1"], "held-out top-1 (= target's top-1)", "draft position {p}")
-    loop.barrier()
+    loop.close()
     return model

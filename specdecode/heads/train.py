@@ -268,7 +268,8 @@ class Loop:
         import torch.distributed as dist
 
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        if self.world > 1 and not dist.is_initialized():
+        self.owns_group = self.world > 1 and not dist.is_initialized()
+        if self.owns_group:
             dist.init_process_group("gloo")
         self.rank = dist.get_rank() if self.world > 1 else 0
         out.mkdir(parents=True, exist_ok=True)
@@ -336,11 +337,28 @@ class Loop:
         (self.out / "train_log.json").write_text(json.dumps(self.log))
         _plot(self.out, self.log, self.curve, series, ylabel, label)
 
-    def barrier(self) -> None:
-        if self.world > 1:
-            import torch.distributed as dist
+    def close(self) -> None:
+        """Wait for every rank, then take the process group down before the interpreter does. Exiting
+        with the group alive aborted a rank once under load ("terminate called without an active
+        exception": gloo's worker thread freed a finished work item during finalization), and freeing
+        the group right after a gloo barrier deadlocked (the worker needed the GIL to free the barrier's
+        work while the main thread held it, joining the worker). So: the last rendezvous goes through
+        the store (no gloo work is left in flight), DDP's reducer is dropped first, and the group is
+        destroyed while its workers are idle."""
+        if self.world <= 1:
+            return
+        import gc
 
-            dist.barrier()
+        import torch.distributed as dist
+
+        store = dist.distributed_c10d._get_default_store()
+        store.add("specdecode/loop-closed", 1)
+        while store.add("specdecode/loop-closed", 0) < self.world:
+            time.sleep(0.05)  # releases the GIL: gloo's workers finish freeing the last gradient work
+        self.module = self.model
+        gc.collect()
+        if self.owns_group:
+            dist.destroy_process_group()
 
 
 def train(fs: FeatureSet, out: Path, settings: TrainSettings, target_spec: str, checkpoint_every: int = 100,
@@ -395,7 +413,7 @@ def train(fs: FeatureSet, out: Path, settings: TrainSettings, target_spec: str, 
         }
         heads.save(out)
         loop.finish(lambda c: c["top1"], "held-out top-1 (= target's top-1)", "head {j} (t+{t})")
-    loop.barrier()
+    loop.close()
     return heads
 
 
