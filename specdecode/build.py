@@ -419,7 +419,8 @@ def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
             selector = policy.inner if hasattr(policy, "inner") else policy  # under a verify budget
             parts = {name: build_drafter(spec, DraftContext(target, cfg, make_draft))
                      for name, spec in zip(unique_labels(cfg.drafts), cfg.drafts)}
-            drafter = MultiDrafter(parts, selector.route, selector.observe_draft)
+            drafter = MultiDrafter(parts, selector.route, selector.observe_draft, selector.observe_catch_up)
+            selector.lag = drafter.lag
         else:
             drafter = build_drafter(cfg.draft, DraftContext(target, cfg, make_draft))
     tree_nodes = cfg.tree_nodes if trees else 0
@@ -452,7 +453,7 @@ def attach_cost_model(engine: "Engine", cfg: EngineConfig, pair: LoadedPair, cac
     selector = getattr(selector, "inner", selector)  # under a verify budget
     parts = engine.drafter.parts
     key = "|".join([
-        "cost-model v3", _fingerprint(cfg.target), *(f"{n}={_fingerprint(d)}" for n, d in zip(parts, cfg.drafts)),
+        "cost-model v4", _fingerprint(cfg.target), *(f"{n}={_fingerprint(d)}" for n, d in zip(parts, cfg.drafts)),
         f"draft quantization {pair.draft_quantization}", f"target quantization {pair.target_quantization}",
         f"device {engine.target.device}", f"dtype {engine.target.dtype}", f"backend {engine.backend}",
         f"threads {cfg.threads or torch.get_num_threads()}", f"torch {torch.__version__}",

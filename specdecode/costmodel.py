@@ -1,5 +1,7 @@
-"""What a step costs on the running machine: the target's verify forward ``v(batch, width)`` and each
-drafter's proposal ``draft(drafter, rows, k)``, in seconds.
+"""What a step costs on the running machine: the target's verify forward ``v(batch, width)``, each
+drafter's proposal ``draft(drafter, rows, k)``, in seconds, and, for a drafter that reads the
+sequence's tokens itself (a draft model), the seconds per token of catching up on a history it has
+not read (``catch_up(drafter, tokens)``: its prompt prefill, when it starts late).
 
 Measured once at engine start by :func:`calibrate` through the runner and drafter protocols (a
 synthetic prompt in scratch slots, the best of three repeats per grid point, then made
@@ -54,6 +56,7 @@ def _interp2(grid: Grid, outer: float, inner: float) -> float:
 class CostModel:
     verify: Grid  # batch -> width (queries per row) -> seconds of the target's verify step
     draft: dict[str, Grid]  # drafter name -> rows -> k -> seconds of one proposal of k tokens
+    catch_up: dict[str, float] = field(default_factory=dict)  # drafter name -> seconds per token read late
     key: str = ""  # what was measured (models, device, dtype, ...): the cache is keyed by it
     calibration_s: float = 0.0  # how long measuring took
     correction: dict[str, float] = field(default_factory=dict)  # part -> log(observed / predicted), EMA
@@ -65,6 +68,13 @@ class CostModel:
         if rows <= 0 or k <= 0:
             return 0.0
         return _interp2(self.draft[name], rows, k) * self._factor(name)
+
+    def catch_up_s(self, name: str, tokens: int) -> float:
+        """Seconds for drafter ``name`` to read ``tokens`` tokens it has not seen (0 for a drafter
+        with no such cost)."""
+        if tokens <= 0:
+            return 0.0
+        return tokens * self.catch_up.get(name, 0.0) * self._factor(f"{name}/catch-up")
 
     def _factor(self, part: str) -> float:
         return math.exp(self.correction.get(part, 0.0))
@@ -78,13 +88,23 @@ class CostModel:
         predicted = _interp2(grid, outer, inner)
         if predicted <= 0:
             return
+        self._correct(part, seconds / predicted)
+
+    def record_catch_up(self, name: str, tokens: int, seconds: float) -> None:
+        """A measured catch-up (a late prompt prefill) of ``tokens`` tokens by drafter ``name``."""
+        per_token = self.catch_up.get(name, 0.0)
+        if tokens <= 0 or seconds <= 0 or per_token <= 0:
+            return
+        self._correct(f"{name}/catch-up", seconds / (tokens * per_token))
+
+    def _correct(self, part: str, ratio: float) -> None:
         lo, hi = (math.log(x) for x in CORRECTION_RANGE)
         old = self.correction.get(part, 0.0)
-        new = old + CORRECTION_WEIGHT * (math.log(seconds / predicted) - old)
+        new = old + CORRECTION_WEIGHT * (math.log(ratio) - old)
         self.correction[part] = min(hi, max(lo, new))
 
     def to_json(self) -> dict:
-        return {"key": self.key, "calibration_s": self.calibration_s,
+        return {"key": self.key, "calibration_s": self.calibration_s, "catch_up": dict(self.catch_up),
                 "verify": {str(b): {str(w): s for w, s in row.items()} for b, row in self.verify.items()},
                 "draft": {name: {str(r): {str(k): s for k, s in row.items()} for r, row in grid.items()}
                           for name, grid in self.draft.items()}}
@@ -92,7 +112,8 @@ class CostModel:
     @staticmethod
     def from_json(data: dict) -> "CostModel":
         grid = lambda g: {int(o): {int(i): float(s) for i, s in row.items()} for o, row in g.items()}  # noqa: E731
-        return CostModel(grid(data["verify"]), {n: grid(g) for n, g in data["draft"].items()}, data.get("key", ""),
+        return CostModel(grid(data["verify"]), {n: grid(g) for n, g in data["draft"].items()},
+                         {n: float(c) for n, c in data.get("catch_up", {}).items()}, data.get("key", ""),
                          data.get("calibration_s", 0.0))
 
 
@@ -121,6 +142,7 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64)
 WIDTHS = (1, 2, 3, 5, 9, 17, 33)
 DRAFT_LENGTHS = (1, 2, 4, 8, 16)
 PROMPT_LEN = 64  # tokens of context the calibration runs at
+CATCH_UP_LEN = 256  # tokens of the history a late-starting drafter reads in the calibration
 
 
 @dataclass
@@ -183,6 +205,7 @@ def calibrate(target, drafters: dict, max_batch: int, max_width: int, max_k: int
             verify[b][w] = _best(step, reps, sync)
 
     draft: dict[str, Grid] = {}
+    catch_up: dict[str, float] = {}
     params = SamplingParams(temperature=0.0, max_new_tokens=max_k + 1)
     for name, drafter in drafters.items():
         views: list[_View] = []
@@ -223,6 +246,14 @@ def calibrate(target, drafters: dict, max_batch: int, max_width: int, max_k: int
         def call(r: int, k: int) -> None:
             last[0] = drafter.propose(views[:r], [k] * r)
 
+        if getattr(drafter, "lazy_start", False):  # what reading a history late costs, per token
+            n = max(2, min(CATCH_UP_LEN, max_context - 1))
+            history = [(17 + 7919 * i) % max(2, vocab - 1) for i in range(n)]
+            release = lambda: drafter.release(slots[0])  # noqa: E731
+            release()
+            drafter.start(slots[:1], [history])  # warm-up
+            catch_up[name] = _best(lambda: drafter.start(slots[:1], [history]), reps, sync, release) / (n - 1)
+            release()
         restart()
         grid: Grid = {}
         for r in batches:
@@ -237,7 +268,7 @@ def calibrate(target, drafters: dict, max_batch: int, max_width: int, max_k: int
         draft[name] = grid
     for s in slots:
         target.truncate(s, 0)
-    return CostModel(_monotone(verify), {name: _monotone(g) for name, g in draft.items()},
+    return CostModel(_monotone(verify), {name: _monotone(g) for name, g in draft.items()}, catch_up,
                      calibration_s=time.perf_counter() - t_start)
 
 

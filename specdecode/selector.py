@@ -21,12 +21,22 @@ Three parts:
   chosen only when it beats plain decoding by ``margin``. As the batch grows, ``v(B, width)`` stops
   being nearly free and the chosen lengths shrink to zero on their own.
 
+**Catching up.** A draft model reads the sequence's tokens itself, and it starts late (see
+:mod:`specdecode.drafters.multi`): the first time it drafts for a sequence it must first read the
+prompt and what was generated since, and after other drafters drafted for a while, what they
+produced. That one-off cost (``lag`` tokens at the cost model's ``catch_up`` seconds per token) is
+paid only if the drafter is expected to save more than that over the sequence's remaining tokens
+(at most ``horizon`` of them): ``remaining * (v(B, 1) - best seconds per token with it) > catch-up
+seconds``; otherwise the drafter is not a candidate for that sequence at this step. So a long prompt
+with a short answer never pays a draft model's prefill it cannot earn back, and under load, where no
+drafter pays, requests cost what they cost without speculation.
+
 **Exploration.** A drafter not used for a sequence learns nothing about it, so every
 ``explore_every`` steps of a sequence, a drafter it has not used for that long drafts for it once
 (at that step's length for the drafter, or ``explore_k``), unless the cost model says that drafter
-could not pay even if it were always right (then it is never tried: exploring it would only lose).
-New sequences start from the drafters' history, so a drafter that does well on some requests is
-chosen at once for similar ones.
+could not pay even if it were always right (then it is never tried: exploring it would only lose),
+catch-up included. New sequences start from the drafters' history, so a drafter that does well on
+some requests is chosen at once for similar ones.
 
 It only changes which tokens are proposed and how many: verification is exact for any proposal, so
 the output law is the target's whatever it decides.
@@ -35,10 +45,12 @@ the output law is the target's whatever it decides.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from specdecode.costmodel import CostModel
 
 LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16)
+HORIZON = 256  # remaining tokens a catch-up may be paid back over (max_tokens can be the whole context)
 
 
 @dataclass
@@ -77,12 +89,15 @@ def expected_tokens(alpha: float, fill: float, k: int) -> float:
 class AutoPolicy:
     """The selector (see the module docstring). ``drafters`` are the names of the parts of the
     engine's :class:`~specdecode.drafters.multi.MultiDrafter`, which asks :meth:`route` which part
-    drafts for a sequence. ``cost`` may be set after construction (the engine must exist to measure)."""
+    drafts for a sequence. ``cost`` may be set after construction (the engine must exist to measure);
+    so may ``lag`` (the multi-drafter's :meth:`~specdecode.drafters.multi.MultiDrafter.lag`: tokens a
+    drafter must read before drafting for a sequence; None: never any)."""
 
     def __init__(self, drafters: list[str], max_k: int, cost: CostModel | None = None,
                  lengths: tuple[int, ...] = LENGTHS, explore_every: int = 16, explore_k: int = 2,
                  decay: float = 0.7, prior_decay: float = 0.98, prior_weight: float = 3.0,
-                 prior_alpha: float = 0.5, prior_fill: float = 0.8, margin: float = 0.03) -> None:
+                 prior_alpha: float = 0.5, prior_fill: float = 0.8, margin: float = 0.03,
+                 lag: Callable[[object, str], int] | None = None, horizon: int = HORIZON) -> None:
         if not drafters:
             raise ValueError("the selector needs at least one drafter")
         if max_k < 1:
@@ -91,6 +106,7 @@ class AutoPolicy:
         self.lengths = sorted({k for k in lengths if k <= max_k} | {max_k})
         self.explore_every, self.explore_k = explore_every, min(explore_k, max_k)
         self.decay, self.prior_decay, self.prior_weight, self.margin = decay, prior_decay, prior_weight, margin
+        self.lag, self.horizon = lag, horizon
         self.history = {d: _Counts(prior_alpha * prior_weight, (1 - prior_alpha) * prior_weight,
                                    prior_fill * prior_weight, prior_weight) for d in self.drafters}
         self._seqs: dict[int, _SeqState] = {}
@@ -114,14 +130,16 @@ class AutoPolicy:
     def plan(self, seqs: list, batch_size: int) -> list[int]:
         if self.cost is None:
             raise RuntimeError("the selector has no cost model yet (see specdecode.costmodel)")
-        est = [{d: self.estimate(s, d) for d in self.drafters} for s in seqs]
+        catch = [{d: self._catch_up_s(s, d) for d in self.drafters} for s in seqs]
+        est = [{d: e for d in self.drafters
+                if self._pays_back(s, d, e := self.estimate(s, d), batch_size, c[d])} for s, c in zip(seqs, catch)]
         lengths = self._best_lengths(est, batch_size)
         out = []
-        for s, e in zip(seqs, est):
+        for s, e, c in zip(seqs, est, catch):
             state = self._state(s)
             state.steps += 1
             choice = self._assign(e, lengths)
-            explore = self._explore(state, lengths, batch_size)
+            explore = self._explore(s, state, lengths, batch_size, c)
             if explore is not None:
                 choice = explore
             state.choice = choice
@@ -159,14 +177,39 @@ class AutoPolicy:
         if self.cost is not None:
             self.cost.record(drafter, rows, k, seconds)
 
+    def observe_catch_up(self, drafter: str, tokens: int, seconds: float) -> None:
+        """A late start's measured catch-up (the multi-drafter reports it)."""
+        if self.cost is not None:
+            self.cost.record_catch_up(drafter, tokens, seconds)
+
     def forget(self, seq) -> None:
         self._seqs.pop(id(seq), None)
 
     # -- the choice ----------------------------------------------------------------------------------
+    def _catch_up_s(self, seq, drafter: str) -> float:
+        lag = self.lag(seq, drafter) if self.lag is not None else 0
+        return self.cost.catch_up_s(drafter, lag) if lag > 0 else 0.0
+
+    def _remaining(self, seq) -> int:
+        params, out = getattr(seq, "params", None), getattr(seq, "output_ids", None)
+        if params is None or out is None:
+            return self.horizon
+        return max(0, min(params.max_new_tokens - len(out), self.horizon))
+
+    def _pays_back(self, seq, drafter: str, est: tuple[float, float], batch: int, catch_up_s: float) -> bool:
+        """Is ``drafter`` a candidate for ``seq`` at this step: free to start, or expected (at ``est``)
+        to save more than its catch-up over the sequence's remaining tokens?"""
+        if catch_up_s <= 0:
+            return True
+        plain = self.cost.verify_s(batch, 1)  # seconds per token of this sequence without drafting
+        best = min((self.cost.verify_s(batch, k + 1) + self.cost.draft_s(drafter, 1, k)) / expected_tokens(*est, k)
+                   for k in self.lengths)
+        return self._remaining(seq) * (plain - best) > catch_up_s
+
     def _assign(self, est: dict[str, tuple[float, float]], lengths: dict[str, int]) -> tuple[str | None, int]:
         best, gain = (None, 0), 1.0
         for d, k in lengths.items():
-            if k > 0:
+            if k > 0 and d in est:
                 e = expected_tokens(*est[d], k)
                 if e > gain:
                     best, gain = (d, k), e
@@ -207,12 +250,13 @@ class AutoPolicy:
                 return True
         return False
 
-    def _explore(self, state: _SeqState, lengths: dict[str, int], batch: int) -> tuple[str, int] | None:
+    def _explore(self, seq, state: _SeqState, lengths: dict[str, int], batch: int,
+                 catch_up: dict[str, float]) -> tuple[str, int] | None:
         if self.explore_every <= 0:
             return None
         due = [d for d in self.drafters if state.steps - state.last_used.get(d, 0) >= self.explore_every]
         for d in sorted(due, key=lambda d: state.last_used.get(d, 0)):
-            if self.could_pay(d, batch):
+            if self.could_pay(d, batch) and self._pays_back(seq, d, (0.999, 1.0), batch, catch_up[d]):
                 return d, lengths[d] or self.explore_k
             state.last_used[d] = state.steps  # cannot pay at this load: look again later
         return None

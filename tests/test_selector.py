@@ -82,6 +82,7 @@ def test_calibration_measures_every_grid_point_through_the_protocols():
     cm = costmodel.calibrate(engine.target, engine.drafter.parts, 4, 5, 4, 40, reps=1, prompt_len=16)
     assert sorted(cm.verify) == [1, 2, 4] and sorted(cm.verify[4]) == [1, 2, 3, 5]
     assert sorted(cm.draft) == ["m", "ngram"] and sorted(cm.draft["m"][2]) == [1, 2, 4]
+    assert list(cm.catch_up) == ["m"] and cm.catch_up["m"] > 0  # only the draft model reads histories itself
     assert all(sorted(row) == [1, 2, 3, 5] for row in cm.verify.values())  # every (batch, width) point measured
     # the engine still works afterwards (calibration leaves no sequence behind)
     ref = Engine(HFRunner(make_model(V, seed=0)), TOK, None, 0, max_batch_size=1, max_context=100)
@@ -260,6 +261,148 @@ def test_a_part_that_drafts_trees_is_refused():
         MultiDrafter({"ngram": NgramDrafter(tree_topk=2, tree_nodes=4)}, lambda s: "ngram")
 
 
+# -- late starts: a draft model reads a sequence only once it drafts for it ---------------------------------------
+class CountingRunner:
+    """An HFRunner that counts the forwards and prefills it runs."""
+
+    def __init__(self, runner):
+        self.inner, self.calls = runner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def forward(self, *a, **kw):
+        self.calls.append("forward")
+        return self.inner.forward(*a, **kw)
+
+    def prefill(self, *a, **kw):
+        self.calls.append("prefill")
+        return self.inner.prefill(*a, **kw)
+
+
+def test_a_draft_model_never_routed_to_never_runs():
+    target = make_model(V, seed=0)
+    runner = CountingRunner(HFRunner(perturbed_copy(target, 0.1)))
+    route = {"to": "ngram"}
+    multi = MultiDrafter({"model": DraftModelDrafter(runner), "ngram": NgramDrafter()}, lambda s: route["to"])
+    engine = Engine(HFRunner(target), TOK, multi, 3, max_batch_size=2, max_context=80)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    reference = Engine(HFRunner(target), TOK, None, 0, max_batch_size=2, max_context=80).generate(PROMPTS, params)
+    assert [o.token_ids for o in engine.generate(PROMPTS, params)] == [r.token_ids for r in reference]
+    assert runner.calls == []  # four requests, not one token read by the draft model
+    assert multi.lag(Seq(slot=0, token_ids=[1, 2, 3]), "ngram") == 0
+
+    # routed to it from the middle of a request: it reads the prompt and what was generated, then drafts
+    seqs = engine.admit([(p, params, None) for p in PROMPTS[:2]])
+    engine.prefill()
+    for _ in range(3):
+        engine.step()
+    assert runner.calls == [] and multi.lag(seqs[0], "model") == len(seqs[0].token_ids) - 1
+    route["to"] = "model"
+    while engine.running:
+        engine.step()
+    assert runner.calls[0] == "prefill" and "forward" in runner.calls
+    assert [s.output_ids for s in seqs] == [r.token_ids for r in reference[:2]]
+
+
+def test_a_late_start_drafts_what_an_early_start_would():
+    """Same sequences, one draft model started at the prompt and kept in step, one started after 5 and
+    40 generated tokens (the second reads its backlog through prefill): equal proposals, greedy and sampled."""
+    target = make_model(V, seed=0)
+    draft = perturbed_copy(target, 0.3)
+    early, late = DraftModelDrafter(HFRunner(draft)), DraftModelDrafter(HFRunner(draft))
+    early.reserve(2, 80)
+    late.reserve(2, 80)
+    prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9]]
+    gen = torch.Generator().manual_seed(0)
+    histories = [p + torch.randint(1, V, (n,), generator=gen).tolist() for p, n in zip(prompts, (5, 40))]
+    early.start([0, 1], prompts)
+    for i, (p, h) in enumerate(zip(prompts, histories)):  # the early one reads as the history grows, a few at a time
+        for n in range(len(p) + 1, len(h), 4):
+            early.propose([Seq(slot=i, token_ids=h[:n])], [1])
+    late.start([0, 1], prompts)
+    assert late.lag(Seq(slot=1, token_ids=histories[1] + [5])) == 40  # 42 to read, 2 of them as always
+    for sp in (SamplingParams(), SamplingParams(0.8, top_p=0.9)):
+        histories = [h + [5] for h in histories]  # each proposal follows at least one new token, as in the engine
+        views = [Seq(slot=i, token_ids=list(h), params=sp, generator=torch.Generator().manual_seed(i))
+                 for i, h in enumerate(histories)]
+        a = early.propose(views, [4, 4])
+        views = [Seq(slot=i, token_ids=list(h), params=sp, generator=torch.Generator().manual_seed(i))
+                 for i, h in enumerate(histories)]
+        b = late.propose(views, [4, 4])
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.num_tokens, b.num_tokens)
+        if sp.greedy:
+            assert a.probs is None and b.probs is None
+        else:
+            assert torch.allclose(a.probs, b.probs, atol=1e-5)
+
+
+def test_a_catch_up_is_paid_only_when_it_pays_back():
+    """A step costs 1 s, drafting 0.05 s a token, reading a history 0.01 s a token. With 500 tokens to
+    read (5 s) and acceptance ~0.9, the draft model saves ~0.6 s a token: worth it for 100 tokens,
+    not for 5; once it has read the history, it is chosen for the last 5 tokens too."""
+    cost = flat_cost(verify_per_token=0.02, drafts={"model": 0.05, "ngram": 0.001})
+    cost.catch_up = {"model": 0.01}
+    lags = {}
+    policy = AutoPolicy(["model", "ngram"], max_k=8, cost=cost, explore_every=2, lag=lambda s, d: lags.get((id(s), d), 0))
+
+    @dataclass(eq=False)
+    class Req(Seq):
+        output_ids: list = field(default_factory=list)
+
+    def request(max_new):
+        seq = Req(params=SamplingParams(max_new_tokens=max_new))
+        teach(policy, seq, "model", [4, 4, 3, 4, 4, 4])
+        teach(policy, seq, "ngram", [0, 0, 1, 0, 0, 0])
+        lags[(id(seq), "model")] = 500
+        return seq
+
+    long, short = request(100), request(5)
+    routes = {"long": [], "short": []}
+    for _ in range(8):  # exploration included (every 2 steps): the short one never starts the model
+        ks = policy.plan([long, short], 2)
+        for name, seq, k in (("long", long, ks[0]), ("short", short, ks[1])):
+            routes[name].append(policy.route(seq))
+            policy.observe(seq, k, k if policy.route(seq) == "model" else 0)
+    assert "model" not in routes["short"] and routes["long"].count("model") >= 4, routes
+    lags[(id(short), "model")] = 0  # read (say, it was routed there earlier)
+    policy.plan([short], 1)
+    assert policy.route(short) == "model"
+    assert AutoPolicy(["model"], max_k=8, cost=cost).lag is None  # nothing to read: the usual arithmetic
+
+
+@pytest.mark.parametrize("per_token", [0.0, 10.0], ids=["free", "dear"])
+def test_through_the_engine_a_draft_model_runs_only_when_its_catch_up_pays(per_token):
+    target = make_model(V, seed=0)
+    runner = CountingRunner(HFRunner(perturbed_copy(target, 0.1)))
+    cost = flat_cost(verify_per_token=0.001, drafts={"model": 0.02, "ngram": 0.001})
+    cost.catch_up = {"model": per_token}
+    policy = AutoPolicy(["model", "ngram"], max_k=4, explore_every=1, cost=cost)
+    multi = MultiDrafter({"model": DraftModelDrafter(runner), "ngram": NgramDrafter()}, policy.route,
+                         policy.observe_draft, policy.observe_catch_up)
+    policy.lag = multi.lag
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    prompts = [p for p in PROMPTS if len(p) > 1]  # (a one-token prompt leaves nothing to read at the first step)
+    outs = Engine(HFRunner(target), TOK, multi, policy, max_batch_size=2, max_context=80).generate(prompts, params)
+    reference = Engine(HFRunner(target), TOK, None, 0, max_batch_size=2, max_context=80).generate(prompts, params)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    used = sum(n for o in outs for label, n in o.stats.choices.items() if label.startswith("model:"))
+    if per_token:  # 10 s a token to read a prompt: never worth it for 10 tokens, not even to explore
+        assert runner.calls == [] and used == 0
+    else:
+        assert runner.calls and used > 0
+
+
+def test_cost_model_catch_up_round_trips_and_corrects():
+    cm = CostModel({1: {1: 1.0}}, {"m": {1: {1: 0.1}}}, {"m": 0.002})
+    assert cm.catch_up_s("m", 100) == pytest.approx(0.2) and cm.catch_up_s("ngram", 100) == 0.0
+    for _ in range(200):
+        cm.record_catch_up("m", 100, 0.6)  # three times slower than measured
+    assert cm.catch_up_s("m", 50) == pytest.approx(0.3, rel=0.01) and cm.draft_s("m", 1, 1) == pytest.approx(0.1)
+    back = CostModel.from_json(json.loads(json.dumps(cm.to_json())))
+    assert back.catch_up == {"m": 0.002}
+
+
 # -- exactness through the engine -------------------------------------------------------------------------------
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 7, 8, 9, 10], [11], [20, 21, 22, 5, 6, 20, 21, 22, 5]]
 
@@ -268,7 +411,8 @@ def auto_engine(target, draft, slots, cost=None, explore_every=3, max_context=80
     policy = AutoPolicy(["model", "ngram"], max_k=6, explore_every=explore_every,
                         cost=cost or flat_cost(verify_per_token=0.001, drafts={"model": 0.02, "ngram": 0.001}))
     parts = {"model": DraftModelDrafter(HFRunner(draft)), "ngram": NgramDrafter()}
-    multi = MultiDrafter(parts, policy.route, policy.observe_draft)
+    multi = MultiDrafter(parts, policy.route, policy.observe_draft, policy.observe_catch_up)
+    policy.lag = multi.lag
     return Engine(HFRunner(target), TOK if target.config.vocab_size == V else make_tokenizer(target.config.vocab_size),
                   multi, policy, max_batch_size=slots, max_context=max_context)
 

@@ -14,6 +14,9 @@ from specdecode.sampling import params_tensors, sample, warp
 from specdecode.verify.tree import DETERMINISTIC, WITHOUT_REPLACEMENT
 
 
+CATCH_UP_WIDTH = 16  # a row with more tokens to read than this reads them through the runner's prefill
+
+
 class DraftModelDrafter(DrafterBase):
     """Samples ``k`` tokens autoregressively from a draft model, warped like the target.
 
@@ -33,6 +36,7 @@ class DraftModelDrafter(DrafterBase):
     """
 
     name = "draft-model"
+    lazy_start = True  # its state is the tokens it has read: it can start late and catch up (drafters.multi)
 
     def __init__(self, runner: Runner, vocab_size: int | None = None, confidence: float = 0.0,
                  tree_topk: int = 1, tree_nodes: int = 0) -> None:
@@ -80,6 +84,12 @@ class DraftModelDrafter(DrafterBase):
         self._floor[dst] = self._floor.pop(src)
         self._tree.pop(src, None)  # its nodes were not copied: the accepted branch is fed again instead
 
+    def lag(self, seq: SequenceView) -> int:
+        """Tokens the next proposal for ``seq`` must read beyond the usual one or two (the last draft
+        token and the bonus token): what was generated while another drafter drafted for it."""
+        cached = self._cached.get(seq.slot, [])
+        return max(0, len(seq.token_ids) - common_prefix(cached, seq.token_ids, self._floor.get(seq.slot, 0)) - 2)
+
     def release(self, slot: int) -> None:
         self._cached.pop(slot, None)
         self._floor.pop(slot, None)
@@ -90,12 +100,19 @@ class DraftModelDrafter(DrafterBase):
         """Roll each slot back to the part of its cache that agrees with the sequence and feed the rest
         (ragged, right-padded), ending with the pending token."""
         pending = []
+        long = []  # (slot, keep, tokens to prefill): rows far behind catch up in prefill-sized pieces first
         for s in active:
             self._adopt_tree(s)
             keep = common_prefix(self._cached[s.slot], s.token_ids, self._floor[s.slot])
             if keep < len(self._cached[s.slot]):
                 self.runner.truncate(s.slot, keep)
+            if len(s.token_ids) - keep > CATCH_UP_WIDTH:
+                long.append((s.slot, keep, s.token_ids[keep:-1]))
+                self._cached[s.slot] = s.token_ids[:-1]
+                keep = len(s.token_ids) - 1
             pending.append((keep, s.token_ids[keep:]))
+        if long:
+            self.runner.prefill([slot for slot, _, _ in long], [p for _, _, p in long], starts=[k for _, k, _ in long])
         width = max(len(p) for _, p in pending)
         ids = torch.zeros(len(active), width, dtype=torch.long)
         positions = torch.zeros(len(active), width, dtype=torch.long)

@@ -11,6 +11,15 @@ as wide as its longest proposal, not as the longest request (n-gram lookup often
 Chains only: a part that drafts trees is refused. A sequence asked for without a route (a caller
 outside the engine's plan, such as ``check``'s verifier-law part) goes to the parts in turn, so each
 part's proposals meet the verifier.
+
+**Lazy parts.** A part that says ``lazy_start = True`` (a draft model: its state is a cache of the
+tokens it has read, so it can catch up on any history) is not started when a sequence arrives: its
+prompt is only remembered, and the part prefills it the first time the sequence is routed to it
+(then it catches up on the tokens generated meanwhile, as after a rejection). A sequence the
+selector never routes to a draft model never costs that model a forward, so under load, or for a
+request too short to pay back a long prompt's prefill, choosing among drafters costs no more than
+not drafting. :meth:`lag` tells the selector how many tokens a part would have to catch up on first,
+and ``on_catch_up(name, tokens, seconds)`` reports what a deferred prefill cost.
 """
 
 from __future__ import annotations
@@ -28,13 +37,17 @@ class MultiDrafter:
     max_tree_nodes = 0
 
     def __init__(self, parts: dict[str, Drafter], route: Callable[[SequenceView], str | None],
-                 on_timing: Callable[[str, int, int, float], None] = lambda name, rows, k, s: None) -> None:
+                 on_timing: Callable[[str, int, int, float], None] = lambda name, rows, k, s: None,
+                 on_catch_up: Callable[[str, int, float], None] = lambda name, tokens, s: None) -> None:
         if not parts:
             raise ValueError("a multi-drafter needs at least one part")
         trees = [name for name, d in parts.items() if getattr(d, "max_tree_nodes", 0)]
         if trees:
             raise ValueError(f"the selector chooses among chains; {', '.join(trees)} drafts trees")
-        self.parts, self.route, self.on_timing = dict(parts), route, on_timing
+        self.parts, self.route, self.on_timing, self.on_catch_up = dict(parts), route, on_timing, on_catch_up
+        # lazy part -> slot -> the prompt it has not read yet (see the module docstring)
+        self._waiting: dict[str, dict[int, list[int]]] = {
+            name: {} for name, d in parts.items() if getattr(d, "lazy_start", False)}
         self._turn = 0  # for callers outside the engine's plan (see propose)
         self.name = "+".join(parts)
         self.feature_layers = tuple(sorted({layer for d in parts.values() for layer in d.feature_layers}))
@@ -51,12 +64,37 @@ class MultiDrafter:
         return out
 
     def start(self, slots: list[int], prompts: list[list[int]]) -> None:
-        for d in self.parts.values():
-            d.start(slots, prompts)
+        for name, d in self.parts.items():
+            if name in self._waiting:
+                self._waiting[name].update((slot, list(p)) for slot, p in zip(slots, prompts))
+            else:
+                d.start(slots, prompts)
 
     def prefill(self, slots: list[int], pieces: list[list[int]], starts: list[int]) -> bool:
-        done = [d.prefill(slots, pieces, starts) for d in self.parts.values() if hasattr(d, "prefill")]
+        done = [d.prefill(slots, pieces, starts) for name, d in self.parts.items()
+                if hasattr(d, "prefill") and name not in self._waiting]
         return any(done)
+
+    def lag(self, seq: SequenceView, name: str) -> int:
+        """Tokens part ``name`` must read for ``seq`` before it can draft, beyond the one or two a
+        proposal always feeds: the whole history when it has not started on ``seq``."""
+        waiting = self._waiting.get(name)
+        if waiting is not None and seq.slot in waiting:
+            return len(seq.token_ids) - 1
+        lag = getattr(self.parts[name], "lag", None)
+        return lag(seq) if lag is not None else 0
+
+    def _start_late(self, name: str, seqs: list[SequenceView]) -> None:
+        """Start lazy part ``name`` on the sequences among ``seqs`` it has not read yet."""
+        waiting = self._waiting.get(name)
+        late = [s for s in seqs if waiting and s.slot in waiting]
+        if not late:
+            return
+        t0 = time.perf_counter()
+        self.parts[name].start([s.slot for s in late], [waiting[s.slot] for s in late])
+        for s in late:
+            del waiting[s.slot]
+        self.on_catch_up(name, sum(len(s.token_ids) - 1 for s in late), time.perf_counter() - t0)
 
     def observe(self, slots: list[int], features: list[TargetFeatures]) -> None:
         for d in self.parts.values():
@@ -78,18 +116,27 @@ class MultiDrafter:
         parts: list[tuple[list[int], Proposal]] = []
         for name, rows in rows_of.items():
             ks = [num_tokens[b] for b in rows]
+            self._start_late(name, [seqs[b] for b in rows])
             t0 = time.perf_counter()
             parts.append((rows, self.parts[name].propose([seqs[b] for b in rows], ks)))
             self.on_timing(name, len(rows), max(ks), time.perf_counter() - t0)
         return merge(bsz, parts)
 
     def move(self, src: int, dst: int) -> None:
-        for d in self.parts.values():
-            d.move(src, dst)
+        for name, d in self.parts.items():
+            waiting = self._waiting.get(name)
+            if waiting is not None and src in waiting:
+                waiting[dst] = waiting.pop(src)
+            else:
+                d.move(src, dst)
 
     def release(self, slot: int) -> None:
-        for d in self.parts.values():
-            d.release(slot)
+        for name, d in self.parts.items():
+            waiting = self._waiting.get(name)
+            if waiting is not None and slot in waiting:
+                del waiting[slot]
+            else:
+                d.release(slot)
 
 
 def merge(batch: int, parts: list[tuple[list[int], Proposal]]) -> Proposal:
