@@ -167,6 +167,28 @@ def test_greedy_speculation_equals_llamacpp_target_only(tiny, k):
         assert sum(o.stats.accepted for o in outs) > 0
 
 
+def test_a_llamacpp_draft_model_started_late_drafts_exactly(tiny):
+    """Under the selector a draft model reads a request only once it drafts for it: here n-gram lookup
+    drafts until 20 tokens were generated (more than a proposal reads in one forward), then the
+    llama.cpp draft model starts, prefills prompt and backlog, and drafts; greedy output unchanged."""
+    from specdecode.drafters.multi import MultiDrafter
+
+    _, _, gguf_t, gguf_d, _ = tiny
+    tok = make_tokenizer(V)
+    prompts = [[1, 2, 3, 1, 2, 3], [4, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2]]
+    sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    ref = Engine(LlamaCppRunner(gguf_t), tok, None, 0, max_batch_size=1, max_context=80).generate(prompts, sp)
+    route = lambda s: "model" if len(s.token_ids) - len(s.prompt_ids) >= 20 else "ngram"  # noqa: E731
+    model = DraftModelDrafter(LlamaCppRunner(gguf_d))
+    drafted = []
+    propose = model.propose
+    model.propose = lambda seqs, ks: drafted.append(min(len(s.token_ids) - len(s.prompt_ids) for s in seqs)) or propose(seqs, ks)
+    multi = MultiDrafter({"model": model, "ngram": NgramDrafter()}, route)
+    outs = Engine(LlamaCppRunner(gguf_t), tok, multi, 3, max_batch_size=3, max_context=80).generate(prompts, sp)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert drafted and min(drafted) >= 20 and sum(o.stats.accepted for o in outs) > 0
+
+
 def test_medusa_heads_draft_from_the_llamacpp_final_state(tiny):
     """Medusa reads the target's final hidden state, which llama.cpp gives as its embeddings output:
     the same heads draft and get accepted as they do over the torch runner (wrong features would not)."""
