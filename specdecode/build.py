@@ -226,6 +226,9 @@ def load_pair(target: str, draft: str | None, dtype: str = "auto", device: str =
         raise ConfigError(f"backend must be torch or llamacpp here, got {backend!r}")
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
+    early = None  # a draft quantized by torch is loaded and quantized first, so its unquantized weights
+    if spec is not None and spec.loads_model and mode not in ("none", *GGUF_MODES):  # are gone before the target's load
+        early = _load_torch_draft(spec.arg, torch_dtype, dev, mode)
     target_model, tokenizer = load_model(target, torch_dtype, dev)
     if target_quantization != "none":  # lossy, labelled: see specdecode.models.quantize
         from specdecode.models.quantize import quantize_model
@@ -241,19 +244,27 @@ def load_pair(target: str, draft: str | None, dtype: str = "auto", device: str =
         if problem:
             raise PairError(f"draft {draft!r} cannot draft for target {target!r}: {problem}")
         return LoadedPair(target_model, tokenizer, draft_model, draft_tokenizer, mode, target_quantization)
-    draft_model, draft_tokenizer = load_model(spec.arg, torch_dtype, dev)
-    problem = tokenizers_compatible(tokenizer, draft_tokenizer, target_model, draft_model)  # before quantizing
+    draft_model, draft_tokenizer, mode = early or _load_torch_draft(spec.arg, torch_dtype, dev, mode)
+    problem = tokenizers_compatible(tokenizer, draft_tokenizer, target_model, draft_model)
     if problem:
         raise PairError(f"draft {draft!r} cannot draft for target {target!r}: {problem}")
+    return LoadedPair(target_model, tokenizer, draft_model, draft_tokenizer, mode, target_quantization)
+
+
+def _load_torch_draft(name: str, dtype, device, mode: str):
+    """(model, tokenizer, mode) of a torch draft, quantized as ``mode`` says (``auto`` measured)."""
+    from specdecode.models.loading import load_model
+
+    draft_model, draft_tokenizer = load_model(name, dtype, device)
     if mode == "auto":
         from specdecode.models.quantize import auto_mode
 
-        mode = auto_mode(draft_model, spec.arg)
+        mode = auto_mode(draft_model, name)
     if mode != "none":
         from specdecode.models.quantize import quantize_model
 
         quantize_model(draft_model, mode)
-    return LoadedPair(target_model, tokenizer, draft_model, draft_tokenizer, mode, target_quantization)
+    return draft_model, draft_tokenizer, mode
 
 
 def _load_llamacpp_pair(target: str, spec, draft: str | None, threads: int | None, mode: str = "none") -> LoadedPair:

@@ -145,3 +145,30 @@ def test_quantizing_in_row_blocks_gives_the_same_weights(cls, monkeypatch):
     blocked = cls(linear)
     for name, buf in whole.named_buffers():
         assert torch.equal(buf, dict(blocked.named_buffers())[name]), name
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantizing_lets_go_of_a_memory_mapped_weights_file(tmp_path, mode):
+    """The unquantized parameters (the embedding, the norms) may be views of a memory-mapped file, as
+    loaded from safetensors; after quantizing, none of them refers to the map any more (so it, and the
+    file pages quantizing read, can be let go) and their values are unchanged."""
+    import gc
+    import weakref
+
+    import numpy as np
+
+    model = make_model(256, seed=0, hidden=64).to(torch.bfloat16)
+    emb = model.get_input_embeddings().weight
+    raw = emb.detach().view(torch.int16).numpy()
+    mapped = np.memmap(tmp_path / "weights.bin", dtype=np.int16, mode="w+", shape=raw.shape)
+    mapped[:] = raw
+    emb.data = torch.from_numpy(mapped).view(torch.bfloat16)  # the embedding now reads the mapped file
+    before = emb.detach().clone()
+    alive = weakref.ref(mapped)
+    del mapped, raw
+    gc.collect()
+    assert alive() is not None  # the model holds it
+    Q.quantize_model(model, mode)
+    gc.collect()
+    assert alive() is None  # nothing refers to the map any more
+    assert torch.equal(model.get_input_embeddings().weight, before)

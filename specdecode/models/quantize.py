@@ -25,7 +25,11 @@ Modes (``--draft-quantization``, or a ``@mode`` suffix on the draft spec):
   (none unless clearly faster), measured once and cached per (model, device, dtype, torch).
 
 Every ``nn.Linear`` of the decoder is replaced, and the LM head (a quarter of a 0.5B model's weights
-at a 152k vocabulary); the input embedding stays as it is.
+at a 152k vocabulary); the input embedding stays as it is. The parameters left unquantized (the
+embedding, the norms) are then copied out of the weights file's memory map, so that the map, and the
+file pages quantizing read through it, are let go: otherwise one small tensor kept the whole file
+resident and a quantized draft's peak memory exceeded the unquantized one's (docs/benchmarks.md,
+session 12; ``build.load_pair`` also quantizes a torch draft before loading the target).
 
 ``--target-quantization`` is **lossy** with respect to the model the user named: the output then
 follows the quantized target's law exactly (speculation stays exact), and every output says so
@@ -147,8 +151,25 @@ def quantize_model(model: nn.Module, mode: str, row_independent: bool = False) -
         if device.type != "cpu":
             raise ValueError("int4 draft quantization runs on the CPU kernel only; use int8 on CUDA")
         _replace_linears(model, Int4WeightOnlyLinear)
+    _own_memory(model)
     model.quantization = mode
     return model
+
+
+def _own_memory(model: nn.Module) -> None:
+    """Copy the CPU parameters and buffers of the modules left unquantized into memory of their own
+    (they may be views of a memory-mapped weights file), then collect what no longer refers to the map."""
+    import gc
+
+    quantized = (Int8WeightOnlyLinear, Int4WeightOnlyLinear, DynamicInt8Linear)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, quantized):
+                continue
+            for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+                if tensor is not None and tensor.device.type == "cpu":
+                    tensor.data = tensor.data.clone()
+    gc.collect()
 
 
 class DynamicInt8Linear(nn.Module):
