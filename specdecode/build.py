@@ -228,6 +228,9 @@ def load_pair(target: str, draft: str | None, dtype: str = "auto", device: str =
     torch_dtype = resolve_dtype(dtype, dev)
     early = None  # a draft quantized by torch is loaded and quantized first, so its unquantized weights
     if spec is not None and spec.loads_model and mode not in ("none", *GGUF_MODES):  # are gone before the target's load
+        from specdecode.models.loading import resolve
+
+        resolve(target)  # a target that cannot be found fails before the draft's load
         early = _load_torch_draft(spec.arg, torch_dtype, dev, mode)
     target_model, tokenizer = load_model(target, torch_dtype, dev)
     if target_quantization != "none":  # lossy, labelled: see specdecode.models.quantize

@@ -26,8 +26,9 @@ Three parts:
 prompt and what was generated since, and after other drafters drafted for a while, what they
 produced. That one-off cost (``lag`` tokens at the cost model's ``catch_up`` seconds per token) is
 paid only if the drafter is expected to save more than that over the sequence's remaining tokens
-(at most ``horizon`` of them): ``remaining * (v(B, 1) - best seconds per token with it) > catch-up
-seconds``; otherwise the drafter is not a candidate for that sequence at this step. So a long prompt
+(at most ``horizon`` of them) than the catch-up costs the batch, which waits for it: ``remaining *
+(v(B, 1) - best seconds per token with it) > B * catch-up seconds``; otherwise the drafter is not a
+candidate for that sequence at this step. So a long prompt
 with a short answer never pays a draft model's prefill it cannot earn back, and under load, where no
 drafter pays, requests cost what they cost without speculation.
 
@@ -198,13 +199,14 @@ class AutoPolicy:
 
     def _pays_back(self, seq, drafter: str, est: tuple[float, float], batch: int, catch_up_s: float) -> bool:
         """Is ``drafter`` a candidate for ``seq`` at this step: free to start, or expected (at ``est``)
-        to save more than its catch-up over the sequence's remaining tokens?"""
+        to save ``seq`` more time over its remaining tokens than its catch-up costs the batch (the
+        catch-up runs inside the step: every running sequence waits for it)?"""
         if catch_up_s <= 0:
             return True
         plain = self.cost.verify_s(batch, 1)  # seconds per token of this sequence without drafting
         best = min((self.cost.verify_s(batch, k + 1) + self.cost.draft_s(drafter, 1, k)) / expected_tokens(*est, k)
                    for k in self.lengths)
-        return self._remaining(seq) * (plain - best) > catch_up_s
+        return self._remaining(seq) * (plain - best) > catch_up_s * max(1, batch)
 
     def _assign(self, est: dict[str, tuple[float, float]], lengths: dict[str, int]) -> tuple[str | None, int]:
         best, gain = (None, 0), 1.0

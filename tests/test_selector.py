@@ -365,10 +365,36 @@ def test_a_catch_up_is_paid_only_when_it_pays_back():
             routes[name].append(policy.route(seq))
             policy.observe(seq, k, k if policy.route(seq) == "model" else 0)
     assert "model" not in routes["short"] and routes["long"].count("model") >= 4, routes
+    # the catch-up runs inside the step: at batch 16 all 16 wait 5 s (80 s of waiting) for a
+    # sequence to save ~46 s over its 100 tokens: not a candidate, not even to explore
+    for _ in range(4):
+        ks = policy.plan([long], 16)
+        assert policy.route(long) != "model"
+        policy.observe(long, ks[0], 0)
     lags[(id(short), "model")] = 0  # read (say, it was routed there earlier)
     policy.plan([short], 1)
     assert policy.route(short) == "model"
     assert AutoPolicy(["model"], max_k=8, cost=cost).lag is None  # nothing to read: the usual arithmetic
+
+
+def test_late_starts_are_reported_as_catch_up_apart_from_proposals():
+    """The multi-drafter reports what a late start read (the prompt, then the backlog a proposal reads
+    through prefill) as catch-up, and times the proposal without it."""
+    target = make_model(V, seed=0)
+    caught, timed = [], []
+    multi = MultiDrafter({"model": DraftModelDrafter(HFRunner(perturbed_copy(target, 0.1))), "ngram": NgramDrafter()},
+                         lambda s: "model" if len(s.output_ids) >= 25 else "ngram",
+                         on_timing=lambda name, rows, k, sec: timed.append((name, sec)),
+                         on_catch_up=lambda name, tokens, sec: caught.append((name, tokens)))
+    engine = Engine(HFRunner(target), TOK, multi, 2, max_batch_size=1, max_context=80)
+    prompt = [4, 5, 6, 7, 8, 9, 10]
+    out = engine.generate([prompt], SamplingParams(max_new_tokens=40, ignore_eos=True))[0]
+    # started at the first step with >= 25 tokens generated: the prompt (6 cached tokens), then the
+    # backlog (all generated tokens but the pending one)
+    assert caught[0] == ("model", len(prompt) - 1)
+    assert caught[1][0] == "model" and 25 <= caught[1][1] <= 27 and len(caught) == 2
+    assert {name for name, _ in timed} == {"model", "ngram"}
+    assert len(out.token_ids) == 40
 
 
 @pytest.mark.parametrize("per_token", [0.0, 10.0], ids=["free", "dear"])

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+import time
+from typing import Callable, Sequence
 
 import torch
 
@@ -37,6 +38,9 @@ class DraftModelDrafter(DrafterBase):
 
     name = "draft-model"
     lazy_start = True  # its state is the tokens it has read: it can start late and catch up (drafters.multi)
+    # told of each backlog a proposal first read through prefill (tokens, seconds): the multi-drafter
+    # reports it as catch-up, apart from the proposal's own time
+    on_catch_up: Callable[[int, float], None] = staticmethod(lambda tokens, seconds: None)
 
     def __init__(self, runner: Runner, vocab_size: int | None = None, confidence: float = 0.0,
                  tree_topk: int = 1, tree_nodes: int = 0) -> None:
@@ -108,11 +112,13 @@ class DraftModelDrafter(DrafterBase):
                 self.runner.truncate(s.slot, keep)
             if len(s.token_ids) - keep > CATCH_UP_WIDTH:
                 long.append((s.slot, keep, s.token_ids[keep:-1]))
-                self._cached[s.slot] = s.token_ids[:-1]
                 keep = len(s.token_ids) - 1
             pending.append((keep, s.token_ids[keep:]))
         if long:
+            t0 = time.perf_counter()
             self.runner.prefill([slot for slot, _, _ in long], [p for _, _, p in long], starts=[k for _, k, _ in long])
+            _sync(self.runner)
+            self.on_catch_up(sum(len(p) for _, _, p in long), time.perf_counter() - t0)
         width = max(len(p) for _, p in pending)
         ids = torch.zeros(len(active), width, dtype=torch.long)
         positions = torch.zeros(len(active), width, dtype=torch.long)
@@ -241,6 +247,13 @@ class DraftModelDrafter(DrafterBase):
         if extra > 0:
             return torch.nn.functional.pad(logits, (0, extra), value=-float("inf"))
         return logits[..., : self.vocab_size]
+
+
+def _sync(runner) -> None:
+    """Wait for a CUDA runner's queued work, so that what is timed is what ran."""
+    device = getattr(runner, "device", None)
+    if getattr(device, "type", None) == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def stop_unsure(ks: list[int], j: int, logits: torch.Tensor, probs: torch.Tensor | None, tok: torch.Tensor, params,

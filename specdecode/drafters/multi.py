@@ -48,6 +48,9 @@ class MultiDrafter:
         # lazy part -> slot -> the prompt it has not read yet (see the module docstring)
         self._waiting: dict[str, dict[int, list[int]]] = {
             name: {} for name, d in parts.items() if getattr(d, "lazy_start", False)}
+        self._caught_up_s = 0.0  # catch-up seconds inside the proposal being timed
+        for name in self._waiting:
+            parts[name].on_catch_up = lambda tokens, seconds, name=name: self._caught_up(name, tokens, seconds)
         self._turn = 0  # for callers outside the engine's plan (see propose)
         self.name = "+".join(parts)
         self.feature_layers = tuple(sorted({layer for d in parts.values() for layer in d.feature_layers}))
@@ -90,11 +93,18 @@ class MultiDrafter:
         late = [s for s in seqs if waiting and s.slot in waiting]
         if not late:
             return
+        part = self.parts[name]
+        prompts = [waiting[s.slot] for s in late]
         t0 = time.perf_counter()
-        self.parts[name].start([s.slot for s in late], [waiting[s.slot] for s in late])
+        part.start([s.slot for s in late], prompts)
+        _sync(part)
         for s in late:
             del waiting[s.slot]
-        self.on_catch_up(name, sum(len(s.token_ids) - 1 for s in late), time.perf_counter() - t0)
+        self.on_catch_up(name, sum(len(p) - 1 for p in prompts), time.perf_counter() - t0)
+
+    def _caught_up(self, name: str, tokens: int, seconds: float) -> None:
+        self._caught_up_s += seconds
+        self.on_catch_up(name, tokens, seconds)
 
     def observe(self, slots: list[int], features: list[TargetFeatures]) -> None:
         for d in self.parts.values():
@@ -117,9 +127,11 @@ class MultiDrafter:
         for name, rows in rows_of.items():
             ks = [num_tokens[b] for b in rows]
             self._start_late(name, [seqs[b] for b in rows])
+            self._caught_up_s = 0.0
             t0 = time.perf_counter()
             parts.append((rows, self.parts[name].propose([seqs[b] for b in rows], ks)))
-            self.on_timing(name, len(rows), max(ks), time.perf_counter() - t0)
+            # (a backlog read through prefill inside the proposal is catch-up, reported apart)
+            self.on_timing(name, len(rows), max(ks), time.perf_counter() - t0 - self._caught_up_s)
         return merge(bsz, parts)
 
     def move(self, src: int, dst: int) -> None:
@@ -137,6 +149,14 @@ class MultiDrafter:
                 del waiting[slot]
             else:
                 d.release(slot)
+
+
+def _sync(drafter) -> None:
+    """Wait for the queued CUDA work of a drafter's runners, so that what is timed is what ran."""
+    for runner in drafter.runners().values():
+        device = getattr(runner, "device", None)
+        if getattr(device, "type", None) == "cuda":
+            torch.cuda.synchronize(device)
 
 
 def merge(batch: int, parts: list[tuple[list[int], Proposal]]) -> Proposal:
