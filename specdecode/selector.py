@@ -25,8 +25,8 @@ Three parts:
 :mod:`specdecode.drafters.multi`): the first time it drafts for a sequence it must first read the
 prompt and what was generated since, and after other drafters drafted for a while, what they
 produced. That one-off cost (``lag`` tokens at the cost model's ``catch_up`` seconds per token) is
-paid only if the drafter is expected to save more than that over the sequence's remaining tokens
-(at most ``horizon`` of them) than the catch-up costs the batch, which waits for it: ``remaining *
+paid only if the drafter is expected to save the sequence more time over its remaining tokens (at
+most ``horizon`` of them) than the catch-up costs the batch, which waits for it: ``remaining *
 (v(B, 1) - best seconds per token with it) > B * catch-up seconds``; otherwise the drafter is not a
 candidate for that sequence at this step. So a long prompt
 with a short answer never pays a draft model's prefill it cannot earn back, and under load, where no

@@ -11,6 +11,7 @@ import torch
 from specdecode.drafters.base import DrafterBase, Proposal, SequenceView, common_prefix
 from specdecode.drafters.dynamic_tree import GROWTH, GrownTree, grow_trees
 from specdecode.models.base import Runner
+from specdecode.models.device import synchronize
 from specdecode.sampling import params_tensors, sample, warp
 from specdecode.verify.tree import DETERMINISTIC, WITHOUT_REPLACEMENT
 
@@ -117,7 +118,7 @@ class DraftModelDrafter(DrafterBase):
         if long:
             t0 = time.perf_counter()
             self.runner.prefill([slot for slot, _, _ in long], [p for _, _, p in long], starts=[k for _, k, _ in long])
-            _sync(self.runner)
+            synchronize(self.runner)
             self.on_catch_up(sum(len(p) for _, _, p in long), time.perf_counter() - t0)
         width = max(len(p) for _, p in pending)
         ids = torch.zeros(len(active), width, dtype=torch.long)
@@ -247,13 +248,6 @@ class DraftModelDrafter(DrafterBase):
         if extra > 0:
             return torch.nn.functional.pad(logits, (0, extra), value=-float("inf"))
         return logits[..., : self.vocab_size]
-
-
-def _sync(runner) -> None:
-    """Wait for a CUDA runner's queued work, so that what is timed is what ran."""
-    device = getattr(runner, "device", None)
-    if getattr(device, "type", None) == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def stop_unsure(ks: list[int], j: int, logits: torch.Tensor, probs: torch.Tensor | None, tok: torch.Tensor, params,

@@ -31,6 +31,7 @@ import torch
 
 from specdecode.drafters.base import Drafter, Proposal, SequenceView, TargetFeatures
 from specdecode.models.base import Runner
+from specdecode.models.device import synchronize
 
 
 class MultiDrafter:
@@ -97,7 +98,8 @@ class MultiDrafter:
         prompts = [waiting[s.slot] for s in late]
         t0 = time.perf_counter()
         part.start([s.slot for s in late], prompts)
-        _sync(part)
+        for runner in part.runners().values():
+            synchronize(runner)
         for s in late:
             del waiting[s.slot]
         self.on_catch_up(name, sum(len(p) - 1 for p in prompts), time.perf_counter() - t0)
@@ -149,14 +151,6 @@ class MultiDrafter:
                 del waiting[slot]
             else:
                 d.release(slot)
-
-
-def _sync(drafter) -> None:
-    """Wait for the queued CUDA work of a drafter's runners, so that what is timed is what ran."""
-    for runner in drafter.runners().values():
-        device = getattr(runner, "device", None)
-        if getattr(device, "type", None) == "cuda":
-            torch.cuda.synchronize(device)
 
 
 def merge(batch: int, parts: list[tuple[list[int], Proposal]]) -> Proposal:

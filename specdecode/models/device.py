@@ -89,3 +89,12 @@ def device_arg(name: str) -> str:
     if name == "auto" or re.fullmatch(r"cpu|cuda(:\d+)?", name):
         return name
     raise argparse.ArgumentTypeError(f"unknown device {name!r}: choose auto, cpu, cuda or cuda:N")
+
+
+def synchronize(runner) -> None:
+    """Wait for a runner's queued CUDA work (nothing to wait for elsewhere), so that what is timed ran."""
+    device = getattr(runner, "device", None)
+    if getattr(device, "type", None) == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
