@@ -36,8 +36,14 @@ drafter pays, requests cost what they cost without speculation.
 ``explore_every`` steps of a sequence, a drafter it has not used for that long drafts for it once
 (at that step's length for the drafter, or ``explore_k``), unless the cost model says that drafter
 could not pay even if it were always right (then it is never tried: exploring it would only lose),
-catch-up included. New sequences start from the drafters' history, so a drafter that does well on
-some requests is chosen at once for similar ones.
+catch-up included. Exploring one row is not free for the others: it may widen the whole batch's
+verify and adds a proposal. With ``B`` sequences each exploring about once every ``explore_every``
+steps, a step carries ``B / explore_every`` explorations on average, so one is allowed only if what
+it adds to the step's planned seconds stays under ``explore_cost * explore_every / B`` of them
+(``explore_cost`` = 5 %: exploration costs the batch at most ~5 % of its time). At batch 1 that is
+most of a step; at batch 16, where a wider verify costs nearly its full share, exploration stops
+unless it rides in a verify already that wide. New sequences start from the drafters' history, so a
+drafter that does well on some requests is chosen at once for similar ones.
 
 It only changes which tokens are proposed and how many: verification is exact for any proposal, so
 the output law is the target's whatever it decides.
@@ -98,7 +104,8 @@ class AutoPolicy:
                  lengths: tuple[int, ...] = LENGTHS, explore_every: int = 16, explore_k: int = 2,
                  decay: float = 0.7, prior_decay: float = 0.98, prior_weight: float = 3.0,
                  prior_alpha: float = 0.5, prior_fill: float = 0.8, margin: float = 0.03,
-                 lag: Callable[[object, str], int] | None = None, horizon: int = HORIZON) -> None:
+                 lag: Callable[[object, str], int] | None = None, horizon: int = HORIZON,
+                 explore_cost: float = 0.05) -> None:
         if not drafters:
             raise ValueError("the selector needs at least one drafter")
         if max_k < 1:
@@ -106,6 +113,9 @@ class AutoPolicy:
         self.drafters, self.max_k, self.cost = list(drafters), max_k, cost
         self.lengths = sorted({k for k in lengths if k <= max_k} | {max_k})
         self.explore_every, self.explore_k = explore_every, min(explore_k, max_k)
+        if explore_cost < 0:
+            raise ValueError(f"explore_cost must be >= 0, got {explore_cost}")
+        self.explore_cost = explore_cost
         self.decay, self.prior_decay, self.prior_weight, self.margin = decay, prior_decay, prior_weight, margin
         self.lag, self.horizon = lag, horizon
         self.history = {d: _Counts(prior_alpha * prior_weight, (1 - prior_alpha) * prior_weight,
@@ -135,13 +145,16 @@ class AutoPolicy:
         est = [{d: e for d in self.drafters
                 if self._pays_back(s, d, e := self.estimate(s, d), batch_size, c[d])} for s, c in zip(seqs, catch)]
         lengths = self._best_lengths(est, batch_size)
+        choices = [self._assign(e, lengths) for e in est]
+        step = _Step(self.cost, batch_size, choices)
+        allowance = self.explore_cost * self.explore_every * step.seconds() / max(1, batch_size)
         out = []
-        for s, e, c in zip(seqs, est, catch):
+        for s, choice, c in zip(seqs, choices, catch):
             state = self._state(s)
             state.steps += 1
-            choice = self._assign(e, lengths)
-            explore = self._explore(s, state, lengths, batch_size, c)
+            explore = self._explore(s, state, choice, lengths, batch_size, c, step, allowance)
             if explore is not None:
+                step.move(choice, explore)
                 choice = explore
             state.choice = choice
             out.append(choice[1])
@@ -252,13 +265,48 @@ class AutoPolicy:
                 return True
         return False
 
-    def _explore(self, seq, state: _SeqState, lengths: dict[str, int], batch: int,
-                 catch_up: dict[str, float]) -> tuple[str, int] | None:
+    def _explore(self, seq, state: _SeqState, choice: tuple[str | None, int], lengths: dict[str, int], batch: int,
+                 catch_up: dict[str, float], step: "_Step", allowance: float) -> tuple[str, int] | None:
         if self.explore_every <= 0:
             return None
         due = [d for d in self.drafters if state.steps - state.last_used.get(d, 0) >= self.explore_every]
         for d in sorted(due, key=lambda d: state.last_used.get(d, 0)):
-            if self.could_pay(d, batch) and self._pays_back(seq, d, (0.999, 1.0), batch, catch_up[d]):
-                return d, lengths[d] or self.explore_k
-            state.last_used[d] = state.steps  # cannot pay at this load: look again later
+            k = lengths[d] or self.explore_k
+            if (self.could_pay(d, batch) and self._pays_back(seq, d, (0.999, 1.0), batch, catch_up[d])
+                    and step.extra(choice, (d, k)) <= allowance):
+                return d, k
+            state.last_used[d] = state.steps  # cannot pay, or cannot be afforded, at this load: look again later
         return None
+
+
+class _Step:
+    """The planned step's shape (verify width, rows per drafter) and its cost, as explorations join it."""
+
+    def __init__(self, cost: CostModel, batch: int, choices: list[tuple[str | None, int]]) -> None:
+        self.cost, self.batch = cost, batch
+        self.rows: dict[tuple[str, int], int] = {}
+        for choice in choices:
+            self._add(choice, 1)
+
+    def _add(self, choice: tuple[str | None, int], n: int) -> None:
+        d, k = choice
+        if d is not None and k > 0:
+            self.rows[(d, k)] = self.rows.get((d, k), 0) + n
+            if not self.rows[(d, k)]:
+                del self.rows[(d, k)]
+
+    def seconds(self) -> float:
+        width = 1 + max((k for _, k in self.rows), default=0)
+        return self.cost.verify_s(self.batch, width) + sum(self.cost.draft_s(d, n, k) for (d, k), n in self.rows.items())
+
+    def extra(self, old: tuple[str | None, int], new: tuple[str, int]) -> float:
+        """Seconds the step gains when one row goes from ``old`` to ``new``."""
+        before = self.seconds()
+        self.move(old, new)
+        after = self.seconds()
+        self.move(new, old)
+        return after - before
+
+    def move(self, old: tuple[str | None, int], new: tuple[str | None, int]) -> None:
+        self._add(old, -1)
+        self._add(new, 1)

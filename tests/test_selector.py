@@ -231,6 +231,43 @@ def test_the_selector_explores_a_drafter_it_does_not_use():
     assert policy.route(seq) == "b" or policy.plan([seq], 1) and policy.route(seq) == "b"
 
 
+def test_exploration_costs_the_batch_at_most_its_share():
+    """At batch 16 a wider verify costs 40 % of a step a token: a perfect drafter could still pay (2
+    tokens for 1.4 steps), but one row exploring at k = 2 would make the whole step 80 % longer, so it
+    does not explore; at batch 1 it does, every ``explore_every`` steps; and at batch 16 it still may
+    explore inside a verify that another drafter has already made that wide."""
+    verify = {1: {w: 1.0 + 0.02 * (w - 1) for w in (1, 2, 3, 5, 9)},
+              16: {w: 1.0 + 0.4 * (w - 1) for w in (1, 2, 3, 5, 9)}}
+    draft = {name: {r: {k: 0.001 * k for k in (1, 2, 4, 8)} for r in (1, 16)} for name in ("a", "b")}
+    policy = AutoPolicy(["a", "b"], max_k=8, cost=CostModel(verify, draft), explore_every=4)
+    assert policy.could_pay("b", 16)
+    seqs = [Seq(slot=i) for i in range(16)]
+    for s in seqs:
+        teach(policy, s, "a", [0, 0, 0, 0, 0, 0])
+        teach(policy, s, "b", [0, 0, 0, 0, 0, 0])
+    for _ in range(12):  # no drafter pays at 16, and exploring would cost the batch more than its share
+        assert policy.plan(seqs, 16) == [0] * 16
+        for s in seqs:
+            policy.observe(s, 0, 0)
+    routes = []
+    for _ in range(12):  # alone, exploring costs 2 % of a step: b and a are tried once every 4 steps
+        ks = policy.plan(seqs[:1], 1)
+        routes.append(policy.route(seqs[0]))
+        policy.observe(seqs[0], ks[0], 0)
+    assert routes.count("a") >= 2 and routes.count("b") >= 2, routes
+    # a pays for every sequence at 16 now (a long chain): b's exploration rides in that verify
+    for s in seqs:
+        teach(policy, s, "a", [4] * 12)
+    explored = 0
+    for _ in range(8):
+        ks = policy.plan(seqs, 16)
+        assert min(ks) > 0 and all(policy.route(s) in ("a", "b") for s in seqs)
+        explored += sum(policy.route(s) == "b" for s in seqs)
+        for s, k in zip(seqs, ks):
+            policy.observe(s, k, k if policy.route(s) == "a" else 0)
+    assert explored >= 16  # each sequence tried b about every 4 steps
+
+
 def test_history_gives_new_sequences_a_prior():
     cost = flat_cost(verify_per_token=0.02, drafts={"a": 0.05, "b": 0.05})
     policy = AutoPolicy(["a", "b"], max_k=8, cost=cost, explore_every=0)
