@@ -3,7 +3,8 @@
 # tree's server, same models and flags, driven by one `specdecode load` run that alternates the two
 # endpoints level by level (streamed requests; TTFT, ITL, TPOT, output tok/s).
 # Usage: scripts/prefill_latency_bench.sh BASE_REF TARGET DRAFT [LEVELS] [OUTPUT_LEN] [DURATION_S] [REQUESTS]
-# Env: SERVE_ARGS (flags for both servers), BASE_ARGS / NEW_ARGS (flags for one of them),
+# Env: SERVE_ARGS (flags for every server), BASE_ARGS / NEW_ARGS (flags for one of them), NEW2_ARGS
+#      (if set, a third server from this tree with these flags, endpoint "new2"),
 #      MAX_CHARS (longest summarization article, default 3000), OUT (default runs/prefill-latency)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,8 +22,12 @@ serve() {  # serve DIR PORT ARGS...
   echo $!
 }
 A=$(serve "$WT" 8131 ${BASE_ARGS:-}); B=$(serve "$PWD" 8132 ${NEW_ARGS:-})
-trap 'kill -TERM $A $B 2>/dev/null || true; sleep 2; git worktree remove --force "$WT" || true' EXIT
-for port in 8131 8132; do
+PORTS="8131 8132"; ENDPOINTS=(--endpoint "base=http://127.0.0.1:8131" --endpoint "new=http://127.0.0.1:8132"); C=
+if [ -n "${NEW2_ARGS:-}" ]; then
+  C=$(serve "$PWD" 8133 $NEW2_ARGS); PORTS="$PORTS 8133"; ENDPOINTS+=(--endpoint "new2=http://127.0.0.1:8133")
+fi
+trap 'kill -TERM $A $B $C 2>/dev/null || true; sleep 2; git worktree remove --force "$WT" || true' EXIT
+for port in $PORTS; do
   for _ in $(seq 1 900); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 1; done
   curl -sf "http://127.0.0.1:$port/health" >/dev/null || { echo "server $port did not come up"; cat "$OUT/serve-$port.log"; exit 1; }
   curl -s "http://127.0.0.1:$port/v1/completions" -H 'Content-Type: application/json' \
@@ -30,8 +35,9 @@ for port in 8131 8132; do
 done
 echo "base $(git -C "$WT" log --oneline -1) | new $(git log --oneline -1) $(git diff --quiet || echo '(modified tree)')" \
   > "$OUT/commits.txt"
-python -m specdecode.cli load --endpoint "base=http://127.0.0.1:8131" --endpoint "new=http://127.0.0.1:8132" \
+echo "SERVE_ARGS=${SERVE_ARGS:-} | BASE_ARGS=${BASE_ARGS:-} | NEW_ARGS=${NEW_ARGS:-} | NEW2_ARGS=${NEW2_ARGS:-}" >> "$OUT/commits.txt"
+python -m specdecode.cli load "${ENDPOINTS[@]}" \
   --prompts "$OUT/prompts.jsonl" --levels "$LEVELS" --num-requests "$REQUESTS" --duration "$DURATION" \
   --time-limit $((DURATION * 8)) --output-len "$OUTLEN" --extra-body '{"ignore_eos": true, "temperature": 0}' \
   --no-progress --out "$OUT/load"
-for port in 8131 8132; do curl -s "http://127.0.0.1:$port/metrics" > "$OUT/metrics-$port.txt"; done
+for port in $PORTS; do curl -s "http://127.0.0.1:$port/metrics" > "$OUT/metrics-$port.txt"; done
