@@ -76,6 +76,30 @@ def test_compare_two_endpoints_writes_every_output(tmp_path: Path) -> None:
     assert "**TPOT**" in report
 
 
+def test_three_endpoints_are_interleaved_and_each_candidate_is_compared_with_the_first(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    fast, slow = Behaviour(first_token_s=0.01, token_interval_s=0.01), Behaviour(first_token_s=0.02, token_interval_s=0.02)
+    with FakeServer(slow) as a, FakeServer(fast) as b, FakeServer(fast) as c:
+        rc = _run(["--endpoint", a.url, "--endpoint", b.url, "--endpoint", c.url,
+                   "--prompts", str(_prompt_file(tmp_path)), "--levels", "1,2", "--num-requests", "2",
+                   "--output-len", "4", "--duration", "600", "--time-limit", "3600",
+                   "--no-progress", "--out", str(out)])
+    assert rc == 0
+    rows = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    assert [(r["endpoint"], r["level"]) for r in rows[::2]] == [("A", 1), ("B", 1), ("C", 1),
+                                                                ("A", 2), ("B", 2), ("C", 2)]
+    summary = json.loads((out / "summary.json").read_text())
+    pairs = [(c["baseline"], c["candidate"]) for c in summary["comparisons"]]
+    assert pairs == [("A", "B"), ("A", "C")] and summary["comparison"]["candidate"] == "B"
+    level = {(s["label"], s["level"]): s for s in summary["levels"]}
+    for comparison in summary["comparisons"]:
+        cand = comparison["candidate"]
+        assert comparison["ratios"]["ttft.p50"] == pytest.approx(
+            [level[cand, n]["ttft"]["p50"] / level["A", n]["ttft"]["p50"] for n in (1, 2)])
+    report = (out / "report.md").read_text()
+    assert "## B / A" in report and "## C / A" in report
+
+
 HE = ["--prompts", "humaneval"]
 
 
@@ -86,6 +110,7 @@ HE = ["--prompts", "humaneval"]
     (["--endpoint", "http://127.0.0.1:1", "--levels", "1.5", *HE], "whole numbers"),
     (["--endpoint", "a=http://127.0.0.1:1", "--endpoint", "a=http://127.0.0.1:2", *HE],
      "distinct labels"),
+    ([arg for i in range(9) for arg in ("--endpoint", f"http://127.0.0.1:{i + 1}")], "at most 8 times"),
 ])
 def test_bad_arguments_get_clear_errors(argv: list[str], message: str,
                                         capsys: pytest.CaptureFixture[str]) -> None:

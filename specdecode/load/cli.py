@@ -1,9 +1,10 @@
 """`specdecode load`: drive OpenAI-compatible endpoints at increasing load and report where
 speculation stops paying.
 
-One ``--endpoint`` measures one server; two compare them (the first is the baseline ``A``, the
-second the candidate ``B``; name them with ``LABEL=URL``). The same URL may be given twice with
-different ``--endpoint-body LABEL=JSON`` to compare two configurations of one server.
+One ``--endpoint`` measures one server; more compare them (the first is the baseline ``A``, each
+other one a candidate ``B``, ``C``, ... reported against it; name them with ``LABEL=URL``). The same
+URL may be given twice with different ``--endpoint-body LABEL=JSON`` to compare two configurations
+of one server.
 
 Example::
 
@@ -31,8 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     target = parser.add_argument_group("endpoints")
     target.add_argument("--endpoint", action="append", required=True, metavar="[LABEL=]URL",
-                        help="server base URL (http://host:port or .../v1); twice to compare, "
-                             "first = baseline (default labels A, B)")
+                        help="server base URL (http://host:port or .../v1); repeat to compare "
+                             "(up to 8), first = baseline (default labels A, B, C, ...)")
     target.add_argument("--model", help="model name (default: first of GET /v1/models)")
     target.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     target.add_argument("--extra-body", type=_json_object, default={}, metavar="JSON",
@@ -109,9 +110,11 @@ def main(args: argparse.Namespace) -> int:
 def _targets(args: argparse.Namespace) -> list[Any]:
     from specdecode.load.client import Target
 
-    if len(args.endpoint) > 2:
-        raise ValueError("give --endpoint once, or twice to compare")
-    specs = [_split_endpoint(spec, default) for spec, default in zip(args.endpoint, "AB")]
+    from specdecode.load.runner import MAX_ENDPOINTS
+
+    if len(args.endpoint) > MAX_ENDPOINTS:
+        raise ValueError(f"give --endpoint at most {MAX_ENDPOINTS} times (one baseline and the candidates)")
+    specs = [_split_endpoint(spec, default) for spec, default in zip(args.endpoint, "ABCDEFGH")]
     bodies: dict[str, dict[str, Any]] = {}
     for item in args.endpoint_body:
         label, sep, text = item.partition("=")

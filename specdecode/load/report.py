@@ -22,14 +22,19 @@ class Report:
     """Everything derived from one sweep."""
 
     summaries: dict[str, list[LevelSummary]]
-    comparison: Comparison | None
+    comparisons: list[Comparison]  # each candidate against the first endpoint (the baseline)
+
+    @property
+    def comparison(self) -> Comparison | None:
+        """The first candidate's (with two endpoints, the only one)."""
+        return self.comparisons[0] if self.comparisons else None
 
 
 def build_report(result: SweepResult, slo: Slo) -> Report:
     summaries = {label: [stats.summarize(run, slo) for run in result.runs_for(label)]
                  for label in result.labels}
     lists = list(summaries.values())
-    return Report(summaries, stats.compare(lists[0], lists[1]) if len(lists) == 2 else None)
+    return Report(summaries, [stats.compare(lists[0], other) for other in lists[1:]])
 
 
 def write_outputs(
@@ -50,6 +55,7 @@ def write_outputs(
         "skipped": [{"endpoint": label, "level": level} for label, level in result.skipped],
         "levels": [dataclasses.asdict(s) for runs in report.summaries.values() for s in runs],
         "comparison": dataclasses.asdict(report.comparison) if report.comparison else None,
+        "comparisons": [dataclasses.asdict(c) for c in report.comparisons],
         "definitions": DEFINITIONS,
     }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
@@ -90,8 +96,8 @@ def markdown(result: SweepResult, config: LoadConfig, report: Report) -> str:
     lines += ["", "## Results", "", *_results_table(report, level_name(config.mode))]
     lines += _server_table(report, level_name(config.mode))
     lines += _choices_table(report, level_name(config.mode))
-    if report.comparison:
-        lines += ["", *_comparison_section(report.comparison, level_name(config.mode))]
+    for comparison in report.comparisons:
+        lines += ["", *_comparison_section(comparison, level_name(config.mode))]
     lines += ["", "## Definitions", "", DEFINITIONS, ""]
     return "\n".join(lines)
 

@@ -1,10 +1,10 @@
-"""Drive load levels against one or two endpoints: closed loop (fixed concurrency) or open loop
+"""Drive load levels against one or more endpoints: closed loop (fixed concurrency) or open loop
 (Poisson arrivals at a request rate), bounded by a request count and a time limit per level and a
 time limit for the whole sweep.
 
 Every endpoint sees the same request plan (prompt order and output lengths, from ``seed``) and, in
-open loop, the same arrival times at a given rate. With two endpoints the levels are interleaved
-(A at level 1, B at level 1, A at level 2, ...) so that drift on the machine hits both alike.
+open loop, the same arrival times at a given rate. With several endpoints the levels are interleaved
+(A at level 1, B at level 1, A at level 2, ...) so that drift on the machine hits them alike.
 
 From Python: ``result = run_sweep(LoadConfig(targets=[Target("A", url)], prompts=...))``.
 """
@@ -28,6 +28,8 @@ from specdecode.load.client import Target, first_model, make_client, stream_requ
 from specdecode.load.records import LevelRun, RequestRecord, SweepResult
 
 DEFAULT_OUTPUT_LEN = 128
+
+MAX_ENDPOINTS = 8  # one baseline and up to seven candidates
 
 
 @dataclass
@@ -54,8 +56,8 @@ class LoadConfig:
 
     def __post_init__(self) -> None:
         labels = {t.label for t in self.targets}
-        if not 1 <= len(self.targets) <= 2 or len(labels) != len(self.targets):
-            raise ValueError("need one or two targets with distinct labels")
+        if not 1 <= len(self.targets) <= MAX_ENDPOINTS or len(labels) != len(self.targets):
+            raise ValueError(f"need 1 to {MAX_ENDPOINTS} targets with distinct labels")
         if not self.prompts:
             raise ValueError("need at least one prompt")
         if self.mode not in ("closed", "open"):
