@@ -262,3 +262,48 @@ def test_draft_specs():
         build_drafter("ngram:x", ctx)
     with pytest.raises(ValueError, match="needs a draft model"):
         build_drafter("some-model", ctx)
+
+
+# -- ragged prefill ------------------------------------------------------------------------------------------------
+
+def test_pack_rows_bounds_padding_and_keeps_every_row_once():
+    from specdecode.models.hf import pack_rows
+
+    assert pack_rows([64, 64, 64]) == [[0, 1, 2]]  # alike: one forward
+    assert pack_rows([256, 30]) == [[0], [1]]  # padding 30 to 256 would compute 1.8x the tokens
+    assert pack_rows([20, 100, 90, 18, 85]) == [[1, 2, 4], [0, 3]]
+    rng = random.Random(0)
+    for _ in range(200):
+        lengths = [rng.randint(1, 300) for _ in range(rng.randint(1, 12))]
+        groups = pack_rows(lengths)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+        for g in groups:
+            assert len(g) * max(lengths[i] for i in g) <= 1.25 * sum(lengths[i] for i in g) + 1e-9
+
+
+def test_a_ragged_prefill_computes_no_long_padding_and_equals_rows_prefilled_alone():
+    """Three prompts of 40, 3 and 37 tokens at different starts: the short one goes alone (83 tokens
+    computed, not 120), and every row's features and next logits equal the row prefilled by itself."""
+    model = make_model(V, seed=2, layers=2)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, V, (n,), generator=g).tolist() for n in (40, 3, 37)]
+    starts = [0, 0, 5]
+    runner = HFRunner(model, num_slots=3, max_len=64)
+    computed = []
+    forward = runner.forward
+    runner.forward = lambda slots, ids, *a, **k: computed.append(ids.numel()) or forward(slots, ids, *a, **k)
+    if starts[2]:  # the third row continues a prompt whose first 5 tokens are cached
+        head = torch.randint(1, V, (5,), generator=g).tolist()
+        forward(torch.tensor([2]), torch.tensor([head]), torch.arange(5)[None])
+    feats = runner.prefill([0, 1, 2], prompts, [FINAL], starts=starts)
+    assert sum(computed) == 2 * 40 + 3  # {40, 37} padded to 40, then {3} alone (not 3 x 40)
+    for slot in range(3):
+        alone = HFRunner(model, num_slots=1, max_len=64)
+        if starts[slot]:
+            alone.forward(torch.tensor([0]), torch.tensor([head]), torch.arange(5)[None])
+        ref = alone.prefill([0], [prompts[slot]], [FINAL], starts=[starts[slot]])
+        torch.testing.assert_close(feats[slot][FINAL], ref[0][FINAL], atol=1e-5, rtol=1e-5)
+        pos = torch.tensor([[starts[slot] + len(prompts[slot])]])
+        nxt = torch.tensor([[7]])
+        torch.testing.assert_close(runner.logits(forward(torch.tensor([slot]), nxt, pos).hidden),
+                                   alone.logits(alone.forward(torch.tensor([0]), nxt, pos).hidden), atol=1e-5, rtol=1e-5)

@@ -19,6 +19,22 @@ from specdecode.models.base import FINAL, Features, ForwardOutput
 from specdecode.models.kv_cache import StaticKVCache
 
 PREFILL_TOKENS = 2048  # tokens per prefill forward (all rows together): bounds attention memory
+PAD_SLACK = 0.25  # a prefill batch may compute at most this share more tokens than its rows hold
+
+
+def pack_rows(lengths: Sequence[int], slack: float = PAD_SLACK) -> list[list[int]]:
+    """Group rows of a ragged prefill so that padding each group to its longest row computes at most
+    ``1 + slack`` times the group's real tokens: rows of similar length share a forward, a short row
+    beside a long one gets its own. Longest first; each group's indices in ascending order."""
+    groups: list[list[int]] = []
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    for i in order:
+        g = groups[-1] if groups else None
+        if g is not None and (len(g) + 1) * lengths[g[0]] <= (1 + slack) * (sum(lengths[j] for j in g) + lengths[i]):
+            g.append(i)
+        else:
+            groups.append([i])
+    return [sorted(g) for g in groups]
 
 
 class HFRunner:
@@ -170,7 +186,8 @@ class HFRunner:
         """Write K/V for each ``prompts[i]`` at positions ``starts[i]..`` (default 0) of ``slots[i]``;
         return the requested layers' hidden states of every prompt token.
 
-        Rows are right-padded (padding writes past a row's length, at most at the cache's last
+        Rows of similar length share a forward (:func:`pack_rows`: padding costs at most a quarter
+        more tokens), right-padded (padding writes past a row's length, at most at the cache's last
         position, where it is masked and later overwritten) and processed in chunks that bound
         attention memory.
         """
@@ -178,8 +195,17 @@ class HFRunner:
         empty = {layer: torch.zeros(0, self.hidden_size, dtype=self.dtype, device=self.device) for layer in layers}
         feats: list[Features] = [dict(empty) for _ in prompts]
         rows = [i for i, p in enumerate(prompts) if p]
-        if not rows:
-            return feats
+        end = max((starts[i] + len(prompts[i]) for i in rows), default=0)
+        if end > self.max_len:
+            raise ValueError(f"prefill past the cache: position {end - 1} of a cache of {self.max_len}")
+        # ragged rows (chunks of several prompts, drafters catching up) would be padded to the longest:
+        # rows of unlike length go in separate forwards
+        for group in pack_rows([len(prompts[i]) for i in rows]):
+            self._prefill_rows([rows[g] for g in group], slots, prompts, starts, layers, feats)
+        return feats
+
+    def _prefill_rows(self, rows: list[int], slots: Sequence[int], prompts: Sequence[list[int]],
+                      starts: list[int], layers: Sequence[int], feats: list[Features]) -> None:
         width = max(len(prompts[i]) for i in rows)
         chunk = max(16, PREFILL_TOKENS // len(rows))
         ids = torch.zeros(len(rows), width, dtype=torch.long)
@@ -187,9 +213,6 @@ class HFRunner:
             ids[r, : len(prompts[i])] = torch.tensor(prompts[i])
         slot_t = torch.tensor([slots[i] for i in rows])
         first = torch.tensor([starts[i] for i in rows])[:, None]
-        end = max(starts[i] + len(prompts[i]) for i in rows)
-        if end > self.max_len:
-            raise ValueError(f"prefill past the cache: position {end - 1} of a cache of {self.max_len}")
         parts: list[Features] = []
         with batch_invariant_mode.bulk():  # prompt tokens: the bulk plans, whatever the batch
             for lo in range(0, width, chunk):
@@ -200,7 +223,6 @@ class HFRunner:
             full = torch.cat([p[layer] for p in parts], dim=1)  # [rows, width, H]
             for r, i in enumerate(rows):
                 feats[i][layer] = full[r, : len(prompts[i])]
-        return feats
 
     # -- KV operations ----------------------------------------------------------------------------
     def truncate(self, slot: int, length: int) -> None:
