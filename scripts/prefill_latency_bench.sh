@@ -21,18 +21,24 @@ serve() {  # serve DIR PORT ARGS...
      --max-batch-size 16 --port "$port" --log-level warning ${SERVE_ARGS:-} "$@") > "$OUT/serve-$port.log" 2>&1 &
   echo $!
 }
-A=$(serve "$WT" 8131 ${BASE_ARGS:-}); B=$(serve "$PWD" 8132 ${NEW_ARGS:-})
-PORTS="8131 8132"; ENDPOINTS=(--endpoint "base=http://127.0.0.1:8131" --endpoint "new=http://127.0.0.1:8132"); C=
-if [ -n "${NEW2_ARGS:-}" ]; then
-  C=$(serve "$PWD" 8133 $NEW2_ARGS); PORTS="$PORTS 8133"; ENDPOINTS+=(--endpoint "new2=http://127.0.0.1:8133")
-fi
-trap 'kill -TERM $A $B $C 2>/dev/null || true; sleep 2; git worktree remove --force "$WT" || true' EXIT
-for port in $PORTS; do
+# one server at a time: a server that measures its step costs at start (--draft-policy auto) must
+# not be timed while another one loads
+up() {  # up PORT: wait for /health, then one warm-up request (pages in the memory-mapped weights)
+  local port=$1
   for _ in $(seq 1 900); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 1; done
   curl -sf "http://127.0.0.1:$port/health" >/dev/null || { echo "server $port did not come up"; cat "$OUT/serve-$port.log"; exit 1; }
   curl -s "http://127.0.0.1:$port/v1/completions" -H 'Content-Type: application/json' \
-    -d '{"model": "'"$TARGET"'", "prompt": "def f(x):", "max_tokens": 8}' >/dev/null  # warm-up
-done
+    -d '{"model": "'"$TARGET"'", "prompt": "def f(x):", "max_tokens": 8}' >/dev/null
+}
+A=; B=; C=
+trap 'kill -TERM $A $B $C 2>/dev/null || true; sleep 2; git worktree remove --force "$WT" || true' EXIT
+A=$(serve "$WT" 8131 ${BASE_ARGS:-}); up 8131
+B=$(serve "$PWD" 8132 ${NEW_ARGS:-}); up 8132
+PORTS="8131 8132"; ENDPOINTS=(--endpoint "base=http://127.0.0.1:8131" --endpoint "new=http://127.0.0.1:8132")
+if [ -n "${NEW2_ARGS:-}" ]; then
+  C=$(serve "$PWD" 8133 $NEW2_ARGS); up 8133
+  PORTS="$PORTS 8133"; ENDPOINTS+=(--endpoint "new2=http://127.0.0.1:8133")
+fi
 echo "base $(git -C "$WT" log --oneline -1) | new $(git log --oneline -1) $(git diff --quiet || echo '(modified tree)')" \
   > "$OUT/commits.txt"
 echo "SERVE_ARGS=${SERVE_ARGS:-} | BASE_ARGS=${BASE_ARGS:-} | NEW_ARGS=${NEW_ARGS:-} | NEW2_ARGS=${NEW2_ARGS:-}" >> "$OUT/commits.txt"
