@@ -200,7 +200,7 @@ class HFRunner:
             raise ValueError(f"prefill past the cache: position {end - 1} of a cache of {self.max_len}")
         # ragged rows (chunks of several prompts, drafters catching up) would be padded to the longest:
         # rows of unlike length go in separate forwards
-        for group in pack_rows([len(prompts[i]) for i in rows]):
+        for group in pack_rows([len(prompts[i]) for i in rows], PAD_SLACK):
             self._prefill_rows([rows[g] for g in group], slots, prompts, starts, layers, feats)
         return feats
 
