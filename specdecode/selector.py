@@ -232,16 +232,10 @@ class AutoPolicy:
 
     def _rate(self, est: list[dict], lengths: dict[str, int], batch: int) -> float:
         """Expected tokens per second of a step of ``batch`` sequences (``est`` covers the drafting ones)."""
-        rows: dict[str, int] = {}
+        choices = [self._assign(e, lengths) for e in est]
         tokens = batch - len(est)  # sequences not planned here emit one token each
-        for e in est:
-            d, k = self._assign(e, lengths)
-            tokens += expected_tokens(*e[d], k) if d is not None else 1.0
-            if d is not None:
-                rows[d] = rows.get(d, 0) + 1
-        width = 1 + max((lengths[d] for d in rows), default=0)
-        seconds = self.cost.verify_s(batch, width) + sum(self.cost.draft_s(d, n, lengths[d]) for d, n in rows.items())
-        return tokens / max(seconds, 1e-12)
+        tokens += sum(expected_tokens(*e[d], k) if d is not None else 1.0 for e, (d, k) in zip(est, choices))
+        return tokens / max(_Step(self.cost, batch, choices).seconds(), 1e-12)
 
     def _best_lengths(self, est: list[dict], batch: int) -> dict[str, int]:
         off = {d: 0 for d in self.drafters}
