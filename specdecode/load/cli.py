@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import string
 import sys
 import time
 from pathlib import Path
@@ -114,7 +115,7 @@ def _targets(args: argparse.Namespace) -> list[Any]:
 
     if len(args.endpoint) > MAX_ENDPOINTS:
         raise ValueError(f"give --endpoint at most {MAX_ENDPOINTS} times (one baseline and the candidates)")
-    specs = [_split_endpoint(spec, default) for spec, default in zip(args.endpoint, "ABCDEFGH")]
+    specs = [_split_endpoint(spec, default) for spec, default in zip(args.endpoint, string.ascii_uppercase)]
     bodies: dict[str, dict[str, Any]] = {}
     for item in args.endpoint_body:
         label, sep, text = item.partition("=")
