@@ -30,7 +30,13 @@ most ``horizon`` of them) than the catch-up costs the batch, which waits for it:
 (v(B, 1) - best seconds per token with it) > B * catch-up seconds``; otherwise the drafter is not a
 candidate for that sequence at this step. So a long prompt
 with a short answer never pays a draft model's prefill it cannot earn back, and under load, where no
-drafter pays, requests cost what they cost without speculation.
+drafter pays, requests cost what they cost without speculation. When other sequences share the step
+(batch > 1), a backlog longer than ``catch_up_tokens`` is not read inside one step, which would hold
+every running stream for the whole prompt: the drafter reads it ``catch_up_tokens`` tokens per step
+in all (oldest sequences first; the multi-drafter's ``read``), while the sequence goes on with its
+best other choice, and drafts once what is left fits one piece. The pay-back rule counts those
+steps as tokens the drafter no longer saves (``remaining - ceil(lag / catch_up_tokens)``). Alone, a
+sequence reads its backlog at once: nobody else waits, and it drafts sooner.
 
 **Exploration.** A drafter not used for a sequence learns nothing about it, so every
 ``explore_every`` steps of a sequence, a drafter it has not used for that long drafts for it once
@@ -58,6 +64,7 @@ from specdecode.costmodel import CostModel
 
 LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 HORIZON = 256  # remaining tokens a catch-up may be paid back over (max_tokens can be the whole context)
+CATCH_UP_TOKENS = 64  # tokens of late catch-up per step while other sequences wait for it (None: all at once)
 
 
 @dataclass
@@ -105,7 +112,8 @@ class AutoPolicy:
                  decay: float = 0.7, prior_decay: float = 0.98, prior_weight: float = 3.0,
                  prior_alpha: float = 0.5, prior_fill: float = 0.8, margin: float = 0.03,
                  lag: Callable[[object, str], int] | None = None, horizon: int = HORIZON,
-                 explore_cost: float = 0.05) -> None:
+                 explore_cost: float = 0.05, catch_up_tokens: int | None = CATCH_UP_TOKENS,
+                 read: Callable[[list, str, int], int] | None = None) -> None:
         if not drafters:
             raise ValueError("the selector needs at least one drafter")
         if max_k < 1:
@@ -118,6 +126,9 @@ class AutoPolicy:
         self.explore_cost = explore_cost
         self.decay, self.prior_decay, self.prior_weight, self.margin = decay, prior_decay, prior_weight, margin
         self.lag, self.horizon = lag, horizon
+        if catch_up_tokens is not None and catch_up_tokens < 1:
+            raise ValueError(f"catch_up_tokens must be >= 1 (or None: whole), got {catch_up_tokens}")
+        self.catch_up_tokens, self.read = catch_up_tokens, read
         self.history = {d: _Counts(prior_alpha * prior_weight, (1 - prior_alpha) * prior_weight,
                                    prior_fill * prior_weight, prior_weight) for d in self.drafters}
         self._seqs: dict[int, _SeqState] = {}
@@ -141,23 +152,37 @@ class AutoPolicy:
     def plan(self, seqs: list, batch_size: int) -> list[int]:
         if self.cost is None:
             raise RuntimeError("the selector has no cost model yet (see specdecode.costmodel)")
-        catch = [{d: self._catch_up_s(s, d) for d in self.drafters} for s in seqs]
+        chunk = self.catch_up_tokens if batch_size > 1 and self.read is not None else None
+        lags = [{d: self.lag(s, d) if self.lag is not None else 0 for d in self.drafters} for s in seqs]
+        catch = [{d: self.cost.catch_up_s(d, n) if n > 0 else 0.0 for d, n in lag.items()} for lag in lags]
         est = [{d: e for d in self.drafters
-                if self._pays_back(s, d, e := self.estimate(s, d), batch_size, c[d])} for s, c in zip(seqs, catch)]
+                if self._pays_back(s, d, e := self.estimate(s, d), batch_size, c[d], self._steps_to_read(lag[d], chunk))}
+               for s, c, lag in zip(seqs, catch, lags)]
         lengths = self._best_lengths(est, batch_size)
         choices = [self._assign(e, lengths) for e in est]
+        reading: dict[str, list] = {}  # drafter -> sequences it reads ahead for at this step (oldest first)
+        if chunk is not None:  # a drafter far behind reads in pieces first; meanwhile the best other choice
+            for i, (s, (d, _)) in enumerate(zip(seqs, choices)):
+                if d is not None and lags[i][d] > chunk:
+                    reading.setdefault(d, []).append(s)
+                    choices[i] = self._assign({x: e for x, e in est[i].items() if lags[i][x] <= chunk}, lengths)
         step = _Step(self.cost, batch_size, choices)
         allowance = self.explore_cost * self.explore_every * step.seconds() / max(1, batch_size)
         out = []
-        for s, choice, c in zip(seqs, choices, catch):
+        for i, (s, choice, c) in enumerate(zip(seqs, choices, catch)):
             state = self._state(s)
             state.steps += 1
             explore = self._explore(s, state, choice, lengths, batch_size, c, step, allowance)
-            if explore is not None:
+            if explore is not None and chunk is not None and lags[i][explore[0]] > chunk:
+                if all(r is not s for r in reading.get(explore[0], [])):  # explored once it has read (stays due)
+                    reading.setdefault(explore[0], []).append(s)
+            elif explore is not None:
                 step.move(choice, explore)
                 choice = explore
             state.choice = choice
             out.append(choice[1])
+        for d, rows in reading.items():
+            self.read(rows, d, chunk)
         return out
 
     def num_draft(self, seq, batch_size: int) -> int:
@@ -200,9 +225,10 @@ class AutoPolicy:
         self._seqs.pop(id(seq), None)
 
     # -- the choice ----------------------------------------------------------------------------------
-    def _catch_up_s(self, seq, drafter: str) -> float:
-        lag = self.lag(seq, drafter) if self.lag is not None else 0
-        return self.cost.catch_up_s(drafter, lag) if lag > 0 else 0.0
+    @staticmethod
+    def _steps_to_read(lag: int, chunk: int | None) -> int:
+        """Steps a sequence decodes without ``drafter`` while it reads a backlog of ``lag`` in pieces."""
+        return 0 if chunk is None or lag <= chunk else -(-lag // chunk)
 
     def _remaining(self, seq) -> int:
         params, out = getattr(seq, "params", None), getattr(seq, "output_ids", None)
@@ -210,16 +236,18 @@ class AutoPolicy:
             return self.horizon
         return max(0, min(params.max_new_tokens - len(out), self.horizon))
 
-    def _pays_back(self, seq, drafter: str, est: tuple[float, float], batch: int, catch_up_s: float) -> bool:
+    def _pays_back(self, seq, drafter: str, est: tuple[float, float], batch: int, catch_up_s: float,
+                   delay: int = 0) -> bool:
         """Is ``drafter`` a candidate for ``seq`` at this step: free to start, or expected (at ``est``)
-        to save ``seq`` more time over its remaining tokens than its catch-up costs the batch (the
-        catch-up runs inside the step: every running sequence waits for it)?"""
+        to save ``seq`` more time over its remaining tokens (less ``delay``, the steps spent reading
+        in pieces, about a token each) than its catch-up costs the batch (the catch-up runs inside
+        the steps: every running sequence waits for it)?"""
         if catch_up_s <= 0:
             return True
         plain = self.cost.verify_s(batch, 1)  # seconds per token of this sequence without drafting
         best = min((self.cost.verify_s(batch, k + 1) + self.cost.draft_s(drafter, 1, k)) / expected_tokens(*est, k)
                    for k in self.lengths)
-        return self._remaining(seq) * (plain - best) > catch_up_s * max(1, batch)
+        return (self._remaining(seq) - delay) * (plain - best) > catch_up_s * max(1, batch)
 
     def _assign(self, est: dict[str, tuple[float, float]], lengths: dict[str, int]) -> tuple[str | None, int]:
         best, gain = (None, 0), 1.0

@@ -202,6 +202,41 @@ def test_a_llamacpp_draft_model_started_late_drafts_exactly(tiny):
     assert sum(hits) >= 0.9 * len(hits), f"{sum(hits)} of {len(hits)} proposals were the target's tokens"
 
 
+@pytest.mark.parametrize("pieces", [5, 0], ids=["read-in-pieces", "negative-control"])
+def test_a_llamacpp_draft_model_reads_a_backlog_in_pieces(tiny, pieces):
+    """The selector's late start beside other streams: the llama.cpp draft model (= the target) reads
+    prompt + 30 generated tokens 5 at a time through the multi-drafter, two requests sharing each
+    piece, then proposes: the target's own next tokens. Negative control: the same reads with each
+    piece's tokens shifted by one position (what a wrong start would write) propose other tokens."""
+    from types import SimpleNamespace
+
+    from specdecode.drafters.multi import MultiDrafter
+
+    _, _, gguf_t, _, _ = tiny
+    tok = make_tokenizer(V)
+    prompts = [[1, 2, 3, 1, 2, 3], [9, 8, 7, 6, 5, 4, 3, 2]]
+    sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    ref = Engine(LlamaCppRunner(gguf_t), tok, None, 0, max_batch_size=1, max_context=80).generate(prompts, sp)
+    model = DraftModelDrafter(LlamaCppRunner(gguf_t))
+    model.reserve(2, 80)
+    multi = MultiDrafter({"model": model, "ngram": NgramDrafter()}, lambda s: "model")
+    multi.start([0, 1], prompts)
+    views = [SimpleNamespace(slot=i, token_ids=p + o.token_ids[:30], params=SamplingParams(),
+                             generator=torch.Generator()) for i, (p, o) in enumerate(zip(prompts, ref))]
+    if not pieces:  # the control: the backlog written one position off
+        model.runner.prefill([0, 1], [v.token_ids[:1] + v.token_ids[:-2] for v in views], starts=[0, 0])
+        for v in views:
+            model._cached[v.slot], model._floor[v.slot] = list(v.token_ids[:-1]), len(v.token_ids) - 1
+            multi._waiting["model"].pop(v.slot)
+    read = []
+    while pieces and (n := multi.read(views, "model", pieces)) > 0:
+        read.append(n)
+    assert not pieces or (max(read) <= 5 and sum(read) == sum(len(v.token_ids) - 1 for v in views))
+    out = multi.propose(views, [4, 4])
+    hits = sum(int(t) == u for b, o in enumerate(ref) for t, u in zip(out.tokens[b], o.token_ids[30:34]))
+    assert hits == 8 if pieces else hits < 8, hits  # (the control: 5 of 8 here)
+
+
 def test_medusa_heads_draft_from_the_llamacpp_final_state(tiny):
     """Medusa reads the target's final hidden state, which llama.cpp gives as its embeddings output:
     the same heads draft and get accepted as they do over the torch runner (wrong features would not)."""

@@ -456,6 +456,133 @@ def test_through_the_engine_a_draft_model_runs_only_when_its_catch_up_pays(per_t
         assert runner.calls and used > 0
 
 
+def test_a_long_backlog_is_read_in_pieces_while_others_wait():
+    """Batch 2, a draft model 150 tokens behind that pays back: it is not routed to at once (that
+    step would hold the other sequence for all 150); it reads 64 a step (meanwhile the sequence takes
+    its best other choice: here no drafting, n-gram rarely hits), then drafts. Alone, the same sequence reads it all at its first step."""
+    cost = flat_cost(verify_per_token=0.02, drafts={"model": 0.05, "ngram": 0.001})
+    cost.catch_up = {"model": 0.001}
+    lags, reads = {}, []
+
+    def read(seqs, drafter, budget):
+        reads.append((drafter, [id(s) for s in seqs], budget))
+        for s in seqs:  # (what the multi-drafter does: budget tokens in all, oldest first)
+            n = min(lags[(id(s), drafter)], budget)
+            lags[(id(s), drafter)] -= n
+            budget -= n
+        return 0
+
+    policy = AutoPolicy(["model", "ngram"], max_k=8, cost=cost, explore_every=100,
+                        lag=lambda s, d: lags.get((id(s), d), 0), read=read)
+
+    @dataclass(eq=False)
+    class Req(Seq):
+        output_ids: list = field(default_factory=list)
+
+    def request():
+        seq = Req(params=SamplingParams(max_new_tokens=200))
+        teach(policy, seq, "model", [4, 4, 3, 4, 4, 4])
+        teach(policy, seq, "ngram", [1, 0, 1, 1, 0, 1])
+        lags[(id(seq), "model")] = 150
+        return seq
+
+    late, other = request(), request()
+    lags[(id(other), "model")] = 0
+    routes = []
+    for _ in range(4):
+        ks = policy.plan([late, other], 2)
+        routes.append(policy.route(late))
+        assert policy.route(other) == "model"
+        for seq, k in zip((late, other), ks):
+            policy.observe(seq, k, k)
+    assert routes == [None, None, "model", "model"]  # 150 -> 86 -> 22 (fits a piece): drafts
+    assert reads == [("model", [id(late)], 64)] * 2
+    # alone: nobody waits for the catch-up, so it is read whole inside the step, and it drafts at once
+    alone, reads[:] = request(), []
+    policy.plan([alone], 1)
+    assert policy.route(alone) == "model" and reads == []
+
+
+def test_reading_in_pieces_is_priced_in_the_pay_back():
+    """Each step spent reading in pieces is a token the draft model no longer saves: with 40 tokens
+    left, a 1,000-token backlog read 64 a step (16 steps) does not pay back, though read whole it
+    would (and never delays the answer)."""
+    cost = flat_cost(verify_per_token=0.02, drafts={"model": 0.05, "ngram": 0.001})
+    cost.catch_up = {"model": 0.0125}  # 12.5 s for 1,000 tokens, 25 s of the batch: ~0.8 s saved a token
+    policy = AutoPolicy(["model"], max_k=8, cost=cost)
+    seq = Seq()
+    teach(policy, seq, "model", [4, 4, 4, 4])
+    est = policy.estimate(seq, "model")
+    seq.params, seq.output_ids = SamplingParams(max_new_tokens=60), [0] * 20
+    catch = cost.catch_up_s("model", 1000)
+    assert policy._pays_back(seq, "model", est, 2, catch, delay=0)
+    assert not policy._pays_back(seq, "model", est, 2, catch, delay=AutoPolicy._steps_to_read(1000, 64))
+    assert AutoPolicy._steps_to_read(1000, 64) == 16 and AutoPolicy._steps_to_read(64, 64) == 0
+
+
+def test_a_draft_model_reading_in_pieces_drafts_what_an_early_start_would():
+    """``DraftModelDrafter.read`` 7 tokens at a time, two sequences sharing the budget (oldest first),
+    then a proposal: the same greedy tokens and sampled distributions as a draft model started at
+    the prompt. Through the multi-drafter, the part leaves its waiting list at its first piece."""
+    target = make_model(V, seed=0)
+    draft = perturbed_copy(target, 0.3)
+    early = DraftModelDrafter(HFRunner(draft))
+    late = DraftModelDrafter(HFRunner(draft))
+    early.reserve(2, 80)
+    late.reserve(2, 80)
+    multi = MultiDrafter({"model": late, "ngram": NgramDrafter()}, lambda s: "model")
+    prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9]]
+    gen = torch.Generator().manual_seed(1)
+    histories = [p + torch.randint(1, V, (n,), generator=gen).tolist() for p, n in zip(prompts, (20, 33))]
+    early.start([0, 1], prompts)
+    multi.start([0, 1], prompts)
+    for i, (p, h) in enumerate(zip(prompts, histories)):
+        for n in range(len(p) + 1, len(h), 4):
+            early.propose([Seq(slot=i, token_ids=h[:n])], [1])
+    views = [Seq(slot=i, token_ids=h) for i, h in enumerate(histories)]
+    assert multi.lag(views[1], "model") == len(histories[1]) - 1
+    pieces = []
+    while (n := multi.read(views, "model", 7)) > 0:
+        pieces.append(n)
+        assert multi._waiting["model"] == {}
+    assert pieces == [7] * 8 + [4]  # 25 + 35 tokens before each pending one: 60 in pieces of 7 at most
+    assert multi.lag(views[0], "model") == 0 and multi.lag(views[1], "model") == 0
+    for sp in (SamplingParams(), SamplingParams(0.8, top_p=0.9)):
+        histories = [h + [5] for h in histories]
+        a = early.propose([Seq(slot=i, token_ids=list(h), params=sp, generator=torch.Generator().manual_seed(i))
+                           for i, h in enumerate(histories)], [4, 4])
+        b = late.propose([Seq(slot=i, token_ids=list(h), params=sp, generator=torch.Generator().manual_seed(i))
+                          for i, h in enumerate(histories)], [4, 4])
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.num_tokens, b.num_tokens)
+        if not sp.greedy:
+            assert torch.allclose(a.probs, b.probs, atol=1e-5)
+
+
+def test_through_the_engine_late_starts_read_in_pieces_and_stay_exact():
+    """Two sequences with 30-token prompts, the draft model chosen late (n-gram is useless here):
+    no step reads more than ``catch_up_tokens`` of a backlog (the last few, fed by the first
+    proposal, are not reads), and the greedy outputs equal target-only decoding."""
+    target = make_model(V, seed=0)
+    caught = []
+    policy = AutoPolicy(["model", "ngram"], max_k=4, explore_every=2, catch_up_tokens=8,
+                        cost=flat_cost(verify_per_token=0.001, drafts={"model": 0.02, "ngram": 0.001}))
+    policy.history["ngram"].accepted = 0.0  # a drafter that never helps: the model is the only choice
+    multi = MultiDrafter({"model": DraftModelDrafter(HFRunner(perturbed_copy(target, 0.1))), "ngram": NgramDrafter()},
+                         policy.route, policy.observe_draft, lambda name, tokens, sec: caught.append(tokens))
+    policy.lag, policy.read = multi.lag, multi.read
+    engine = Engine(HFRunner(target), TOK, multi, policy, max_batch_size=2, max_context=80)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, V, (30,), generator=gen).tolist() for _ in range(2)]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    reference = Engine(HFRunner(target), TOK, None, 0, max_batch_size=2, max_context=80).generate(prompts, params)
+    outs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    # each read 29 prompt tokens and more generated, all but the last <= 8 (fed by a proposal) in pieces
+    assert max(caught) <= 8 and sum(caught) >= 2 * (29 - 8), caught
+    used = sum(n for o in outs for label, n in o.stats.choices.items() if label.startswith("model:"))
+    assert used > 0
+
+
 def test_cost_model_catch_up_round_trips_and_corrects():
     cm = CostModel({1: {1: 1.0}}, {"m": {1: {1: 0.1}}}, {"m": 0.002})
     assert cm.catch_up_s("m", 100) == pytest.approx(0.2) and cm.catch_up_s("ngram", 100) == 0.0
@@ -470,12 +597,13 @@ def test_cost_model_catch_up_round_trips_and_corrects():
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 7, 8, 9, 10], [11], [20, 21, 22, 5, 6, 20, 21, 22, 5]]
 
 
-def auto_engine(target, draft, slots, cost=None, explore_every=3, max_context=80):
-    policy = AutoPolicy(["model", "ngram"], max_k=6, explore_every=explore_every,
+def auto_engine(target, draft, slots, cost=None, explore_every=3, max_context=80, catch_up_tokens=4):
+    """(Backlogs over ``catch_up_tokens`` are read in pieces when the batch holds others, as in build.)"""
+    policy = AutoPolicy(["model", "ngram"], max_k=6, explore_every=explore_every, catch_up_tokens=catch_up_tokens,
                         cost=cost or flat_cost(verify_per_token=0.001, drafts={"model": 0.02, "ngram": 0.001}))
     parts = {"model": DraftModelDrafter(HFRunner(draft)), "ngram": NgramDrafter()}
     multi = MultiDrafter(parts, policy.route, policy.observe_draft, policy.observe_catch_up)
-    policy.lag = multi.lag
+    policy.lag, policy.read = multi.lag, multi.read
     return Engine(HFRunner(target), TOK if target.config.vocab_size == V else make_tokenizer(target.config.vocab_size),
                   multi, policy, max_batch_size=slots, max_context=max_context)
 

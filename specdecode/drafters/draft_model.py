@@ -95,6 +95,34 @@ class DraftModelDrafter(DrafterBase):
         cached = self._cached.get(seq.slot, [])
         return max(0, len(seq.token_ids) - common_prefix(cached, seq.token_ids, self._floor.get(seq.slot, 0)) - 2)
 
+    def read(self, seqs: Sequence[SequenceView], budget: int) -> int:
+        """Read up to ``budget`` tokens, in all, of the history the cache lacks (oldest sequences first),
+        without drafting: a late start caught up on in pieces over several steps (the selector's
+        ``catch_up_tokens``). Up to the pending token, which a proposal feeds. Returns the tokens read."""
+        slots, pieces, starts = [], [], []
+        for s in seqs:
+            self._adopt_tree(s)
+            cached = self._cached.setdefault(s.slot, [])  # (a slot first seen here has read nothing)
+            keep = common_prefix(cached, s.token_ids, self._floor.setdefault(s.slot, 0))
+            n = min(len(s.token_ids) - 1 - keep, budget)
+            if keep < len(cached):
+                self.runner.truncate(s.slot, keep)
+                self._cached[s.slot] = cached[:keep]
+            if n <= 0:
+                continue
+            slots.append(s.slot)
+            pieces.append(s.token_ids[keep: keep + n])
+            starts.append(keep)
+            budget -= n
+        if not slots:
+            return 0
+        t0 = time.perf_counter()
+        self.prefill(slots, pieces, starts)
+        synchronize(self.runner)
+        tokens = sum(map(len, pieces))
+        self.on_catch_up(tokens, time.perf_counter() - t0)
+        return tokens
+
     def release(self, slot: int) -> None:
         self._cached.pop(slot, None)
         self._floor.pop(slot, None)

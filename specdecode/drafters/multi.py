@@ -19,7 +19,9 @@ prompt is only remembered, and the part prefills it the first time the sequence 
 selector never routes to a draft model never costs that model a forward, so under load, or for a
 request too short to pay back a long prompt's prefill, choosing among drafters costs no more than
 not drafting. :meth:`lag` tells the selector how many tokens a part would have to catch up on first,
-and ``on_catch_up(name, tokens, seconds)`` reports what a deferred prefill cost.
+:meth:`read` lets it have a part read a bounded piece of that backlog at a step without drafting (a
+long catch-up spread over several steps), and ``on_catch_up(name, tokens, seconds)`` reports what a
+deferred prefill cost.
 """
 
 from __future__ import annotations
@@ -103,6 +105,19 @@ class MultiDrafter:
         for s in late:
             del waiting[s.slot]
         self.on_catch_up(name, sum(len(p) - 1 for p in prompts), time.perf_counter() - t0)
+
+    def read(self, seqs: list[SequenceView], name: str, budget: int) -> int:
+        """Part ``name`` reads at most ``budget`` tokens, in all, of the histories of ``seqs`` that it
+        lacks, without drafting (a part that cannot read ahead reads nothing): the selector starts a
+        draft model late in pieces, so no step holds the batch for a whole prompt. Returns the tokens
+        read (reported through ``on_catch_up``)."""
+        part = self.parts[name]
+        if not hasattr(part, "read"):
+            return 0
+        waiting = self._waiting.get(name, {})
+        for s in seqs:  # it starts on them now, from their first token
+            waiting.pop(s.slot, None)
+        return part.read(seqs, budget)
 
     def _caught_up(self, name: str, tokens: int, seconds: float) -> None:
         self._caught_up_s += seconds
