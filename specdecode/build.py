@@ -43,6 +43,7 @@ class EngineConfig:
     draft_policy: str = "fixed"  # "fixed": always num_draft_tokens; "acceptance": adapt per sequence;
     # "auto": choose drafter and length per sequence and step from measured cost and acceptance (selector)
     max_draft_tokens: int = 16  # upper bound for the acceptance and auto policies
+    catch_up_tokens: int = 64  # auto: a late-starting draft model's reads per step beside other sequences
     draft_confidence: float = 0.0  # draft model: end a chain after a token the draft gives less than this
     verify_budget: int = 0  # > 0: at most this many tokens verified per step across the batch (load-aware k)
     draft_quantization: str = "none"  # none | int8 | int4 | auto | gguf | q8_0 | q4_0 (the draft only; a spec's @mode wins)
@@ -122,6 +123,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, draft_required: bool = 
                         "--recalibrate) and each request's acceptance (docs/architecture.md)")
     g.add_argument("--max-draft-tokens", type=int, default=16,
                    help="upper bound for --draft-policy acceptance and auto (default 16)")
+    g.add_argument("--catch-up-tokens", type=int, default=64, metavar="N",
+                   help="--draft-policy auto: beside other sequences, a draft model starting late on a request "
+                        "reads its history N tokens per step in all, so no step waits for a whole prompt "
+                        "(alone it reads at once; default 64)")
     g.add_argument("--recalibrate", action="store_true",
                    help="--draft-policy auto: measure the step costs again instead of using the cached ones")
     g.add_argument("--draft-confidence", type=float, default=0.0, metavar="P",
@@ -183,6 +188,7 @@ def config_from_args(args: argparse.Namespace, max_batch_size: int = 1) -> Engin
         num_draft_tokens=args.num_draft_tokens, dtype=dtype, device=getattr(args, "device", "auto"),
         max_batch_size=max_batch_size, max_context=args.max_context,
         draft_policy=getattr(args, "draft_policy", "fixed"), max_draft_tokens=getattr(args, "max_draft_tokens", 16),
+        catch_up_tokens=getattr(args, "catch_up_tokens", 64),
         draft_confidence=getattr(args, "draft_confidence", 0.0), verify_budget=getattr(args, "verify_budget", 0),
         draft_quantization=_single(getattr(args, "draft_quantization", "none")),
         target_quantization=getattr(args, "target_quantization", "none"), tree_topk=getattr(args, "tree_topk", 1),
@@ -374,6 +380,8 @@ def make_policy(cfg: EngineConfig):
             raise ConfigError("--draft-policy auto chooses among drafters: give at least one --draft")
         if cfg.max_draft_tokens < 1:
             raise ConfigError(f"--max-draft-tokens must be >= 1, got {cfg.max_draft_tokens}")
+        if cfg.catch_up_tokens < 1:
+            raise ConfigError(f"--catch-up-tokens must be >= 1, got {cfg.catch_up_tokens}")
         if cfg.tree_topk > 1:
             raise ConfigError("--draft-policy auto chooses among chains; drop --tree-topk")
         if len(set(cfg.drafts)) != len(cfg.drafts):
@@ -387,7 +395,7 @@ def make_policy(cfg: EngineConfig):
         from specdecode.drafters import unique_labels
         from specdecode.selector import AutoPolicy
 
-        policy = AutoPolicy(unique_labels(cfg.drafts), max_k=cfg.max_draft_tokens)
+        policy = AutoPolicy(unique_labels(cfg.drafts), max_k=cfg.max_draft_tokens, catch_up_tokens=cfg.catch_up_tokens)
         return BudgetPolicy(policy, cfg.verify_budget) if cfg.verify_budget else policy
     policy = FixedPolicy(k)
     if cfg.draft and cfg.draft_policy == "acceptance":

@@ -33,6 +33,8 @@ def table(tmp):
           "--draft-policy", "auto"], "given twice"),
         (["generate", "--target", good, "--prompt", "a", "--draft", "ngram", "--draft-policy", "auto",
           "--tree-topk", "2"], "chains"),
+        (["generate", "--target", good, "--prompt", "a", "--draft", "ngram", "--draft-policy", "auto",
+          "--catch-up-tokens", "0"], "--catch-up-tokens must be >= 1"),
         # bench
         (["bench", "--target", MISSING, "--out", str(tmp / "b1")], MISSING),
         (["bench", "--target", good, "--draft", "ngram", "--draft-lengths", "0", "--out", str(tmp / "b2")], "draft lengths"),

@@ -716,3 +716,12 @@ def test_the_server_reports_the_choices_and_keeps_greedy_outputs_under_concurren
         steps += spec["target_steps"]
     served = {k: v for k, v in metrics.items() if k.startswith("specdecode_spec_choice_steps_total")}
     assert sum(served.values()) == steps and any("ngram:" in k or "model:" in k for k in served), served
+
+
+def test_the_catch_up_flag_reaches_the_selector():
+    from specdecode.build import EngineConfig, make_policy
+
+    cfg = EngineConfig("t", "ngram", extra_drafts=("draft-model-dir",), draft_policy="auto", catch_up_tokens=17)
+    assert make_policy(cfg).catch_up_tokens == 17
+    with pytest.raises(ValueError, match="catch_up_tokens"):
+        AutoPolicy(["ngram"], max_k=4, catch_up_tokens=0)
