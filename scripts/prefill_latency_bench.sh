@@ -5,7 +5,8 @@
 # Usage: scripts/prefill_latency_bench.sh BASE_REF TARGET DRAFT [LEVELS] [OUTPUT_LEN] [DURATION_S] [REQUESTS]
 # Env: SERVE_ARGS (flags for every server), BASE_ARGS / NEW_ARGS (flags for one of them), NEW2_ARGS
 #      (if set, a third server from this tree with these flags, endpoint "new2"),
-#      MAX_CHARS (longest summarization article, default 3000), OUT (default runs/prefill-latency)
+#      MAX_CHARS (longest summarization article, default 3000), OUT (default runs/prefill-latency),
+#      PROMPTS (a prompt set `load` takes, e.g. humaneval, instead of the mixed summarization + HumanEval)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BASE=${1:?base commit}; TARGET=${2:?target}; DRAFT=${3:?draft}
@@ -14,7 +15,8 @@ OUT=${OUT:-runs/prefill-latency}
 mkdir -p "$OUT"
 WT=$(mktemp -d /tmp/specdecode-base-XXXX)
 git worktree add --detach "$WT" "$BASE" >/dev/null
-python scripts/mixed_prompts.py "$OUT/prompts.jsonl" --max-chars "${MAX_CHARS:-3000}"
+PROMPT_SET=${PROMPTS:-$OUT/prompts.jsonl}
+[ -n "${PROMPTS:-}" ] || python scripts/mixed_prompts.py "$OUT/prompts.jsonl" --max-chars "${MAX_CHARS:-3000}"
 serve() {  # serve DIR PORT ARGS...
   local dir=$1 port=$2; shift 2
   (cd "$dir" && PYTHONPATH="$dir" exec python -m specdecode.cli serve --target "$TARGET" --draft "$DRAFT" \
@@ -41,9 +43,9 @@ if [ -n "${NEW2_ARGS:-}" ]; then
 fi
 echo "base $(git -C "$WT" log --oneline -1) | new $(git log --oneline -1) $(git diff --quiet || echo '(modified tree)')" \
   > "$OUT/commits.txt"
-echo "SERVE_ARGS=${SERVE_ARGS:-} | BASE_ARGS=${BASE_ARGS:-} | NEW_ARGS=${NEW_ARGS:-} | NEW2_ARGS=${NEW2_ARGS:-}" >> "$OUT/commits.txt"
+echo "SERVE_ARGS=${SERVE_ARGS:-} | BASE_ARGS=${BASE_ARGS:-} | NEW_ARGS=${NEW_ARGS:-} | NEW2_ARGS=${NEW2_ARGS:-} | PROMPTS=${PROMPTS:-mixed}" >> "$OUT/commits.txt"
 python -m specdecode.cli load "${ENDPOINTS[@]}" \
-  --prompts "$OUT/prompts.jsonl" --levels "$LEVELS" --num-requests "$REQUESTS" --duration "$DURATION" \
+  --prompts "$PROMPT_SET" --levels "$LEVELS" --num-requests "$REQUESTS" --duration "$DURATION" \
   --time-limit $((DURATION * 8)) --output-len "$OUTLEN" --extra-body '{"ignore_eos": true, "temperature": 0}' \
   --no-progress --out "$OUT/load"
 for port in $PORTS; do curl -s "http://127.0.0.1:$port/metrics" > "$OUT/metrics-$port.txt"; done
