@@ -120,7 +120,11 @@ class BudgetPolicy(PerSequence):
         return max(0, self.budget // max(1, batch_size) - 1)
 
     def plan(self, seqs: list, batch_size: int) -> list[int]:
-        return [min(k, self._cap(batch_size)) for k in plan_of(self.inner, seqs, batch_size)]
+        cap = self._cap(batch_size)
+        if cap == 0 and hasattr(self.inner, "idle"):  # (a planner that does work ahead, e.g. the selector's reads)
+            self.inner.idle(seqs)
+            return [0] * len(seqs)
+        return [min(k, cap) for k in plan_of(self.inner, seqs, batch_size)]
 
     def observe(self, seq, drafted: int, accepted: int) -> None:
         self.inner.observe(seq, drafted, accepted)

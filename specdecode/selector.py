@@ -31,12 +31,13 @@ most ``horizon`` of them) than the catch-up costs the batch, which waits for it:
 candidate for that sequence at this step. So a long prompt
 with a short answer never pays a draft model's prefill it cannot earn back, and under load, where no
 drafter pays, requests cost what they cost without speculation. When other sequences share the step
-(batch > 1), a backlog longer than ``catch_up_tokens`` is not read inside one step, which would hold
-every running stream for the whole prompt: the drafter reads it ``catch_up_tokens`` tokens per step
-in all (oldest sequences first; the multi-drafter's ``read``), while the sequence goes on with its
-best other choice, and drafts once what is left fits one piece. The pay-back rule counts those
-steps as tokens the drafter no longer saves (``remaining - ceil(lag / catch_up_tokens)``). Alone, a
-sequence reads its backlog at once: nobody else waits, and it drafts sooner.
+(batch > 1), a backlog longer than ``catch_up_tokens`` (at least ``max_k + 2``) is not read inside
+one step, which would hold every running stream for the whole prompt: the drafter reads
+``catch_up_tokens`` tokens per step, shared by the sequences it reads for in batch order (the
+multi-drafter's ``read``), while they take the best plan without it, and it drafts once what is
+left fits one piece. The pay-back rule counts those steps as tokens the drafter no longer saves
+(``remaining - ceil(lag / (catch_up_tokens - 1))``). Alone, a sequence reads its backlog at once: no
+other running sequence waits, and it drafts sooner.
 
 **Exploration.** A drafter not used for a sequence learns nothing about it, so every
 ``explore_every`` steps of a sequence, a drafter it has not used for that long drafts for it once
@@ -152,7 +153,7 @@ class AutoPolicy:
     def plan(self, seqs: list, batch_size: int) -> list[int]:
         if self.cost is None:
             raise RuntimeError("the selector has no cost model yet (see specdecode.costmodel)")
-        chunk = self.catch_up_tokens if batch_size > 1 and self.read is not None else None
+        chunk = self._chunk(batch_size)
         lags = [{d: self.lag(s, d) if self.lag is not None else 0 for d in self.drafters} for s in seqs]
         catch = [{d: self.cost.catch_up_s(d, n) if n > 0 else 0.0 for d, n in lag.items()} for lag in lags]
         est = [{d: e for d in self.drafters
@@ -160,19 +161,23 @@ class AutoPolicy:
                for s, c, lag in zip(seqs, catch, lags)]
         lengths = self._best_lengths(est, batch_size)
         choices = [self._assign(e, lengths) for e in est]
-        reading: dict[str, list] = {}  # drafter -> sequences it reads ahead for at this step (oldest first)
-        if chunk is not None:  # a drafter far behind reads in pieces first; meanwhile the best other choice
+        reading: dict[str, list] = {}  # drafter -> sequences it reads ahead for at this step (batch order)
+        if chunk is not None and any(d is not None and lag[d] > chunk for (d, _), lag in zip(choices, lags)):
+            # a drafter far behind reads in pieces first; meanwhile the sequence takes the best plan without it
             for i, (s, (d, _)) in enumerate(zip(seqs, choices)):
                 if d is not None and lags[i][d] > chunk:
                     reading.setdefault(d, []).append(s)
-                    choices[i] = self._assign({x: e for x, e in est[i].items() if lags[i][x] <= chunk}, lengths)
+                    est[i] = {x: e for x, e in est[i].items() if lags[i][x] <= chunk}
+            lengths = self._best_lengths(est, batch_size)
+            choices = [self._assign(e, lengths) for e in est]
         step = _Step(self.cost, batch_size, choices)
         allowance = self.explore_cost * self.explore_every * step.seconds() / max(1, batch_size)
         out = []
         for i, (s, choice, c) in enumerate(zip(seqs, choices, catch)):
             state = self._state(s)
             state.steps += 1
-            explore = self._explore(s, state, choice, lengths, batch_size, c, step, allowance)
+            delay = {d: self._steps_to_read(n, chunk) for d, n in lags[i].items()}
+            explore = self._explore(s, state, choice, lengths, batch_size, c, step, allowance, delay)
             if explore is not None and chunk is not None and lags[i][explore[0]] > chunk:
                 if all(r is not s for r in reading.get(explore[0], [])):  # explored once it has read (stays due)
                     reading.setdefault(explore[0], []).append(s)
@@ -225,10 +230,26 @@ class AutoPolicy:
         self._seqs.pop(id(seq), None)
 
     # -- the choice ----------------------------------------------------------------------------------
+    def _chunk(self, batch_size: int) -> int | None:
+        """Backlog tokens read per step beside other sequences (None: whole, at once). At least
+        ``max_k + 2``: more than a step can add to a backlog, so reading always gets ahead."""
+        if batch_size <= 1 or self.read is None or self.catch_up_tokens is None:
+            return None
+        return max(self.catch_up_tokens, self.max_k + 2)
+
     @staticmethod
     def _steps_to_read(lag: int, chunk: int | None) -> int:
-        """Steps a sequence decodes without ``drafter`` while it reads a backlog of ``lag`` in pieces."""
-        return 0 if chunk is None or lag <= chunk else -(-lag // chunk)
+        """About how many steps a sequence decodes without a drafter while it reads a backlog of
+        ``lag`` in pieces of ``chunk`` (the sequence itself adds about a token a step meanwhile)."""
+        return 0 if chunk is None or lag <= chunk else -(-lag // (chunk - 1))
+
+    def idle(self, seqs: list) -> None:
+        """A step in which nothing may draft (a verify budget at its cap): no plan, no reads, and no
+        choice left over for :meth:`observe` to count."""
+        for s in seqs:
+            state = self._state(s)
+            state.steps += 1
+            state.choice = (None, 0)
 
     def _remaining(self, seq) -> int:
         params, out = getattr(seq, "params", None), getattr(seq, "output_ids", None)
@@ -288,13 +309,15 @@ class AutoPolicy:
         return False
 
     def _explore(self, seq, state: _SeqState, choice: tuple[str | None, int], lengths: dict[str, int], batch: int,
-                 catch_up: dict[str, float], step: "_Step", allowance: float) -> tuple[str, int] | None:
+                 catch_up: dict[str, float], step: "_Step", allowance: float,
+                 delay: dict[str, int] | None = None) -> tuple[str, int] | None:
         if self.explore_every <= 0:
             return None
         due = [d for d in self.drafters if state.steps - state.last_used.get(d, 0) >= self.explore_every]
         for d in sorted(due, key=lambda d: state.last_used.get(d, 0)):
             k = lengths[d] or self.explore_k
-            if (self.could_pay(d, batch) and self._pays_back(seq, d, (0.999, 1.0), batch, catch_up[d])
+            if (self.could_pay(d, batch) and self._pays_back(seq, d, (0.999, 1.0), batch, catch_up[d],
+                                                             (delay or {}).get(d, 0))
                     and step.extra(choice, (d, k)) <= allowance):
                 return d, k
             state.last_used[d] = state.steps  # cannot pay, or cannot be afforded, at this load: look again later

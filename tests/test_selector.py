@@ -21,6 +21,7 @@ from specdecode.drafters.ngram import NgramDrafter
 from specdecode.engine import Engine
 from specdecode.models.hf import HFRunner
 from specdecode.sampling import SamplingParams
+from specdecode.policy import BudgetPolicy
 from specdecode.selector import AutoPolicy, expected_tokens
 from test_engine import ALPHA, VS, chi_square_p, exact_two_token_law, sample_pairs
 from tiny import make_model, make_tokenizer, perturbed_copy
@@ -495,12 +496,64 @@ def test_a_long_backlog_is_read_in_pieces_while_others_wait():
         assert policy.route(other) == "model"
         for seq, k in zip((late, other), ks):
             policy.observe(seq, k, k)
-    assert routes == [None, None, "model", "model"]  # 150 -> 86 -> 22 (fits a piece): drafts
+    assert "model" not in routes[:2] and routes[2:] == ["model", "model"], routes  # 150 -> 86 -> 22: drafts
     assert reads == [("model", [id(late)], 64)] * 2
     # alone: nobody waits for the catch-up, so it is read whole inside the step, and it drafts at once
     alone, reads[:] = request(), []
     policy.plan([alone], 1)
     assert policy.route(alone) == "model" and reads == []
+    # a verify budget at its cap (nothing may draft): no reads either, and nothing left to observe
+    capped = BudgetPolicy(policy, 4)
+    for seq in (late, other):
+        lags[(id(seq), "model")] = 150
+    assert capped.plan([late, other], 4) == [0, 0] and reads == []
+    assert policy.route(late) is None and policy.route(other) is None
+    assert capped.plan([late, other], 2) and reads == [("model", [id(late), id(other)], 64)]
+
+
+def test_an_exploration_that_must_read_first_reads_in_pieces_and_stays_due():
+    """A drafter never used for a sequence, 150 tokens behind, falls due for exploration at batch 2:
+    it reads 64 a step first (no drafting), and explores at the first step its backlog fits a piece.
+    With 30 tokens left and 1,000 to read, the ~16 steps of reading leave too few tokens to earn
+    back the catch-up even at acceptance 1 (read whole, they would): not read at all."""
+    cost = flat_cost(verify_per_token=0.001, drafts={"model": 0.002, "ngram": 0.001})
+    cost.catch_up = {"model": 0.001}
+    lags, reads = {}, []
+
+    def read(seqs, drafter, budget):
+        reads.append([id(s) for s in seqs])
+        for s in seqs:
+            lags[(id(s), drafter)] -= min(lags[(id(s), drafter)], budget)
+        return 0
+
+    policy = AutoPolicy(["model", "ngram"], max_k=4, cost=cost, explore_every=2,
+                        lag=lambda s, d: lags.get((id(s), d), 0), read=read)
+    policy.history["model"] = type(policy.history["model"])(0.0, 10.0, 10.0, 10.0)  # its history: useless
+
+    @dataclass(eq=False)
+    class Req(Seq):
+        output_ids: list = field(default_factory=list)
+
+    seq, other = Req(params=SamplingParams(max_new_tokens=200)), Req(params=SamplingParams(max_new_tokens=200))
+    teach(policy, seq, "ngram", [4] * 6)
+    teach(policy, other, "ngram", [4] * 6)
+    lags[(id(seq), "model")] = 150
+    routes = []
+    for _ in range(5):
+        ks = policy.plan([seq, other], 2)
+        routes.append(policy.route(seq))
+        for s, k in zip((seq, other), ks):
+            policy.observe(s, k, k)
+    # due at step 2: reads at steps 2 and 3 (150 -> 86 -> 22), explores at step 4
+    assert reads == [[id(seq)], [id(seq)]] and routes[3] == "model" and "model" not in routes[:3], (reads, routes)
+    short, reads[:] = Req(params=SamplingParams(max_new_tokens=200), output_ids=[0] * 170), []
+    lags[(id(short), "model")] = 1000
+    cost.catch_up = {"model": 0.009}  # 18 s of the batch; ~0.8 s saved a token: 30 tokens would pay, 14 not
+    assert policy._pays_back(short, "model", (0.999, 1.0), 2, 9.0)
+    for _ in range(4):
+        policy.plan([short, other], 2)
+        policy.observe(short, 0, 0)
+    assert reads == [] and policy.route(short) != "model"
 
 
 def test_reading_in_pieces_is_priced_in_the_pay_back():
