@@ -443,6 +443,7 @@ def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
                      for name, spec in zip(unique_labels(cfg.drafts), cfg.drafts)}
             drafter = MultiDrafter(parts, selector.route, selector.observe_draft, selector.observe_catch_up)
             selector.lag, selector.read = drafter.lag, drafter.read
+            selector.shadow, selector.free = drafter.shadow, drafter.free_parts()
         else:
             drafter = build_drafter(cfg.draft, DraftContext(target, cfg, make_draft))
     tree_nodes = cfg.tree_nodes if trees else 0

@@ -11,7 +11,12 @@ Three parts:
   nothing). Each is a ratio of discounted counts (each step's observation counts 1, older ones decay
   by ``decay`` per observation, so the estimate follows drift), with a prior from the drafter's
   history over all sequences (itself discounted more slowly) worth ``prior_weight`` observations.
-  Only a step a drafter drafted for updates it. With chains, a step that drafted ``n`` tokens and
+  A step a drafter drafted for updates it. A *free* drafter (no model: n-gram lookup) is also asked,
+  every step, what it would have proposed for the sequences it did not draft for, and that shadow
+  proposal is scored against the tokens the step emitted (matched prefix = accepted; an unbiased
+  acceptance observation, greedy or sampled, since a point-mass draft token is accepted with the
+  same probability p_target(token) with which the emitted token equals it); so n-gram is tracked on
+  every sequence at no cost and never needs exploring. With chains, a step that drafted ``n`` tokens and
   accepted ``a`` adds ``a`` acceptances and, when ``a < n``, one rejection; expected tokens of a
   chain of ``k`` are ``1 + fill * (alpha + alpha^2 + ... + alpha^k)``.
 * **Choice**: the step time of a plan is ``v(B, 1 + max k) + sum_d draft(d, rows_d, k_d)`` (rows
@@ -77,9 +82,11 @@ class _Counts:
     proposed: float = 0.0
     requested: float = 0.0
 
-    def add(self, requested: int, drafted: int, accepted: int, decay: float) -> None:
+    def add(self, requested: int, drafted: int, accepted: int, decay: float, compared: int | None = None) -> None:
+        """``compared``: how many of the drafted tokens could be judged (a shadow proposal longer than
+        what the step emitted is censored there: no rejection seen); default all of them."""
         self.accepted = decay * self.accepted + accepted
-        self.rejected = decay * self.rejected + (1 if accepted < drafted else 0)
+        self.rejected = decay * self.rejected + (1 if accepted < (drafted if compared is None else compared) else 0)
         self.proposed = decay * self.proposed + drafted
         self.requested = decay * self.requested + requested
 
@@ -90,6 +97,8 @@ class _SeqState:
     last_used: dict[str, int] = field(default_factory=dict)  # drafter -> step index it last drafted
     steps: int = 0
     choice: tuple[str | None, int] = (None, 0)  # this step's (drafter, requested length)
+    # free drafters not chosen this step -> (length asked, len(token_ids) at the plan, what they proposed)
+    shadow: dict[str, tuple[int, int, list[int]]] = field(default_factory=dict)
 
 
 def expected_tokens(alpha: float, fill: float, k: int) -> float:
@@ -114,7 +123,8 @@ class AutoPolicy:
                  prior_alpha: float = 0.5, prior_fill: float = 0.8, margin: float = 0.03,
                  lag: Callable[[object, str], int] | None = None, horizon: int = HORIZON,
                  explore_cost: float = 0.05, catch_up_tokens: int | None = CATCH_UP_TOKENS,
-                 read: Callable[[list, str, int], int] | None = None) -> None:
+                 read: Callable[[list, str, int], int] | None = None,
+                 shadow: Callable[[list, str, int], list[list[int]]] | None = None, free: tuple[str, ...] = ()) -> None:
         if not drafters:
             raise ValueError("the selector needs at least one drafter")
         if max_k < 1:
@@ -130,6 +140,7 @@ class AutoPolicy:
         if catch_up_tokens is not None and catch_up_tokens < 1:
             raise ValueError(f"catch_up_tokens must be >= 1 (or None: whole), got {catch_up_tokens}")
         self.catch_up_tokens, self.read = catch_up_tokens, read
+        self.shadow, self.free = shadow, tuple(free)
         self.history = {d: _Counts(prior_alpha * prior_weight, (1 - prior_alpha) * prior_weight,
                                    prior_fill * prior_weight, prior_weight) for d in self.drafters}
         self._seqs: dict[int, _SeqState] = {}
@@ -188,7 +199,23 @@ class AutoPolicy:
             out.append(choice[1])
         for d, rows in reading.items():
             self.read(rows, d, chunk)
+        self._look(seqs, lengths)
         return out
+
+    def _look(self, seqs: list, lengths: dict[str, int]) -> None:
+        """Ask each free drafter (no model: n-gram lookup) what it would propose for the sequences it
+        does not draft for at this step; :meth:`observe` scores that against what the step emits."""
+        for s in seqs:
+            self._state(s).shadow = {}
+        if self.shadow is None:
+            return
+        for d in self.free:
+            rows = [s for s in seqs if self._state(s).choice[0] != d]
+            if not rows:
+                continue
+            k = lengths.get(d) or self.explore_k
+            for s, tokens in zip(rows, self.shadow(rows, d, k)):
+                self._state(s).shadow[d] = (k, len(s.token_ids), list(tokens))
 
     def num_draft(self, seq, batch_size: int) -> int:
         return self.plan([seq], batch_size)[0]
@@ -204,13 +231,31 @@ class AutoPolicy:
 
     def observe(self, seq, drafted: int, accepted: int) -> None:
         state = self._seqs.get(id(seq))
-        if state is None or state.choice[0] is None or state.choice[1] <= 0:
+        if state is None:
+            return
+        self._observe_shadow(seq, state)
+        if state.choice[0] is None or state.choice[1] <= 0:
             return
         drafter, requested = state.choice
         state.counts.setdefault(drafter, _Counts()).add(requested, drafted, accepted, self.decay)
         self.history[drafter].add(requested, drafted, accepted, self.prior_decay)
         state.last_used[drafter] = state.steps
         state.choice = (None, 0)
+
+    def _observe_shadow(self, seq, state: _SeqState) -> None:
+        """Score the free drafters' shadow proposals against the tokens the step emitted. A point-mass
+        draft token is accepted with probability p_target(token), and the emitted token equals it with
+        that same probability (the output follows the target's law), position by position while they
+        agree: so the matched prefix is an unbiased acceptance observation, greedy or sampled, without
+        drafting. Past what the step emitted nothing is judged (no rejection counted)."""
+        for d, (k, pos, tokens) in state.shadow.items():
+            emitted = list(seq.token_ids[pos:])
+            compared = min(len(tokens), len(emitted))
+            matched = next((i for i in range(compared) if tokens[i] != emitted[i]), compared)
+            state.counts.setdefault(d, _Counts()).add(k, len(tokens), matched, self.decay, compared)
+            self.history[d].add(k, len(tokens), matched, self.prior_decay, compared)
+            state.last_used[d] = state.steps  # it is learnt about: no need to explore it
+        state.shadow = {}
 
     def observe_step(self, batch_size: int, width: int, draft_s: float, verify_s: float) -> None:
         if self.cost is not None:
@@ -249,7 +294,7 @@ class AutoPolicy:
         for s in seqs:
             state = self._state(s)
             state.steps += 1
-            state.choice = (None, 0)
+            state.choice, state.shadow = (None, 0), {}
 
     def _remaining(self, seq) -> int:
         params, out = getattr(seq, "params", None), getattr(seq, "output_ids", None)

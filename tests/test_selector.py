@@ -22,7 +22,7 @@ from specdecode.engine import Engine
 from specdecode.models.hf import HFRunner
 from specdecode.sampling import SamplingParams
 from specdecode.policy import BudgetPolicy
-from specdecode.selector import AutoPolicy, expected_tokens
+from specdecode.selector import AutoPolicy, _Counts, expected_tokens
 from test_engine import ALPHA, VS, chi_square_p, exact_two_token_law, sample_pairs
 from tiny import make_model, make_tokenizer, perturbed_copy
 
@@ -657,6 +657,7 @@ def auto_engine(target, draft, slots, cost=None, explore_every=3, max_context=80
     parts = {"model": DraftModelDrafter(HFRunner(draft)), "ngram": NgramDrafter()}
     multi = MultiDrafter(parts, policy.route, policy.observe_draft, policy.observe_catch_up)
     policy.lag, policy.read = multi.lag, multi.read
+    policy.shadow, policy.free = multi.shadow, multi.free_parts()
     return Engine(HFRunner(target), TOK if target.config.vocab_size == V else make_tokenizer(target.config.vocab_size),
                   multi, policy, max_batch_size=slots, max_context=max_context)
 
@@ -778,3 +779,61 @@ def test_the_catch_up_flag_reaches_the_selector():
     assert make_policy(cfg).catch_up_tokens == 17
     with pytest.raises(ValueError, match="catch_up_tokens"):
         AutoPolicy(["ngram"], max_k=4, catch_up_tokens=0)
+
+
+@pytest.mark.parametrize("shadowed", [True, False], ids=["shadow", "negative-control"])
+def test_a_free_drafter_is_scored_every_step_without_drafting(shadowed):
+    """n-gram lookup's history says it is useless, and exploration is off; on this sequence it would
+    in fact propose exactly what the target emits. Asked every step what it would propose (no model:
+    free), scored against the emitted tokens, it takes over from the draft model within a few steps.
+    Not asked (the control), the selector never learns it and stays with the draft model."""
+    cost = flat_cost(verify_per_token=0.02, drafts={"model": 0.05, "ngram": 0.001})
+    truth = list(range(100, 300))  # what the target emits after the 3-token prompt
+
+    def shadow(seqs, drafter, k):
+        assert drafter == "ngram"
+        return [truth[len(s.token_ids) - 3: len(s.token_ids) - 3 + k] for s in seqs]
+
+    policy = AutoPolicy(["model", "ngram"], max_k=4, cost=cost, explore_every=0,
+                        shadow=shadow if shadowed else None, free=("ngram",))
+    policy.history["ngram"] = _Counts(0.0, 10.0, 10.0, 10.0)
+    seq = Seq(token_ids=[1, 2, 3])
+    teach(policy, seq, "model", [2, 2, 2, 2])
+    routes = []
+    for _ in range(10):
+        k = policy.plan([seq], 1)[0]
+        routes.append(policy.route(seq))
+        accepted = min(k, 2) if routes[-1] == "model" else k  # the model gets 2 right, n-gram all
+        seq.token_ids = seq.token_ids + truth[len(seq.token_ids) - 3: len(seq.token_ids) - 3 + accepted + 1]
+        policy.observe(seq, k, accepted)
+    assert routes[0] == "model"
+    if shadowed:
+        assert routes[-3:] == ["ngram"] * 3, routes
+    else:
+        assert set(routes) == {"model"}, routes
+
+
+def test_shadow_scoring_counts_the_matched_prefix_and_censors_past_the_emitted():
+    policy = AutoPolicy(["model", "ngram"], max_k=4, cost=flat_cost(drafts={"model": 0.05, "ngram": 0.001}),
+                        decay=1.0, prior_decay=1.0, free=("ngram",),
+                        shadow=lambda seqs, d, k: [[5, 6, 7]])
+    seq = Seq(token_ids=[1, 2, 3])
+    state = policy._state(seq)
+    before = _Counts(**vars(policy.history["ngram"]))
+    cases = [([5, 6, 7], [5, 9], (1, 1, 3, 3)),  # a mismatch at the second: 1 accepted, 1 rejection
+             ([5, 6, 7], [5], (1, 0, 3, 3)),  # only one emitted: 1 accepted, the rest not judged
+             ([], [5], (0, 0, 0, 3))]  # nothing found: fill falls, acceptance unchanged
+    for tokens, emitted, (acc, rej, proposed, requested) in cases:
+        state.counts.pop("ngram", None)
+        state.shadow = {"ngram": (3, 3, tokens)}
+        seq.token_ids = [1, 2, 3] + emitted
+        policy.observe(seq, 0, 0)
+        c = state.counts["ngram"]
+        assert (c.accepted, c.rejected, c.proposed, c.requested) == (acc, rej, proposed, requested)
+        assert state.shadow == {}
+    h = policy.history["ngram"]
+    assert (h.accepted - before.accepted, h.rejected - before.rejected) == (2, 1)
+    # the plan asks only for sequences the free drafter does not draft for, and records where it stood
+    seq.token_ids = [1, 2, 3]
+    policy.plan([seq], 1)
+    assert (policy.route(seq) == "ngram") == ("ngram" not in state.shadow)

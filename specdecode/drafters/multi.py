@@ -122,6 +122,18 @@ class MultiDrafter:
             waiting.pop(s.slot, None)
         return part.read(seqs, budget)
 
+    def free_parts(self) -> tuple[str, ...]:
+        """Parts whose proposals cost no model forward (n-gram lookup): :meth:`shadow` may ask them."""
+        return tuple(name for name, d in self.parts.items() if getattr(d, "free", False))
+
+    def shadow(self, seqs: list[SequenceView], name: str, k: int) -> list[list[int]]:
+        """What free part ``name`` would propose for each of ``seqs`` at length ``k``; nothing is
+        drafted or verified (the selector scores it against what the step emits)."""
+        if name not in self.free_parts():
+            raise ValueError(f"part {name!r} is not free to ask: it runs a model")
+        p = self.parts[name].propose(seqs, [k] * len(seqs))
+        return [p.tokens[b, : int(p.num_tokens[b])].tolist() for b in range(len(seqs))]
+
     def _caught_up(self, name: str, tokens: int, seconds: float) -> None:
         self._caught_up_s += seconds
         self.on_catch_up(name, tokens, seconds)

@@ -41,6 +41,7 @@ class NgramDrafter(DrafterBase):
     text (at most ``tree_nodes`` nodes): deterministic siblings, verified by rule (c)."""
 
     name = "ngram"
+    free = True  # a proposal costs no model forward: the selector may ask it for any sequence (selector._look)
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, tree_topk: int = 1, tree_nodes: int = 0) -> None:
         if not 1 <= min_ngram <= max_ngram:
