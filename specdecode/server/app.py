@@ -41,7 +41,7 @@ class ServerConfig:
     api_key: str | None = None
     public_paths: tuple[str, ...] = ("/health",)  # the liveness allowlist: no API key needed
     max_queue: int = 128  # requests waiting for a batch slot; more get 429
-    max_num_batched_tokens: int = 256  # tokens per engine step: verify windows + a chunk of waiting prompts
+    max_num_batched_tokens: int = 512  # tokens per engine step: verify windows + a chunk of waiting prompts
     max_body_bytes: int = 1 << 20
     speculation: bool = True  # server-wide; a request can still opt out with "speculation": false
     wedge_timeout_s: float = 120.0  # /health fails when one engine call runs longer than this

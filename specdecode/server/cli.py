@@ -28,10 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-batch-size", type=int, default=8, help="sequences decoded together (default 8)")
     g.add_argument("--max-queue", type=int, default=128,
                    help="requests waiting for a batch slot before new ones get 429 (default 128)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=256,
+    g.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="tokens one engine step carries: the running sequences' verify windows plus a chunk of "
                         "waiting prompts (at least a quarter of it), so a long prompt stalls the running streams "
-                        "for one chunk at most (default 256)")
+                        "for one chunk at most (default 512)")
     g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit, else 413 (default 1 MiB)")
     g.add_argument("--no-speculation", action="store_true",
                    help="load the draft but decode target-only (requests cannot turn it on)")

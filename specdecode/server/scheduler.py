@@ -104,7 +104,7 @@ class QueueFull(Exception):
 
 class Scheduler:
     def __init__(self, engine: Engine, metrics: ServerMetrics, max_queue: int = 128, speculation: bool = True,
-                 max_num_batched_tokens: int = 256) -> None:
+                 max_num_batched_tokens: int = 512) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         if max_num_batched_tokens < 1:
