@@ -32,8 +32,10 @@ prompt and what was generated since, and after other drafters drafted for a whil
 produced. That one-off cost (``lag`` tokens at the cost model's ``catch_up`` seconds per token) is
 paid only if the drafter is expected to save the sequence more time over its remaining tokens (at
 most ``horizon`` of them) than the catch-up costs the batch, which waits for it: ``remaining *
-(v(B, 1) - best seconds per token with it) > B * catch-up seconds``; otherwise the drafter is not a
-candidate for that sequence at this step. So a long prompt
+(ready - best seconds per token with it) > B * catch-up seconds``, where ``ready`` is the best the
+sequence gets without any catch-up (plain decoding ``v(B, 1)``, or a drafter already in step, such
+as n-gram lookup on a summary that copies its article); otherwise the drafter is not a candidate
+for that sequence at this step. So a long prompt
 with a short answer never pays a draft model's prefill it cannot earn back, and under load, where no
 drafter pays, requests cost what they cost without speculation. When other sequences share the step
 (batch > 1), a backlog longer than ``catch_up_tokens`` (at least ``max_k + 2``) is not read inside
@@ -167,9 +169,13 @@ class AutoPolicy:
         chunk = self._chunk(batch_size)
         lags = [{d: self.lag(s, d) if self.lag is not None else 0 for d in self.drafters} for s in seqs]
         catch = [{d: self.cost.catch_up_s(d, n) if n > 0 else 0.0 for d, n in lag.items()} for lag in lags]
+        # what each sequence can do without any catch-up (plain decoding, or a drafter already in step)
+        ready = [min([self.cost.verify_s(batch_size, 1)] + [self._per_token(d, self.estimate(s, d), batch_size)
+                                                            for d in self.drafters if c[d] <= 0])
+                 for s, c in zip(seqs, catch)]
         est = [{d: e for d in self.drafters
-                if self._pays_back(s, d, e := self.estimate(s, d), batch_size, c[d], self._steps_to_read(lag[d], chunk))}
-               for s, c, lag in zip(seqs, catch, lags)]
+                if self._pays_back(s, d, e := self.estimate(s, d), batch_size, c[d], self._steps_to_read(lag[d], chunk), r)}
+               for s, c, lag, r in zip(seqs, catch, lags, ready)]
         lengths = self._best_lengths(est, batch_size)
         choices = [self._assign(e, lengths) for e in est]
         reading: dict[str, list] = {}  # drafter -> sequences it reads ahead for at this step (batch order)
@@ -302,18 +308,24 @@ class AutoPolicy:
             return self.horizon
         return max(0, min(params.max_new_tokens - len(out), self.horizon))
 
+    def _per_token(self, drafter: str, est: tuple[float, float], batch: int) -> float:
+        """Seconds per token of one sequence drafting with ``drafter`` at its best length (at ``est``)."""
+        return min((self.cost.verify_s(batch, k + 1) + self.cost.draft_s(drafter, 1, k)) / expected_tokens(*est, k)
+                   for k in self.lengths)
+
     def _pays_back(self, seq, drafter: str, est: tuple[float, float], batch: int, catch_up_s: float,
-                   delay: int = 0) -> bool:
+                   delay: int = 0, ready: float | None = None) -> bool:
         """Is ``drafter`` a candidate for ``seq`` at this step: free to start, or expected (at ``est``)
         to save ``seq`` more time over its remaining tokens (less ``delay``, the steps spent reading
         in pieces, about a token each) than its catch-up costs the batch (the catch-up runs inside
-        the steps: every running sequence waits for it)?"""
+        the steps: every running sequence waits for it)? Saved against ``ready``, the seconds per
+        token the sequence gets without any catch-up (plain decoding, or a drafter already in step
+        such as n-gram lookup); default plain decoding."""
         if catch_up_s <= 0:
             return True
-        plain = self.cost.verify_s(batch, 1)  # seconds per token of this sequence without drafting
-        best = min((self.cost.verify_s(batch, k + 1) + self.cost.draft_s(drafter, 1, k)) / expected_tokens(*est, k)
-                   for k in self.lengths)
-        return (self._remaining(seq) - delay) * (plain - best) > catch_up_s * max(1, batch)
+        ready = self.cost.verify_s(batch, 1) if ready is None else ready
+        best = self._per_token(drafter, est, batch)
+        return (self._remaining(seq) - delay) * (ready - best) > catch_up_s * max(1, batch)
 
     def _assign(self, est: dict[str, tuple[float, float]], lengths: dict[str, int]) -> tuple[str | None, int]:
         best, gain = (None, 0), 1.0

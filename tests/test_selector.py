@@ -837,3 +837,33 @@ def test_shadow_scoring_counts_the_matched_prefix_and_censors_past_the_emitted()
     seq.token_ids = [1, 2, 3]
     policy.plan([seq], 1)
     assert (policy.route(seq) == "ngram") == ("ngram" not in state.shadow)
+
+
+def test_a_catch_up_must_beat_what_the_sequence_has_without_one():
+    """A draft model 300 tokens behind (15 s to read) would save ~80 s over plain decoding in 100
+    tokens, but only ~8 s over n-gram lookup, which already does well on this sequence and needs no
+    catch-up: against lookup it does not pay back, so lookup drafts. With lookup poor, it does."""
+    cost = flat_cost(verify_per_token=0.02, drafts={"model": 0.05, "ngram": 0.001})
+    cost.catch_up = {"model": 0.05}
+    lags = {}
+    policy = AutoPolicy(["model", "ngram"], max_k=8, cost=cost, explore_every=0,
+                        lag=lambda s, d: lags.get((id(s), d), 0))
+
+    @dataclass(eq=False)
+    class Req(Seq):
+        output_ids: list = field(default_factory=list)
+
+    good, poor = Req(params=SamplingParams(max_new_tokens=100)), Req(params=SamplingParams(max_new_tokens=100))
+    for seq, ngram in ((good, [4, 3, 4, 3, 4, 3]), (poor, [0] * 6)):
+        teach(policy, seq, "model", [4] * 6)
+        teach(policy, seq, "ngram", ngram)
+        lags[(id(seq), "model")] = 300
+    est = policy.estimate(good, "model")
+    lookup = policy._per_token("ngram", policy.estimate(good, "ngram"), 1)
+    assert policy._per_token("model", est, 1) < lookup  # the model is the better drafter once caught up
+    assert policy._pays_back(good, "model", est, 1, 15.0)  # against plain decoding it pays back
+    assert not policy._pays_back(good, "model", est, 1, 15.0, ready=lookup)  # against lookup it does not
+    policy.plan([good], 1)
+    assert policy.route(good) == "ngram"
+    policy.plan([poor], 1)
+    assert policy.route(poor) == "model"
