@@ -169,13 +169,14 @@ class AutoPolicy:
         chunk = self._chunk(batch_size)
         lags = [{d: self.lag(s, d) if self.lag is not None else 0 for d in self.drafters} for s in seqs]
         catch = [{d: self.cost.catch_up_s(d, n) if n > 0 else 0.0 for d, n in lag.items()} for lag in lags]
+        known = [{d: self.estimate(s, d) for d in self.drafters} for s in seqs]
         # what each sequence can do without any catch-up (plain decoding, or a drafter already in step)
-        ready = [min([self.cost.verify_s(batch_size, 1)] + [self._per_token(d, self.estimate(s, d), batch_size)
+        ready = [min([self.cost.verify_s(batch_size, 1)] + [self._per_token(d, e[d], batch_size)
                                                             for d in self.drafters if c[d] <= 0])
-                 for s, c in zip(seqs, catch)]
-        est = [{d: e for d in self.drafters
-                if self._pays_back(s, d, e := self.estimate(s, d), batch_size, c[d], self._steps_to_read(lag[d], chunk), r)}
-               for s, c, lag, r in zip(seqs, catch, lags, ready)]
+                 for e, c in zip(known, catch)]
+        est = [{d: e[d] for d in self.drafters
+                if self._pays_back(s, d, e[d], batch_size, c[d], self._steps_to_read(lag[d], chunk), r)}
+               for s, e, c, lag, r in zip(seqs, known, catch, lags, ready)]
         lengths = self._best_lengths(est, batch_size)
         choices = [self._assign(e, lengths) for e in est]
         reading: dict[str, list] = {}  # drafter -> sequences it reads ahead for at this step (batch order)

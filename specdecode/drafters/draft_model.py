@@ -96,7 +96,7 @@ class DraftModelDrafter(DrafterBase):
         return max(0, len(seq.token_ids) - common_prefix(cached, seq.token_ids, self._floor.get(seq.slot, 0)) - 2)
 
     def read(self, seqs: Sequence[SequenceView], budget: int) -> int:
-        """Read up to ``budget`` tokens, in all, of the history the cache lacks (oldest sequences first),
+        """Read up to ``budget`` tokens, in all, of the history the cache lacks (sequences in the order given),
         without drafting: a late start caught up on in pieces over several steps (the selector's
         ``catch_up_tokens``). Up to the pending token, which a proposal feeds. Returns the tokens read."""
         slots, pieces, starts = [], [], []

@@ -111,13 +111,11 @@ class MultiDrafter:
         lacks (in the order given), without drafting: the selector starts a draft model late in
         pieces, so no step holds the batch for a whole prompt. A lazy part that cannot read in pieces
         starts on them whole now. Returns the tokens read (also reported through ``on_catch_up``)."""
-        part = self.parts[name]
+        part, waiting = self.parts[name], self._waiting.get(name, {})
         if not hasattr(part, "read"):
-            waiting = self._waiting.get(name, {})
             tokens = sum(len(waiting[s.slot]) - 1 for s in seqs if s.slot in waiting)
             self._start_late(name, list(seqs))
             return tokens
-        waiting = self._waiting.get(name, {})
         for s in seqs:  # it starts on them now, from their first token
             waiting.pop(s.slot, None)
         return part.read(seqs, budget)
