@@ -234,6 +234,70 @@ def test_training_lowers_the_loss_and_the_drafter_reloads_bit_exact(tmp_path, ta
     assert out.stats.drafted > 0
 
 
+def test_bfloat16_autocast_trains_in_bf16_and_keeps_float32_weights(tmp_path, target, feats, monkeypatch):
+    """``--compute-dtype bfloat16``: the step's forward runs in bf16 (the logits the loss sees are bf16),
+    the weights stay float32, the loss still falls; a checkpoint of a float32 run is not resumed in bf16."""
+    import specdecode.heads.eagle_train as T
+
+    real, seen = T.eagle_loss, []
+
+    def spy(module, model, batch, settings, gen):
+        outs = module(batch["g0"], batch["embs"], batch["positions"], batch["valid"])
+        seen.append(outs[0][1].dtype)
+        return real(module, model, batch, settings, gen)
+
+    monkeypatch.setattr(T, "eagle_loss", spy)
+    model = train_tiny(target, feats, tmp_path / "bf16", compute_dtype="bfloat16")
+    assert seen and set(seen) == {torch.bfloat16}
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    log = json.loads((tmp_path / "bf16" / "train_log.json").read_text())
+    assert sum(r[1] for r in log[-5:]) < sum(r[1] for r in log[:5])
+    seen.clear()
+    train_tiny(target, feats, tmp_path / "f32", epochs=1)
+    assert set(seen) == {torch.float32}  # the control: without autocast the forward is float32
+    with pytest.raises(F.FeatureError, match="other settings"):
+        train_tiny(target, feats, tmp_path / "f32", epochs=1, compute_dtype="bfloat16")
+    with pytest.raises(ValueError, match="compute-dtype"):
+        train_tiny(target, feats, tmp_path / "bad", compute_dtype="float16")
+
+
+def test_the_loss_formed_in_slices_of_anchors_equals_the_loss_formed_at_once(monkeypatch):
+    """``eagle_loss`` forms float32 log-probabilities ``LOSS_ROWS`` anchor rows at a time (allocator-friendly);
+    value and gradient equal the whole-chunk formula, for slices that do and do not divide the chunk."""
+    import specdecode.heads.eagle_train as T
+
+    gen = torch.Generator().manual_seed(0)
+    b, a, v = 2, 30, 50
+    logits = [torch.randn(b, a, v, generator=gen, requires_grad=True) for _ in range(2)]
+    levels = [{"ok": torch.rand(b, a, generator=gen) > 0.1,
+               "soft_ids": torch.randint(0, v, (b, a, 8), generator=gen),
+               "soft_q": torch.softmax(torch.randn(b, a, 8, generator=gen), -1),
+               "hard": torch.where(torch.rand(b, a, generator=gen) > 0.2, torch.randint(0, v, (b, a), generator=gen), -1)}
+              for _ in logits]
+    levels[1]["hard"][:] = -1  # a level without corpus labels
+    batch = {"g0": [], "embs": None, "positions": None, "valid": None, "levels": levels}
+    model = type("M", (), {"config": type("C", (), {"final_mode": False})()})()
+    settings = EagleSettings()
+
+    def whole():
+        total = 0
+        for j, (lg, lab) in enumerate(zip(logits, levels)):
+            logp, ok, h = torch.log_softmax(lg, -1), lab["ok"], lab["hard"] >= 0
+            soft = -(lab["soft_q"] * logp.gather(-1, lab["soft_ids"])).sum(-1)[ok].mean()
+            hard = -logp.gather(-1, lab["hard"].clamp(min=0)[..., None]).squeeze(-1)[h].mean() if h.any() else 0
+            total = total + settings.level_decay ** j * (settings.soft_weight * soft + (1 - settings.soft_weight) * hard)
+        return total
+
+    want = whole()
+    want_grad = torch.autograd.grad(want, logits)
+    for rows in (4, 14, 60, 10_000):
+        monkeypatch.setattr(T, "LOSS_ROWS", rows)
+        got = T.eagle_loss(lambda *_: [(None, lg) for lg in logits], model, batch, settings, None)
+        torch.testing.assert_close(got, want)
+        for g, w in zip(torch.autograd.grad(got, logits), want_grad):
+            torch.testing.assert_close(g, w)
+
+
 def test_fusion_training_reads_the_named_layers(tmp_path, target, feats):
     model = train_tiny(target, feats, tmp_path / "fusion", layers="1,final", epochs=1)
     assert model.config.feature_layers == ["layer1", "final"] and model.fuse is not None

@@ -277,6 +277,14 @@ def test_training_lowers_the_loss_and_saved_heads_reload_bit_exact(tmp_path, tar
     assert out.stats.drafted > 0
 
 
+def test_bfloat16_autocast_training_lowers_the_loss_with_float32_weights(tmp_path, target, feats):
+    heads = train_tiny(target, feats, tmp_path / "bf16", compute_dtype="bfloat16")
+    log = json.loads((tmp_path / "bf16" / "train_log.json").read_text())
+    assert sum(r[1] for r in log[-5:]) < sum(r[1] for r in log[:5])
+    assert all(p.dtype == torch.float32 for p in heads.parameters())
+    assert MedusaHeads.load(tmp_path / "bf16").config.training["settings"]["compute_dtype"] == "bfloat16"
+
+
 def test_training_resumes_after_a_kill_to_the_same_weights(tmp_path, target, feats, monkeypatch):
     whole = train_tiny(target, feats, tmp_path / "whole")
     import specdecode.heads.train as T

@@ -28,9 +28,13 @@ import torch
 
 from specdecode.heads.eagle import FINAL_KEY, EagleConfig, EagleModel, decoder_config, eagle3_layers
 from specdecode.heads.features import FeatureError, FeatureSet, layer_key
-from specdecode.heads.train import Loop, draft_vocabulary, held_out_docs, lm_target
+from specdecode.heads.train import Loop, check_compute_dtype, draft_vocabulary, held_out_docs, lm_target
 
 EVAL_LEVELS = 6  # draft positions scored on held-out chunks
+# anchor rows whose float32 log-probabilities are formed at once: a [256, 16384] float32 block is 16 MiB, under
+# glibc's 32 MiB mmap threshold, so the allocator reuses its memory instead of faulting fresh pages in on
+# every call (a whole 511-anchor chunk at once spent ~40 % of a CPU training step on page faults)
+LOSS_ROWS = 256
 
 
 @dataclass
@@ -51,8 +55,10 @@ class EagleSettings:
     held_out: float = 0.1
     max_train_tokens: int = 0
     seed: int = 0
+    compute_dtype: str = "float32"  # or bfloat16: autocast of the forward (Loop)
 
     def validate(self) -> None:
+        check_compute_dtype(self.compute_dtype)
         for name in ("draft_vocab", "ttt_steps", "batch_chunks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
@@ -135,14 +141,19 @@ def eagle_loss(module, model: EagleModel, batch: dict, settings: EagleSettings, 
     outs = module(g_parts, batch["embs"], batch["positions"], batch["valid"])
     total = outs[0][1].new_zeros(())
     for j, ((normed, logits), lab) in enumerate(zip(outs, batch["levels"])):
-        logp = torch.log_softmax(logits.float(), -1)
         ok = lab["ok"]
         if not ok.any():
             continue
-        soft = -(lab["soft_q"] * logp.gather(-1, lab["soft_ids"])).sum(-1)[ok].mean()
         hard_ok = lab["hard"] >= 0
-        hard = (-logp.gather(-1, lab["hard"].clamp(min=0)[..., None]).squeeze(-1)[hard_ok].mean()
-                if hard_ok.any() else total * 0)
+        soft = hard = total * 0
+        width = max(1, LOSS_ROWS // logits.shape[0])
+        for lo in range(0, logits.shape[1], width):  # float32 log-probabilities a slice of anchors at a time
+            sl = slice(lo, lo + width)
+            logp = torch.log_softmax(logits[:, sl].float(), -1)
+            soft = soft - (lab["soft_q"][:, sl] * logp.gather(-1, lab["soft_ids"][:, sl])).sum(-1)[ok[:, sl]].sum()
+            hard = hard - logp.gather(-1, lab["hard"][:, sl].clamp(min=0)[..., None]).squeeze(-1)[hard_ok[:, sl]].sum()
+        soft = soft / ok.sum()
+        hard = hard / hard_ok.sum().clamp(min=1)
         loss = settings.soft_weight * soft + (1 - settings.soft_weight) * hard
         if "feature" in lab and settings.feature_weight > 0 and model.config.final_mode:
             want = model.features([lab["feature"][ok]])  # the next token's standardised final feature
@@ -231,7 +242,7 @@ def train(fs: FeatureSet, out: Path, settings: EagleSettings, target, checkpoint
     total = max(1, round(settings.epochs * steps_per_epoch))
     fingerprint = {"settings": asdict(settings), "features": [s["sha256"] for s in fs.manifest["shards"]]}
     loop = Loop(model, settings.lr, settings.weight_decay, settings.warmup, total, out, fingerprint, evals,
-                checkpoint_every, progress)
+                checkpoint_every, progress, settings.compute_dtype)
     noise_gen = torch.Generator().manual_seed(settings.seed + 7)
     per = settings.batch_chunks
     tokens_per_step = sum(hi - lo for lo, hi in train_chunks) / max(1, len(train_chunks)) * per

@@ -62,6 +62,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-train-tokens", type=int, default=0,
                    help="use only the first N training tokens (0 = all): for accuracy-vs-data curves")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compute-dtype", choices=("auto", "float32", "bfloat16"), default="float32",
+                   help="float32, or bfloat16 autocast (weights, optimizer and gradients stay float32); auto = "
+                        "bfloat16 where the CPU multiplies bf16 natively (AVX512-BF16/AMX), else float32 "
+                        "(default float32)")
     e = p.add_argument_group("eagle")
     e.add_argument("--eagle-layers", default="final",
                    help="the target feature the drafter reads: final (EAGLE-1, the normed last state), eagle3 "
@@ -100,8 +104,10 @@ class TrainSettings:
     held_out: float = 0.1
     max_train_tokens: int = 0
     seed: int = 0
+    compute_dtype: str = "float32"  # or bfloat16: autocast of the forward (Loop)
 
     def validate(self) -> None:
+        check_compute_dtype(self.compute_dtype)
         positive = ("num_heads", "depth", "draft_vocab", "batch_size")
         for name in positive:
             if getattr(self, name) < 1:
@@ -257,14 +263,21 @@ def lm_target(target, fingerprint: list[int]) -> TargetParts:
                        model.get_input_embeddings().weight.detach().float().clone())
 
 
+def check_compute_dtype(name: str) -> None:
+    if name not in ("float32", "bfloat16"):
+        raise ValueError(f"--compute-dtype {name!r}: choose float32 or bfloat16 (or auto on the command line)")
+
+
 class Loop:
     """The training loop shared by every drafter kind: AdamW with linear warm-up and cosine decay,
     held-out evaluations, checkpoints every ``checkpoint_every`` steps and resume from them (a run
     with other settings or features is refused), DDP under ``torchrun`` (rank 0 writes), the loss log
-    and the plot."""
+    and the plot. ``compute_dtype`` bfloat16 runs each step's forward under CPU autocast (matrix
+    products in bf16, the parameters, their gradients and AdamW's state in float32)."""
 
     def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float, warmup: float, total: int, out: Path,
-                 fingerprint: dict, evals: int, checkpoint_every: int, progress: bool) -> None:
+                 fingerprint: dict, evals: int, checkpoint_every: int, progress: bool,
+                 compute_dtype: str = "float32") -> None:
         import torch.distributed as dist
 
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -275,6 +288,8 @@ class Loop:
         out.mkdir(parents=True, exist_ok=True)
         self.model, self.out, self.total, self.progress = model, out, total, progress
         self.checkpoint_every, self.fingerprint = checkpoint_every, fingerprint
+        check_compute_dtype(compute_dtype)
+        self.autocast = compute_dtype == "bfloat16"
         params = [p for p in model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
         warm = max(1, round(warmup * total))
@@ -307,7 +322,8 @@ class Loop:
         t0 = time.perf_counter() - self.seconds
         self.model.train()
         while self.step < self.total:
-            loss = step_fn(self.step)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+                loss = step_fn(self.step)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             self.opt.step()
@@ -386,7 +402,7 @@ def train(fs: FeatureSet, out: Path, settings: TrainSettings, target_spec: str, 
     total = max(1, round(settings.epochs * steps_per_epoch))
     fingerprint = {"settings": asdict(settings), "features": [s["sha256"] for s in fs.manifest["shards"]]}
     loop = Loop(heads, settings.lr, settings.weight_decay, settings.warmup, total, out, fingerprint, evals,
-                checkpoint_every, progress)
+                checkpoint_every, progress, settings.compute_dtype)
 
     def step_fn(step: int) -> torch.Tensor:
         epoch, b = divmod(step, steps_per_epoch)
@@ -445,18 +461,23 @@ def _plot(out: Path, log: list, curve: list, series, ylabel: str, label: str) ->
 
 def main(args: argparse.Namespace) -> int:
     """Validate, load the features, train the chosen kind, report: one path for Medusa and EAGLE."""
+    from specdecode.models.device import native_bf16
+
+    compute = args.compute_dtype
+    if compute == "auto":
+        compute = "bfloat16" if native_bf16("cpu") else "float32"
     if args.kind == "eagle":
         from specdecode.heads.eagle_train import EagleSettings, train as run
 
         settings = EagleSettings(args.eagle_layers, args.draft_vocab, args.intermediate_size, args.ttt_steps,
                                  args.epochs, args.batch_chunks, args.lr or 1e-3, args.weight_decay, args.warmup,
                                  args.level_decay, args.soft_weight, args.feature_weight, args.feature_noise,
-                                 args.held_out, args.max_train_tokens, args.seed)
+                                 args.held_out, args.max_train_tokens, args.seed, compute)
     else:
         run = train
         settings = TrainSettings(args.num_heads, args.depth, args.draft_vocab, args.train_output, args.epochs,
                                  args.batch_size, args.lr or 1e-3, args.weight_decay, args.warmup, args.head_decay,
-                                 args.soft_weight, args.held_out, args.max_train_tokens, args.seed)
+                                 args.soft_weight, args.held_out, args.max_train_tokens, args.seed, compute)
     try:
         settings.validate()
         if args.checkpoint_every < 1:
