@@ -6,6 +6,8 @@
 # Every step resumes: rerun the same command after an interruption. Weights stay outside the repo.
 #   HEADS_ROOT=~/.cache/specdecode OUT=runs/eagle FEATURE_TOKENS=84809 EPOCHS=3 scripts/eagle_recipe.sh
 # (docs/benchmarks.md "EAGLE": 52 min of training on 2 cores; more tokens and epochs raise acceptance)
+# COMPUTE_DTYPE (default auto: bf16 autocast where the CPU has native bf16), N_HE / REPEATS (HumanEval
+# problems, runs per problem), TOKENS (new tokens per run).
 set -euo pipefail
 ROOT=${HEADS_ROOT:-$HOME/.cache/specdecode}
 FEATS=$ROOT/features/qwen2.5-coder-1.5b-stdlib
@@ -18,16 +20,21 @@ time specdecode heads extract --target qwen2.5-coder-1.5b --out "$FEATS" --max-t
 # 8960), a 16k draft vocabulary, 3 unrolled training-time-test steps
 time specdecode heads train --kind eagle --features "$FEATS" --out "$EAGLE" --intermediate-size 2816 \
     --draft-vocab 16384 --ttt-steps 3 --epochs "${EPOCHS:-3}" --batch-chunks 1 --lr 1e-3 --checkpoint-every 25 --evals 10 \
-    --no-progress
+    --compute-dtype "${COMPUTE_DTYPE:-auto}" --no-progress
 COMMON=(--target qwen2.5-coder-1.5b --max-new-tokens "${TOKENS:-40}" --baselines none --no-progress)
-EXTRA=(--extra-draft "eagle:$EAGLE|k=2|trees=4x8" --extra-draft "eagle:$EAGLE|k=4|trees=none")
+# EAGLE_CONFIGS: space-separated k|trees pairs (session 16: "k=2|trees=none k=3|trees=none k=3|trees=4x8")
+EXTRA=()
+for c in ${EAGLE_CONFIGS:-k=2|trees=4x8 k=4|trees=none}; do EXTRA+=(--extra-draft "eagle:$EAGLE|$c"); done
 [ -d "$MEDUSA" ] && EXTRA+=(--extra-draft "medusa:$MEDUSA|k=2|trees=none")
+[ -n "${NGRAM:-}" ] && EXTRA+=(--extra-draft "ngram|k=4")
+DRAFT=${DRAFT:-qwen2.5-coder-0.5b}  # session 16: qwen2.5-coder-0.5b@gguf (its GGUF weights on llama.cpp)
 # HumanEval held-out problems, greedy and T = 0.7
-specdecode bench "${COMMON[@]}" --draft qwen2.5-coder-0.5b --draft-lengths 4 "${EXTRA[@]}" \
-    --sampling greedy,t0.7-p0.95 --prompts humaneval:test -n "${N_HE:-4}" --out "$OUT/humaneval"
+specdecode bench "${COMMON[@]}" --draft "$DRAFT" --draft-lengths 4 "${EXTRA[@]}" \
+    --sampling greedy,t0.7-p0.95 --prompts humaneval:test -n "${N_HE:-4}" --repeats "${REPEATS:-1}" --out "$OUT/humaneval"
 # Spec-Bench, one prompt per category, greedy
-specdecode bench "${COMMON[@]}" --draft qwen2.5-coder-0.5b --draft-lengths 4 "${EXTRA[@]}" \
+specdecode bench "${COMMON[@]}" --draft "$DRAFT" --draft-lengths 4 "${EXTRA[@]}" \
     --sampling greedy --prompts spec-bench -n "${N_SB:-1}" --out "$OUT/spec-bench"
+[ -n "${SKIP_CHECK:-}" ] && exit 0
 # exactness on the real pair: chain and tree, greedy and sampled settings (parts 1 and 3)
 specdecode check --target qwen2.5-coder-1.5b --draft "eagle:$EAGLE" -k 2 --parts 1,3 --no-progress --json "$OUT/check-chain.json"
 specdecode check --target qwen2.5-coder-1.5b --draft "eagle:$EAGLE" -k 2 --tree-topk 4 --tree-nodes 8 --parts 1,3 --no-progress \

@@ -77,6 +77,31 @@ def test_greedy_with_eagle_equals_target_only(target, layers, topk, nodes):
     assert sum(o.stats.drafted for o in outs) > 0
 
 
+def test_the_draft_layer_computes_in_bf16_only_where_bf16_is_native(monkeypatch):
+    import specdecode.models.device as D
+    from specdecode.drafters.eagle import draft_dtype
+
+    monkeypatch.setattr(D, "native_bf16", lambda device="cpu": True)
+    assert draft_dtype("cpu", torch.bfloat16) == torch.bfloat16
+    assert draft_dtype("cpu", torch.float32) == torch.float32
+    monkeypatch.setattr(D, "native_bf16", lambda device="cpu": False)  # AVX2-only: emulated bf16 is slower
+    assert draft_dtype("cpu", torch.bfloat16) == torch.float32
+    assert draft_dtype("cuda:0", torch.bfloat16) == torch.bfloat16
+
+
+@pytest.mark.parametrize("topk,nodes", [(1, 0), (3, 8)], ids=["chain", "tree"])
+def test_a_bf16_draft_layer_on_a_bf16_target_keeps_greedy_equality(topk, nodes):
+    target = make_model(V, seed=3, hidden=32).to(torch.bfloat16)
+    ref = Engine(HFRunner(target), TOK, None, 0, max_batch_size=4, max_context=128)
+    params = [SamplingParams(0.0, max_new_tokens=24, ignore_eos=True) for _ in PROMPTS]
+    want = [o.token_ids for o in ref.generate(PROMPTS, params)]
+    drafter = EagleDrafter(tiny_eagle(target), HFRunner(target), dtype=torch.bfloat16, tree_topk=topk, tree_nodes=nodes)
+    assert next(drafter.model.parameters()).dtype == torch.bfloat16
+    outs = Engine(HFRunner(target), TOK, drafter, 3, max_batch_size=4, max_context=128).generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == want
+    assert sum(o.stats.drafted for o in outs) > 0
+
+
 def test_the_drafter_is_handed_the_targets_own_features_and_reads_them(target):
     model = tiny_eagle(target, ("layer1", "final"))
     engine = eagle_engine(target, model, k=2)

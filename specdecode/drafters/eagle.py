@@ -291,6 +291,17 @@ def validate(arg: str) -> None:
                          "train one with `specdecode heads train --kind eagle`)")
 
 
+def draft_dtype(device, target_dtype: torch.dtype) -> torch.dtype:
+    """The draft layer computes in the target's dtype where that dtype is native (CUDA, or bf16 on a CPU
+    with AVX512-BF16/AMX: half the cost of float32 there), else in float32 (bf16 emulated on an
+    AVX2-only CPU is slower than float32)."""
+    from specdecode.models.device import native_bf16
+
+    if str(device) != "cpu" or (target_dtype == torch.bfloat16 and native_bf16("cpu")):
+        return target_dtype
+    return torch.float32
+
+
 def build(arg: str, ctx) -> EagleDrafter:
     """``--draft eagle:DIR`` (a directory written by ``specdecode heads train --kind eagle``)."""
     validate(arg)
@@ -302,6 +313,6 @@ def build(arg: str, ctx) -> EagleDrafter:
         batch_invariant.enable(model, batch_invariant.DRAFT_WORKLOAD)
     cfg = ctx.config
     tree = (getattr(cfg, "tree_topk", 1), getattr(cfg, "tree_nodes", 0)) if cfg else (1, 0)
-    dtype = torch.float32 if str(ctx.target.device) == "cpu" else ctx.target.dtype
+    dtype = draft_dtype(ctx.target.device, ctx.target.dtype)
     confidence = getattr(cfg, "draft_confidence", 0.0) if cfg else 0.0
     return EagleDrafter(model, ctx.target, ctx.target.device, dtype, *tree, confidence=confidence)

@@ -488,6 +488,9 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
+    from specdecode.allocator import retain_freed_memory
+
+    retain_freed_memory()  # each step frees and reallocates the same large blocks (see specdecode.allocator)
     target = args.target or fs.manifest["target"].get("spec")
     try:
         model = run(fs, args.out, settings, target, args.checkpoint_every, args.evals, not args.no_progress)
