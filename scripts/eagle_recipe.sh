@@ -14,6 +14,7 @@ FEATS=$ROOT/features/qwen2.5-coder-1.5b-stdlib
 EAGLE=$ROOT/heads/qwen2.5-coder-1.5b-eagle
 MEDUSA=$ROOT/heads/qwen2.5-coder-1.5b-medusa
 OUT=${OUT:-runs/eagle}
+if [ -z "${SKIP_TRAIN:-}" ]; then  # SKIP_TRAIN=1: the drafter is trained already, benchmark it
 time specdecode heads extract --target qwen2.5-coder-1.5b --out "$FEATS" --max-tokens "${FEATURE_TOKENS:-84809}" \
     --max-doc-tokens 1024 --no-progress
 # the default recipe for a 2-core CPU: EAGLE-1 features, a narrower MLP (2816 instead of the target's
@@ -21,13 +22,15 @@ time specdecode heads extract --target qwen2.5-coder-1.5b --out "$FEATS" --max-t
 time specdecode heads train --kind eagle --features "$FEATS" --out "$EAGLE" --intermediate-size 2816 \
     --draft-vocab 16384 --ttt-steps 3 --epochs "${EPOCHS:-3}" --batch-chunks 1 --lr 1e-3 --checkpoint-every 25 --evals 10 \
     --compute-dtype "${COMPUTE_DTYPE:-auto}" --no-progress
-COMMON=(--target qwen2.5-coder-1.5b --max-new-tokens "${TOKENS:-40}" --baselines none --no-progress)
+fi
+COMMON=(--target qwen2.5-coder-1.5b --backend torch --max-new-tokens "${TOKENS:-40}" --baselines none --no-progress)
 # EAGLE_CONFIGS: space-separated k|trees pairs (session 16: "k=2|trees=none k=3|trees=none k=3|trees=4x8")
 EXTRA=()
 for c in ${EAGLE_CONFIGS:-k=2|trees=4x8 k=4|trees=none}; do EXTRA+=(--extra-draft "eagle:$EAGLE|$c"); done
 [ -d "$MEDUSA" ] && EXTRA+=(--extra-draft "medusa:$MEDUSA|k=2|trees=none")
 [ -n "${NGRAM:-}" ] && EXTRA+=(--extra-draft "ngram|k=4")
-DRAFT=${DRAFT:-qwen2.5-coder-0.5b}  # session 16: qwen2.5-coder-0.5b@gguf (its GGUF weights on llama.cpp)
+DRAFT=${DRAFT:-qwen2.5-coder-0.5b}
+COMMON+=(--draft-quantization "${DRAFT_QUANT:-none}")  # session 16: gguf (the draft's GGUF weights on llama.cpp)
 # HumanEval held-out problems, greedy and T = 0.7
 specdecode bench "${COMMON[@]}" --draft "$DRAFT" --draft-lengths 4 "${EXTRA[@]}" \
     --sampling greedy,t0.7-p0.95 --prompts humaneval:test -n "${N_HE:-4}" --repeats "${REPEATS:-1}" --out "$OUT/humaneval"
