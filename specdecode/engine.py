@@ -13,7 +13,8 @@ after them, in order, so the first to finish its prefill joins the running block
 
 Chunked prefill (``max_num_batched_tokens``): a step first prefills a chunk of the waiting prompts —
 the step's token budget minus the running sequences' verify windows — then drafts and verifies the
-running batch, so a long prompt never stalls running streams for more than one chunk. A prompt whose
+running batch, so a long prompt never stalls running streams for more than one chunk. The budget
+grows with load (``batched_tokens_per_seq`` tokens per admitted sequence when that is more). A prompt whose
 last chunk ran takes its first decode step in the same step.
 
 The engine talks to models only through the runner interface (:mod:`specdecode.models.base`) and to
@@ -136,6 +137,7 @@ class Engine:
         max_tree_nodes: int = 0,
         first_token_from_target: bool = False,
         max_num_batched_tokens: int | None = None,
+        batched_tokens_per_seq: int = 0,
     ) -> None:
         self.target = target
         self.tokenizer = tokenizer
@@ -172,6 +174,10 @@ class Engine:
         if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         self.max_num_batched_tokens = max_num_batched_tokens
+        # the budget grows with load: at least this many tokens per admitted sequence (0: fixed budget)
+        if batched_tokens_per_seq < 0:
+            raise ValueError(f"batched_tokens_per_seq must be >= 0, got {batched_tokens_per_seq}")
+        self.batched_tokens_per_seq = batched_tokens_per_seq
         self.running: list[Sequence] = []
         self.prefilling: list[Sequence] = []  # admitted, prompt not yet fully cached; slots after the running ones
         self._ids = itertools.count()
@@ -390,12 +396,22 @@ class Engine:
                 self._release(ev.seq)
         return events
 
+    def step_token_budget(self) -> int | None:
+        """Tokens this step may carry: ``max_num_batched_tokens``, or ``batched_tokens_per_seq`` per
+        admitted sequence (running or prefilling) when that is more. Every running row makes a step
+        dearer (its verify window, its draft), so under load a bigger chunk of waiting prompts costs
+        the running streams relatively less, and a waiting prompt needs fewer of those steps."""
+        if self.max_num_batched_tokens is None:
+            return None
+        admitted = len(self.running) + len(self.prefilling)
+        return max(self.max_num_batched_tokens, self.batched_tokens_per_seq * admitted)
+
     def _chunk_budget(self, ks: list[int]) -> int | None:
         """Prompt tokens for this step: the step's budget less the running rows' verify windows, never
         below a quarter of it, so waiting prompts always progress."""
-        if self.max_num_batched_tokens is None:
+        budget = self.step_token_budget()
+        if budget is None:
             return None
-        budget = self.max_num_batched_tokens
         return max(budget - sum(1 + k for k in ks), max(1, budget // 4))
 
     def _drafter_prefill(self, seqs: list[Sequence]) -> list[Sequence]:

@@ -106,6 +106,30 @@ def test_chunk_budget_is_the_step_budget_less_the_verify_windows(pair):
     assert calls[-1] == ([1], [1], [20])  # never below a quarter of the budget
 
 
+def test_step_budget_grows_with_the_admitted_sequences(pair):
+    """``batched_tokens_per_seq``: the step budget is that many tokens per admitted sequence (running
+    or prefilling) when that is more than ``max_num_batched_tokens``; the chunk is what is left after
+    the verify windows. 0 (the engine's default) keeps the budget fixed."""
+    eng = _engine(pair, k=3, budget=8, slots=3)
+    calls = _record_prefills(eng)
+    greedy = SamplingParams(max_new_tokens=60, temperature=0.0, ignore_eos=True)
+    eng.admit([(PROMPTS[1], greedy, "short")])
+    assert eng.step_token_budget() == 8  # fixed
+    eng.batched_tokens_per_seq = 5
+    assert eng.step_token_budget() == 8  # 5 per sequence is less than the budget
+    eng.step()
+    eng.step()  # drafting 3 tokens per step now: a verify window of 4
+    eng.admit([(PROMPTS[2], greedy, "long"), (PROMPTS[5], greedy, "long2")])
+    assert eng.step_token_budget() == 15  # 3 admitted x 5
+    eng.step()
+    assert calls[-1] == ([1], [11], [0])  # 15 - 4
+    eng.batched_tokens_per_seq = 0
+    eng.step()
+    assert calls[-1] == ([1], [4], [11])  # fixed again: 8 - 4
+    with pytest.raises(ValueError, match="batched_tokens_per_seq"):
+        Engine(eng.target, TOK, None, 0, max_batch_size=1, max_context=64, batched_tokens_per_seq=-1)
+
+
 def test_slots_stay_packed_when_sequences_finish_or_abort_mid_prefill(pair):
     """Short requests finish while long prompts wait mid-prefill in the slots after them: the waiting
     prompts move down (their partial K/V copied) and still decode exactly."""

@@ -30,7 +30,7 @@ def srv():
 @pytest.fixture(scope="module")
 def chunked():
     """A server whose steps carry 6 tokens: every prompt here is prefilled a token or two per step."""
-    with serve(engine(k=3, slots=4), max_num_batched_tokens=6) as s:
+    with serve(engine(k=3, slots=4), max_num_batched_tokens=6, batched_tokens_per_seq=0) as s:
         yield s
 
 
@@ -461,9 +461,13 @@ def test_a_queued_request_whose_client_left_leaves_the_queue_at_once():
         s.wait_idle()
 
 
-def test_long_prompt_is_prefilled_in_chunks_while_a_stream_decodes():
+@pytest.mark.parametrize("budget, per_seq", [(12, 0), (8, 10)])
+def test_long_prompt_is_prefilled_in_chunks_while_a_stream_decodes(budget, per_seq):
     """A long prompt arriving while a request decodes is prefilled a bounded chunk per step, the
-    running request emitting tokens between its chunks; both answers equal the requests alone."""
+    running request emitting tokens between its chunks; both answers equal the requests alone. With
+    ``batched_tokens_per_seq`` the step budget is that many tokens per admitted request (two here)
+    when that is more than ``max_num_batched_tokens``: chunks bigger than the fixed budget, never
+    bigger than the scaled one."""
     eng = engine(k=3, slots=4)
     gate, step, prefill, log, armed = threading.Event(), eng.step, eng.target.prefill, [], [True]
     gate.set()
@@ -505,7 +509,7 @@ def test_long_prompt_is_prefilled_in_chunks_while_a_stream_decodes():
             gate.set()
             return await asyncio.gather(a, b)
 
-    with serve(eng, max_num_batched_tokens=12) as s:
+    with serve(eng, max_num_batched_tokens=budget, batched_tokens_per_seq=per_seq) as s:
         try:
             responses = asyncio.run(run(s))
         finally:
@@ -514,8 +518,11 @@ def test_long_prompt_is_prefilled_in_chunks_while_a_stream_decodes():
                                                                  ignore_eos=True)[0]
     assert responses[1].json()["choices"][0]["text"] == reference(ids(prompt), max_new_tokens=12, ignore_eos=True)[0]
     chunks = [(n, running[0]) for n, running in log[1:]]  # after the first request's own prefill
-    assert sum(n for n, _ in chunks) == len(ids(prompt)) - 1 and len(chunks) >= 5
-    assert all(n <= 12 for n, _ in chunks)
+    bound = max(budget, 2 * per_seq)
+    assert sum(n for n, _ in chunks) == len(ids(prompt)) - 1 and len(chunks) >= (len(ids(prompt)) - 1) / bound
+    assert all(n <= bound for n, _ in chunks) and len(chunks) >= 3
+    if per_seq:  # the running row's verify window (4) comes off the scaled budget: 20 - 4
+        assert max(n for n, _ in chunks) == 16 > budget
     emitted = [tokens for _, tokens in chunks]
     assert emitted == sorted(set(emitted))  # the running request advanced between every two chunks
 

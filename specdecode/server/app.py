@@ -42,6 +42,7 @@ class ServerConfig:
     public_paths: tuple[str, ...] = ("/health",)  # the liveness allowlist: no API key needed
     max_queue: int = 128  # requests waiting for a batch slot; more get 429
     max_num_batched_tokens: int = 512  # tokens per engine step: verify windows + a chunk of waiting prompts
+    batched_tokens_per_seq: int = 64  # ... or this many per admitted request when that is more (0: fixed)
     max_body_bytes: int = 1 << 20
     speculation: bool = True  # server-wide; a request can still opt out with "speculation": false
     wedge_timeout_s: float = 120.0  # /health fails when one engine call runs longer than this
@@ -56,7 +57,8 @@ def create_app(engine: Engine | Callable[[], Engine], config: ServerConfig | Non
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         eng = engine if isinstance(engine, Engine) else await asyncio.to_thread(engine)
-        scheduler = Scheduler(eng, metrics, config.max_queue, config.speculation, config.max_num_batched_tokens)
+        scheduler = Scheduler(eng, metrics, config.max_queue, config.speculation, config.max_num_batched_tokens,
+                              config.batched_tokens_per_seq)
         app.state.scheduler = scheduler
         scheduler.start()
         try:

@@ -32,6 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="tokens one engine step carries: the running sequences' verify windows plus a chunk of "
                         "waiting prompts (at least a quarter of it), so a long prompt stalls the running streams "
                         "for one chunk at most (default 512)")
+    g.add_argument("--batched-tokens-per-seq", type=int, default=64,
+                   help="under load the step budget grows to this many tokens per admitted request when that is "
+                        "more than --max-num-batched-tokens (running rows make each step dearer, so a bigger chunk "
+                        "costs them relatively less); 0 keeps the budget fixed (default 64)")
     g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit, else 413 (default 1 MiB)")
     g.add_argument("--no-speculation", action="store_true",
                    help="load the draft but decode target-only (requests cannot turn it on)")
@@ -46,6 +50,8 @@ def check_arguments(args: argparse.Namespace) -> str | None:
     for name in ("max_batch_size", "max_queue", "max_body_bytes", "max_num_batched_tokens"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1"
+    if args.batched_tokens_per_seq < 0:
+        return "--batched-tokens-per-seq must be >= 0"
     if not 0 <= args.port <= 65535:
         return f"--port must be in [0, 65535], got {args.port}"
     return None
@@ -57,6 +63,7 @@ def server_config(args: argparse.Namespace):
     return ServerConfig(model_name=args.served_model_name or args.target, api_key=args.api_key or None,
                         max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                         max_num_batched_tokens=args.max_num_batched_tokens,
+                        batched_tokens_per_seq=args.batched_tokens_per_seq,
                         speculation=not args.no_speculation, wedge_timeout_s=args.wedge_timeout)
 
 
