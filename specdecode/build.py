@@ -99,9 +99,9 @@ def _quantizations(text: str) -> list[str]:
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, draft_required: bool = False,
-                        quantization_sweep: bool = False) -> None:
+                        quantization_sweep: bool = False, target_required: bool = True) -> None:
     g = parser.add_argument_group("models")
-    g.add_argument("--target", required=True, help="alias, local dir, .gguf file or hub id of the target model")
+    g.add_argument("--target", required=target_required, help="alias, local dir, .gguf file or hub id of the target model")
     g.add_argument("--draft", required=draft_required, default=None, action=DraftAction,
                    help="draft model (alias/dir/.gguf/hub id), 'ngram' (or ngram:MAX, ngram:MIN-MAX) for prompt "
                         "lookup, or medusa:DIR / eagle:DIR for trained heads (`specdecode heads train`); repeat it "

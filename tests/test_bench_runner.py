@@ -83,6 +83,13 @@ def test_full_run_writes_records_report_and_plots(models, tmp_path):
                     "Against `transformers`", "Greedy exactness", "## Definitions"):
         assert heading in report
 
+    # the report rebuilt from the records alone: no --target (the stored run names its models)
+    (out / "report.md").unlink()
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    assert cli.main(parser.parse_args(["--out", str(out), "--report-only"])) == 0
+    assert (out / "report.md").read_text() == report
+
 
 def test_interrupted_run_resumes_without_recomputing(models, tmp_path, monkeypatch):
     out = tmp_path / "out"

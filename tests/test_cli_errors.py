@@ -43,6 +43,7 @@ def table(tmp):
         (["bench", "--target", good, "--sampling", "bogus", "--out", str(tmp / "b5")], "bogus"),
         (["bench", "--target", good, "--threads", "0", "--out", str(tmp / "b6")], "--threads"),
         (["bench", "--target", good, "--draft-policy", "auto", "--out", str(tmp / "b7")], "at least one --draft"),
+        (["bench", "--draft", "ngram", "--out", str(tmp / "b8")], "--target is required"),
         # check
         (["check", "--target", MISSING, "--draft", "ngram"], MISSING),
         (["check", "--target", good, "--draft", "ngram", "--parts", "9"], "part"),

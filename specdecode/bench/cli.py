@@ -30,7 +30,7 @@ def _csv(kind):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from specdecode.build import add_model_arguments
 
-    add_model_arguments(parser, quantization_sweep=True)
+    add_model_arguments(parser, quantization_sweep=True, target_required=False)  # not with --report-only
     p = parser.add_argument_group("prompts")
     p.add_argument("--prompts", action="append", default=None,
                    help="'spec-bench', 'humaneval' or a .jsonl path; repeatable (default humaneval)")
@@ -62,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--warmup-tokens", type=int, default=4, help="tokens per warm-up run of each config (0 = none)")
     o = parser.add_argument_group("output")
     o.add_argument("--out", type=Path, default=Path("runs/bench"), help="output directory (default runs/bench)")
-    o.add_argument("--report-only", action="store_true", help="rebuild the report from --out without running")
+    o.add_argument("--report-only", action="store_true",
+                   help="rebuild the report from --out without running (the models are the stored run's)")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     o.add_argument("--memory-check", type=int, metavar="CONTEXT", default=None,
                    help="only measure peak RSS of one batch-1 request at this context length (run it alone)")
@@ -112,6 +113,8 @@ def _run(args: argparse.Namespace) -> int:
     from specdecode.bench.report import write_report
     from specdecode.bench.runner import BenchInputError, RecordStore
 
+    if not args.target and not args.report_only:
+        raise BenchInputError("--target is required (except with --report-only)")
     # in bench, a repeated --draft is one more drafter to compare (and for the auto config to choose from)
     args.extra_draft = [*getattr(args, "extra_drafts", []), *args.extra_draft]
     args.extra_drafts = []
