@@ -131,9 +131,9 @@ def test_cli_flags():
     cfg = server_config(args)
     assert (cfg.model_name, cfg.api_key, cfg.max_queue, cfg.speculation) == ("t", "k", 4, False)
     assert cfg.max_num_batched_tokens == 64
-    assert cfg.batched_tokens_per_seq == 64  # the default: the budget grows under load
-    scaled = parser.parse_args(["--target", "t", "--batched-tokens-per-seq", "0"])
-    assert check_arguments(scaled) is None and server_config(scaled).batched_tokens_per_seq == 0
+    assert cfg.batched_tokens_per_seq == 0  # the default: a fixed budget
+    scaled = parser.parse_args(["--target", "t", "--batched-tokens-per-seq", "64"])
+    assert check_arguments(scaled) is None and server_config(scaled).batched_tokens_per_seq == 64
     assert "--batched-tokens-per-seq" in check_arguments(parser.parse_args(["--target", "t", "--batched-tokens-per-seq", "-1"]))
     assert "--max-num-batched-tokens" in check_arguments(parser.parse_args(["--target", "t", "--max-num-batched-tokens", "0"]))
     assert args.host == "127.0.0.1"

@@ -42,7 +42,7 @@ class ServerConfig:
     public_paths: tuple[str, ...] = ("/health",)  # the liveness allowlist: no API key needed
     max_queue: int = 128  # requests waiting for a batch slot; more get 429
     max_num_batched_tokens: int = 512  # tokens per engine step: verify windows + a chunk of waiting prompts
-    batched_tokens_per_seq: int = 64  # ... or this many per admitted request when that is more (0: fixed)
+    batched_tokens_per_seq: int = 0  # > 0: or this many per admitted request when that is more (0: fixed)
     max_body_bytes: int = 1 << 20
     speculation: bool = True  # server-wide; a request can still opt out with "speculation": false
     wedge_timeout_s: float = 120.0  # /health fails when one engine call runs longer than this

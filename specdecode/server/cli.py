@@ -32,10 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="tokens one engine step carries: the running sequences' verify windows plus a chunk of "
                         "waiting prompts (at least a quarter of it), so a long prompt stalls the running streams "
                         "for one chunk at most (default 512)")
-    g.add_argument("--batched-tokens-per-seq", type=int, default=64,
+    g.add_argument("--batched-tokens-per-seq", type=int, default=0,
                    help="under load the step budget grows to this many tokens per admitted request when that is "
                         "more than --max-num-batched-tokens (running rows make each step dearer, so a bigger chunk "
-                        "costs them relatively less); 0 keeps the budget fixed (default 64)")
+                        "costs them relatively less); 0 keeps the budget fixed (default 0: on a CPU it measured "
+                        "worse at concurrency 16, docs/server.md)")
     g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit, else 413 (default 1 MiB)")
     g.add_argument("--no-speculation", action="store_true",
                    help="load the draft but decode target-only (requests cannot turn it on)")

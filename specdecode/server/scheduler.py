@@ -7,7 +7,7 @@ Each loop iteration, between two batched steps:
 2. requests whose client went away (while queued, while their prompt is prefilled, or while decoding)
    are dropped from the queue or aborted, so their slot and KV are free before the next step;
 3. one engine step: a chunk of the waiting prompts' prefill — at most ``max_num_batched_tokens``
-   tokens (or ``batched_tokens_per_seq`` per admitted request, when that is more) less the running
+   tokens (or, if set, ``batched_tokens_per_seq`` per admitted request when that is more) less the running
    sequences' verify windows (never less than a quarter of it), the oldest
    prompt first — then one speculative step that advances every running sequence by its own
    accepted count; a prompt whose last chunk ran takes its first (target-only) step in the same
@@ -105,7 +105,7 @@ class QueueFull(Exception):
 
 class Scheduler:
     def __init__(self, engine: Engine, metrics: ServerMetrics, max_queue: int = 128, speculation: bool = True,
-                 max_num_batched_tokens: int = 512, batched_tokens_per_seq: int = 64) -> None:
+                 max_num_batched_tokens: int = 512, batched_tokens_per_seq: int = 0) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         if max_num_batched_tokens < 1:
@@ -116,7 +116,7 @@ class Scheduler:
         # steps cancellations take effect, so a long prompt neither stalls the running sequences for
         # more than one chunk nor keeps the engine busy once its client has left
         engine.max_num_batched_tokens = max_num_batched_tokens
-        # ... and more under load: ``batched_tokens_per_seq`` per admitted request (Engine.step_token_budget)
+        # ... or, if set, ``batched_tokens_per_seq`` per admitted request when more (Engine.step_token_budget)
         engine.batched_tokens_per_seq = batched_tokens_per_seq
         self.engine = engine
         # a request's first token comes from the target's prefill and one target step; its drafter
