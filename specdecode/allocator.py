@@ -11,6 +11,9 @@ without, 1.81 / 1.75 s with these settings as environment variables and 2.13 / 1
 why PyTorch's CPU tuning guides preload jemalloc or tcmalloc; this does it with glibc's own knobs
 (``mallopt``), from inside the process, so no launcher or preload is needed. The cost is resident
 memory: what a step freed stays mapped (plus ``TOP_PAD`` of slack at the top of the heap).
+
+Training only: tried on inference (docs/benchmarks.md, session 17; scripts/alloc_inference_bench.py),
+a 768-token prefill was 6 % faster but 1-token decode and 5-token verify steps 8-11 % slower.
 """
 
 from __future__ import annotations
