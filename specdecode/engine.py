@@ -13,8 +13,9 @@ after them, in order, so the first to finish its prefill joins the running block
 
 Chunked prefill (``max_num_batched_tokens``): a step first prefills a chunk of the waiting prompts —
 the step's token budget minus the running sequences' verify windows — then drafts and verifies the
-running batch, so a long prompt never stalls running streams for more than one chunk. The budget
-grows with load (``batched_tokens_per_seq`` tokens per admitted sequence when that is more). A prompt whose
+running batch, so a long prompt never stalls running streams for more than one chunk. With
+``batched_tokens_per_seq`` set the budget grows with load (that many tokens per admitted sequence
+when that is more). A prompt whose
 last chunk ran takes its first decode step in the same step.
 
 The engine talks to models only through the runner interface (:mod:`specdecode.models.base`) and to
@@ -174,7 +175,7 @@ class Engine:
         if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         self.max_num_batched_tokens = max_num_batched_tokens
-        # the budget grows with load: at least this many tokens per admitted sequence (0: fixed budget)
+        # > 0: the budget grows with load, to this many tokens per admitted sequence (0: fixed budget)
         if batched_tokens_per_seq < 0:
             raise ValueError(f"batched_tokens_per_seq must be >= 0, got {batched_tokens_per_seq}")
         self.batched_tokens_per_seq = batched_tokens_per_seq
@@ -400,7 +401,9 @@ class Engine:
         """Tokens this step may carry: ``max_num_batched_tokens``, or ``batched_tokens_per_seq`` per
         admitted sequence (running or prefilling) when that is more. Every running row makes a step
         dearer (its verify window, its draft), so under load a bigger chunk of waiting prompts costs
-        the running streams relatively less, and a waiting prompt needs fewer of those steps."""
+        the running streams relatively less, and a waiting prompt needs fewer of those steps. (On
+        the 2-core CPU it measured worse at concurrency 16 than a fixed budget: docs/server.md; the
+        server leaves it off by default.)"""
         if self.max_num_batched_tokens is None:
             return None
         admitted = len(self.running) + len(self.prefilling)
