@@ -30,14 +30,25 @@ Three parts:
 :mod:`specdecode.drafters.multi`): the first time it drafts for a sequence it must first read the
 prompt and what was generated since, and after other drafters drafted for a while, what they
 produced. That one-off cost (``lag`` tokens at the cost model's ``catch_up`` seconds per token) is
-paid only if the drafter is expected to save the sequence more time over its remaining tokens (at
-most ``horizon`` of them) than the catch-up costs the batch, which waits for it: ``remaining *
-(ready - best seconds per token with it) > B * catch-up seconds``, where ``ready`` is the best the
-sequence gets without any catch-up (plain decoding ``v(B, 1)``, or a drafter already in step, such
-as n-gram lookup on a summary that copies its article); otherwise the drafter is not a candidate
-for that sequence at this step. So a long prompt
+paid only if the drafter is expected to save the sequence twice as much time over its remaining
+tokens (at most ``horizon`` of them) as the catch-up costs the batch, which waits for it:
+``remaining * (ready - best seconds per token with it) > (1 + catch_up_margin) * B * catch-up
+seconds``, where ``ready`` is the best the sequence gets without any catch-up (plain decoding
+``v(B, 1)``, or a drafter already in step, such as n-gram lookup on a summary that copies its
+article); otherwise the drafter is not a candidate for that sequence at this step. So a long prompt
 with a short answer never pays a draft model's prefill it cannot earn back, and under load, where no
-drafter pays, requests cost what they cost without speculation. When other sequences share the step
+drafter pays, requests cost what they cost without speculation. Why twice (``catch_up_margin`` =
+1): the catch-up is a measured cost paid once, the saving a forecast from other requests' history
+(the draft model has not drafted for this one), taken at the best of several lengths, so biased up;
+on the real pair's long-context requests the forecast per-token time was 0.11–0.19 s where the
+draft model then did 0.18 s (docs/benchmarks.md, session 18). ``ready`` is judged over the whole
+request so far (undiscounted counts plus the prior), not the discounted estimate that picks each
+step's drafter: one unlucky step of lookup must not buy a catch-up for the rest of the request.
+And a catch-up costing ``n`` plain steps waits until every free drafter has been scored on
+``min(look_steps, look_share * n)`` of the sequence's steps (3 and a quarter by default): a reply's
+opening says little about whether lookup will match later (on a RAG answer it missed its first two
+steps, then matched 4 of 4 on nine), and waiting costs at most a quarter of the catch-up. Short
+catch-ups (a HumanEval or QA prompt: a step or three) do not wait. When other sequences share the step
 (batch > 1), a backlog longer than ``catch_up_tokens`` (at least ``max_k + 2``) is not read inside
 one step, which would hold every running stream for the whole prompt: the drafter reads
 ``catch_up_tokens`` tokens per step, shared by the sequences it reads for in batch order (the
@@ -50,7 +61,9 @@ other running sequence waits, and it drafts sooner.
 ``explore_every`` steps of a sequence, a drafter it has not used for that long drafts for it once
 (at that step's length for the drafter, or ``explore_k``), unless the cost model says that drafter
 could not pay even if it were always right (then it is never tried: exploring it would only lose),
-catch-up included. Exploring one row is not free for the others: it may widen the whole batch's
+catch-up included, against what the sequence already has (``ready``: a draft model is not explored
+where lookup already matches well enough that even a perfect draft would not earn its catch-up
+back), and not while the sequence is still being watched before a catch-up (above). Exploring one row is not free for the others: it may widen the whole batch's
 verify and adds a proposal. With ``B`` sequences each exploring about once every ``explore_every``
 steps, a step carries ``B / explore_every`` explorations on average, so one is allowed only if what
 it adds to the step's planned seconds stays under ``explore_cost * explore_every / B`` of them
@@ -65,6 +78,7 @@ the output law is the target's whatever it decides.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -73,6 +87,10 @@ from specdecode.costmodel import CostModel
 LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 HORIZON = 256  # remaining tokens a catch-up may be paid back over (max_tokens can be the whole context)
 CATCH_UP_TOKENS = 64  # tokens of late catch-up per step while other sequences wait for it (None: all at once)
+LOOK_STEPS = 3  # steps of a sequence the free drafters are scored on before a dear catch-up (at most)
+LOOK_SHARE = 0.25  # ... and at most this share of the catch-up's cost in plain steps
+CATCH_UP_MARGIN = 1.0  # a catch-up must be expected to save (1 + this) times what it costs
+log = logging.getLogger("specdecode.selector")
 
 
 @dataclass
@@ -96,6 +114,8 @@ class _Counts:
 @dataclass
 class _SeqState:
     counts: dict[str, _Counts] = field(default_factory=dict)
+    whole: dict[str, _Counts] = field(default_factory=dict)  # the same, undiscounted: the request so far
+    looks: dict[str, int] = field(default_factory=dict)  # drafter -> steps it was scored on (drafted or shadow)
     last_used: dict[str, int] = field(default_factory=dict)  # drafter -> step index it last drafted
     steps: int = 0
     choice: tuple[str | None, int] = (None, 0)  # this step's (drafter, requested length)
@@ -126,7 +146,9 @@ class AutoPolicy:
                  lag: Callable[[object, str], int] | None = None, horizon: int = HORIZON,
                  explore_cost: float = 0.05, catch_up_tokens: int | None = CATCH_UP_TOKENS,
                  read: Callable[[list, str, int], int] | None = None,
-                 shadow: Callable[[list, str, int], list[list[int]]] | None = None, free: tuple[str, ...] = ()) -> None:
+                 shadow: Callable[[list, str, int], list[list[int]]] | None = None, free: tuple[str, ...] = (),
+                 look_steps: int = LOOK_STEPS, look_share: float = LOOK_SHARE,
+                 catch_up_margin: float = CATCH_UP_MARGIN) -> None:
         if not drafters:
             raise ValueError("the selector needs at least one drafter")
         if max_k < 1:
@@ -143,15 +165,23 @@ class AutoPolicy:
             raise ValueError(f"catch_up_tokens must be >= 1 (or None: whole), got {catch_up_tokens}")
         self.catch_up_tokens, self.read = catch_up_tokens, read
         self.shadow, self.free = shadow, tuple(free)
+        if look_steps < 0 or look_share < 0:
+            raise ValueError(f"look_steps and look_share must be >= 0, got {look_steps}, {look_share}")
+        self.look_steps, self.look_share = look_steps, look_share
+        if catch_up_margin < 0:
+            raise ValueError(f"catch_up_margin must be >= 0, got {catch_up_margin}")
+        self.catch_up_margin = catch_up_margin
         self.history = {d: _Counts(prior_alpha * prior_weight, (1 - prior_alpha) * prior_weight,
                                    prior_fill * prior_weight, prior_weight) for d in self.drafters}
         self._seqs: dict[int, _SeqState] = {}
 
     # -- estimates ----------------------------------------------------------------------------------
-    def estimate(self, seq, drafter: str) -> tuple[float, float]:
-        """(alpha, fill) for ``seq`` and ``drafter``: its own discounted counts plus the prior."""
+    def estimate(self, seq, drafter: str, whole: bool = False) -> tuple[float, float]:
+        """(alpha, fill) for ``seq`` and ``drafter``: its own discounted counts plus the prior; with
+        ``whole``, its counts over the whole request so far (undiscounted) plus the prior."""
         h = self.history[drafter]
-        own = self._state(seq).counts.get(drafter, _Counts())
+        state = self._state(seq)
+        own = (state.whole if whole else state.counts).get(drafter, _Counts())
         w = self.prior_weight
         prior_alpha = h.accepted / max(h.accepted + h.rejected, 1e-9)
         prior_fill = h.proposed / max(h.requested, 1e-9)
@@ -170,13 +200,19 @@ class AutoPolicy:
         lags = [{d: self.lag(s, d) if self.lag is not None else 0 for d in self.drafters} for s in seqs]
         catch = [{d: self.cost.catch_up_s(d, n) if n > 0 else 0.0 for d, n in lag.items()} for lag in lags]
         known = [{d: self.estimate(s, d) for d in self.drafters} for s in seqs]
-        # what each sequence can do without any catch-up (plain decoding, or a drafter already in step)
-        ready = [min([self.cost.verify_s(batch_size, 1)] + [self._per_token(d, e[d], batch_size)
+        # what each sequence can do without any catch-up (plain decoding, or a drafter already in step),
+        # judged over the whole request so far: a catch-up is a decision for the rest of the request
+        ready = [min([self.cost.verify_s(batch_size, 1)] + [self._per_token(d, self.estimate(s, d, whole=True),
+                                                                            batch_size)
                                                             for d in self.drafters if c[d] <= 0])
-                 for e, c in zip(known, catch)]
+                 for s, c in zip(seqs, catch)]
+        looking = [self._looking(s, c, batch_size) for s, c in zip(seqs, catch)]
         est = [{d: e[d] for d in self.drafters
-                if self._pays_back(s, d, e[d], batch_size, c[d], self._steps_to_read(lag[d], chunk), r)}
-               for s, e, c, lag, r in zip(seqs, known, catch, lags, ready)]
+                if (c[d] <= 0 or not look) and
+                self._pays_back(s, d, e[d], batch_size, c[d], self._steps_to_read(lag[d], chunk), r)}
+               for s, e, c, lag, r, look in zip(seqs, known, catch, lags, ready, looking)]
+        if log.isEnabledFor(logging.DEBUG):
+            self._trace(seqs, known, catch, lags, ready, looking, est, batch_size)
         lengths = self._best_lengths(est, batch_size)
         choices = [self._assign(e, lengths) for e in est]
         reading: dict[str, list] = {}  # drafter -> sequences it reads ahead for at this step (batch order)
@@ -195,7 +231,8 @@ class AutoPolicy:
             state = self._state(s)
             state.steps += 1
             delay = {d: self._steps_to_read(n, chunk) for d, n in lags[i].items()}
-            explore = self._explore(s, state, choice, lengths, batch_size, c, step, allowance, delay)
+            explore = self._explore(s, state, choice, lengths, batch_size, c, step, allowance, delay,
+                                    ready[i], looking[i])
             if explore is not None and chunk is not None and lags[i][explore[0]] > chunk:
                 if all(r is not s for r in reading.get(explore[0], [])):  # explored once it has read (stays due)
                     reading.setdefault(explore[0], []).append(s)
@@ -208,6 +245,33 @@ class AutoPolicy:
             self.read(rows, d, chunk)
         self._look(seqs, lengths)
         return out
+
+    def _trace(self, seqs, known, catch, lags, ready, looking, est, batch) -> None:
+        """Log each pending catch-up decision at DEBUG (what it would cost, what it would save)."""
+        for s, e, c, lag, r, look, ok in zip(seqs, known, catch, lags, ready, looking, est):
+            for d in self.drafters:
+                if c[d] > 0:
+                    log.debug("step %d seq %x %s: lag %d catch-up %.2fs remaining %d ready %.4fs/tok best %.4fs/tok "
+                              "(alpha %.2f fill %.2f) others %s -> %s", self._state(s).steps, id(s) & 0xffff, d,
+                              lag[d], c[d], self._remaining(s), r, self._per_token(d, e[d], batch), *e[d],
+                              {x: tuple(round(v, 2) for v in self.estimate(s, x, whole=True))
+                               for x in self.drafters if x != d},
+                              "looking first" if look else "pays" if d in ok else "not")
+
+    def _looking(self, seq, catch: dict[str, float], batch: int) -> bool:
+        """Should ``seq`` watch the free drafters a little longer before any catch-up? A catch-up
+        costing ``n`` plain steps of the batch waits until every free drafter has been scored on
+        ``min(look_steps, look_share * n)`` of the sequence's steps: its first steps (a reply's
+        opening) say little about whether lookup will match later, and a catch-up is paid once, for
+        the rest of the request. Waiting costs at most those steps' gain, a ``look_share`` of the
+        catch-up; with no free drafter there is nothing to learn by waiting."""
+        dearest = max(catch.values(), default=0.0)
+        if dearest <= 0 or self.shadow is None or not self.free:
+            return False
+        steps = dearest * max(1, batch) / max(self.cost.verify_s(batch, 1), 1e-9)
+        need = min(self.look_steps, int(self.look_share * steps))
+        looks = self._state(seq).looks
+        return any(looks.get(d, 0) < need for d in self.free)
 
     def _look(self, seqs: list, lengths: dict[str, int]) -> None:
         """Ask each free drafter (no model: n-gram lookup) what it would propose for the sequences it
@@ -245,6 +309,8 @@ class AutoPolicy:
             return
         drafter, requested = state.choice
         state.counts.setdefault(drafter, _Counts()).add(requested, drafted, accepted, self.decay)
+        state.whole.setdefault(drafter, _Counts()).add(requested, drafted, accepted, 1.0)
+        state.looks[drafter] = state.looks.get(drafter, 0) + 1
         self.history[drafter].add(requested, drafted, accepted, self.prior_decay)
         state.last_used[drafter] = state.steps
         state.choice = (None, 0)
@@ -260,6 +326,8 @@ class AutoPolicy:
             compared = min(len(tokens), len(emitted))
             matched = next((i for i in range(compared) if tokens[i] != emitted[i]), compared)
             state.counts.setdefault(d, _Counts()).add(k, len(tokens), matched, self.decay, compared)
+            state.whole.setdefault(d, _Counts()).add(k, len(tokens), matched, 1.0, compared)
+            state.looks[d] = state.looks.get(d, 0) + 1
             self.history[d].add(k, len(tokens), matched, self.prior_decay, compared)
             state.last_used[d] = state.steps  # it is learnt about: no need to explore it
         state.shadow = {}
@@ -317,16 +385,16 @@ class AutoPolicy:
     def _pays_back(self, seq, drafter: str, est: tuple[float, float], batch: int, catch_up_s: float,
                    delay: int = 0, ready: float | None = None) -> bool:
         """Is ``drafter`` a candidate for ``seq`` at this step: free to start, or expected (at ``est``)
-        to save ``seq`` more time over its remaining tokens (less ``delay``, the steps spent reading
-        in pieces, about a token each) than its catch-up costs the batch (the catch-up runs inside
-        the steps: every running sequence waits for it)? Saved against ``ready``, the seconds per
-        token the sequence gets without any catch-up (plain decoding, or a drafter already in step
-        such as n-gram lookup); default plain decoding."""
+        to save ``seq`` over its remaining tokens (less ``delay``, the steps spent reading in pieces,
+        about a token each) ``1 + catch_up_margin`` times what its catch-up costs the batch (the
+        catch-up runs inside the steps: every running sequence waits for it)? Saved against
+        ``ready``, the seconds per token the sequence gets without any catch-up (plain decoding, or
+        a drafter already in step such as n-gram lookup); default plain decoding."""
         if catch_up_s <= 0:
             return True
         ready = self.cost.verify_s(batch, 1) if ready is None else ready
         best = self._per_token(drafter, est, batch)
-        return (self._remaining(seq) - delay) * (ready - best) > catch_up_s * max(1, batch)
+        return (self._remaining(seq) - delay) * (ready - best) > (1 + self.catch_up_margin) * catch_up_s * max(1, batch)
 
     def _assign(self, est: dict[str, tuple[float, float]], lengths: dict[str, int]) -> tuple[str | None, int]:
         best, gain = (None, 0), 1.0
@@ -368,14 +436,17 @@ class AutoPolicy:
 
     def _explore(self, seq, state: _SeqState, choice: tuple[str | None, int], lengths: dict[str, int], batch: int,
                  catch_up: dict[str, float], step: "_Step", allowance: float,
-                 delay: dict[str, int] | None = None) -> tuple[str, int] | None:
+                 delay: dict[str, int] | None = None, ready: float | None = None,
+                 looking: bool = False) -> tuple[str, int] | None:
         if self.explore_every <= 0:
             return None
         due = [d for d in self.drafters if state.steps - state.last_used.get(d, 0) >= self.explore_every]
         for d in sorted(due, key=lambda d: state.last_used.get(d, 0)):
             k = lengths[d] or self.explore_k
+            if looking and catch_up[d] > 0:
+                continue  # still due once the sequence has been watched
             if (self.could_pay(d, batch) and self._pays_back(seq, d, (0.999, 1.0), batch, catch_up[d],
-                                                             (delay or {}).get(d, 0))
+                                                             (delay or {}).get(d, 0), ready)
                     and step.extra(choice, (d, k)) <= allowance):
                 return d, k
             state.last_used[d] = state.steps  # cannot pay, or cannot be afforded, at this load: look again later

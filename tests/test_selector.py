@@ -526,7 +526,7 @@ def test_an_exploration_that_must_read_first_reads_in_pieces_and_stays_due():
             lags[(id(s), drafter)] -= min(lags[(id(s), drafter)], budget)
         return 0
 
-    policy = AutoPolicy(["model", "ngram"], max_k=4, cost=cost, explore_every=2,
+    policy = AutoPolicy(["model", "ngram"], max_k=4, cost=cost, explore_every=2, catch_up_margin=0.0,
                         lag=lambda s, d: lags.get((id(s), d), 0), read=read)
     policy.history["model"] = type(policy.history["model"])(0.0, 10.0, 10.0, 10.0)  # its history: useless
 
@@ -535,7 +535,7 @@ def test_an_exploration_that_must_read_first_reads_in_pieces_and_stays_due():
         output_ids: list = field(default_factory=list)
 
     seq, other = Req(params=SamplingParams(max_new_tokens=200)), Req(params=SamplingParams(max_new_tokens=200))
-    teach(policy, seq, "ngram", [4] * 6)
+    teach(policy, seq, "ngram", [1] * 6)  # lookup half right: a draft model always right would beat it
     teach(policy, other, "ngram", [4] * 6)
     lags[(id(seq), "model")] = 150
     routes = []
@@ -562,7 +562,7 @@ def test_reading_in_pieces_is_priced_in_the_pay_back():
     would (and never delays the answer)."""
     cost = flat_cost(verify_per_token=0.02, drafts={"model": 0.05, "ngram": 0.001})
     cost.catch_up = {"model": 0.0125}  # 12.5 s for 1,000 tokens, 25 s of the batch: ~0.8 s saved a token
-    policy = AutoPolicy(["model"], max_k=8, cost=cost)
+    policy = AutoPolicy(["model"], max_k=8, cost=cost, catch_up_margin=0.0)
     seq = Seq()
     teach(policy, seq, "model", [4, 4, 4, 4])
     est = policy.estimate(seq, "model")
@@ -867,3 +867,128 @@ def test_a_catch_up_must_beat_what_the_sequence_has_without_one():
     assert policy.route(good) == "ngram"
     policy.plan([poor], 1)
     assert policy.route(poor) == "model"
+
+
+@pytest.mark.parametrize("lookup_matches", [True, False], ids=["lookup-matches", "lookup-misses"])
+@pytest.mark.parametrize("look_steps", [3, 0], ids=["looks-first", "control"])
+def test_a_dear_catch_up_waits_until_lookup_has_been_watched(lookup_matches, look_steps):
+    """A draft model 1,500 tokens behind (15 s to read, ~15 plain steps) whose history says it pays
+    back over 40 tokens against lookup's poor history. It is not read before n-gram lookup has been
+    scored on 3 of the request's steps; where lookup then matches, it is never read (the catch-up
+    no longer pays against lookup); where lookup misses, it is read at step 3. The control
+    (``look_steps=0``) reads it at the first step either way."""
+    cost = flat_cost(verify_per_token=0.02, drafts={"model": 0.05, "ngram": 0.001})
+    cost.catch_up = {"model": 0.01}
+    truth = list(range(100, 400))  # what the target emits after the 3-token prompt (never 7)
+    lags = {}
+
+    def shadow(seqs, drafter, k):
+        return [truth[len(s.token_ids) - 3: len(s.token_ids) - 3 + k] if lookup_matches else [7] * k for s in seqs]
+
+    policy = AutoPolicy(["model", "ngram"], max_k=8, cost=cost, explore_every=0, look_steps=look_steps,
+                        lag=lambda s, d: lags.get((id(s), d), 0), shadow=shadow, free=("ngram",))
+    teach(policy, Seq(), "model", [4] * 6)  # the draft model's history: good
+    policy.history["ngram"] = _Counts(0.0, 10.0, 10.0, 10.0)  # lookup's: useless
+
+    @dataclass(eq=False)
+    class Req(Seq):
+        output_ids: list = field(default_factory=list)
+
+    seq = Req(params=SamplingParams(max_new_tokens=40))
+    lags[(id(seq), "model")] = 1500
+    routes = []
+    for _ in range(6):
+        k = policy.plan([seq], 1)[0]
+        routes.append(policy.route(seq))
+        if routes[-1] == "model":
+            lags[(id(seq), "model")] = 0  # (read inside the step)
+        accepted = {"model": min(k, 3), "ngram": k if lookup_matches else 0}.get(routes[-1], 0)
+        seq.token_ids = seq.token_ids + truth[len(seq.token_ids) - 3: len(seq.token_ids) - 3 + accepted + 1]
+        policy.observe(seq, k, accepted)
+    if not look_steps:
+        assert routes[0] == "model", routes
+    elif lookup_matches:
+        assert "model" not in routes and "ngram" in routes, routes
+    else:
+        assert "model" not in routes[:3] and routes[3] == "model", routes
+
+
+def test_a_short_catch_up_or_no_free_drafter_does_not_wait():
+    """A 100-token backlog (1 s, about one plain step) is not worth watching lookup for; nor is any
+    backlog when no free drafter is loaded (nothing to learn by waiting): read at the first step."""
+    cost = flat_cost(verify_per_token=0.02, drafts={"model": 0.05, "ngram": 0.001})
+    cost.catch_up = {"model": 0.01}
+    for lag, shadow, free in ((100, lambda seqs, d, k: [[7] * k for _ in seqs], ("ngram",)), (1500, None, ())):
+        policy = AutoPolicy(["model", "ngram"], max_k=8, cost=cost, explore_every=0, lag=lambda s, d: lag,
+                            shadow=shadow, free=free)
+        teach(policy, Seq(), "model", [4] * 6)
+        policy.history["ngram"] = _Counts(0.0, 10.0, 10.0, 10.0)
+        seq = Seq(params=SamplingParams(max_new_tokens=40))
+        seq.output_ids = []
+        policy.plan([seq], 1)
+        assert policy.route(seq) == "model"
+        assert not policy._looking(seq, {"model": cost.catch_up_s("model", lag)}, 1)
+
+
+def test_a_catch_up_is_judged_against_the_whole_request_not_its_last_steps():
+    """Lookup matched on 8 steps of the request, then missed four times. The fast (discounted)
+    estimate sees a poor drafter and would pay a 6 s catch-up against it; the pay-back judges the
+    rest of the request against what lookup did over all of it, and does not."""
+    cost = flat_cost(verify_per_token=0.02, drafts={"model": 0.05, "ngram": 0.001})
+    cost.catch_up = {"model": 0.01}
+    policy = AutoPolicy(["model", "ngram"], max_k=8, cost=cost, explore_every=0, catch_up_margin=0.0,
+                        lag=lambda s, d: 600 if d == "model" else 0)
+    teach(policy, Seq(), "model", [4] * 6)
+
+    @dataclass(eq=False)
+    class Req(Seq):
+        output_ids: list = field(default_factory=list)
+
+    seq = Req(params=SamplingParams(max_new_tokens=40))
+    teach(policy, seq, "ngram", [4] * 8 + [0] * 4)
+    fast, whole = policy.estimate(seq, "ngram"), policy.estimate(seq, "ngram", whole=True)
+    assert whole[0] > fast[0] + 0.1
+    model, catch = policy.estimate(seq, "model"), cost.catch_up_s("model", 600)
+    assert policy._pays_back(seq, "model", model, 1, catch, 0, policy._per_token("ngram", fast, 1))  # (the control)
+    assert not policy._pays_back(seq, "model", model, 1, catch, 0, policy._per_token("ngram", whole, 1))
+    policy.plan([seq], 1)
+    assert policy.route(seq) != "model"
+
+
+def test_exploration_never_tries_a_catch_up_that_cannot_beat_what_the_sequence_has():
+    """Lookup is right on every token of this sequence; a draft model 150 tokens behind (1.5 s to
+    read), even if it were always right, would save less than that over 30 tokens: never explored
+    (against plain decoding, which the sequence no longer needs, it would have been)."""
+    cost = flat_cost(verify_per_token=0.001, drafts={"model": 0.002, "ngram": 0.001})
+    cost.catch_up = {"model": 0.01}
+    policy = AutoPolicy(["model", "ngram"], max_k=4, cost=cost, explore_every=2, lag=lambda s, d: 150 if d == "model" else 0)
+    policy.history["model"] = _Counts(0.0, 10.0, 10.0, 10.0)
+
+    @dataclass(eq=False)
+    class Req(Seq):
+        output_ids: list = field(default_factory=list)
+
+    seq = Req(params=SamplingParams(max_new_tokens=30))
+    teach(policy, seq, "ngram", [4] * 6)
+    assert policy._pays_back(seq, "model", (0.999, 1.0), 1, cost.catch_up_s("model", 150))  # against plain decoding
+    for _ in range(6):
+        k = policy.plan([seq], 1)[0]
+        assert policy.route(seq) == "ngram"
+        policy.observe(seq, k, k)
+
+
+def test_a_catch_up_must_be_expected_to_save_twice_what_it_costs():
+    """What a draft model not yet run on a request would save is a forecast from other requests'
+    history (and the best of several lengths, so biased up); its catch-up is a measured cost, paid
+    once. 100 tokens at ~0.54 s saved a token (~54 s): a 30 s catch-up is not paid by default (the
+    saving must be twice the cost), a 25 s one is; with no margin the 30 s one is paid too."""
+    cost = flat_cost(verify_per_token=0.02, drafts={"model": 0.05})
+    seq = Seq(params=SamplingParams(max_new_tokens=100))
+    seq.output_ids = []
+    for margin, catch, pays in ((1.0, 30.0, False), (1.0, 25.0, True), (0.0, 30.0, True)):
+        policy = AutoPolicy(["model"], max_k=8, cost=cost, catch_up_margin=margin)
+        saved = 100 * (cost.verify_s(1, 1) - policy._per_token("model", (0.7, 1.0), 1))
+        assert 50 < saved < 60
+        assert policy._pays_back(seq, "model", (0.7, 1.0), 1, catch) == pays
+    with pytest.raises(ValueError, match="catch_up_margin"):
+        AutoPolicy(["model"], max_k=8, catch_up_margin=-1)
