@@ -6,7 +6,8 @@
 # Env: SERVE_ARGS (flags for every server), BASE_ARGS / NEW_ARGS (flags for one of them), NEW2_ARGS
 #      (if set, a third server from this tree with these flags, endpoint "new2"),
 #      MAX_CHARS (longest summarization article, default 3000), OUT (default runs/prefill-latency),
-#      PROMPTS (a prompt set `load` takes, e.g. humaneval, instead of the mixed summarization + HumanEval)
+#      PROMPTS (a prompt set `load` takes, e.g. humaneval, instead of the mixed summarization + HumanEval),
+#      OFF=1 (one more endpoint, "off": the "new" server with {"speculation": false} per request)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BASE=${1:?base commit}; TARGET=${2:?target}; DRAFT=${3:?draft}
@@ -37,14 +38,18 @@ trap 'kill -TERM $A $B $C 2>/dev/null || true; sleep 2; git worktree remove --fo
 A=$(serve "$WT" 8131 ${BASE_ARGS:-}); up 8131
 B=$(serve "$PWD" 8132 ${NEW_ARGS:-}); up 8132
 PORTS="8131 8132"; ENDPOINTS=(--endpoint "base=http://127.0.0.1:8131" --endpoint "new=http://127.0.0.1:8132")
+BODIES=()
+if [ -n "${OFF:-}" ]; then
+  ENDPOINTS+=(--endpoint "off=http://127.0.0.1:8132"); BODIES=(--endpoint-body 'off={"speculation": false}')
+fi
 if [ -n "${NEW2_ARGS:-}" ]; then
   C=$(serve "$PWD" 8133 $NEW2_ARGS); up 8133
   PORTS="$PORTS 8133"; ENDPOINTS+=(--endpoint "new2=http://127.0.0.1:8133")
 fi
 echo "base $(git -C "$WT" log --oneline -1) | new $(git log --oneline -1) $(git diff --quiet || echo '(modified tree)')" \
   > "$OUT/commits.txt"
-echo "SERVE_ARGS=${SERVE_ARGS:-} | BASE_ARGS=${BASE_ARGS:-} | NEW_ARGS=${NEW_ARGS:-} | NEW2_ARGS=${NEW2_ARGS:-} | PROMPTS=${PROMPTS:-mixed}" >> "$OUT/commits.txt"
-python -m specdecode.cli load "${ENDPOINTS[@]}" \
+echo "SERVE_ARGS=${SERVE_ARGS:-} | BASE_ARGS=${BASE_ARGS:-} | NEW_ARGS=${NEW_ARGS:-} | NEW2_ARGS=${NEW2_ARGS:-} | OFF=${OFF:-} | PROMPTS=${PROMPTS:-mixed}" >> "$OUT/commits.txt"
+python -m specdecode.cli load "${ENDPOINTS[@]}" "${BODIES[@]}" \
   --prompts "$PROMPT_SET" --levels "$LEVELS" --num-requests "$REQUESTS" --duration "$DURATION" \
   --time-limit $((DURATION * 8)) --output-len "$OUTLEN" --extra-body '{"ignore_eos": true, "temperature": 0}' \
   --no-progress --out "$OUT/load"

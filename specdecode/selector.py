@@ -38,10 +38,11 @@ seconds``, where ``ready`` is the best the sequence gets without any catch-up (p
 article); otherwise the drafter is not a candidate for that sequence at this step. So a long prompt
 with a short answer never pays a draft model's prefill it cannot earn back, and under load, where no
 drafter pays, requests cost what they cost without speculation. Why twice (``catch_up_margin`` =
-1): the catch-up is a measured cost paid once, the saving a forecast from other requests' history
-(the draft model has not drafted for this one), taken at the best of several lengths, so biased up;
-on the real pair's long-context requests the forecast per-token time was 0.11–0.19 s where the
-draft model then did 0.18 s (docs/benchmarks.md, session 18). ``ready`` is judged over the whole
+1): the catch-up is a measured cost, paid once and for good; the saving is a forecast from other
+requests' history (the draft model has not drafted for this one yet), taken at the best of several
+lengths. On three real RAG requests the forecast was 0.13–0.14 s a token and the draft model then
+did 0.07–0.19 (docs/benchmarks.md, session 18): an error as large as the saving it is weighed
+against, so a catch-up must promise twice its cost. ``ready`` is judged over the whole
 request so far (undiscounted counts plus the prior), not the discounted estimate that picks each
 step's drafter: one unlucky step of lookup must not buy a catch-up for the rest of the request.
 And a catch-up costing ``n`` plain steps waits until every free drafter has been scored on
