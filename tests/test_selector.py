@@ -46,6 +46,12 @@ class Seq:
     generator: torch.Generator = field(default_factory=torch.Generator)
 
 
+@dataclass(eq=False)
+class Req(Seq):
+    """A request: the pay-back reads its tokens left, ``params.max_new_tokens - len(output_ids)``."""
+    output_ids: list = field(default_factory=list)
+
+
 def teach(policy, seq, drafter, alpha_steps, k=4):
     """Make ``seq``'s estimate for ``drafter`` come from ``alpha_steps``: accepted counts per step."""
     for accepted in alpha_steps:
@@ -384,10 +390,6 @@ def test_a_catch_up_is_paid_only_when_it_pays_back():
     lags = {}
     policy = AutoPolicy(["model", "ngram"], max_k=8, cost=cost, explore_every=2, lag=lambda s, d: lags.get((id(s), d), 0))
 
-    @dataclass(eq=False)
-    class Req(Seq):
-        output_ids: list = field(default_factory=list)
-
     def request(max_new):
         seq = Req(params=SamplingParams(max_new_tokens=max_new))
         teach(policy, seq, "model", [4, 4, 3, 4, 4, 4])
@@ -476,10 +478,6 @@ def test_a_long_backlog_is_read_in_pieces_while_others_wait():
     policy = AutoPolicy(["model", "ngram"], max_k=8, cost=cost, explore_every=100,
                         lag=lambda s, d: lags.get((id(s), d), 0), read=read)
 
-    @dataclass(eq=False)
-    class Req(Seq):
-        output_ids: list = field(default_factory=list)
-
     def request():
         seq = Req(params=SamplingParams(max_new_tokens=200))
         teach(policy, seq, "model", [4, 4, 3, 4, 4, 4])
@@ -529,10 +527,6 @@ def test_an_exploration_that_must_read_first_reads_in_pieces_and_stays_due():
     policy = AutoPolicy(["model", "ngram"], max_k=4, cost=cost, explore_every=2, catch_up_margin=0.0,
                         lag=lambda s, d: lags.get((id(s), d), 0), read=read)
     policy.history["model"] = type(policy.history["model"])(0.0, 10.0, 10.0, 10.0)  # its history: useless
-
-    @dataclass(eq=False)
-    class Req(Seq):
-        output_ids: list = field(default_factory=list)
 
     seq, other = Req(params=SamplingParams(max_new_tokens=200)), Req(params=SamplingParams(max_new_tokens=200))
     teach(policy, seq, "ngram", [1] * 6)  # lookup half right: a draft model always right would beat it
@@ -849,10 +843,6 @@ def test_a_catch_up_must_beat_what_the_sequence_has_without_one():
     policy = AutoPolicy(["model", "ngram"], max_k=8, cost=cost, explore_every=0,
                         lag=lambda s, d: lags.get((id(s), d), 0))
 
-    @dataclass(eq=False)
-    class Req(Seq):
-        output_ids: list = field(default_factory=list)
-
     good, poor = Req(params=SamplingParams(max_new_tokens=100)), Req(params=SamplingParams(max_new_tokens=100))
     for seq, ngram in ((good, [4, 3, 4, 3, 4, 3]), (poor, [0] * 6)):
         teach(policy, seq, "model", [4] * 6)
@@ -890,10 +880,6 @@ def test_a_dear_catch_up_waits_until_lookup_has_been_watched(lookup_matches, loo
     teach(policy, Seq(), "model", [4] * 6)  # the draft model's history: good
     policy.history["ngram"] = _Counts(0.0, 10.0, 10.0, 10.0)  # lookup's: useless
 
-    @dataclass(eq=False)
-    class Req(Seq):
-        output_ids: list = field(default_factory=list)
-
     seq = Req(params=SamplingParams(max_new_tokens=40))
     lags[(id(seq), "model")] = 1500
     routes = []
@@ -923,11 +909,10 @@ def test_a_short_catch_up_or_no_free_drafter_does_not_wait():
                             shadow=shadow, free=free)
         teach(policy, Seq(), "model", [4] * 6)
         policy.history["ngram"] = _Counts(0.0, 10.0, 10.0, 10.0)
-        seq = Seq(params=SamplingParams(max_new_tokens=40))
-        seq.output_ids = []
+        seq = Req(params=SamplingParams(max_new_tokens=40))
         policy.plan([seq], 1)
         assert policy.route(seq) == "model"
-        assert not policy._looking(seq, {"model": cost.catch_up_s("model", lag)}, 1)
+        assert not policy._looking(seq, {"model": 0.01 * lag}, 1)  # (the scripted catch-up: 0.01 s a token)
 
 
 def test_a_catch_up_is_judged_against_the_whole_request_not_its_last_steps():
@@ -939,10 +924,6 @@ def test_a_catch_up_is_judged_against_the_whole_request_not_its_last_steps():
     policy = AutoPolicy(["model", "ngram"], max_k=8, cost=cost, explore_every=0, catch_up_margin=0.0,
                         lag=lambda s, d: 600 if d == "model" else 0)
     teach(policy, Seq(), "model", [4] * 6)
-
-    @dataclass(eq=False)
-    class Req(Seq):
-        output_ids: list = field(default_factory=list)
 
     seq = Req(params=SamplingParams(max_new_tokens=40))
     teach(policy, seq, "ngram", [4] * 8 + [0] * 4)
@@ -964,13 +945,9 @@ def test_exploration_never_tries_a_catch_up_that_cannot_beat_what_the_sequence_h
     policy = AutoPolicy(["model", "ngram"], max_k=4, cost=cost, explore_every=2, lag=lambda s, d: 150 if d == "model" else 0)
     policy.history["model"] = _Counts(0.0, 10.0, 10.0, 10.0)
 
-    @dataclass(eq=False)
-    class Req(Seq):
-        output_ids: list = field(default_factory=list)
-
     seq = Req(params=SamplingParams(max_new_tokens=30))
     teach(policy, seq, "ngram", [4] * 6)
-    assert policy._pays_back(seq, "model", (0.999, 1.0), 1, cost.catch_up_s("model", 150))  # against plain decoding
+    assert policy._pays_back(seq, "model", (0.999, 1.0), 1, 1.5)  # against plain decoding (the scripted 1.5 s)
     for _ in range(6):
         k = policy.plan([seq], 1)[0]
         assert policy.route(seq) == "ngram"
@@ -983,8 +960,7 @@ def test_a_catch_up_must_be_expected_to_save_twice_what_it_costs():
     once. 100 tokens at ~0.54 s saved a token (~54 s): a 30 s catch-up is not paid by default (the
     saving must be twice the cost), a 25 s one is; with no margin the 30 s one is paid too."""
     cost = flat_cost(verify_per_token=0.02, drafts={"model": 0.05})
-    seq = Seq(params=SamplingParams(max_new_tokens=100))
-    seq.output_ids = []
+    seq = Req(params=SamplingParams(max_new_tokens=100))
     for margin, catch, pays in ((1.0, 30.0, False), (1.0, 25.0, True), (0.0, 30.0, True)):
         policy = AutoPolicy(["model"], max_k=8, cost=cost, catch_up_margin=margin)
         saved = 100 * (cost.verify_s(1, 1) - policy._per_token("model", (0.7, 1.0), 1))
