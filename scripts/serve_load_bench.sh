@@ -3,7 +3,9 @@
 # {"speculation": false}), interleaved by concurrency level. Writes runs/serve-<set>/ per prompt set.
 # Usage: scripts/serve_load_bench.sh TARGET DRAFT [LEVELS] [OUTPUT_LEN] [DURATION_PER_LEVEL_S]
 # Env: K (draft length, default 3), SERVE_ARGS (more serve flags), SETS (prompt sets, default
-# "humaneval spec-bench:qa,math_reasoning"), TAG (suffix of the runs/serve-<set><TAG> directories), PORT
+# "humaneval spec-bench:qa,math_reasoning"; a .jsonl file works too, e.g. one scripts/mixed_prompts.py
+# wrote), TAG (suffix of the runs/serve-<set><TAG> directories), PORT, REQUESTS (per level and arm,
+# default 64), ROUNDS (the arms alternate in this many slices of each level, default 1: `load --rounds`)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TARGET=${1:?target}; DRAFT=${2:?draft}; LEVELS=${3:-1,4,16}; OUTLEN=${4:-32}; DURATION=${5:-120}
@@ -19,11 +21,11 @@ curl -sf "http://127.0.0.1:$PORT/health" >/dev/null || { echo "server did not co
 curl -s "http://127.0.0.1:$PORT/v1/completions" -H 'Content-Type: application/json' \
   -d '{"model": "'"$TARGET"'", "prompt": "def f(x):", "max_tokens": 8}' >/dev/null
 for set in ${SETS:-humaneval spec-bench:qa,math_reasoning}; do
-  prompts=${set%%:*}; cats=${set#*:}; name=serve-${prompts}${TAG:-}
+  prompts=${set%%:*}; cats=${set#*:}; name=serve-$(basename "${prompts%.jsonl}")${TAG:-}
   extra=(); [ "$cats" != "$set" ] && extra=(--categories "$cats")
   python -m specdecode.cli load --endpoint "off=http://127.0.0.1:$PORT" --endpoint "on=http://127.0.0.1:$PORT" \
     --endpoint-body 'off={"speculation": false}' --prompts "$prompts" "${extra[@]}" --levels "$LEVELS" \
-    --num-requests 64 --duration "$DURATION" --time-limit $((DURATION * 8)) --output-len "$OUTLEN" \
+    --num-requests "${REQUESTS:-64}" --rounds "${ROUNDS:-1}" --duration "$DURATION" --time-limit $((DURATION * 8)) --output-len "$OUTLEN" \
     --extra-body '{"ignore_eos": true, "temperature": 0}' --no-progress --out "runs/$name"
 done
 curl -s "http://127.0.0.1:$PORT/metrics" > runs/serve-metrics.txt

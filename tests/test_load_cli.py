@@ -100,6 +100,34 @@ def test_three_endpoints_are_interleaved_and_each_candidate_is_compared_with_the
     assert "## B / A" in report and "## C / A" in report
 
 
+def test_rounds_alternate_endpoints_within_a_level_and_the_report_pairs_requests(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    with FakeServer(Behaviour(first_token_s=0.02, token_interval_s=0.01)) as a, \
+            FakeServer(Behaviour(first_token_s=0.01, token_interval_s=0.01)) as b:
+        rc = _run(["--endpoint", f"off={a.url}", "--endpoint", f"on={b.url}",
+                   "--prompts", str(_prompt_file(tmp_path)), "--levels", "1", "--num-requests", "4",
+                   "--rounds", "2", "--output-len", "4", "--duration", "600", "--time-limit", "3600",
+                   "--no-progress", "--out", str(out)])
+    assert rc == 0
+    rows = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    # written per endpoint; issued off 0-1, on 0-1, off 2-3, on 2-3 (start_s goes on across rounds)
+    assert [(r["endpoint"], r["index"]) for r in sorted(rows, key=lambda r: (r["endpoint"], r["start_s"]))] == [
+        ("off", 0), ("off", 1), ("off", 2), ("off", 3), ("on", 0), ("on", 1), ("on", 2), ("on", 3)]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["rounds"] == 2
+    pair = summary["comparison"]["paired"][0]
+    assert pair["n"] == 4 and pair["ttft"] is not None and pair["latency"] is not None
+    report = (out / "report.md").read_text()
+    assert "alternating in 2 rounds" in report and "Paired by request" in report
+    assert f"| 1 | 4 | {pair['ttft']:.3f} |" in report
+
+
+def test_rounds_beyond_the_requests_are_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = _run(["--endpoint", "http://127.0.0.1:1", "--prompts", str(_prompt_file(tmp_path)),
+               "--num-requests", "2", "--rounds", "3", "--no-progress", "--out", str(tmp_path / "o")])
+    assert rc == 2 and "rounds must be between 1 and the number of requests (2), got 3" in capsys.readouterr().err
+
+
 HE = ["--prompts", "humaneval"]
 
 

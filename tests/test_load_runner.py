@@ -198,3 +198,44 @@ def test_ctrl_c_stops_the_sweep_even_when_a_request_swallows_the_cancellation(mo
     assert result.interrupted
     assert len(served) < 10 and len(result.levels) == 1  # stopped within the level, the next never started
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
+
+
+@pytest.mark.parametrize("mode, level", [("closed", 1), ("closed", 2), ("open", 50.0)])
+def test_rounds_alternate_the_endpoints_slice_by_slice(mode: str, level: float) -> None:
+    # One fake server, two endpoints told apart by an extra body field: the order in which it receives
+    # requests is the order the sweep issued them (an ordering check, no clock).
+    prompts = [_chat(f"p{i}") for i in range(7)]
+    with FakeServer(Behaviour(first_token_s=0, token_interval_s=0)) as server:
+        targets = [Target(label, server.url, "m", {"tag": label}) for label in ("A", "B")]
+        config = LoadConfig(targets=targets, prompts=prompts, mode=mode, levels=[level], num_requests=7,
+                            rounds=3, duration_s=600, output_len=(2, 2), request_timeout_s=120)
+        result = run_sweep(config)
+        bodies = server.behaviour.bodies
+    # slices of 3, 2 and 2 requests: A's first, B's first, A's second, ...
+    tags = [b["tag"] for b in bodies]
+    assert tags == ["A"] * 3 + ["B"] * 3 + ["A"] * 2 + ["B"] * 2 + ["A"] * 2 + ["B"] * 2
+    # one level run per endpoint holding every slice; request i is the same prompt for both
+    assert [(run.label, run.level, run.issued, run.cancelled) for run in result.levels] == [
+        ("A", level, 7, 0), ("B", level, 7, 0)]
+    a, b = ({r.index: r.prompt_id for r in run.records} for run in result.levels)
+    assert a == b and sorted(a) == list(range(7))
+    for run in result.levels:
+        by_index = sorted(run.records, key=lambda r: r.index)
+        # the run's clock goes on across slices: a later slice starts after the earlier one ended
+        assert by_index[3].start_s >= by_index[2].start_s + by_index[2].latency_s
+        assert run.wall_s is not None and run.wall_s >= by_index[-1].start_s + by_index[-1].latency_s
+
+
+def test_one_round_issues_each_endpoints_level_in_one_stretch() -> None:
+    with FakeServer(Behaviour(first_token_s=0, token_interval_s=0)) as server:
+        targets = [Target(label, server.url, "m", {"tag": label}) for label in ("A", "B")]
+        result = run_sweep(LoadConfig(targets=targets, prompts=[CHAT], levels=[1], num_requests=3,
+                                      duration_s=600, output_len=(2, 2), request_timeout_s=120))
+        assert [b["tag"] for b in server.behaviour.bodies] == ["A"] * 3 + ["B"] * 3
+    assert [len(run.records) for run in result.levels] == [3, 3]
+
+
+@pytest.mark.parametrize("rounds", [0, 5])
+def test_rounds_must_fit_the_requests(rounds: int) -> None:
+    with pytest.raises(ValueError, match="rounds must be between 1 and the number of requests"):
+        LoadConfig(targets=[Target("A", "http://127.0.0.1:9")], prompts=[CHAT], num_requests=4, rounds=rounds)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from specdecode.load.records import LevelRun, RequestRecord
-from specdecode.load.stats import Slo, compare, crossover, distribution, summarize
+from specdecode.load.stats import Slo, compare, crossover, distribution, paired, summarize
 
 
 def _record(ttft: float, latency: float, tokens: int, itl: list[float] | None = None,
@@ -110,3 +111,29 @@ def test_compare_ratios_per_level() -> None:
     assert stalls.ratios["itl.p99"] == pytest.approx([(1.0 + 0.99 * 1.0) / (0.5 + 0.99 * 7.5)])
     partial = compare(off, on[:2])  # the candidate never ran level 4
     assert partial.levels == [1, 2]
+
+
+def test_paired_ratios_match_requests_by_plan_index_not_by_rank() -> None:
+    # A mixed workload: short prompts (TTFT ~1 s) and long ones (~5 s). The candidate is 2 % slower on
+    # every request, but its p50 lands on a long prompt where the baseline's lands on a short one (the
+    # two sets differ by one request that the candidate did not finish): p50 / p50 says 1.6x, the
+    # pairs say 1.02.
+    def rec(index: int, ttft: float, error: str | None = None) -> RequestRecord:
+        r = _record(ttft, ttft + 3.0, 4, error=error)
+        r.index = index
+        return r
+
+    ttfts = [1.0, 5.0, 1.1, 5.1, 1.2, 5.2]
+    base = LevelRun("off", 1, "closed", records=[rec(i, t) for i, t in enumerate(ttfts)], wall_s=30.0, issued=6)
+    cand = LevelRun("on", 1, "closed", issued=6, wall_s=30.0,
+                    records=[rec(i, t * 1.02, error="http_500" if i == 0 else None) for i, t in enumerate(ttfts)])
+    cand.records.reverse()  # completion order does not matter, the index does
+    ratio_of_p50 = (summarize(cand).metric("ttft.p50") or 0) / (summarize(base).metric("ttft.p50") or 1)
+    assert ratio_of_p50 > 1.5  # the artefact the pairing removes
+    pairs = paired(base, cand)
+    assert pairs["n"] == 5  # request 0 failed on the candidate: no pair
+    assert pairs["ttft"] == pytest.approx(1.02)
+    assert pairs["latency"] == pytest.approx(float(np.median([(t * 1.02 + 3.0) / (t + 3.0) for t in ttfts[1:]])))
+    assert pairs["tpot"] == pytest.approx(1.0)  # 3 s over 3 later tokens in both
+    empty = paired(base, LevelRun("on", 1, "closed"))
+    assert empty == {"n": 0.0, "ttft": None, "tpot": None, "latency": None}

@@ -61,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sweep.add_argument("--num-requests", type=int, default=100, help="per level and endpoint")
     sweep.add_argument("--duration", type=float, default=60.0, metavar="S",
                        help="time limit per level and endpoint")
+    sweep.add_argument("--rounds", type=int, default=1, metavar="N",
+                       help="cut each level's requests into N slices and alternate the endpoints slice by "
+                            "slice (default 1: each endpoint's level in one stretch)")
     sweep.add_argument("--time-limit", type=float, default=1800.0, metavar="S",
                        help="time limit for the whole run; later levels are skipped")
     sweep.add_argument("--slo-ttft-ms", type=float, help="goodput target for TTFT")
@@ -85,7 +88,7 @@ def main(args: argparse.Namespace) -> int:
             targets=targets, prompts=prompts, mode=args.mode,
             levels=args.levels or _levels(DEFAULT_LEVELS[args.mode]),
             num_requests=args.num_requests, duration_s=args.duration,
-            time_limit_s=args.time_limit, output_len=args.output_len,
+            time_limit_s=args.time_limit, rounds=args.rounds, output_len=args.output_len,
             request_timeout_s=args.request_timeout, api_key=args.api_key, seed=args.seed,
         )
     except (PromptSetError, ValueError) as exc:

@@ -34,7 +34,13 @@ def build_report(result: SweepResult, slo: Slo) -> Report:
     summaries = {label: [stats.summarize(run, slo) for run in result.runs_for(label)]
                  for label in result.labels}
     lists = list(summaries.values())
-    return Report(summaries, [stats.compare(lists[0], other) for other in lists[1:]])
+    comparisons = [stats.compare(lists[0], other) for other in lists[1:]]
+    if result.labels:
+        base = {run.level: run for run in result.runs_for(result.labels[0])}
+        for comparison in comparisons:
+            cand = {run.level: run for run in result.runs_for(comparison.candidate)}
+            comparison.paired = [stats.paired(base[level], cand[level]) for level in comparison.levels]
+    return Report(summaries, comparisons)
 
 
 def write_outputs(
@@ -66,7 +72,7 @@ def write_outputs(
 
 def config_dict(config: LoadConfig, slo: Slo, prompt_set: str) -> dict[str, Any]:
     """The run's settings as JSON (never the API key)."""
-    fields = ("mode", "levels", "num_requests", "duration_s", "time_limit_s", "output_len",
+    fields = ("mode", "levels", "num_requests", "rounds", "duration_s", "time_limit_s", "output_len",
               "request_timeout_s", "seed")
     return {
         **{name: getattr(config, name) for name in fields},
@@ -89,7 +95,9 @@ def markdown(result: SweepResult, config: LoadConfig, report: Report) -> str:
     if result.skipped:
         skipped = ", ".join(f"{label}@{level:g}" for label, level in result.skipped)
         lines += [f"Skipped by the {config.time_limit_s:g} s time limit: {skipped}.", ""]
-    lines += [f"{config.num_requests} requests and at most {config.duration_s:g} s per level; "
+    rounds = (f", the endpoints alternating in {config.rounds} rounds of the level's requests"
+              if config.rounds > 1 and len(result.endpoints) > 1 else "")
+    lines += [f"{config.num_requests} requests and at most {config.duration_s:g} s per level{rounds}; "
               f"{len(config.prompts)} prompts; seed {config.seed}.", "",
               "| endpoint | url | model |", "|---|---|---|"]
     lines += [f"| {label} | {e['url']} | {e['model']} |" for label, e in result.endpoints.items()]
@@ -169,6 +177,13 @@ def _comparison_section(comparison: Comparison, level: str) -> list[str]:
     for i, lvl in enumerate(comparison.levels):
         cells = " | ".join(_num(comparison.ratios[name][i], ".3f") for name, _ in names)
         lines.append(f"| {lvl:g} | {cells} |")
+    if comparison.paired:
+        lines += ["", "Paired by request (request i of both is the same prompt; median over the pairs of "
+                  "candidate / baseline):", "",
+                  f"| {level} | pairs | TTFT | TPOT | latency |", "|---|---|---|---|---|"]
+        for lvl, pair in zip(comparison.levels, comparison.paired):
+            lines.append(f"| {lvl:g} | {int(pair['n'] or 0)} | " + " | ".join(
+                _num(pair[name], ".3f") for name, _ in stats.PAIRED_METRICS) + " |")
     lines += ["", "Crossover (first level where the ratio flips past 1.0):", ""]
     for name, label in names:
         point = comparison.crossover[name]

@@ -4,7 +4,12 @@ time limit for the whole sweep.
 
 Every endpoint sees the same request plan (prompt order and output lengths, from ``seed``) and, in
 open loop, the same arrival times at a given rate. With several endpoints the levels are interleaved
-(A at level 1, B at level 1, A at level 2, ...) so that drift on the machine hits them alike.
+(A at level 1, B at level 1, A at level 2, ...) so that drift on the machine hits them alike. With
+``rounds`` > 1 each level's plan is cut into that many consecutive slices and the endpoints alternate
+slice by slice (A's first slice, B's first slice, A's second slice, ...): a long level then no longer
+puts all of A's requests in one stretch of the machine's time and all of B's in the next. Each slice
+gets its share of the level's ``duration_s``; request ``index`` is the plan's, so request ``i`` of
+every endpoint is the same prompt (the report pairs them).
 
 From Python: ``result = run_sweep(LoadConfig(targets=[Target("A", url)], prompts=...))``.
 """
@@ -49,6 +54,7 @@ class LoadConfig:
     num_requests: int = 100
     duration_s: float = 60.0
     time_limit_s: float = 3600.0
+    rounds: int = 1
     output_len: tuple[int, int] | None = None
     request_timeout_s: float = 300.0
     api_key: str | None = None
@@ -68,6 +74,9 @@ class LoadConfig:
             raise ValueError("closed-loop levels are concurrencies and must be whole numbers")
         if self.num_requests < 1 or self.duration_s <= 0 or self.time_limit_s <= 0:
             raise ValueError("num_requests, duration_s and time_limit_s must be positive")
+        if not 1 <= self.rounds <= self.num_requests:
+            raise ValueError(f"rounds must be between 1 and the number of requests ({self.num_requests}), "
+                             f"got {self.rounds}")
 
 
 class Progress(Protocol):
@@ -158,25 +167,41 @@ async def _sweep(config: LoadConfig, result: SweepResult, progress: Progress, st
                 target = dataclasses.replace(target, model=await first_model(client))
             result.endpoints[target.label] = {"url": str(client.base_url), "model": target.model}
             targets.append(target)
-        for level, target in itertools.product(config.levels, targets):
-            if stop.requested:
-                return
-            if loop.time() >= deadline:
-                result.skipped.append((target.label, level))
-                continue
-            run = LevelRun(label=target.label, level=level, mode=config.mode)
-            result.levels.append(run)
-            progress.level_started(run, config.num_requests)
-            stop.level_task = asyncio.ensure_future(run_level(clients[target.label], target, plan, config, run,
-                                                              deadline, progress, stop))
-            try:
-                await stop.level_task
-            except asyncio.CancelledError:
-                if not stop.requested:  # not ours: pass it on
-                    raise
-                return
-            finally:
-                stop.level_task = None
+        for level in config.levels:
+            runs: dict[str, LevelRun] = {}
+            for part, target in itertools.product(rounds(len(plan), config.rounds), targets):
+                if stop.requested:
+                    return
+                run = runs.get(target.label)
+                if run is None:
+                    if loop.time() >= deadline:
+                        if (target.label, level) not in result.skipped:
+                            result.skipped.append((target.label, level))
+                        continue
+                    run = runs[target.label] = LevelRun(label=target.label, level=level, mode=config.mode)
+                    result.levels.append(run)
+                    progress.level_started(run, config.num_requests)
+                elif run.hit_time_limit or loop.time() >= deadline:
+                    continue  # its level's (or the run's) time is up: the later slices are not issued
+                stop.level_task = asyncio.ensure_future(run_level(clients[target.label], target, plan, config, run,
+                                                                  deadline, progress, stop, part))
+                try:
+                    await stop.level_task
+                except asyncio.CancelledError:
+                    if not stop.requested:  # not ours: pass it on
+                        raise
+                    return
+                finally:
+                    stop.level_task = None
+
+
+def rounds(n: int, count: int) -> list[range]:
+    """``n`` plan indices cut into ``count`` consecutive slices, as even as can be (earlier ones larger)."""
+    size, extra = divmod(n, count)
+    cuts = [0]
+    for i in range(count):
+        cuts.append(cuts[-1] + size + (1 if i < extra else 0))
+    return [range(a, b) for a, b in zip(cuts, cuts[1:])]
 
 
 async def run_level(
@@ -188,11 +213,17 @@ async def run_level(
     deadline: float,
     progress: Progress,
     stop: _Stop | None = None,
+    part: range | None = None,
 ) -> None:
-    """Issue ``plan`` at ``run.level`` until it is done, ``duration_s`` passes, ``deadline``, or Ctrl-C."""
+    """Issue ``plan`` (the indices in ``part``; default all) at ``run.level`` until it is done, its time
+    passes (``duration_s``, shared out over ``config.rounds`` slices), ``deadline``, or Ctrl-C. A
+    ``run`` that already holds earlier slices is extended: its wall time adds up and its records'
+    ``start_s`` go on from where the last slice ended."""
     loop = asyncio.get_running_loop()
-    t0 = time.perf_counter()
-    own_end = loop.time() + config.duration_s
+    part = range(len(plan)) if part is None else part
+    before = run.wall_s or 0.0
+    t0 = time.perf_counter() - before
+    own_end = loop.time() + config.duration_s * len(part) / len(plan)
     stop_at = min(own_end, deadline)
 
     async def one(index: int) -> None:
@@ -203,18 +234,20 @@ async def run_level(
         run.records.append(record)
         progress.request_done(run, record)
 
-    counter = itertools.count()
+    indices = iter(part)
 
     def stopping() -> bool:
         return stop is not None and stop.requested
 
     async def worker() -> None:
-        while not stopping() and (index := next(counter)) < len(plan):
+        while not stopping() and (index := next(indices, None)) is not None:
             await one(index)
 
     async def arrivals(group: asyncio.TaskGroup) -> None:
-        for index, at in enumerate(arrival_times(run.level, len(plan), config.seed)):
-            await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+        times = arrival_times(run.level, len(plan), config.seed)
+        start = time.perf_counter()
+        for index in part:
+            await asyncio.sleep(max(0.0, start + times[index] - times[part.start] - time.perf_counter()))
             if stopping():
                 return
             group.create_task(one(index))

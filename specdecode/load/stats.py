@@ -12,6 +12,10 @@ Definitions (also written into every report):
   from its start until its last request ends (or its time limit cuts it).
 - **Goodput**: completed requests that meet every given SLO (TTFT <= target, TPOT <= target; a
   request without a defined TPOT meets the TPOT target), per second of wall time.
+- **Paired ratios**: request ``i`` of every endpoint is the same prompt with the same
+  ``max_tokens``; for each request both endpoints completed, ``candidate / baseline`` of its TTFT,
+  TPOT and latency, and the median of those ratios per level. Unlike a ratio of two p50s, it does
+  not move when prompts of different lengths trade places around the middle of a mixed workload.
 - **Speculation**: summed ``drafted``/``accepted``; ``acceptance_rate = accepted / drafted``;
   ``tokens_per_step = sum(tokens) / sum(tokens / tokens_per_step)`` over reporting requests.
 """
@@ -174,6 +178,8 @@ class Comparison:
     levels: list[float]
     ratios: dict[str, list[float | None]]
     crossover: dict[str, float | None]
+    # per level: median over same-index request pairs of candidate / baseline ("n": the pairs)
+    paired: list[dict[str, float | None]] = field(default_factory=list)
 
 
 def compare(baseline: Sequence[LevelSummary], candidate: Sequence[LevelSummary]) -> Comparison:
@@ -190,6 +196,22 @@ def compare(baseline: Sequence[LevelSummary], candidate: Sequence[LevelSummary])
         ratios=ratios,
         crossover={name: crossover(levels, r) for name, r in ratios.items()},
     )
+
+
+PAIRED_METRICS = (("ttft", "ttft_s"), ("tpot", "tpot_s"), ("latency", "latency_s"))
+
+
+def paired(baseline: LevelRun, candidate: LevelRun) -> dict[str, float | None]:
+    """The median of ``candidate / baseline`` over the requests (same plan index: same prompt and
+    ``max_tokens``) that both completed, for TTFT, TPOT and latency; ``n`` is the number of pairs."""
+    theirs = {r.index: r for r in baseline.records if r.ok}
+    pairs = [(theirs[r.index], r) for r in candidate.records if r.ok and r.index in theirs]
+    out: dict[str, float | None] = {"n": float(len(pairs))}
+    for name, attr in PAIRED_METRICS:
+        ratios = [c / b for b, c in ((getattr(x, attr), getattr(y, attr)) for x, y in pairs)
+                  if b is not None and c is not None and b > 0]
+        out[name] = float(np.median(ratios)) if ratios else None
+    return out
 
 
 def crossover(levels: Sequence[float], ratios: Sequence[float | None]) -> float | None:
