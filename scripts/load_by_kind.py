@@ -1,13 +1,15 @@
 """TTFT and ITL of a `specdecode load` run split by prompt kind (HumanEval vs Spec-Bench category),
-per endpoint and level: where a mixed-length workload's long prompts pay.
+per endpoint and level: where a mixed-length workload's long prompts pay. With ``--baseline LABEL``
+each other endpoint's row also gets its TTFT paired with the baseline's request by request (request
+``i`` of every endpoint is the same prompt): the median of the ratios over that kind's pairs.
 
-Usage: python scripts/load_by_kind.py runs/prefill-latency/load/requests.jsonl
+Usage: python scripts/load_by_kind.py runs/prefill-latency/load/requests.jsonl [--baseline off]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from collections import defaultdict
 
 import numpy as np
@@ -17,21 +19,31 @@ def kind(prompt_id: str) -> str:
     return "humaneval" if prompt_id.startswith("HumanEval") else "spec-bench"
 
 
-def main(path: str) -> None:
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("requests", help="a load run's requests.jsonl")
+    parser.add_argument("--baseline", help="endpoint label to pair the others' TTFT with")
+    args = parser.parse_args()
     groups: dict[tuple, list[dict]] = defaultdict(list)
-    for line in open(path, encoding="utf-8"):
+    for line in open(args.requests, encoding="utf-8"):
         row = json.loads(line)
         if row["error"] is None and row["ttft_s"] is not None:
             groups[(row["level"], row["endpoint"], kind(row["prompt_id"]))].append(row)
-    print("| level | endpoint | prompts | n | prompt tokens p50 | TTFT p50 / p99 / max (s) | ITL p99 (s) |")
-    print("|---|---|---|---|---|---|---|")
+    paired = f" paired TTFT / {args.baseline} (pairs) |" if args.baseline else ""
+    print("| level | endpoint | prompts | n | prompt tokens p50 | TTFT p50 / p99 / max (s) | ITL p99 (s) |" + paired)
+    print("|---|---|---|---|---|---|---|" + ("---|" if paired else ""))
     for (level, endpoint, k), rows in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1])):
         ttft = np.array([r["ttft_s"] for r in rows])
         itl = np.array([g for r in rows for g in r["itl_s"]] or [np.nan])
         tokens = np.median([r.get("prompt_tokens") or 0 for r in rows])
-        print(f"| {level:g} | {endpoint} | {k} | {len(rows)} | {tokens:.0f} | {np.percentile(ttft, 50):.1f} / "
-              f"{np.percentile(ttft, 99):.1f} / {ttft.max():.1f} | {np.nanpercentile(itl, 99):.1f} |")
+        line = (f"| {level:g} | {endpoint} | {k} | {len(rows)} | {tokens:.0f} | {np.percentile(ttft, 50):.1f} / "
+                f"{np.percentile(ttft, 99):.1f} / {ttft.max():.1f} | {np.nanpercentile(itl, 99):.1f} |")
+        if args.baseline:
+            base = {r["index"]: r["ttft_s"] for r in groups.get((level, args.baseline, k), [])}
+            ratios = [r["ttft_s"] / base[r["index"]] for r in rows if base.get(r["index"])]
+            line += " – |" if endpoint == args.baseline or not ratios else f" {np.median(ratios):.3f} ({len(ratios)}) |"
+        print(line)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main()
