@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from specdecode.load.records import LevelRun, RequestRecord
-from specdecode.load.stats import Slo, compare, crossover, distribution, paired, summarize
+from specdecode.load.stats import Slo, compare, crossover, distribution, median_ci, paired, summarize
 
 
 def _record(ttft: float, latency: float, tokens: int, itl: list[float] | None = None,
@@ -135,5 +135,37 @@ def test_paired_ratios_match_requests_by_plan_index_not_by_rank() -> None:
     assert pairs["ttft"] == pytest.approx(1.02)
     assert pairs["latency"] == pytest.approx(float(np.median([(t * 1.02 + 3.0) / (t + 3.0) for t in ttfts[1:]])))
     assert pairs["tpot"] == pytest.approx(1.0)  # 3 s over 3 later tokens in both
+    assert pairs["ttft_lo"] is None and pairs["ttft_hi"] is None  # 5 pairs: too few for a 95 % interval
     empty = paired(base, LevelRun("on", 1, "closed"))
-    assert empty == {"n": 0.0, "ttft": None, "tpot": None, "latency": None}
+    assert empty == {"n": 0.0, "ttft": None, "tpot": None, "latency": None, "ttft_lo": None, "ttft_hi": None,
+                     "tpot_lo": None, "tpot_hi": None, "latency_lo": None, "latency_hi": None}
+
+
+def test_paired_ratios_carry_the_order_statistic_interval_of_their_median() -> None:
+    def rec(index: int, ttft: float) -> RequestRecord:
+        r = _record(ttft, ttft + 3.0, 4)
+        r.index = index
+        return r
+
+    base = LevelRun("off", 1, "closed", records=[rec(i, 1.0) for i in range(8)], wall_s=30.0, issued=8)
+    factors = [0.9, 1.3, 1.0, 1.05, 0.95, 1.1, 1.2, 0.8]
+    cand = LevelRun("on", 1, "closed", records=[rec(i, f) for i, f in enumerate(factors)], wall_s=30.0, issued=8)
+    pairs = paired(base, cand)
+    # n = 8: P(B <= 0) = 1/256 and P(B <= 1) = 9/256 (> 2.5 %): the 1st and 8th order statistics
+    assert (pairs["ttft_lo"], pairs["ttft"], pairs["ttft_hi"]) == pytest.approx((0.8, 1.025, 1.3))
+
+
+def test_median_ci_ranks_and_coverage() -> None:
+    assert median_ci([1.0, 2.0, 3.0, 4.0, 5.0]) is None  # P(B = 0) = 1/32 > 2.5 %: no interval at n = 5
+    assert median_ci([6.0, 1.0, 5.0, 2.0, 4.0, 3.0]) == (1.0, 6.0)  # n = 6: the extremes (coverage 62/64)
+    # n = 64: P(B <= 23) = 0.0184 <= 0.025 < P(B <= 24) = 0.0300: ranks 24 and 41
+    x = list(range(1, 65))
+    assert median_ci(x) == (24.0, 41.0)
+    # coverage at least 95 % for a skewed law (log-normal ratios, true median 1.0), and not far above
+    rng = np.random.default_rng(0)
+    trials = [median_ci(np.exp(rng.normal(0.0, 0.3, size=40))) for _ in range(2000)]
+    covered = np.mean([lo <= 1.0 <= hi for lo, hi in trials])
+    assert 0.95 - 3 * np.sqrt(0.05 * 0.95 / 2000) <= covered <= 0.995
+    # a negative control: a median 25 % off (about four standard errors here) is seldom inside
+    shifted = np.mean([lo <= 1.25 <= hi for lo, hi in trials])
+    assert shifted < 0.2

@@ -116,6 +116,10 @@ def _ms(dist: dict[str, float] | None) -> str:
     return " / ".join(f"{dist[q] * 1000:.1f}" for q in ("p50", "p90", "p99"))
 
 
+def _interval(lo: float | None, hi: float | None) -> str:
+    return "" if lo is None or hi is None else f" [{lo:.3f}, {hi:.3f}]"
+
+
 def _num(value: float | None, fmt: str = ".2f") -> str:
     return "-" if value is None else format(value, fmt)
 
@@ -179,11 +183,12 @@ def _comparison_section(comparison: Comparison, level: str) -> list[str]:
         lines.append(f"| {lvl:g} | {cells} |")
     if comparison.paired:
         lines += ["", "Paired by request (request i of both is the same prompt; median over the pairs of "
-                  "candidate / baseline):", "",
+                  "candidate / baseline, [95 % interval of that median]):", "",
                   f"| {level} | pairs | TTFT | TPOT | latency |", "|---|---|---|---|---|"]
         for lvl, pair in zip(comparison.levels, comparison.paired):
             lines.append(f"| {lvl:g} | {int(pair['n'] or 0)} | " + " | ".join(
-                _num(pair[name], ".3f") for name, _ in stats.PAIRED_METRICS) + " |")
+                _num(pair[name], ".3f") + _interval(pair.get(f"{name}_lo"), pair.get(f"{name}_hi"))
+                for name, _ in stats.PAIRED_METRICS) + " |")
     lines += ["", "Crossover (first level where the ratio flips past 1.0):", ""]
     for name, label in names:
         point = comparison.crossover[name]

@@ -16,6 +16,10 @@ Definitions (also written into every report):
   ``max_tokens``; for each request both endpoints completed, ``candidate / baseline`` of its TTFT,
   TPOT and latency, and the median of those ratios per level. Unlike a ratio of two p50s, it does
   not move when prompts of different lengths trade places around the middle of a mixed workload.
+  Each median comes with a distribution-free 95 % confidence interval (order statistics of the
+  ratios: the interval ``[r_(j), r_(n+1-j)]`` whose binomial(n, 1/2) coverage is at least 95 %;
+  none below 6 pairs). It treats the pairs as independent draws, which requests sharing a server
+  under concurrency only approximate: read it as the noise of the sample, not a proof.
 - **Speculation**: summed ``drafted``/``accepted``; ``acceptance_rate = accepted / drafted``;
   ``tokens_per_step = sum(tokens) / sum(tokens / tokens_per_step)`` over reporting requests.
 """
@@ -201,9 +205,28 @@ def compare(baseline: Sequence[LevelSummary], candidate: Sequence[LevelSummary])
 PAIRED_METRICS = (("ttft", "ttft_s"), ("tpot", "tpot_s"), ("latency", "latency_s"))
 
 
+def median_ci(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float] | None:
+    """A distribution-free confidence interval for the median of ``values`` (independent draws):
+    ``[x_(j), x_(n+1-j)]`` of the sorted values, ``j`` the largest rank with
+    ``P(Binomial(n, 1/2) < j) <= (1 - confidence) / 2``, so the interval covers the true median with
+    probability at least ``confidence`` whatever the distribution. None when ``n`` is too small for
+    any such interval (below 6 at 95 %)."""
+    from scipy.stats import binom
+
+    x = np.sort(np.asarray(values, dtype=float))
+    n = len(x)
+    j = 0
+    while j + 1 <= n // 2 and binom.cdf(j, n, 0.5) <= (1 - confidence) / 2:
+        j += 1  # P(B < j + 1) = P(B <= j) still within the tail: rank j + 1 is allowed
+    if j == 0:
+        return None
+    return float(x[j - 1]), float(x[n - j])
+
+
 def paired(baseline: LevelRun, candidate: LevelRun) -> dict[str, float | None]:
     """The median of ``candidate / baseline`` over the requests (same plan index: same prompt and
-    ``max_tokens``) that both completed, for TTFT, TPOT and latency; ``n`` is the number of pairs."""
+    ``max_tokens``) that both completed, for TTFT, TPOT and latency, each with its 95 % interval
+    (``<name>_lo``, ``<name>_hi``: :func:`median_ci`; None below 6 pairs); ``n`` is the number of pairs."""
     theirs = {r.index: r for r in baseline.records if r.ok}
     pairs = [(theirs[r.index], r) for r in candidate.records if r.ok and r.index in theirs]
     out: dict[str, float | None] = {"n": float(len(pairs))}
@@ -211,6 +234,8 @@ def paired(baseline: LevelRun, candidate: LevelRun) -> dict[str, float | None]:
         ratios = [c / b for b, c in ((getattr(x, attr), getattr(y, attr)) for x, y in pairs)
                   if b is not None and c is not None and b > 0]
         out[name] = float(np.median(ratios)) if ratios else None
+        ci = median_ci(ratios)
+        out[f"{name}_lo"], out[f"{name}_hi"] = ci if ci is not None else (None, None)
     return out
 
 
