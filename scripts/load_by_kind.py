@@ -1,7 +1,8 @@
 """TTFT and ITL of a `specdecode load` run split by prompt kind (HumanEval vs Spec-Bench category),
 per endpoint and level: where a mixed-length workload's long prompts pay. With ``--baseline LABEL``
-each other endpoint's row also gets its TTFT paired with the baseline's request by request (request
-``i`` of every endpoint is the same prompt): the median of the ratios over that kind's pairs.
+each other endpoint's row also gets its TTFT and TPOT paired with the baseline's request by request
+(request ``i`` of every endpoint is the same prompt): the median of the ratios over that kind's pairs,
+with its distribution-free 95 % interval (``specdecode.load.stats.median_ci``).
 
 Usage: python scripts/load_by_kind.py runs/prefill-latency/load/requests.jsonl [--baseline off]
 """
@@ -13,6 +14,8 @@ import json
 from collections import defaultdict
 
 import numpy as np
+
+from specdecode.load.stats import median_ci
 
 
 def kind(prompt_id: str) -> str:
@@ -29,9 +32,9 @@ def main() -> None:
         row = json.loads(line)
         if row["error"] is None and row["ttft_s"] is not None:
             groups[(row["level"], row["endpoint"], kind(row["prompt_id"]))].append(row)
-    paired = f" paired TTFT / {args.baseline} (pairs) |" if args.baseline else ""
+    paired = f" pairs | TTFT / {args.baseline} [95 %] | TPOT / {args.baseline} [95 %] |" if args.baseline else ""
     print("| level | endpoint | prompts | n | prompt tokens p50 | TTFT p50 / p99 / max (s) | ITL p99 (s) |" + paired)
-    print("|---|---|---|---|---|---|---|" + ("---|" if paired else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|---|---|" if paired else ""))
     for (level, endpoint, k), rows in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1])):
         ttft = np.array([r["ttft_s"] for r in rows])
         itl = np.array([g for r in rows for g in r["itl_s"]] or [np.nan])
@@ -39,10 +42,30 @@ def main() -> None:
         line = (f"| {level:g} | {endpoint} | {k} | {len(rows)} | {tokens:.0f} | {np.percentile(ttft, 50):.1f} / "
                 f"{np.percentile(ttft, 99):.1f} / {ttft.max():.1f} | {np.nanpercentile(itl, 99):.1f} |")
         if args.baseline:
-            base = {r["index"]: r["ttft_s"] for r in groups.get((level, args.baseline, k), [])}
-            ratios = [r["ttft_s"] / base[r["index"]] for r in rows if base.get(r["index"])]
-            line += " – |" if endpoint == args.baseline or not ratios else f" {np.median(ratios):.3f} ({len(ratios)}) |"
+            base = {r["index"]: r for r in groups.get((level, args.baseline, k), [])}
+            pairs = [(base[r["index"]], r) for r in rows if r["index"] in base]
+            if endpoint == args.baseline or not pairs:
+                line += " – | – | – |"
+            else:
+                line += f" {len(pairs)} | " + " | ".join(_ratio([f(c) / f(b) for b, c in pairs if f(b) and f(c)])
+                                                        for f in (_ttft, _tpot)) + " |"
         print(line)
+
+
+def _ttft(row: dict) -> float | None:
+    return row["ttft_s"]
+
+
+def _tpot(row: dict) -> float | None:
+    n = row.get("output_tokens") or 0
+    return (row["latency_s"] - row["ttft_s"]) / (n - 1) if n > 1 and row.get("latency_s") else None
+
+
+def _ratio(ratios: list[float]) -> str:
+    if not ratios:
+        return "–"
+    ci = median_ci(ratios)
+    return f"{np.median(ratios):.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
 
 
 if __name__ == "__main__":
