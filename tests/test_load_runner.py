@@ -226,6 +226,35 @@ def test_rounds_alternate_the_endpoints_slice_by_slice(mode: str, level: float) 
         assert run.wall_s is not None and run.wall_s >= by_index[-1].start_s + by_index[-1].latency_s
 
 
+def test_a_slow_slice_takes_time_from_the_later_ones_not_the_whole_level(monkeypatch) -> None:
+    # Requests 0-1 (the first slice) take 2 s each, the rest answer at once. With 6 s per level and
+    # endpoint, an even share (3 s a slice) would cut the first slice mid-request and never issue the
+    # second; the endpoint's whole budget lets the first slice finish (4 s) and the second run in the
+    # 2 s left. (Both bounds are seconds apart: only a machine stalled for seconds could upset them.)
+    import specdecode.load.runner as R
+    from specdecode.load.records import RequestRecord
+
+    async def uneven(client, target, prompt, max_tokens, index, t0, timeout):
+        await asyncio.sleep(2.0 if index < 2 else 0.0)
+        return RequestRecord(index, prompt.id, prompt.kind, max_tokens, 0.0, latency_s=0.01, ttft_s=0.01,
+                             output_tokens=1)
+
+    async def no_model(client):
+        return "m"
+
+    monkeypatch.setattr(R, "stream_request", uneven)
+    monkeypatch.setattr(R, "first_model", no_model)
+    result = run_sweep(_config("http://127.0.0.1:9", [CHAT], num_requests=4, rounds=2, duration_s=6.0))
+    (run,) = result.levels
+    assert sorted(r.index for r in run.records) == [0, 1, 2, 3] and run.cancelled == 0
+    assert not run.hit_time_limit
+    # and a budget the first slice alone overruns still stops the endpoint there (later slices not issued)
+    cut = run_sweep(_config("http://127.0.0.1:9", [CHAT], num_requests=4, rounds=2, duration_s=3.0))
+    (run,) = cut.levels
+    assert run.hit_time_limit and run.stopped_by == "duration"
+    assert sorted(r.index for r in run.records) == [0] and run.issued == 2  # request 1 cut, 2-3 never sent
+
+
 def test_one_round_issues_each_endpoints_level_in_one_stretch() -> None:
     with FakeServer(Behaviour(first_token_s=0, token_interval_s=0)) as server:
         targets = [Target(label, server.url, "m", {"tag": label}) for label in ("A", "B")]

@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             f"(default: {DEFAULT_LEVELS['closed']} / {DEFAULT_LEVELS['open']})")
     sweep.add_argument("--num-requests", type=int, default=100, help="per level and endpoint")
     sweep.add_argument("--duration", type=float, default=60.0, metavar="S",
-                       help="time limit per level and endpoint")
+                       help="time limit per level and endpoint (over all of its --rounds slices)")
     sweep.add_argument("--rounds", type=int, default=1, metavar="N",
                        help="cut each level's requests into N slices and alternate the endpoints slice by "
                             "slice (default 1: each endpoint's level in one stretch)")

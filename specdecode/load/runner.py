@@ -7,9 +7,12 @@ open loop, the same arrival times at a given rate. With several endpoints the le
 (A at level 1, B at level 1, A at level 2, ...) so that drift on the machine hits them alike. With
 ``rounds`` > 1 each level's plan is cut into that many consecutive slices and the endpoints alternate
 slice by slice (A's first slice, B's first slice, A's second slice, ...): a long level then no longer
-puts all of A's requests in one stretch of the machine's time and all of B's in the next. Each slice
-gets its share of the level's ``duration_s``; request ``index`` is the plan's, so request ``i`` of
-every endpoint is the same prompt (the report pairs them).
+puts all of A's requests in one stretch of the machine's time and all of B's in the next.
+``duration_s`` bounds each endpoint's level over all its slices: a slice runs until the endpoint has
+spent the level's ``duration_s`` in all (a slow slice takes time from the later ones, rather than
+being cut at an even share while time is left); once it is spent, that endpoint's later slices are
+not issued. Request ``index`` is the plan's, so request ``i`` of every endpoint is the same prompt
+(the report pairs them).
 
 From Python: ``result = run_sweep(LoadConfig(targets=[Target("A", url)], prompts=...))``.
 """
@@ -216,14 +219,14 @@ async def run_level(
     part: range | None = None,
 ) -> None:
     """Issue ``plan`` (the indices in ``part``; default all) at ``run.level`` until it is done, its time
-    passes (``duration_s``, shared out over ``config.rounds`` slices), ``deadline``, or Ctrl-C. A
+    passes (``duration_s`` less what the run's earlier slices took), ``deadline``, or Ctrl-C. A
     ``run`` that already holds earlier slices is extended: its wall time adds up and its records'
     ``start_s`` go on from where the last slice ended."""
     loop = asyncio.get_running_loop()
     part = range(len(plan)) if part is None else part
     before = run.wall_s or 0.0
     t0 = time.perf_counter() - before
-    own_end = loop.time() + config.duration_s * len(part) / len(plan)
+    own_end = loop.time() + max(0.0, config.duration_s - before)
     stop_at = min(own_end, deadline)
 
     async def one(index: int) -> None:
