@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 from collections import defaultdict
+from dataclasses import fields
 
 import numpy as np
 
+from specdecode.load.records import RequestRecord
 from specdecode.load.stats import median_ci
 
 
@@ -57,8 +59,7 @@ def _ttft(row: dict) -> float | None:
 
 
 def _tpot(row: dict) -> float | None:
-    n = row.get("output_tokens") or 0
-    return (row["latency_s"] - row["ttft_s"]) / (n - 1) if n > 1 and row.get("latency_s") else None
+    return RequestRecord(**{f.name: row[f.name] for f in fields(RequestRecord) if f.name in row}).tpot_s
 
 
 def _ratio(ratios: list[float]) -> str:
