@@ -10,7 +10,14 @@ Three parts:
   (the share of the requested tokens the drafter actually proposed: n-gram lookup often finds
   nothing). Each is a ratio of discounted counts (each step's observation counts 1, older ones decay
   by ``decay`` per observation, so the estimate follows drift), with a prior from the drafter's
-  history over all sequences (itself discounted more slowly) worth ``prior_weight`` observations.
+  history over all sequences (itself discounted more slowly) worth ``prior_weight`` (10) accepted or
+  rejected tokens: about three steps of the sequence's own. Why that much: a sequence's last few
+  steps predict its next one barely better than the drafter's recent history does. Replaying every
+  step of the fixed draft-model and lookup runs of two benchmarks (both samplings, seven categories;
+  ``scripts/acceptance_prior.py``, ``docs/benchmarks.md`` session 20), the next step's accepted
+  count is likelier under a prior worth 10 than under one worth 3 in 27 of the 28 (drafter,
+  sampling, category) cells and in a shuffled, mixed order (decay 0.7 either way); with a prior
+  worth 3 the chosen length chased streaks (on HumanEval at T = 0.7, 6- and 8-token drafts).
   A step a drafter drafted for updates it. A *free* drafter (no model: n-gram lookup) is also asked,
   every step, what it would have proposed for the sequences it did not draft for, and that shadow
   proposal is scored against the tokens the step emitted (matched prefix = accepted; an unbiased
@@ -59,7 +66,9 @@ left fits one piece. The pay-back rule counts those steps as tokens the drafter 
 other running sequence waits, and it drafts sooner.
 
 **Exploration.** A drafter not used for a sequence learns nothing about it, so every
-``explore_every`` steps of a sequence, a drafter it has not used for that long drafts for it once
+``explore_every`` steps of a sequence (and at the first chance, for a drafter that has never drafted
+or been scored at all: its prior is a guess, and against a free drafter's equal guess it would
+otherwise wait for its turn), a drafter it has not used for that long drafts for it once
 (at that step's length for the drafter, or ``explore_k``), unless the cost model says that drafter
 could not pay even if it were always right (then it is never tried: exploring it would only lose),
 catch-up included, against what the sequence already has (``ready``: a draft model is not explored
@@ -91,6 +100,7 @@ CATCH_UP_TOKENS = 64  # tokens of late catch-up per step while other sequences w
 LOOK_STEPS = 3  # steps of a sequence the free drafters are scored on before a dear catch-up (at most)
 LOOK_SHARE = 0.25  # ... and at most this share of the catch-up's cost in plain steps
 CATCH_UP_MARGIN = 1.0  # a catch-up must be expected to save (1 + this) times what it costs
+PRIOR_WEIGHT = 10.0  # the drafter's history counts as this many accepted-or-rejected tokens of a sequence's own
 log = logging.getLogger("specdecode.selector")
 
 
@@ -142,8 +152,8 @@ class AutoPolicy:
 
     def __init__(self, drafters: list[str], max_k: int, cost: CostModel | None = None,
                  lengths: tuple[int, ...] = LENGTHS, explore_every: int = 16, explore_k: int = 2,
-                 decay: float = 0.7, prior_decay: float = 0.98, prior_weight: float = 3.0,
-                 prior_alpha: float = 0.5, prior_fill: float = 0.8, margin: float = 0.03,
+                 decay: float = 0.7, prior_decay: float = 0.98, prior_weight: float = PRIOR_WEIGHT,
+                 prior_alpha: float = 0.5, prior_fill: float = 0.8, guess_weight: float = 3.0, margin: float = 0.03,
                  lag: Callable[[object, str], int] | None = None, horizon: int = HORIZON,
                  explore_cost: float = 0.05, catch_up_tokens: int | None = CATCH_UP_TOKENS,
                  read: Callable[[list, str, int], int] | None = None,
@@ -172,9 +182,12 @@ class AutoPolicy:
         if catch_up_margin < 0:
             raise ValueError(f"catch_up_margin must be >= 0, got {catch_up_margin}")
         self.catch_up_margin = catch_up_margin
-        self.history = {d: _Counts(prior_alpha * prior_weight, (1 - prior_alpha) * prior_weight,
-                                   prior_fill * prior_weight, prior_weight) for d in self.drafters}
+        # before any observation a drafter's history is a guess (prior_alpha, prior_fill) worth only
+        # guess_weight tokens: the first real observations outweigh it
+        self.history = {d: _Counts(prior_alpha * guess_weight, (1 - prior_alpha) * guess_weight,
+                                   prior_fill * guess_weight, guess_weight) for d in self.drafters}
         self._seqs: dict[int, _SeqState] = {}
+        self.tried: set[str] = set()  # drafters with at least one real observation (drafted, or shadow-scored)
 
     # -- estimates ----------------------------------------------------------------------------------
     def estimate(self, seq, drafter: str, whole: bool = False) -> tuple[float, float]:
@@ -313,6 +326,7 @@ class AutoPolicy:
         state.whole.setdefault(drafter, _Counts()).add(requested, drafted, accepted, 1.0)
         state.looks[drafter] = state.looks.get(drafter, 0) + 1
         self.history[drafter].add(requested, drafted, accepted, self.prior_decay)
+        self.tried.add(drafter)
         state.last_used[drafter] = state.steps
         state.choice = (None, 0)
 
@@ -330,6 +344,7 @@ class AutoPolicy:
             state.whole.setdefault(d, _Counts()).add(k, len(tokens), matched, 1.0, compared)
             state.looks[d] = state.looks.get(d, 0) + 1
             self.history[d].add(k, len(tokens), matched, self.prior_decay, compared)
+            self.tried.add(d)
             state.last_used[d] = state.steps  # it is learnt about: no need to explore it
         state.shadow = {}
 
@@ -441,7 +456,8 @@ class AutoPolicy:
                  looking: bool = False) -> tuple[str, int] | None:
         if self.explore_every <= 0:
             return None
-        due = [d for d in self.drafters if state.steps - state.last_used.get(d, 0) >= self.explore_every]
+        due = [d for d in self.drafters
+               if d not in self.tried or state.steps - state.last_used.get(d, 0) >= self.explore_every]
         for d in sorted(due, key=lambda d: state.last_used.get(d, 0)):
             k = lengths[d] or self.explore_k
             if looking and catch_up[d] > 0:

@@ -1,0 +1,90 @@
+"""How much should a sequence's own recent steps count against its drafter's history? Replays the
+steps of fixed-drafter runs from `specdecode bench` records through the selector's own estimate
+(`specdecode.selector`: discounted per-sequence counts, `decay` per step, plus the drafter's history,
+discounted `prior_decay` per step over all sequences, worth `prior_weight` tokens), and scores how
+likely each step's accepted count was under the estimate made before it (geometric acceptance per
+token, censored at the drafted length: the same law the selector's arithmetic assumes). Higher mean
+log-likelihood per step = a better forecast. Runs are replayed in the order the bench ran them
+(`finished_at`), and, as a mixed workload, in shuffled orders (history mixing every category).
+
+    python scripts/acceptance_prior.py runs/auto-bf16-s19 [runs/auto-bf16-s18 ...] \
+        [--config spec-k4@gguf] [--config 'spec-k4[ngram]'] [--grid 0.7:3,0.7:10,0.9:20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+from collections import defaultdict
+from pathlib import Path
+
+from specdecode.selector import _Counts
+
+
+def replay(runs: list[list[tuple[int, int]]], decay: float, weight: float, prior_decay: float = 0.98,
+           guess: tuple[float, float] = (0.5, 3.0)) -> tuple[float, int]:
+    """Sum of log-likelihoods and number of steps; ``runs``: per run, its (drafted, accepted) steps."""
+    history = _Counts(guess[0] * guess[1], (1 - guess[0]) * guess[1], guess[1], guess[1])
+    total, n = 0.0, 0
+    for steps in runs:
+        own = _Counts()
+        for drafted, accepted in steps:
+            prior = history.accepted / max(history.accepted + history.rejected, 1e-9)
+            alpha = (own.accepted + weight * prior) / (own.accepted + own.rejected + weight)
+            alpha = min(max(alpha, 1e-3), 0.999)
+            total += accepted * math.log(alpha) + (math.log(1 - alpha) if accepted < drafted else 0.0)
+            n += 1
+            own.add(drafted, drafted, accepted, decay)
+            history.add(drafted, drafted, accepted, prior_decay)
+    return total, n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("outs", nargs="+", type=Path, help="bench --out directories")
+    ap.add_argument("--config", action="append", help="fixed-drafter configurations (default: spec-k4@gguf and "
+                    "spec-k4[ngram])")
+    ap.add_argument("--grid", default="0.7:3,0.7:5,0.7:10,0.85:10,0.9:10,0.9:20",
+                    help="decay:prior_weight pairs, comma-separated")
+    ap.add_argument("--shuffles", type=int, default=5, help="shuffled (mixed-workload) orders per file")
+    args = ap.parse_args()
+    grid = [tuple(float(x) for x in pair.split(":")) for pair in args.grid.split(",")]
+    configs = args.config or ["spec-k4@gguf", "spec-k4[ngram]"]
+    print("| config | order | sampling | category | steps | " + " | ".join(f"{d:g} / {w:g}" for d, w in grid) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(grid))
+    for config in configs:
+        cells: dict[tuple, dict] = defaultdict(lambda: defaultdict(float))
+        for out in args.outs:
+            runs = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+            runs = sorted((r for r in runs if r.get("type") == "run" and r.get("config") == config and r.get("steps")),
+                          key=lambda r: r.get("finished_at", 0))
+            steps = [[(d, a) for _, _, d, a, _, _ in r["steps"] if d > 0] for r in runs]
+            groups = defaultdict(list)  # (sampling, category) -> runs in bench order
+            for r, s in zip(runs, steps):
+                groups[(r["sampling"], r["category"])].append(s)
+                groups[(r["sampling"], "all")].append(s)
+            for (sampling, category), group in groups.items():
+                cell = cells[("bench", sampling, category)]
+                for g in grid:
+                    ll, n = replay(group, *g)
+                    cell[g] += ll
+                cell["n"] += n
+                if category == "all":  # the same runs as a mixed workload: each file's runs shuffled
+                    cell = cells[("shuffled", sampling, "all")]
+                    for seed in range(args.shuffles):
+                        mixed = list(group)
+                        random.Random(seed).shuffle(mixed)
+                        for g in grid:
+                            cell[g] += replay(mixed, *g)[0] / args.shuffles
+                    cell["n"] += n
+        for (order, sampling, category), row in sorted(cells.items()):
+            n = row["n"] or 1
+            best = max(grid, key=lambda g: row[g])
+            vals = " | ".join(f"**{row[g] / n:.3f}**" if g == best else f"{row[g] / n:.3f}" for g in grid)
+            print(f"| {config} | {order} | {sampling} | {category} | {int(row['n'])} | {vals} |")
+
+
+if __name__ == "__main__":
+    main()
