@@ -6,6 +6,8 @@ likely each step's accepted count was under the estimate made before it (geometr
 token, censored at the drafted length: the same law the selector's arithmetic assumes). Higher mean
 log-likelihood per step = a better forecast. Runs are replayed in the order the bench ran them
 (`finished_at`), and, as a mixed workload, in shuffled orders (history mixing every category).
+With ``--fit``: whether that geometric law fits each cell's steps at all (measured mean tokens of a
+k-token draft against the law's, at the cell's pooled per-token rate).
 
     python scripts/acceptance_prior.py runs/auto-bf16-s19 [runs/auto-bf16-s18 ...] \
         [--config spec-k4@gguf] [--config 'spec-k4[ngram]'] [--grid 0.7:3,0.7:10,0.9:20]
@@ -41,6 +43,21 @@ def replay(runs: list[list[tuple[int, int]]], decay: float, weight: float, prior
     return total, n
 
 
+def fit(runs: list[list[tuple[int, int]]]) -> tuple[float, list[float], list[float]]:
+    """Does the geometric law fit? The pooled per-token rate (accepted / (accepted + rejections)) of
+    steps drafting the run's usual length ``K``, and for each k <= K the measured mean tokens a
+    k-token draft would have emitted (1 + min(accepted, k): the first k positions do not depend on
+    what is drafted after them) beside the law's 1 + alpha + ... + alpha^k."""
+    steps = [(d, a) for run in runs for d, a in run]
+    K = max(d for d, _ in steps)
+    steps = [(d, a) for d, a in steps if d == K]
+    accepted = sum(a for _, a in steps)
+    alpha = accepted / max(accepted + sum(a < d for d, a in steps), 1)
+    measured = [1 + sum(min(a, k) for _, a in steps) / len(steps) for k in range(1, K + 1)]
+    law = [1 + sum(alpha ** j for j in range(1, k + 1)) for k in range(1, K + 1)]
+    return alpha, measured, law
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("outs", nargs="+", type=Path, help="bench --out directories")
@@ -49,13 +66,20 @@ def main() -> None:
     ap.add_argument("--grid", default="0.7:3,0.7:5,0.7:10,0.85:10,0.9:10,0.9:20",
                     help="decay:prior_weight pairs, comma-separated")
     ap.add_argument("--shuffles", type=int, default=5, help="shuffled (mixed-workload) orders per file")
+    ap.add_argument("--fit", action="store_true", help="instead: does the geometric law fit each cell's steps?")
     args = ap.parse_args()
     grid = [tuple(float(x) for x in pair.split(":")) for pair in args.grid.split(",")]
     configs = args.config or ["spec-k4@gguf", "spec-k4[ngram]"]
-    print("| config | order | sampling | category | steps | " + " | ".join(f"{d:g} / {w:g}" for d, w in grid) + " |")
-    print("|---|---|---|---|---|" + "---|" * len(grid))
+    if args.fit:
+        print("| config | sampling | category | alpha | tokens of a k-token draft, measured / law (k = 1, 2, ...) |")
+        print("|---|---|---|---|---|")
+    else:
+        columns = " | ".join(f"{d:g} / {w:g}" for d, w in grid)
+        print(f"| config | order | sampling | category | steps | {columns} |")
+        print("|---|---|---|---|---|" + "---|" * len(grid))
     for config in configs:
         cells: dict[tuple, dict] = defaultdict(lambda: defaultdict(float))
+        pooled: dict[tuple, list] = defaultdict(list)
         for out in args.outs:
             runs = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
             runs = sorted((r for r in runs if r.get("type") == "run" and r.get("config") == config and r.get("steps")),
@@ -65,6 +89,10 @@ def main() -> None:
             for r, s in zip(runs, steps):
                 groups[(r["sampling"], r["category"])].append(s)
                 groups[(r["sampling"], "all")].append(s)
+            if args.fit:  # pooled over the files
+                for key, group in groups.items():
+                    pooled[key].extend(group)
+                continue
             for (sampling, category), group in groups.items():
                 cell = cells[("bench", sampling, category)]
                 for g in grid:
@@ -79,6 +107,11 @@ def main() -> None:
                         for g in grid:
                             cell[g] += replay(mixed, *g)[0] / args.shuffles
                     cell["n"] += n
+        for (sampling, category), group in sorted(pooled.items()):
+            if category != "all":
+                alpha, measured, law = fit(group)
+                pairs = ", ".join(f"{m:.2f} / {g:.2f}" for m, g in zip(measured, law))
+                print(f"| {config} | {sampling} | {category} | {alpha:.2f} | {pairs} |")
         for (order, sampling, category), row in sorted(cells.items()):
             n = row["n"] or 1
             best = max(grid, key=lambda g: row[g])
