@@ -22,24 +22,23 @@ import random
 from collections import defaultdict
 from pathlib import Path
 
-from specdecode.selector import _Counts
+from specdecode.selector import AutoPolicy
 
 
-def replay(runs: list[list[tuple[int, int]]], decay: float, weight: float, prior_decay: float = 0.98,
-           guess: tuple[float, float] = (0.5, 3.0)) -> tuple[float, int]:
-    """Sum of log-likelihoods and number of steps; ``runs``: per run, its (drafted, accepted) steps."""
-    history = _Counts(guess[0] * guess[1], (1 - guess[0]) * guess[1], guess[1], guess[1])
+def replay(runs: list[list[tuple[int, int]]], decay: float, weight: float) -> tuple[float, int]:
+    """Sum of log-likelihoods and number of steps; ``runs``: per run, its (drafted, accepted) steps,
+    fed to a real :class:`AutoPolicy` (its ``observe`` and ``estimate``, nothing re-derived here)."""
+    policy = AutoPolicy(["d"], max_k=16, decay=decay, prior_weight=weight)
     total, n = 0.0, 0
     for steps in runs:
-        own = _Counts()
+        seq = object()  # a request: the policy keys its state by identity
         for drafted, accepted in steps:
-            prior = history.accepted / max(history.accepted + history.rejected, 1e-9)
-            alpha = (own.accepted + weight * prior) / (own.accepted + own.rejected + weight)
-            alpha = min(max(alpha, 1e-3), 0.999)
+            alpha = max(policy.estimate(seq, "d")[0], 1e-3)
             total += accepted * math.log(alpha) + (math.log(1 - alpha) if accepted < drafted else 0.0)
             n += 1
-            own.add(drafted, drafted, accepted, decay)
-            history.add(drafted, drafted, accepted, prior_decay)
+            policy._state(seq).choice = ("d", drafted)  # as if the plan had asked for that many
+            policy.observe(seq, drafted, accepted)
+        policy.forget(seq)
     return total, n
 
 
