@@ -67,7 +67,7 @@ class Sequence:
     generator: torch.Generator
     text: IncrementalText
     token_ids: list[int] = field(default_factory=list)  # prompt + generated
-    finish_reason: str | None = None  # "stop" (EOS or stop string) | "length" | "abort"
+    finish_reason: str | None = None  # "stop" (EOS or stop string) | "length" | "abort" | "error"
     stats: SpecStats = field(default_factory=SpecStats)
     drafter_started: bool = False  # the drafter has seen the prompt (after the first token: see add_batch)
     early_features: list[TargetFeatures] = field(default_factory=list)  # target features kept until then
@@ -77,6 +77,7 @@ class Sequence:
     prefill_began: float | None = None  # perf_counter at the start / end of its target prefill
     prefill_ended: float | None = None
     cancelled: bool = False  # set from any thread: the client has gone; the engine skips its work at once
+    error: BaseException | None = None  # why it failed alone (finish_reason "error"; see Engine.step)
 
     @property
     def in_prefill(self) -> bool:
@@ -99,6 +100,7 @@ class StepEvent:
     drafted: int = 0  # draft length (chain) or tree depth proposed for this sequence in the step
     accepted: int = 0  # draft tokens accepted
     nodes: int = 0  # draft tokens verified (= drafted for a chain)
+    error: BaseException | None = None  # set: this sequence failed alone in the step (finished, no tokens)
 
 
 @dataclass
@@ -112,6 +114,7 @@ class _Verified:
     nodes: list[int]  # draft tokens verified
     input_ids: torch.Tensor  # [B, Q] the forward's queries
     features: dict  # layer -> [B, Q, H] (only what the drafter asked for)
+    faults: dict[int, BaseException] = field(default_factory=dict)  # rows whose sampling failed
 
 
 @dataclass
@@ -192,15 +195,16 @@ class Engine:
         """Every model runner in use, by role: ``target`` and whatever the drafter owns."""
         return {"target": self.target, **(self.drafter.runners() if self.drafter is not None else {})}
 
-    def isolate_drafter_faults(self, on_failure=lambda where: None) -> None:
-        """From now on a drafter exception is absorbed: the rows involved decode target-only for the
-        rest of their request (see :class:`specdecode.drafters.guard.GuardedDrafter`)."""
+    def isolate_drafter_faults(self, on_failure=lambda where: None, on_retry=lambda where, rows: None) -> None:
+        """From now on a drafter exception is absorbed: the rows involved are retried one by one, and a
+        row that fails alone decodes target-only for the rest of its request (see
+        :class:`specdecode.drafters.guard.GuardedDrafter`)."""
         from specdecode.drafters.guard import GuardedDrafter
 
         if self.drafter is not None and not isinstance(self.drafter, GuardedDrafter):
             if self.running:
                 raise RuntimeError("isolate drafter faults before admitting requests")
-            self.drafter = GuardedDrafter(self.drafter, on_failure)
+            self.drafter = GuardedDrafter(self.drafter, on_failure, on_retry)
 
     @property
     def draft_slots_used(self) -> int:
@@ -327,7 +331,11 @@ class Engine:
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[StepEvent]:
         """One step: a chunk of waiting prompts' prefill (all of them when ``max_num_batched_tokens`` is
-        None), then one draft + verify of every running sequence, those just prefilled included."""
+        None), then one draft + verify of every running sequence, those just prefilled included.
+
+        A failure that belongs to one row (its sampling parameters, its text) fails that row alone: its
+        event carries the ``error``, it emits nothing and leaves the batch; the others step on. A failure
+        of the shared forward raises (the caller decides about the whole batch)."""
         if self.drafter is not None:
             # (a request that opted out of speculation never costs the drafter anything)
             late = [s for s in self.running if not s.drafter_started and s.drafter_eligible
@@ -369,18 +377,15 @@ class Engine:
 
         events = []
         for b, seq in enumerate(seqs):
-            a, path = verified.accepted[b], verified.paths[b]
-            cached = len(seq.token_ids) - 1
-            if path != list(range(a + 1)):  # a tree branch: move its K/V next to the prefix
-                self.target.compact(seq.slot, [cached + q for q in path[1:]], cached + 1)
-            new = self._append(seq, verified.tokens[b][: a + 1])
-            # the target now holds the pending token and the accepted drafts; the rest is stale
-            self.target.truncate(seq.slot, cached + a + 1)
-            seq.stats.record_step(verified.depths[b], a, len(new), verified.nodes[b])
-            self.policy.observe(seq, verified.depths[b], a)
-            seq.stats.draft_s += t1 - t0
-            seq.stats.verify_s += t2 - t1
-            events.append(StepEvent(seq, new, seq.finished, verified.depths[b], a, verified.nodes[b]))
+            fault = verified.faults.get(b)
+            if fault is None:
+                try:
+                    events.append(self._commit(seq, verified, b, t1 - t0, t2 - t1))
+                    continue
+                except Exception as exc:  # this row's text or bookkeeping: it fails alone
+                    fault = exc
+            seq.finish_reason, seq.error = "error", fault
+            events.append(StepEvent(seq, [], True, error=fault))
         if self.feature_layers:
             live = [(b, s) for b, s in enumerate(seqs) if not s.finished and s.drafter_started]
             if live:
@@ -396,6 +401,21 @@ class Engine:
             if ev.finished:
                 self._release(ev.seq)
         return events
+
+    def _commit(self, seq: Sequence, verified: "_Verified", b: int, draft_s: float, verify_s: float) -> StepEvent:
+        """Row ``b``'s verified tokens into its sequence and cache."""
+        a, path = verified.accepted[b], verified.paths[b]
+        cached = len(seq.token_ids) - 1
+        if path != list(range(a + 1)):  # a tree branch: move its K/V next to the prefix
+            self.target.compact(seq.slot, [cached + q for q in path[1:]], cached + 1)
+        new = self._append(seq, verified.tokens[b][: a + 1])
+        # the target now holds the pending token and the accepted drafts; the rest is stale
+        self.target.truncate(seq.slot, cached + a + 1)
+        seq.stats.record_step(verified.depths[b], a, len(new), verified.nodes[b])
+        self.policy.observe(seq, verified.depths[b], a)
+        seq.stats.draft_s += draft_s
+        seq.stats.verify_s += verify_s
+        return StepEvent(seq, new, seq.finished, verified.depths[b], a, verified.nodes[b])
 
     def step_token_budget(self) -> int | None:
         """Tokens this step may carry: ``max_num_batched_tokens``, or ``batched_tokens_per_seq`` per
@@ -482,17 +502,18 @@ class Engine:
         positions = start[:, None] + torch.arange(k + 1, device=dev)[None, :]  # [B, k+1]
         out = self.target.forward(torch.arange(bsz, device=dev), ids, positions, layers=self.feature_layers)
         logits = self.target.logits(out.hidden)  # [B, k+1, V]
+        faults: dict[int, BaseException] = {}
         if all(s.params.greedy for s in seqs):
             result = self.verifier.greedy(drafts, logits.argmax(-1), num_draft)
         else:
-            target_probs = self._warp(seqs, logits)
+            target_probs, faults = self._warp(seqs, logits)
             if draft_probs is not None and draft_probs.shape[-1] != target_probs.shape[-1]:
                 raise RuntimeError("draft and target distributions have different vocabulary sizes")
             uniforms = self._uniforms(seqs, num_draft.tolist(), k).to(dev)
             result = self.verifier.speculative(drafts, draft_probs, target_probs, num_draft, uniforms)
         accepted, n = result.num_accepted.tolist(), num_draft.tolist()
         return _Verified(result.tokens.tolist(), accepted, [list(range(a + 1)) for a in accepted], n, n, ids,
-                         out.features)
+                         out.features, faults)
 
     def _verify_tree(self, seqs: list[Sequence], proposal: Proposal) -> "_Verified":
         bsz, dev = len(seqs), self.device
@@ -507,10 +528,11 @@ class Engine:
                                   write_positions=layout.write_positions, tree_mask=layout.mask,
                                   layers=self.feature_layers)
         logits = self.target.logits(out.hidden)  # [B, 1+K, V]
+        faults: dict[int, BaseException] = {}
         if all(s.params.greedy for s in seqs):
             result = self.verifier.tree_greedy(drafts, parents, num_nodes, logits.argmax(-1))
         else:
-            target_probs = self._warp(seqs, logits)
+            target_probs, faults = self._warp(seqs, logits)
             draft_probs = None if proposal.probs is None else proposal.probs.to(dev)
             if draft_probs is not None and draft_probs.shape[-1] != target_probs.shape[-1]:
                 raise RuntimeError("draft and target distributions have different vocabulary sizes")
@@ -521,13 +543,33 @@ class Engine:
         paths = [row[: a + 1] for row, a in zip(result.path.tolist(), accepted)]
         depth = (layout.depth * (torch.arange(layout.depth.shape[1], device=dev)[None] <= num_nodes[:, None])).amax(1)
         return _Verified(result.tokens.tolist(), accepted, paths, depth.tolist(), num_nodes.tolist(), layout.input_ids,
-                         out.features)
+                         out.features, faults)
 
     @staticmethod
-    def _warp(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:  # [B, Q, V] -> warped probabilities
+    def _warp(seqs: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, dict[int, BaseException]]:
+        """[B, Q, V] logits -> warped probabilities, and the rows whose warp raised. Batched first; if
+        that raises, row by row, so one row's failure (its parameters, non-finite logits) fails that
+        row alone: it gets a placeholder law (one-hot on the argmax) and is dropped after the step.
+        A row's law never depends on the batch (:func:`warp` is row-wise), so the fallback is exact."""
         bsz, width = logits.shape[:2]
-        temperature, top_k, top_p = (x.repeat_interleave(width) for x in params_tensors([s.params for s in seqs]))
-        return warp(logits.flatten(0, 1), temperature, top_k, top_p).view(bsz, width, -1)
+
+        def rows(params: list[SamplingParams], x: torch.Tensor) -> torch.Tensor:
+            temperature, top_k, top_p = (t.repeat_interleave(width) for t in params_tensors(params))
+            return warp(x.flatten(0, 1), temperature, top_k, top_p).view(len(params), width, -1)
+
+        try:
+            return rows([s.params for s in seqs], logits), {}
+        except Exception:
+            pass  # find the row(s)
+        probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+        faults: dict[int, BaseException] = {}
+        for b, s in enumerate(seqs):
+            try:
+                probs[b] = rows([s.params], logits[b: b + 1])[0]
+            except Exception as exc:
+                faults[b] = exc
+                probs[b].scatter_(1, logits[b].argmax(-1, keepdim=True), 1.0)
+        return probs, faults
 
     def _uniforms(self, seqs: list[Sequence], num_draft: list[int], k: int) -> torch.Tensor:
         """[B, k+1]: each row draws its own ``num_draft + 1`` uniforms from its own generator, so a
@@ -590,6 +632,8 @@ class Engine:
     def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams) -> list[Output]:
         done: dict[str, Output] = {}
         for ev in self.stream(prompts, params):
+            if ev.error is not None:
+                raise RuntimeError(f"request {ev.seq.request_id} failed") from ev.error
             if ev.finished:
                 s = ev.seq
                 done[s.request_id] = Output(s.request_id, s.prompt_ids, s.output_ids, s.text.finish(), s.finish_reason, s.stats)

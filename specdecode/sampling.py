@@ -5,7 +5,9 @@ like with like: the output follows the *warped* target distribution exactly.
 
 Warping order (same as Hugging Face's logits warpers): temperature, then top-k, then top-p.
 Greedy (``temperature == 0``) is represented as a one-hot distribution on the argmax (first index
-on ties), which makes greedy decoding a special case of the exact speculative rule.
+on ties), which makes greedy decoding a special case of the exact speculative rule. A temperature
+below :data:`GREEDY_TEMPERATURE` is greedy too (dividing logits by a subnormal number overflows to
+NaN probabilities). No NaN reaches sampling: :func:`warp` raises instead.
 """
 
 from __future__ import annotations
@@ -17,10 +19,22 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode.errors import UserError
+from specdecode.text import MAX_STOP_CHARS
+
+
+# temperatures below this are greedy (vLLM's convention: its _SAMPLING_EPS); logits / 1e-40 are NaN
+GREEDY_TEMPERATURE = 1e-5
+# any top-k of at least the vocabulary keeps every token; larger values are clamped here so that a
+# huge integer (2**63) never overflows a tensor
+TOP_K_MAX = 2**31 - 1
 
 
 class SamplingError(UserError, ValueError):
     """Impossible sampling arguments."""
+
+
+class NonFiniteProbabilities(RuntimeError):
+    """Warping produced NaN probabilities (non-finite logits): the row cannot be sampled."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +51,8 @@ class SamplingParams:
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise SamplingError(f"temperature must be a finite number >= 0, got {t!r}")
+        if t < GREEDY_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise SamplingError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         p = self.top_p
@@ -50,6 +66,8 @@ class SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in stop):
             raise SamplingError("stop strings must be non-empty strings")
+        if any(len(s) > MAX_STOP_CHARS for s in stop):
+            raise SamplingError(f"stop strings may have at most {MAX_STOP_CHARS} characters")
         object.__setattr__(self, "stop", stop)
 
     @property
@@ -174,6 +192,8 @@ def warp(
         scaled[rows] = sub.masked_fill(sub < top_p_threshold(sub, top_p[rows]), -math.inf)
 
     probs = scaled.softmax(-1)
+    if bool(probs.isnan().any()):  # NaN or infinite logits of a sampled row: never sample from it
+        raise NonFiniteProbabilities("warped probabilities hold NaN (non-finite logits)")
     if bool(greedy.any()):
         one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None], one_hot, probs)
@@ -231,6 +251,6 @@ def params_tensors(params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Te
     """Per-row (temperature [N], top_k [N], top_p [N]) tensors for :func:`warp`."""
     return (
         torch.tensor([p.temperature for p in params], dtype=torch.float32),
-        torch.tensor([p.top_k for p in params], dtype=torch.long),
+        torch.tensor([min(p.top_k, TOP_K_MAX) for p in params], dtype=torch.long),
         torch.tensor([p.top_p for p in params], dtype=torch.float32),
     )
