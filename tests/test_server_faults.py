@@ -203,7 +203,7 @@ def test_specdecode_serve_sigterm_drains_in_flight_streams(tmp_path):
     try:
         assert started.wait(600), "".join(log)  # generous: a busy machine imports torch slowly
         url = f"http://127.0.0.1:{port[0]}"
-        body = {"model": str(tmp_path), "prompt": "abc", "max_tokens": 240, "ignore_eos": True, "temperature": 0,
+        body = {"model": tmp_path.name, "prompt": "abc", "max_tokens": 240, "ignore_eos": True, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}}
         with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
                           trust_env=False) as c, c.stream("POST", "/v1/completions", json=body) as r:
@@ -226,6 +226,7 @@ def test_specdecode_serve_sigterm_drains_in_flight_streams(tmp_path):
         assert events[-1] == "[DONE]", events[-3:]
         chunks = [json.loads(e) for e in events[:-1]]
         assert chunks[-1]["usage"]["completion_tokens"] == 240
+        assert {ch["model"] for ch in chunks} == {tmp_path.name}  # the served name: no local path
         text = "".join(ch["choices"][0]["text"] for ch in chunks if ch["choices"])
         reference = engine(k=0, slots=1, max_len=256, backend="torch")  # the served model runs on torch
         alone = reference.generate([ids("abc")], SamplingParams(max_new_tokens=240, ignore_eos=True))

@@ -15,11 +15,11 @@ import httpx
 import openai
 import pytest
 import torch
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from specdecode.sampling import SamplingParams
 from specdecode.server.app import ServerConfig, create_app
+from specdecode.server.connections import ConnectionLimits, DrainingServer, uvicorn_config
 from tiny import make_engine, make_model, make_tokenizer, perturbed_copy
 
 V = 32
@@ -79,7 +79,7 @@ def reference(prompt_ids: list[int], **params) -> tuple[str, str, int]:
 class Served:
     url: str
     app: object
-    server: uvicorn.Server
+    server: DrainingServer
 
     @property
     def scheduler(self):
@@ -151,13 +151,16 @@ def scrape(text: str) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def serve(eng, **config) -> Iterator[Served]:
-    """A real uvicorn server on 127.0.0.1 (a free port) in a background thread."""
+def serve(eng, limits: ConnectionLimits = ConnectionLimits(), graceful_timeout_s: float = 5.0,
+          **config) -> Iterator[Served]:
+    """A real uvicorn server on 127.0.0.1 (a free port) in a background thread, configured as
+    `specdecode serve` configures it (connection limits, drain at shutdown)."""
     config = {"model_name": MODEL, "api_key": KEY} | config
     app = create_app(eng, ServerConfig(**config))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    server = DrainingServer(uvicorn_config(app, limits=limits, graceful_timeout_s=graceful_timeout_s,
+                                           log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 120  # generous; ends as soon as the server is up

@@ -138,3 +138,20 @@ def test_cli_flags():
     assert "--max-num-batched-tokens" in check_arguments(parser.parse_args(["--target", "t", "--max-num-batched-tokens", "0"]))
     assert args.host == "127.0.0.1"
     assert "--max-queue" in check_arguments(parser.parse_args(["--target", "t", "--max-queue", "0"]))
+
+
+def test_cli_connection_and_host_flags():
+    from specdecode.server.cli import connection_limits
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--target", "t", "--allowed-hosts", "api.example, other.example", "--max-connections",
+                              "100", "--header-timeout", "5", "--body-timeout", "7"])
+    assert check_arguments(args) is None
+    cfg, limits = server_config(args), connection_limits(args)
+    assert cfg.allowed_hosts == ("api.example", "other.example") and cfg.body_timeout_s == 7
+    assert (limits.max_connections, limits.header_timeout_s) == (100, 5)
+    defaults = parser.parse_args(["--target", "t"])
+    assert server_config(defaults).allowed_hosts == () and connection_limits(defaults).max_connections >= 8
+    for flag in ("--max-connections", "--header-timeout", "--body-timeout"):
+        assert flag in check_arguments(parser.parse_args(["--target", "t", flag, "0"]))

@@ -3,8 +3,11 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with SSE streaming),
 ``GET /v1/models``, ``GET /health`` and ``GET /metrics``. Every route but those in
 ``ServerConfig.public_paths`` needs ``Authorization: Bearer <api key>`` when a key is set.
-The request path is: auth -> body (size, content type, JSON) -> schema -> model name -> sampling
-parameters -> tokenization -> context check -> queue (429 when full) -> engine thread.
+The request path is: Host (without an API key: loopback or ``allowed_hosts``) -> auth -> body (content
+type, size, read timeout, JSON, nesting depth, valid Unicode) -> schema -> model name -> sampling
+parameters -> a cheap length bound -> tokenization (in a worker thread: the event loop never waits
+on another request's text) -> context check -> queue (429 when full) -> engine thread. Every error a
+request causes is a 4xx with OpenAI's error body; a 500 is a server bug, logged once.
 """
 
 from __future__ import annotations
@@ -12,10 +15,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import ipaddress
 import json
 import logging
+import re
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
@@ -26,6 +32,7 @@ from starlette.requests import ClientDisconnect
 
 from specdecode.engine import Engine, RequestError
 from specdecode.server import protocol as P
+from specdecode.server.connections import BODY_TIMEOUT_S
 from specdecode.server.metrics import ServerMetrics
 from specdecode.server.protocol import APIError
 from specdecode.server.scheduler import Handle, QueueFull, Scheduler, Update
@@ -33,6 +40,9 @@ from specdecode.server.scheduler import Handle, QueueFull, Scheduler, Update
 log = logging.getLogger("specdecode.server")
 CLIENT_CLOSED = 499  # nginx's "client closed request"
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+MAX_JSON_DEPTH = 32  # nesting of the request body (the deepest valid request needs 5)
+TOKENIZE_WORKERS = 2  # threads that tokenize and apply chat templates, off the event loop
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass
@@ -44,6 +54,9 @@ class ServerConfig:
     max_num_batched_tokens: int = 512  # tokens per engine step: verify windows + a chunk of waiting prompts
     batched_tokens_per_seq: int = 0  # > 0: or this many per admitted request when that is more (0: fixed)
     max_body_bytes: int = 1 << 20
+    body_timeout_s: float = BODY_TIMEOUT_S  # the whole body must arrive within this, else 408
+    # Host headers served without an API key, besides loopback ones (DNS rebinding); "*" = any
+    allowed_hosts: tuple[str, ...] = ()
     speculation: bool = True  # server-wide; a request can still opt out with "speculation": false
     wedge_timeout_s: float = 120.0  # /health fails when one engine call runs longer than this
     retry_after_s: int = 1
@@ -60,10 +73,20 @@ def create_app(engine: Engine | Callable[[], Engine], config: ServerConfig | Non
         scheduler = Scheduler(eng, metrics, config.max_queue, config.speculation, config.max_num_batched_tokens,
                               config.batched_tokens_per_seq)
         app.state.scheduler = scheduler
+        app.state.max_prompt_chars = await asyncio.to_thread(max_prompt_chars, eng.tokenizer, eng.max_context)
+        app.state.tokenize_pool = ThreadPoolExecutor(TOKENIZE_WORKERS, thread_name_prefix="specdecode-tokenize")
+        loop = asyncio.get_running_loop()
+
+        def drain(seconds: float) -> None:  # at shutdown (connections.DrainingServer): then 503 to the rest
+            loop.call_later(seconds, scheduler.expire, APIError(
+                503, "the server is shutting down", "server_error", code="shutting_down"))
+
+        app.state.drain = drain
         scheduler.start()
         try:
             yield
         finally:
+            app.state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
             await asyncio.to_thread(scheduler.stop)
 
     app = FastAPI(title="specdecode", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -89,21 +112,26 @@ def create_app(engine: Engine | Callable[[], Engine], config: ServerConfig | Non
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = P.parse(P.CompletionRequest, await _read_json(request, config.max_body_bytes))
+        req = P.parse(P.CompletionRequest, await _read_json(request, config))
         _check_model(req.model, config)
         prompt = P.prompt_input(req.prompt)
-        tokenizer = request.app.state.scheduler.engine.tokenizer
-        prompt_ids = prompt if isinstance(prompt, list) else tokenizer(prompt).input_ids
         params = P.sampling_params(req, req.max_tokens, config.completions_default_max_tokens)
+        if isinstance(prompt, list):
+            prompt_ids = prompt
+        else:
+            _check_length(request, len(prompt), "prompt")
+            tokenizer = request.app.state.scheduler.engine.tokenizer
+            prompt_ids = await _off_loop(request, _encode, tokenizer, prompt)
         return await _generate(request, req, prompt_ids, params, _CompletionFormat(config.model_name))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = P.parse(P.ChatCompletionRequest, await _read_json(request, config.max_body_bytes))
+        req = P.parse(P.ChatCompletionRequest, await _read_json(request, config))
         _check_model(req.model, config)
         messages = P.chat_messages(req)
+        _check_length(request, sum(len(m["content"]) for m in messages), "messages")
         engine_ = request.app.state.scheduler.engine
-        prompt_ids = _apply_chat_template(engine_.tokenizer, messages)
+        prompt_ids = await _off_loop(request, _apply_chat_template, engine_.tokenizer, messages)
         room = engine_.max_context - len(prompt_ids)  # chat default: the rest of the context
         params = P.sampling_params(req, P.requested_max_tokens(req), max(room, 1))
         return await _generate(request, req, prompt_ids, params, _ChatFormat(config.model_name))
@@ -112,23 +140,84 @@ def create_app(engine: Engine | Callable[[], Engine], config: ServerConfig | Non
 
 
 # -- request handling ---------------------------------------------------------------------------
-async def _read_json(request: Request, limit: int) -> Any:
+async def _read_json(request: Request, config: ServerConfig) -> Any:
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type != "application/json":
         raise APIError(415, f"Content-Type must be application/json, got {content_type or 'none'!r}")
+    limit = config.max_body_bytes
     too_big = APIError(413, f"request body exceeds {limit} bytes", code="body_too_large")
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise too_big
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise too_big
     try:
-        return json.loads(body)
+        async with asyncio.timeout(config.body_timeout_s):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise too_big
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {config.body_timeout_s:g} s",
+                       code="body_timeout", headers={"Connection": "close"}) from None
+    try:
+        obj = json.loads(body)
     except ValueError as exc:  # includes bad UTF-8
         raise P.bad_request(f"malformed JSON body: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise P.bad_request(f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep",
+                            code="invalid_json") from None
+    _check_json(obj)
+    return obj
+
+
+def _check_json(obj: Any) -> None:
+    """Nesting depth and valid Unicode (a lone surrogate such as \\ud800 is valid JSON but no text a
+    tokenizer can encode), walked without recursion."""
+    stack = [(obj, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                raise P.bad_request("the request holds a lone UTF-16 surrogate (\\ud800-\\udfff): not valid Unicode",
+                                    code="invalid_unicode")
+            continue
+        if not isinstance(value, (list, dict)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise P.bad_request(f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep", code="invalid_json")
+        if isinstance(value, dict):
+            stack.extend((k, depth) for k in value)
+            value = value.values()
+        stack.extend((v, depth + 1) for v in value if isinstance(v, (str, list, dict)))
+
+
+def max_prompt_chars(tokenizer, max_context: int) -> int:
+    """Characters past which a text cannot fit the context whatever it says: no token spells more
+    characters than the longest vocabulary entry (added tokens included; byte-level entries spell
+    bytes, at least one each), with a factor 4 for normalisers that shrink text (NFKC)."""
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    return 4 * max(longest, 1) * max_context
+
+
+def _check_length(request: Request, chars: int, param: str) -> None:
+    """Refuse a text that cannot fit before spending anything on tokenizing it."""
+    limit = request.app.state.max_prompt_chars
+    if chars > limit:
+        raise P.bad_request(f"the {param} has {chars} characters, more than can fit the context of "
+                            f"{request.app.state.scheduler.engine.max_context} tokens (at most {limit})",
+                            param, "context_length_exceeded")
+
+
+async def _off_loop(request: Request, fn, *args):
+    """Tokenizing and templating in a worker thread: a long text never stalls other requests' streams."""
+    return await asyncio.get_running_loop().run_in_executor(request.app.state.tokenize_pool, fn, *args)
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    try:
+        return tokenizer(text).input_ids
+    except Exception as exc:  # the text is the request's: e.g. characters the tokenizer cannot take
+        raise P.bad_request(f"the tokenizer could not encode the prompt: {exc}", "prompt") from None
 
 
 def _check_model(name: str | None, config: ServerConfig) -> None:
@@ -142,9 +231,9 @@ def _apply_chat_template(tokenizer, messages: list[dict[str, str]]) -> list[int]
         raise P.bad_request("this model has no chat template; use /v1/completions", "messages")
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False).input_ids
     except Exception as exc:  # template errors (e.g. "roles must alternate") are the request's fault
         raise P.bad_request(f"the chat template rejected these messages: {exc}", "messages") from None
-    return tokenizer(text, add_special_tokens=False).input_ids
 
 
 async def _generate(request: Request, req: P.SamplingFields, prompt_ids: list[int], params, fmt) -> Response:
@@ -309,23 +398,25 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def client_gone(request: Request, exc: ClientDisconnect) -> Response:
         return Response(status_code=CLIENT_CLOSED)  # left while sending its body; nobody reads this
 
-    async def internal_error(request: Request, exc: Exception) -> Response:
-        log.error("unhandled error on %s", request.url.path, exc_info=exc)
-        return _error(APIError(500, "internal server error", "server_error", code="internal_error"))
-
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(ClientDisconnect, client_gone)
-    app.add_exception_handler(Exception, internal_error)
+    # any other exception is a bug: _AuthAndCount logs it once and answers 500 (an exception handler
+    # for Exception would answer too, but Starlette then re-raises it and uvicorn logs it again)
 
 
 class _AuthAndCount:
-    """ASGI middleware: bearer-key check (constant time) on every non-public path, and per-route
-    request counts by status code. Pure ASGI, so streaming and disconnects pass through untouched."""
+    """ASGI middleware: without an API key, only loopback Host headers (or ``allowed_hosts``) on every
+    non-public path, so a web page cannot reach a local server through DNS rebinding; with a key,
+    the bearer-key check (constant time); per-route request counts by status code; and the one place
+    an unexpected exception is logged and answered with 500. Pure ASGI, so streaming and disconnects
+    pass through untouched."""
 
     def __init__(self, app, config: ServerConfig, metrics: ServerMetrics) -> None:
         self.app, self.config, self.metrics = app, config, metrics
         self.key = config.api_key.encode() if config.api_key else None
+        self.any_host = "*" in config.allowed_hosts
+        self.hosts = {h.lower() for h in config.allowed_hosts}
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -340,15 +431,47 @@ class _AuthAndCount:
                 status = message["status"]
             await send(message)
 
+        started = False
+
+        async def guarded_send(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await counting_send(message)
+
         try:
-            if self.key is not None and path not in self.config.public_paths and not self._authorized(scope):
-                response = _error(APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                                           code="invalid_api_key"))
-                response.headers["WWW-Authenticate"] = "Bearer"
-                return await response(scope, receive, counting_send)
-            await self.app(scope, receive, counting_send)
+            if path not in self.config.public_paths:
+                if self.key is None and not self._host_allowed(scope):
+                    return await _error(APIError(
+                        400, "invalid Host header: without an API key this server answers only loopback hosts "
+                             "(see --allowed-hosts)", code="invalid_host"))(scope, receive, counting_send)
+                if self.key is not None and not self._authorized(scope):
+                    response = _error(APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                                               code="invalid_api_key"))
+                    response.headers["WWW-Authenticate"] = "Bearer"
+                    return await response(scope, receive, counting_send)
+            await self.app(scope, receive, guarded_send)
+        except Exception as exc:  # a bug: logged here, once, and answered if nothing was sent yet
+            log.error("unhandled error on %s", path, exc_info=exc)
+            if not started:
+                await _error(APIError(500, "internal server error", "server_error", code="internal_error"))(
+                    scope, receive, counting_send)
         finally:
             self.metrics.http_requests.labels(route, str(status)).inc()
+
+    def _host_allowed(self, scope) -> bool:
+        if self.any_host:
+            return True
+        host = next((v for k, v in scope["headers"] if k == b"host"), None)
+        if host is None:  # HTTP/1.0 without Host: no browser sends that
+            return True
+        name = host.decode("latin-1").strip().lower()
+        name = name[1:name.index("]")] if name.startswith("[") and "]" in name else name.rsplit(":", 1)[0]
+        if name in self.hosts or name == "localhost" or name.endswith(".localhost"):
+            return True
+        try:
+            return ipaddress.ip_address(name).is_loopback
+        except ValueError:
+            return False
 
     def _authorized(self, scope) -> bool:
         given = b""

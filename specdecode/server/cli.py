@@ -1,7 +1,9 @@
 """`specdecode serve`: an OpenAI-compatible server with continuous batching and speculation.
 
 SIGTERM / Ctrl-C drains: the listening socket closes, in-flight requests (streams included) run
-to completion for up to ``--graceful-timeout`` seconds, then the engine thread stops.
+to completion for up to ``--graceful-timeout`` seconds; any still open then get a 503 error (JSON, or
+an SSE error event and ``[DONE]``), and the engine thread stops. The limits every request and
+connection meet are listed in docs/server.md.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import ipaddress
 import logging
 import os
 import sys
+from pathlib import Path
 
 API_KEY_ENV = "SPECDECODE_API_KEY"
 
@@ -24,7 +27,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
     g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"require 'Authorization: Bearer KEY' on every route but /health (default ${API_KEY_ENV})")
-    g.add_argument("--served-model-name", default=None, help="model id clients must use (default: --target)")
+    g.add_argument("--served-model-name", default=None,
+                   help="model id clients use and responses show (default: the alias or hub id given as --target; "
+                        "for a local path, its last component without .gguf, so no path is shown to clients)")
+    g.add_argument("--allowed-hosts", default="",
+                   help="without an API key, only requests whose Host header is loopback (localhost, 127.0.0.1, "
+                        "[::1]) are answered, so a web page cannot reach the server through DNS rebinding; a "
+                        "comma-separated list of more host names to accept, or '*' for any")
+    g.add_argument("--max-connections", type=int, default=None,
+                   help="open connections at once; past it new ones are closed at once "
+                        "(default: the descriptor limit less 64, at most 2048)")
+    g.add_argument("--header-timeout", type=float, default=None,
+                   help="seconds a connection may take to send a request head, from connecting or from its "
+                        "previous response, before it is closed (default 20)")
+    g.add_argument("--body-timeout", type=float, default=None,
+                   help="seconds a request body may take to arrive, else 408 (default 60)")
     g.add_argument("--max-batch-size", type=int, default=8, help="sequences decoded together (default 8)")
     g.add_argument("--max-queue", type=int, default=128,
                    help="requests waiting for a batch slot before new ones get 429 (default 128)")
@@ -55,25 +72,55 @@ def check_arguments(args: argparse.Namespace) -> str | None:
         return "--batched-tokens-per-seq must be >= 0"
     if not 0 <= args.port <= 65535:
         return f"--port must be in [0, 65535], got {args.port}"
+    if args.max_connections is not None and args.max_connections < 1:
+        return "--max-connections must be >= 1"
+    for name in ("header_timeout", "body_timeout"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            return f"--{name.replace('_', '-')} must be > 0"
     return None
+
+
+def served_model_name(target: str) -> str:
+    """The model id shown to clients by default: an alias or hub id as given; a local path's last
+    component (a file's without ``.gguf``), so that no local path reaches a client."""
+    path = Path(target).expanduser()
+    if not path.exists():
+        return target
+    name = path.resolve().name
+    return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
+
+
+def allowed_hosts(spec: str) -> tuple[str, ...]:
+    return tuple(h.strip() for h in spec.split(",") if h.strip())
 
 
 def server_config(args: argparse.Namespace):
     from specdecode.server.app import ServerConfig
+    from specdecode.server.connections import BODY_TIMEOUT_S
 
-    return ServerConfig(model_name=args.served_model_name or args.target, api_key=args.api_key or None,
+    return ServerConfig(model_name=args.served_model_name or served_model_name(args.target),
+                        api_key=args.api_key or None, allowed_hosts=allowed_hosts(args.allowed_hosts),
                         max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
+                        body_timeout_s=args.body_timeout or BODY_TIMEOUT_S,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         batched_tokens_per_seq=args.batched_tokens_per_seq,
                         speculation=not args.no_speculation, wedge_timeout_s=args.wedge_timeout)
 
 
-def run_server(app, host: str, port: int, graceful_timeout_s: float = 60.0, log_level: str = "info") -> None:
-    """Serve ``app`` with uvicorn until SIGINT/SIGTERM, then drain (uvicorn's graceful shutdown)."""
-    import uvicorn
+def connection_limits(args: argparse.Namespace):
+    from specdecode.server.connections import HEADER_TIMEOUT_S, ConnectionLimits, default_max_connections
 
-    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                                  timeout_graceful_shutdown=graceful_timeout_s, lifespan="on")).run()
+    return ConnectionLimits(header_timeout_s=args.header_timeout or HEADER_TIMEOUT_S,
+                            max_connections=args.max_connections or default_max_connections())
+
+
+def run_server(app, host: str, port: int, graceful_timeout_s: float = 60.0, log_level: str = "info",
+               limits=None) -> None:
+    """Serve ``app`` with uvicorn until SIGINT/SIGTERM, then drain (see the module docstring)."""
+    from specdecode.server.connections import ConnectionLimits, DrainingServer, uvicorn_config
+
+    DrainingServer(uvicorn_config(app, host, port, limits or ConnectionLimits(), graceful_timeout_s, log_level)).run()
 
 
 def main(args: argparse.Namespace) -> int:
@@ -84,7 +131,8 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.api_key and not _is_loopback(args.host):
         logging.getLogger("specdecode.server").warning(
-            "serving on %s without an API key: anyone who can reach it can use it", args.host)
+            "serving on %s without an API key: anyone who can reach it can use it%s", args.host,
+            "" if args.allowed_hosts else "; only loopback Host headers are answered (--allowed-hosts adds more)")
 
     from specdecode.build import PairError, build_engine, config_from_args
     from specdecode.server.app import create_app
@@ -95,7 +143,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"specdecode serve: {exc}", file=sys.stderr)
         return 2
     logging.getLogger("specdecode.server").info("models on the %s backend", engine.backend)
-    run_server(create_app(engine, server_config(args)), args.host, args.port, args.graceful_timeout, args.log_level)
+    run_server(create_app(engine, server_config(args)), args.host, args.port, args.graceful_timeout, args.log_level,
+               connection_limits(args))
     return 0
 
 

@@ -58,8 +58,10 @@ class ServerMetrics:
         self.spec_choices = Counter(p + "spec_choice_steps", "--draft-policy auto: target steps (summed over "
                                     "sequences) by the selector's choice, <drafter>:k<k> or off", ["choice"],
                                     registry=r)
-        self.draft_failures = Counter(p + "draft_failures", "drafter exceptions absorbed (rows fell back to "
-                                      "target-only)", registry=r)
+        self.draft_failures = Counter(p + "draft_failures", "drafter exceptions absorbed where a row failed alone "
+                                      "(it fell back to target-only)", registry=r)
+        self.draft_retries = Counter(p + "draft_retries", "rows whose drafter call was retried alone after a call "
+                                     "for several rows failed (the innocent ones keep drafting)", registry=r)
         self.step_failures = Counter(p + "step_failures", "decoding steps that raised (their batch failed)",
                                      registry=r)
         self._gauges = {

@@ -5,8 +5,9 @@ number) and out-of-range values are rejected with a 400 naming the parameter, in
 shape ``{"error": {"message", "type", "param", "code"}}``. Parameters we do not implement
 (``logprobs``, penalties, ``logit_bias``, ``n > 1``, ...) are accepted only at their neutral value.
 
-Extensions beyond the OpenAI API: ``top_k`` (``0`` or ``-1`` = off), ``ignore_eos``, and
-``speculation: false`` to decode this request without a draft.
+Extensions beyond the OpenAI API: ``top_k`` (``0`` or ``-1`` = off; any value at or above the
+vocabulary size keeps every token, as off), ``ignore_eos``, and ``speculation: false`` to decode this
+request without a draft. A ``temperature`` below ``sampling.GREEDY_TEMPERATURE`` (1e-5) is greedy.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from specdecode.sampling import SamplingError, SamplingParams
+from specdecode.text import MAX_STOP_CHARS
 
 MAX_STOP_STRINGS = 16
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # as OpenAI's legacy completions endpoint
@@ -173,6 +175,8 @@ def stop_strings(stop: Any) -> tuple[str, ...]:
         raise bad_request("'stop' must be a non-empty string or a list of non-empty strings", "stop")
     if len(stops) > MAX_STOP_STRINGS:
         raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings are supported", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise bad_request(f"a stop string may have at most {MAX_STOP_CHARS} characters", "stop")
     return tuple(stops)
 
 

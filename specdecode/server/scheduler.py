@@ -17,9 +17,10 @@ Results travel back to the asyncio side as immutable :class:`Update` objects thr
 ``loop.call_soon_threadsafe`` into each request's ``asyncio.Queue``. Streaming requests get one
 update per step that produced text; other requests only their final update.
 
-Faults stay local: a drafter failure is absorbed (``Engine.isolate_drafter_faults``: target-only for the
-rows involved); a failing prefill fails that request; a failing step fails the requests in the
-batch and the loop keeps serving. If the loop itself dies, every waiting request is failed and
+Faults stay local: a drafter failure is absorbed (``Engine.isolate_drafter_faults``: the rows involved
+are retried one by one, and only a row that fails alone decodes target-only); a failing prefill fails
+that request; a failure of one row's sampling or text fails that request alone (``StepEvent.error``);
+only a failure of the shared forward fails the requests in the batch, and the loop keeps serving. If the loop itself dies, every waiting request is failed and
 ``/health`` reports it; ``busy_since`` lets ``/health`` detect a step that never returns.
 """
 
@@ -124,7 +125,8 @@ class Scheduler:
         engine.first_token_from_target = True
         self.metrics = metrics
         self.max_queue = max_queue
-        engine.isolate_drafter_faults(lambda where: metrics.draft_failures.inc())
+        engine.isolate_drafter_faults(lambda where: metrics.draft_failures.inc(),
+                                      lambda where, rows: metrics.draft_retries.inc(rows))
         engine.switch.enabled = speculation
         self._queue: collections.deque[Handle] = collections.deque()
         self._running: dict[int, Handle] = {}  # id(seq) -> handle
@@ -173,6 +175,22 @@ class Scheduler:
             self._cond.notify()
         if queued:
             self.metrics.finished(handle, "abort")
+
+    def expire(self, error: APIError) -> None:
+        """Answer every request still queued or running with ``error`` now (the drain deadline at
+        shutdown): from the asyncio side, so a long engine call cannot delay it; the engine thread
+        drops them at its next step."""
+        with self._cond:
+            handles = list(self._queue) + list(self._running.values())
+        for h in handles:
+            if h.done or h.cancelled:
+                continue
+            h.push(Update(error=error))
+            h.cancelled = True
+            if h.seq is not None:
+                h.seq.cancelled = True
+        with self._cond:
+            self._cond.notify()
 
     def stop(self, timeout: float = 10.0) -> None:
         with self._cond:
@@ -268,6 +286,11 @@ class Scheduler:
                 self.metrics.prefill_time.observe(seq.prefill_ended - seq.prefill_began)
         for ev in events:
             h = self._running[id(ev.seq)]
+            if ev.error is not None:  # this request alone failed in the step; the batch went on
+                log.error("request %s failed in a decoding step", h.request_id, exc_info=ev.error)
+                self._finish(h, "error", APIError(500, "internal error while decoding this request", "server_error",
+                                                  code="internal_error"))
+                continue
             if ev.new_token_ids and h.first_token_at is None:
                 h.first_token_at = now
             if ev.finished:
