@@ -139,10 +139,10 @@ def exact_two_token_law(model, prompt, sp):
     """P(t1, t2) from the target alone, by direct HF forward passes (independent of our runner)."""
     t, k, p = params_tensors([sp])
     with torch.no_grad():
-        first = warp(model(torch.tensor([prompt])).logits[:, -1], t, k, p)[0]  # [V]
-        ctx = torch.tensor([prompt + [i] for i in range(VS)])
+        first = warp(model(torch.tensor([prompt], device=model.device)).logits[:, -1], t, k, p)[0]  # [V]
+        ctx = torch.tensor([prompt + [i] for i in range(VS)], device=model.device)
         second = warp(model(ctx).logits[:, -1], t.repeat(VS), k.repeat(VS), p.repeat(VS))  # [V, V]
-    return first[:, None] * second
+    return (first[:, None] * second).cpu()  # (the model may live on $SPECDECODE_TEST_DEVICE)
 
 
 def chi_square_p(counts: torch.Tensor, probs: torch.Tensor, n: int) -> float:
@@ -259,3 +259,39 @@ def test_bfloat16_runs_and_target_only_matches_generate():
     out = make_engine(target, TOK).generate([PROMPTS[1]], greedy(12))[0]
     ref = target.generate(torch.tensor([PROMPTS[1]]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert out.token_ids == ref[0, len(PROMPTS[1]):].tolist()
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_a_row_whose_sampling_fails_fails_alone_and_the_others_are_unchanged(pair, monkeypatch, k):
+    """Sampling raises for any batch holding the row at temperature 0.37 (a bug in one row's warp, or
+    its non-finite logits): that row ends with the error and emits nothing more; the other rows, greedy
+    and seeded samples, come out exactly as they do without it, and speculation was exercised."""
+    import specdecode.engine as engine_module
+
+    target, draft = pair
+    params = [SamplingParams(temperature=0.8, seed=i, max_new_tokens=20, ignore_eos=True) for i in range(3)]
+    params[1] = greedy(20)
+    prompts = PROMPTS[:3]
+    ref = make_engine(target, TOK, draft if k else None, k=k, num_slots=4).generate(prompts, params)
+    real = engine_module.warp
+
+    def flaky(logits, temperature, top_k, top_p):
+        if bool(((temperature - 0.37).abs() < 1e-6).any()):
+            raise RuntimeError("simulated fault in one row's sampling")
+        return real(logits, temperature, top_k, top_p)
+
+    monkeypatch.setattr(engine_module, "warp", flaky)
+    eng = make_engine(target, TOK, draft if k else None, k=k, num_slots=4)
+    poison = SamplingParams(temperature=0.37, seed=9, max_new_tokens=20, ignore_eos=True)
+    done, errors = {}, {}
+    for ev in eng.stream([PROMPTS[3]] + prompts, [poison] + params):
+        if ev.error is not None:
+            errors[ev.seq.request_id] = ev
+        elif ev.finished:
+            done[ev.seq.request_id] = ev.seq
+    assert set(errors) == {"0"} and errors["0"].new_token_ids == [] and errors["0"].seq.finish_reason == "error"
+    assert [done[str(i + 1)].output_ids for i in range(3)] == [r.token_ids for r in ref]
+    assert not k or sum(done[str(i + 1)].stats.drafted for i in range(3)) > 0
+    assert not eng.running and not eng.prefilling
+    with pytest.raises(RuntimeError, match="failed"):  # generate() raises it rather than return a partial batch
+        eng.generate([PROMPTS[3]], poison)

@@ -166,7 +166,7 @@ def test_drafter_receives_the_targets_hidden_states_of_every_cached_token():
         assert sorted(seen) == list(range(len(cached)))
         assert [drafter.tokens[seq.slot][i] for i in range(len(cached))] == cached
         with torch.inference_mode():
-            ref = model.model(torch.tensor([cached]), output_hidden_states=True)
+            ref = model.model(torch.tensor([cached], device=model.device), output_hidden_states=True)
         final = torch.stack([seen[i][FINAL] for i in range(len(cached))])
         layer1 = torch.stack([seen[i][1] for i in range(len(cached))])
         torch.testing.assert_close(final, ref.last_hidden_state[0], atol=1e-4, rtol=1e-4)
