@@ -27,6 +27,7 @@ GREEDY_TEMPERATURE = 1e-5
 # any top-k of at least the vocabulary keeps every token; larger values are clamped here so that a
 # huge integer (2**63) never overflows a tensor
 TOP_K_MAX = 2**31 - 1
+TOP_P_MIN = float(torch.finfo(torch.float32).tiny)  # ~1.2e-38; see params_tensors
 
 
 class SamplingError(UserError, ValueError):
@@ -252,5 +253,7 @@ def params_tensors(params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Te
     return (
         torch.tensor([p.temperature for p in params], dtype=torch.float32),
         torch.tensor([min(p.top_k, TOP_K_MAX) for p in params], dtype=torch.long),
-        torch.tensor([p.top_p for p in params], dtype=torch.float32),
+        # a top_p below float32's range would round to 0 (no nucleus at all); any top_p up to 1 / vocabulary
+        # keeps exactly the most likely token(s), so the smallest normal float32 is the same law
+        torch.tensor([max(p.top_p, TOP_P_MIN) for p in params], dtype=torch.float32),
     )

@@ -495,3 +495,16 @@ def test_a_drafter_fault_is_retried_row_by_row_and_only_the_culprit_falls_back(t
     inner.bad = set()  # the next step: the survivors draft together again, in one call
     p = guard.propose([_seq(s) for s in range(4)], [2, 2, 2, 2])
     assert p.num_tokens.tolist() == [2, 0, 0, 2] and inner.calls[-1] == ("propose", [0, 1, 2, 3])
+
+
+def test_a_top_p_below_float32s_range_keeps_the_top_token_and_a_trailing_slash_is_a_404():
+    """Found by the fuzzer: top_p 5e-324 rounded to 0 in float32 and failed its batch's step; a
+    trailing slash was answered by a 307 redirect with an empty body."""
+    with serve(engine(k=3)) as s, s.http() as c:
+        body = {"prompt": "abc", "max_tokens": 12, "temperature": 0.9, "seed": 3}
+        r = c.post("/v1/completions", json=body | {"top_p": 5e-324})
+        assert r.status_code == 200, r.text
+        greedy = c.post("/v1/completions", json=body | {"temperature": 0}).json()["choices"][0]["text"]
+        assert r.json()["choices"][0]["text"] == greedy  # a nucleus of one token: the argmax
+        r = c.post("/v1/completions/", json=body)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"

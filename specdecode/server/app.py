@@ -89,7 +89,9 @@ def create_app(engine: Engine | Callable[[], Engine], config: ServerConfig | Non
             app.state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
             await asyncio.to_thread(scheduler.stop)
 
-    app = FastAPI(title="specdecode", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # no redirects: "/v1/completions/" is a 404 with the error body, not a 307 that clients would follow
+    app = FastAPI(title="specdecode", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  redirect_slashes=False)
     app.state.config, app.state.metrics = config, metrics
     app.add_middleware(_AuthAndCount, config=config, metrics=metrics)
     _install_error_handlers(app)
