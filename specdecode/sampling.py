@@ -193,7 +193,9 @@ def warp(
         scaled[rows] = sub.masked_fill(sub < top_p_threshold(sub, top_p[rows]), -math.inf)
 
     probs = scaled.softmax(-1)
-    if bool(probs.isnan().any()):  # NaN or infinite logits of a sampled row: never sample from it
+    # NaN or infinite logits of a sampled row: never sample from them (a greedy row takes the argmax
+    # below, as it does when a batch is all greedy and is never warped)
+    if bool(probs.isnan().any(-1).logical_and(~greedy).any()):
         raise NonFiniteProbabilities("warped probabilities hold NaN (non-finite logits)")
     if bool(greedy.any()):
         one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)

@@ -105,15 +105,22 @@ class GuardedDrafter:
         ks = [k if s.slot in self.live else 0 for s, k in zip(seqs, num_tokens)]
         if not any(ks):
             return Proposal.empty(len(seqs))
+        rows = [b for b, k in enumerate(ks) if k]
+        # each row's random state before the call: a row retried alone draws what it would have drawn,
+        # so an innocent seeded request samples the same tokens whether or not another row failed
+        states = {b: _rng_state(seqs[b]) for b in rows} if len(rows) > 1 else {}
         try:
             return self.inner.propose(seqs, ks)
         except Exception:
-            rows = [b for b, k in enumerate(ks) if k]
             if len(rows) == 1:
                 self._failed("propose", [seqs[rows[0]].slot])
                 return Proposal.empty(len(seqs))
-        parts = self._each_alone("propose", rows, lambda r: self.inner.propose([seqs[r[0]]], [ks[r[0]]]),
-                                 lambda b: seqs[b].slot)
+
+        def alone(r: list[int]) -> Proposal:
+            _set_rng_state(seqs[r[0]], states[r[0]])
+            return self.inner.propose([seqs[r[0]]], [ks[r[0]]])
+
+        parts = self._each_alone("propose", rows, alone, lambda b: seqs[b].slot)
         return _merge_rows(len(seqs), [([b], p) for b, p in parts])
 
     def move(self, src: int, dst: int) -> None:
@@ -134,6 +141,16 @@ class GuardedDrafter:
             self.inner.release(slot)
         except Exception:
             log.exception("drafter failed to release slot %d", slot)
+
+
+def _rng_state(seq: SequenceView):
+    generator = getattr(seq, "generator", None)
+    return None if generator is None else generator.get_state()
+
+
+def _set_rng_state(seq: SequenceView, state) -> None:
+    if state is not None:
+        seq.generator.set_state(state)
 
 
 def _merge_rows(batch: int, parts: list[tuple[list[int], Proposal]]) -> Proposal:

@@ -147,7 +147,8 @@ async def _read_json(request: Request, config: ServerConfig) -> Any:
     if content_type != "application/json":
         raise APIError(415, f"Content-Type must be application/json, got {content_type or 'none'!r}")
     limit = config.max_body_bytes
-    too_big = APIError(413, f"request body exceeds {limit} bytes", code="body_too_large")
+    # (the connection closes: the client may still be sending the rest)
+    too_big = APIError(413, f"request body exceeds {limit} bytes", code="body_too_large", headers={"Connection": "close"})
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise too_big
@@ -407,6 +408,14 @@ def _install_error_handlers(app: FastAPI) -> None:
     # for Exception would answer too, but Starlette then re-raises it and uvicorn logs it again)
 
 
+def _host_name(host: str) -> str:
+    """A Host header's (or an --allowed-hosts entry's) name: lower case, without port or IPv6 brackets."""
+    name = host.strip().lower()
+    if name.startswith("[") and "]" in name:
+        return name[1:name.index("]")]
+    return name.rsplit(":", 1)[0] if name.count(":") == 1 else name
+
+
 class _AuthAndCount:
     """ASGI middleware: without an API key, only loopback Host headers (or ``allowed_hosts``) on every
     non-public path, so a web page cannot reach a local server through DNS rebinding; with a key,
@@ -418,7 +427,7 @@ class _AuthAndCount:
         self.app, self.config, self.metrics = app, config, metrics
         self.key = config.api_key.encode() if config.api_key else None
         self.any_host = "*" in config.allowed_hosts
-        self.hosts = {h.lower() for h in config.allowed_hosts}
+        self.hosts = {_host_name(h) for h in config.allowed_hosts}
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -466,8 +475,7 @@ class _AuthAndCount:
         host = next((v for k, v in scope["headers"] if k == b"host"), None)
         if host is None:  # HTTP/1.0 without Host: no browser sends that
             return True
-        name = host.decode("latin-1").strip().lower()
-        name = name[1:name.index("]")] if name.startswith("[") and "]" in name else name.rsplit(":", 1)[0]
+        name = _host_name(host.decode("latin-1"))
         if name in self.hosts or name == "localhost" or name.endswith(".localhost"):
             return True
         try:

@@ -16,12 +16,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import resource
 import time
 from dataclasses import dataclass
 from typing import Callable
 
+import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -111,6 +113,18 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
         def on_response_complete(self) -> None:
             self._arm()  # the next request's head (before: a pipelined one may disarm it at once)
             super().on_response_complete()
+
+        def send_400_response(self, msg: str) -> None:
+            """A request h11 cannot parse (malformed, or a head over h11's 16 KiB): OpenAI's error body,
+            as every other error, instead of uvicorn's text/plain."""
+            body = json.dumps({"error": {"message": f"{msg} (malformed request or request head over 16 KiB)",
+                                         "type": "invalid_request_error", "param": None,
+                                         "code": "invalid_http_request"}}).encode()
+            headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+            for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                          h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
 
         def _arm(self) -> None:
             self._disarm()

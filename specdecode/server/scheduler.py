@@ -104,6 +104,10 @@ class QueueFull(Exception):
     pass
 
 
+def row_error() -> APIError:
+    return APIError(500, "internal error while decoding this request", "server_error", code="internal_error")
+
+
 class Scheduler:
     def __init__(self, engine: Engine, metrics: ServerMetrics, max_queue: int = 128, speculation: bool = True,
                  max_num_batched_tokens: int = 512, batched_tokens_per_seq: int = 0) -> None:
@@ -132,6 +136,7 @@ class Scheduler:
         self._running: dict[int, Handle] = {}  # id(seq) -> handle
         self._cond = threading.Condition()
         self._stopping = False
+        self._expired: APIError | None = None  # set at the drain deadline: every request gets it
         self._thread = threading.Thread(target=self._run, name="specdecode-engine", daemon=True)
         self.busy_since: float | None = None  # monotonic start of the engine call in progress
         self.dead: BaseException | None = None
@@ -152,6 +157,8 @@ class Scheduler:
                request_id: str) -> Handle:
         handle = Handle(request_id, prompt_ids, params, stream, speculate, asyncio.get_running_loop())
         with self._cond:
+            if (e := self._expired) is not None:  # (a fresh exception per request: each gets raised)
+                raise APIError(e.status, e.message, e.type, e.param, e.code, e.headers)
             if not self.alive() or self._stopping:
                 raise APIError(503, "the engine is not running", "server_error", code="engine_unavailable")
             if len(self._queue) >= self.max_queue:
@@ -177,9 +184,17 @@ class Scheduler:
             self.metrics.finished(handle, "abort")
 
     def expire(self, error: APIError) -> None:
-        """Answer every request still queued or running with ``error`` now (the drain deadline at
-        shutdown): from the asyncio side, so a long engine call cannot delay it; the engine thread
-        drops them at its next step."""
+        """From now on every request gets ``error`` (the drain deadline at shutdown): those queued or
+        running are answered now, from the asyncio side, so a long engine call cannot delay it (the
+        engine thread drops them at its next step), and later ones at once (``submit``; the engine
+        thread answers any it admitted meanwhile)."""
+        with self._cond:
+            self._expired = error
+            self._cond.notify()
+        self._answer_all(error)
+
+    def _answer_all(self, error: APIError) -> None:
+        """Push ``error`` to every live request and mark it cancelled (either thread)."""
         with self._cond:
             handles = list(self._queue) + list(self._running.values())
         for h in handles:
@@ -189,8 +204,6 @@ class Scheduler:
             h.cancelled = True
             if h.seq is not None:
                 h.seq.cancelled = True
-        with self._cond:
-            self._cond.notify()
 
     def stop(self, timeout: float = 10.0) -> None:
         with self._cond:
@@ -209,6 +222,8 @@ class Scheduler:
                     if self._stopping:
                         break
                 self._admit()
+                if self._expired is not None:  # admitted while the deadline passed: answered too
+                    self._answer_all(self._expired)
                 self._reap_cancelled()  # after admission: a client gone during prefill never gets a step
                 self._step()
         except BaseException as exc:  # noqa: BLE001 - report, fail everyone, and let /health say so
@@ -286,19 +301,22 @@ class Scheduler:
                 self.metrics.prefill_time.observe(seq.prefill_ended - seq.prefill_began)
         for ev in events:
             h = self._running[id(ev.seq)]
-            if ev.error is not None:  # this request alone failed in the step; the batch went on
-                log.error("request %s failed in a decoding step", h.request_id, exc_info=ev.error)
-                self._finish(h, "error", APIError(500, "internal error while decoding this request", "server_error",
-                                                  code="internal_error"))
-                continue
-            if ev.new_token_ids and h.first_token_at is None:
-                h.first_token_at = now
-            if ev.finished:
-                self._finish(h, ev.seq.finish_reason)
-            elif h.stream:
-                text = ev.seq.text.delta()
-                if text:
-                    h.push(Update(text=text))
+            try:
+                if ev.error is not None:  # this request alone failed in the step; the batch went on
+                    log.error("request %s failed in a decoding step", h.request_id, exc_info=ev.error)
+                    self._finish(h, "error", row_error())
+                    continue
+                if ev.new_token_ids and h.first_token_at is None:
+                    h.first_token_at = now
+                if ev.finished:
+                    self._finish(h, ev.seq.finish_reason)
+                elif h.stream:
+                    text = ev.seq.text.delta()
+                    if text:
+                        h.push(Update(text=text))
+            except Exception:  # its text or its response: this request fails, the loop serves on
+                log.exception("request %s failed after its step", h.request_id)
+                self._drop(h, row_error())
 
     def _finish(self, h: Handle, reason: str, error: APIError | None = None) -> None:
         """Leave the batch (aborting if still running) and send the final update."""
@@ -314,6 +332,15 @@ class Scheduler:
             h.push(Update(text, reason, len(seq.output_ids), speculation_summary(seq, self.engine.lossy),
                           h.timing()))
 
+    def _drop(self, h: Handle, error: APIError) -> None:
+        """``_finish`` with ``error``; if even that raises, forget the request and still answer it."""
+        try:
+            self._finish(h, "error", error)
+        except Exception:
+            log.exception("could not finish request %s cleanly", h.request_id)
+            self._running.pop(id(h.seq), None)
+            h.push(Update(error=error))
+
     def _fail(self, h: Handle, error: APIError) -> None:
         self.engine.switch.clear(h.request_id)
         self.metrics.finished(h, "error")
@@ -325,11 +352,7 @@ class Scheduler:
         for h in queued:
             self._fail(h, error)
         for h in list(self._running.values()):
-            try:
-                self._finish(h, "error", error)
-            except Exception:  # the engine may be what broke; the client still gets its error
-                self._running.pop(id(h.seq), None)
-                h.push(Update(error=error))
+            self._drop(h, error)  # (the engine may be what broke; the client still gets its error)
 
     def state(self) -> dict[str, int]:
         """Batch and KV occupancy (read from other threads: a snapshot, not a transaction)."""
