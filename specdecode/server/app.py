@@ -147,8 +147,7 @@ async def _read_json(request: Request, config: ServerConfig) -> Any:
     if content_type != "application/json":
         raise APIError(415, f"Content-Type must be application/json, got {content_type or 'none'!r}")
     limit = config.max_body_bytes
-    # (the connection closes: the client may still be sending the rest)
-    too_big = APIError(413, f"request body exceeds {limit} bytes", code="body_too_large", headers={"Connection": "close"})
+    too_big = APIError(413, f"request body exceeds {limit} bytes", code="body_too_large")
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise too_big
