@@ -8,7 +8,9 @@ from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING
 
 from specdecode.errors import UserError
-from specdecode.models.device import device_arg, dtype_arg, resolve_device, resolve_dtype
+from specdecode.models import backends
+from specdecode.models.backends import BackendRefused, Choice, Model, Request, Settings
+from specdecode.models.device import device_arg, dtype_arg
 
 if TYPE_CHECKING:
     import torch
@@ -24,7 +26,11 @@ class ConfigError(UserError, ValueError):
     """Engine settings that cannot work (a negative draft length, an unknown policy, ...)."""
 
 
-BACKENDS = ("auto", "torch", "llamacpp")
+def backend_arg(name: str) -> str:
+    """argparse ``type=`` for ``--backend``: auto or a registered backend (read when the flag is parsed)."""
+    if name != "auto" and name not in backends.names():
+        raise argparse.ArgumentTypeError(f"must be auto or one of {', '.join(backends.names())}, got {name!r}")
+    return name
 POLICIES = ("fixed", "acceptance", "auto")
 KINDS_WITH_FILES = {"model", "medusa", "eagle"}  # drafter kinds whose argument names weights on disk
 
@@ -56,7 +62,7 @@ class EngineConfig:
     # rows computed alike whatever the batch (specdecode.models.batch_invariant): on | off | auto (on for
     # bf16/fp16 on a CPU, where plain kernels flip greedy tokens with the batch; off in float32 and on CUDA)
     batch_invariant: str | bool = "auto"
-    # torch | llamacpp | auto (llama.cpp for .gguf models when installed and nothing asked needs torch)
+    # a registered backend (specdecode.models.backends) or auto: the first that can run these settings
     backend: str = "auto"
     threads: int | None = None  # llama.cpp backend: CPU threads (default: every core this process may use)
     recalibrate: bool = False  # auto policy: measure the cost model again instead of reading its cache
@@ -79,13 +85,26 @@ class DraftAction(argparse.Action):
 
 @dataclass
 class LoadedPair:
-    target: "torch.nn.Module"
-    tokenizer: object
-    draft: "torch.nn.Module | None"  # the draft model, for drafters that load one
-    draft_tokenizer: object | None
-    draft_quantization: str = "none"  # what the draft model was quantized to (auto resolved)
-    target_quantization: str = "none"  # what the target was quantized to: not the model the user named
-    backend: str = "torch"  # what runs the target: torch | llamacpp (a draft model may run on torch beside it)
+    """The target and, when a drafter needs one, the draft model: loaded once, runners made per engine."""
+
+    target: Model
+    draft: Model | None = None
+
+    @property
+    def tokenizer(self):
+        return self.target.tokenizer
+
+    @property
+    def backend(self) -> str:  # what runs the target (a draft model may run on another backend beside it)
+        return self.target.backend
+
+    @property
+    def draft_quantization(self) -> str:
+        return self.draft.quantization if self.draft is not None else "none"
+
+    @property
+    def target_quantization(self) -> str:  # not "none": not the model the user named (LOSSY)
+        return self.target.quantization
 
 
 def _quantizations(text: str) -> list[str]:
@@ -168,11 +187,13 @@ def add_model_arguments(parser: argparse.ArgumentParser, draft_required: bool = 
                         "reproduces target-only decoding bit for bit in bf16 too. auto (default): on for bf16/fp16 "
                         "on a CPU, off in float32 (there only exact near-ties can differ) and on CUDA; costs speed "
                         "(docs/benchmarks.md); chains only (with --tree-topk > 1, auto means off)")
-    g.add_argument("--backend", choices=BACKENDS, default="auto",
-                   help="what runs the models: torch (PyTorch, CPU or CUDA), llamacpp (llama.cpp's kernels on the CPU, "
-                        ".gguf files as they are quantized; `scripts/install-llamacpp.sh`), or auto (default): llamacpp "
-                        "for a .gguf target when it is installed and nothing asked needs torch (EAGLE, "
-                        "--dtype, quantization flags, --batch-invariant on, CUDA), else torch")
+    g.add_argument("--backend", type=backend_arg, default="auto", metavar="{auto," + ",".join(backends.names()) + "}",
+                   help="what runs the models (`specdecode models backends` prints what each supports): torch "
+                        "(PyTorch, CPU or CUDA), llamacpp (llama.cpp's kernels on the CPU, .gguf files as they are "
+                        "quantized; `scripts/install-llamacpp.sh`), toy (a built-in tiny model, --target toy:SEED, "
+                        "for trying things out), or auto (default): the first that can run the settings, llamacpp "
+                        "for a .gguf target when it is installed and nothing asked needs torch (EAGLE, --dtype, "
+                        "quantization flags, --batch-invariant on, CUDA), else torch; it says which on one line")
     g.add_argument("--threads", type=int, default=None, metavar="N",
                    help="CPU threads: llama.cpp's (default: every core this process may use) and torch's "
                         "(default: torch's choice; 1 is steadier on a shared machine)")
@@ -202,168 +223,74 @@ def _single(mode) -> str:
     return mode[0] if isinstance(mode, list) else mode
 
 
-def load_pair(target: str, draft: str | None, dtype: str = "auto", device: str = "auto",
-              draft_quantization: str = "none", target_quantization: str = "none", *,
-              backend: str = "torch", threads: int | None = None) -> LoadedPair:
-    """Load the target and, when the drafter spec names a model, the draft model, on ``device``
-    (``auto``: CUDA when present) in ``dtype`` (``auto``: decided for that device); quantize the draft
-    (``draft_quantization``, or the spec's ``@mode``). ``backend`` is ``torch`` or ``llamacpp``
-    (resolve ``auto`` with :func:`choose_backend` first)."""
-    from specdecode.drafters import parse_draft
-    from specdecode.models.loading import load_model, tokenizers_compatible
-
-    from specdecode.models.quantize import GGUF_MODES
-
-    spec = parse_draft(draft) if draft else None  # a bad spec fails before anything loads
-    mode = (spec.quantization or draft_quantization) if spec is not None and spec.loads_model else "none"
-    if mode in GGUF_MODES:  # the draft on llama.cpp: is it a .gguf file, is llama.cpp there? (before any load)
-        from specdecode.models import llamacpp
-        from specdecode.models.loading import resolve
-
-        if resolve(spec.arg).kind != "gguf":
-            raise ConfigError(f"--draft-quantization {mode} keeps a .gguf draft quantized on llama.cpp; "
-                              f"{spec.arg!r} is not a .gguf file (use none, int8, int4 or auto for it)")
-        if not llamacpp.available():
-            raise llamacpp.BackendMissing(f"--draft-quantization {mode} runs the draft on llama.cpp, which needs "
-                                          f"llama-cpp-python: {llamacpp.INSTALL_HINT}")
-    if backend == "llamacpp":
-        return _load_llamacpp_pair(target, spec, draft, threads, mode)
-    if backend != "torch":
-        raise ConfigError(f"backend must be torch or llamacpp here, got {backend!r}")
-    dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev)
-    early = None  # a draft quantized by torch is loaded and quantized first, so its unquantized weights
-    if spec is not None and spec.loads_model and mode not in ("none", *GGUF_MODES):  # are gone before the target's load
-        from specdecode.models.loading import resolve
-
-        resolve(target)  # a target that cannot be found fails before the draft's load
-        early = _load_torch_draft(spec.arg, torch_dtype, dev, mode)
-    target_model, tokenizer = load_model(target, torch_dtype, dev)
-    if target_quantization != "none":  # lossy, labelled: see specdecode.models.quantize
-        from specdecode.models.quantize import quantize_model
-
-        quantize_model(target_model, target_quantization, row_independent=True)
-    if spec is None or not spec.loads_model:
-        return LoadedPair(target_model, tokenizer, None, None, "none", target_quantization)
-    if mode in GGUF_MODES:
-        from specdecode.models.loading import load_gguf_draft
-
-        draft_model, draft_tokenizer = load_gguf_draft(spec.arg, mode, threads)
-        problem = tokenizers_compatible(tokenizer, draft_tokenizer, target_model, draft_model)
-        if problem:
-            raise PairError(f"draft {draft!r} cannot draft for target {target!r}: {problem}")
-        return LoadedPair(target_model, tokenizer, draft_model, draft_tokenizer, mode, target_quantization)
-    draft_model, draft_tokenizer, mode = early or _load_torch_draft(spec.arg, torch_dtype, dev, mode)
-    problem = tokenizers_compatible(tokenizer, draft_tokenizer, target_model, draft_model)
-    if problem:
-        raise PairError(f"draft {draft!r} cannot draft for target {target!r}: {problem}")
-    return LoadedPair(target_model, tokenizer, draft_model, draft_tokenizer, mode, target_quantization)
-
-
-def _load_torch_draft(name: str, dtype, device, mode: str):
-    """(model, tokenizer, mode) of a torch draft, quantized as ``mode`` says (``auto`` measured)."""
-    from specdecode.models.loading import load_model
-
-    draft_model, draft_tokenizer = load_model(name, dtype, device)
-    if mode == "auto":
-        from specdecode.models.quantize import auto_mode
-
-        mode = auto_mode(draft_model, name)
-    if mode != "none":
-        from specdecode.models.quantize import quantize_model
-
-        quantize_model(draft_model, mode)
-    return draft_model, draft_tokenizer, mode
-
-
-def _load_llamacpp_pair(target: str, spec, draft: str | None, threads: int | None, mode: str = "none") -> LoadedPair:
-    """The target on llama.cpp; a draft model on llama.cpp too when it is a .gguf file (requantized
-    for ``mode`` q8_0/q4_0), else on the CPU with torch in float32 (both exact: each drafter's
-    distribution is the one verified)."""
-    import torch
-
-    from specdecode.models.loading import load_gguf_draft, load_llamacpp, load_model, resolve, tokenizers_compatible
-
-    target_model, tokenizer = load_llamacpp(target, threads)
-    if spec is None or not spec.loads_model:
-        return LoadedPair(target_model, tokenizer, None, None, backend="llamacpp")
-    if resolve(spec.arg).kind == "gguf":
-        draft_model, draft_tokenizer = load_gguf_draft(spec.arg, "gguf" if mode == "none" else mode, threads)
-    else:
-        draft_model, draft_tokenizer = load_model(spec.arg, torch.float32, "cpu")
-    problem = tokenizers_compatible(tokenizer, draft_tokenizer, target_model, draft_model)
-    if problem:
-        raise PairError(f"draft {draft!r} cannot draft for target {target!r}: {problem}")
-    return LoadedPair(target_model, tokenizer, draft_model, draft_tokenizer, backend="llamacpp")
-
-
-def needs_torch(cfg: EngineConfig) -> str | None:
-    """Why these settings need the torch backend (None: llama.cpp can run them)."""
-    from specdecode.drafters import parse_draft
+def backend_request(cfg: EngineConfig) -> Request:
+    """What decides which backend can run ``cfg`` (see :mod:`specdecode.models.backends`)."""
+    from specdecode.drafters import KINDS, parse_draft
 
     specs = [parse_draft(d) for d in cfg.drafts]
-    reasons = []
-    if any(spec.kind == "eagle" for spec in specs):
-        reasons.append("EAGLE drafters read intermediate layers and feed embeddings")
-    from specdecode.models.quantize import GGUF_MODES
-
-    torch_modes = {cfg.draft_quantization, *(spec.quantization for spec in specs)} - {None, "none", *GGUF_MODES}
-    if torch_modes:
-        reasons.append(f"--draft-quantization {'/'.join(sorted(torch_modes))} quantizes torch modules (a .gguf "
-                       "draft on llama.cpp is used as quantized, or requantized with q8_0/q4_0)")
-    if cfg.target_quantization != "none":
-        reasons.append("--target-quantization quantizes torch modules")
-    if cfg.batch_invariant in (True, "on"):
-        reasons.append("--batch-invariant replaces torch kernels")
-    if cfg.dtype != "auto":
-        reasons.append("--dtype sets the dtype of the torch backend (llama.cpp runs the file's own types)")
-    if cfg.device not in ("auto", "cpu"):
-        reasons.append("the llama.cpp backend built here runs on the CPU")
-    return "; ".join(reasons) or None
+    modes = {spec.quantization or cfg.draft_quantization for spec in specs if spec.loads_model} - {"none"}
+    invariant = {True: "on", False: "off"}.get(cfg.batch_invariant, cfg.batch_invariant)  # type: ignore[call-overload]
+    return Request(cfg.target, cfg.device, cfg.dtype, cfg.target_quantization, frozenset(modes), invariant,
+                   features=any(KINDS[spec.kind].reads_layers for spec in specs),
+                   trees=bool(cfg.draft) and cfg.tree_topk > 1)
 
 
-def choose_backend(cfg: EngineConfig) -> str:
-    """``torch`` or ``llamacpp`` for ``cfg.backend`` (see ``--backend``); a clear error when
-    ``llamacpp`` is asked for and cannot run these settings. Loads nothing."""
-    if cfg.backend not in BACKENDS:
-        raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)}, got {cfg.backend!r}")
+def choose_backend(cfg: EngineConfig) -> Choice:
+    """The backend for ``cfg.backend`` (``auto``: the first in the registry that can run these settings)
+    and why; a clear error when the one asked for cannot. Loads nothing."""
     if cfg.threads is not None and cfg.threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {cfg.threads}")
-    if cfg.backend == "torch":
-        return "torch"
-    from specdecode.models import llamacpp
-    from specdecode.models.loading import ModelNotFoundError, resolve
-
-    try:
-        gguf = resolve(cfg.target).kind == "gguf"
-    except ModelNotFoundError:
-        if cfg.backend == "llamacpp":
-            raise
-        return "torch"  # loading it says what is wrong
-    why = needs_torch(cfg)
-    if cfg.backend == "llamacpp":
-        if not gguf:
-            raise ConfigError(f"--backend llamacpp runs .gguf files; --target {cfg.target!r} is not one")
-        if why:
-            raise ConfigError(f"--backend llamacpp cannot run these settings: {why}; use --backend torch")
-        if not llamacpp.available():
-            raise llamacpp.BackendMissing(f"--backend llamacpp needs llama-cpp-python: {llamacpp.INSTALL_HINT}")
-        return "llamacpp"
-    return "llamacpp" if gguf and not why and llamacpp.available() else "torch"
+    if cfg.backend != "auto" and cfg.backend not in backends.names():
+        raise ConfigError(f"--backend must be auto or one of {', '.join(backends.names())}, got {cfg.backend!r}")
+    return backends.choose(cfg.backend, backend_request(cfg))
 
 
-def make_runner(model, batch_invariant: bool = False, trees: bool = False):
-    """The runner for a loaded model: torch modules get :class:`HFRunner`, llama.cpp models theirs
-    (``trees``: one that verifies and grows trees, see :mod:`specdecode.models.llamacpp_tree`)."""
-    import torch
+def announce(cfg: EngineConfig, choice: Choice) -> None:
+    """``--backend auto`` says what it chose and why, on one line (stderr)."""
+    import sys
 
-    if isinstance(model, torch.nn.Module):
-        from specdecode.models.hf import HFRunner
+    if cfg.backend == "auto":
+        print(choice.line(), file=sys.stderr, flush=True)
 
-        return HFRunner(model, batch_invariant=batch_invariant)
-    from specdecode.models.llamacpp import LlamaCppRunner
 
-    return LlamaCppRunner(model, trees=trees)
+def load_pair(cfg: EngineConfig, backend: str) -> LoadedPair:
+    """Load the target on ``backend`` (a name :func:`choose_backend` gave) and, when a drafter spec names
+    a model, the draft model: on the backend that applies its quantization (``--draft-quantization``
+    or the spec's ``@mode``), else beside the target on the target's backend when that opens it."""
+    from specdecode.drafters import parse_draft
+    from specdecode.models.loading import tokenizers_compatible
+
+    name = model_draft(cfg)
+    spec = parse_draft(name) if name else None  # a bad spec fails before anything loads
+    target_backend = backends.get(backend)
+    target_backend.spec_kind(cfg.target)  # a target that cannot be found fails before the draft's load
+    target_settings = Settings(cfg.device, cfg.dtype, cfg.threads, cfg.target_quantization, "target")
+    if spec is None or not spec.loads_model:
+        return LoadedPair(target_backend.load(cfg.target, target_settings))
+    mode = spec.quantization or cfg.draft_quantization
+    where = backends.draft_backend(mode, backend, spec.arg)
+    draft_backend = backends.get(where)
+    if mode != "none":  # is the draft something that backend opens, is it installed? (before any load)
+        if not draft_backend.opens(spec.arg):
+            draft_backend.spec_kind(spec.arg)  # a draft that cannot be found says so
+            text = draft_backend.supports.opens_text
+            raise ConfigError(f"--draft-quantization {mode} runs the draft on {where}, which loads {text}; "
+                              f"{spec.arg!r} is not {text} (use none, int8, int4 or auto for it)")
+        missing = draft_backend.missing()
+        if missing:
+            raise BackendRefused(f"--draft-quantization {mode} runs the draft on {where}: {missing}")
+    settings = (Settings(cfg.device, cfg.dtype, cfg.threads, mode, "draft") if where == backend
+                else Settings("cpu", "float32", cfg.threads, mode, "draft"))  # beside a target elsewhere
+    if mode != "none":  # a quantized draft first, so its unquantized weights are gone before the target's load
+        draft = draft_backend.load(spec.arg, settings)
+        target = target_backend.load(cfg.target, target_settings)
+    else:
+        target = target_backend.load(cfg.target, target_settings)
+        draft = draft_backend.load(spec.arg, settings)
+    problem = tokenizers_compatible(target.tokenizer, draft.tokenizer, target.token_rows, draft.token_rows)
+    if problem:
+        raise PairError(f"draft {name!r} cannot draft for target {cfg.target!r}: {problem}")
+    return LoadedPair(target, draft)
 
 
 def make_policy(cfg: EngineConfig):
@@ -406,34 +333,27 @@ def make_policy(cfg: EngineConfig):
 
 
 def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
-    import torch
-
     from specdecode.drafters import DraftContext, build_drafter
     from specdecode.engine import Engine
 
     policy = make_policy(cfg)
-    model_ctx = getattr(pair.target.config, "max_position_embeddings", 4096)
+    model_ctx = pair.target.max_position
     max_context = cfg.max_context or min(model_ctx, 4096)
     if max_context > model_ctx:
         raise ConfigError(f"max context {max_context} exceeds the model's {model_ctx}")
     invariant = batch_invariant_on(cfg, pair.target)
     trees = bool(cfg.draft) and cfg.tree_topk > 1
-    if trees:  # llama.cpp expresses a tree by sequence ids, a finite pool: refuse what could run out of them
-        from specdecode.models.llamacpp_tree import check_ids
-
-        if not isinstance(pair.target, torch.nn.Module):
-            check_ids(cfg.max_batch_size, cfg.tree_nodes, "the target's tree verify")
-        if pair.draft is not None and not isinstance(pair.draft, torch.nn.Module):
-            check_ids(cfg.max_batch_size, cfg.tree_topk * cfg.num_draft_tokens + 1, "the draft model's tree growth")
-    target = make_runner(pair.target, invariant, trees)  # the engine sizes its cache
+    if trees:  # a backend may have a finite pool for trees (llama.cpp's sequence ids): refuse what could run out
+        pair.target.check_tree(cfg.max_batch_size, cfg.tree_nodes, "the target's tree verify")
+        if pair.draft is not None:
+            pair.draft.check_tree(cfg.max_batch_size, cfg.tree_topk * cfg.num_draft_tokens + 1,
+                                  "the draft model's tree growth")
+    target = pair.target.runner(batch_invariant=invariant, trees=trees)  # the engine sizes its cache
     drafter = None
     if cfg.draft:
-        if invariant and isinstance(pair.draft, torch.nn.Module):  # plans for a draft's calls: mostly one row each
-            from specdecode.models import batch_invariant
-
-            batch_invariant.enable(pair.draft, batch_invariant.DRAFT_WORKLOAD)
-        make_draft = ((lambda: make_runner(pair.draft, invariant, trees))
-                      if pair.draft is not None else None)
+        draft_model = pair.draft
+        make_draft = ((lambda: draft_model.runner(batch_invariant=invariant, trees=trees, draft=True))
+                      if draft_model is not None else None)
         if cfg.draft_policy == "auto":
             from specdecode.drafters import unique_labels
             from specdecode.drafters.multi import MultiDrafter
@@ -455,9 +375,9 @@ def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
     elif cfg.acceptance != "exact":
         raise ConfigError(f"unknown acceptance {cfg.acceptance!r}: exact or typical")
     engine = Engine(target, pair.tokenizer, drafter, policy, max_batch_size=cfg.max_batch_size,
-                    max_context=max_context, max_tree_nodes=tree_nodes, verifier=verifier)
-    engine.target_quantization = pair.target_quantization
-    engine.lossy = lossy_labels(pair.target_quantization, cfg)
+                    max_context=max_context, max_tree_nodes=tree_nodes, verifier=verifier,
+                    target_quantization=pair.target_quantization,
+                    lossy=lossy_labels(pair.target_quantization, cfg))
     if cfg.draft_policy == "auto":
         attach_cost_model(engine, cfg, pair)
     return engine
@@ -520,21 +440,15 @@ def _fingerprint(name: str) -> str:
     return f"{name}:{sum(st.st_size for st in stats)}:{max((st.st_mtime_ns for st in stats), default=0)}"
 
 
-def batch_invariant_on(cfg: EngineConfig, target: "torch.nn.Module") -> bool:
+def batch_invariant_on(cfg: EngineConfig, target: Model) -> bool:
     """Resolve ``cfg.batch_invariant`` (on/off/auto, or a bool) for the loaded target."""
     mode = {True: "on", False: "off"}.get(cfg.batch_invariant, cfg.batch_invariant)  # type: ignore[call-overload]
     if mode not in ("auto", "on", "off"):
         raise ConfigError(f"--batch-invariant must be auto, on or off, got {cfg.batch_invariant!r}")
     if mode != "auto":
         return mode == "on"
-    import torch
-
-    if not isinstance(target, torch.nn.Module):  # llama.cpp: its own kernels (choose_backend refuses "on")
-        return False
-    param = next(target.parameters())
     trees = bool(cfg.draft) and cfg.tree_topk > 1  # not covered; nor is a quantized target's kernel
-    return (param.device.type == "cpu" and param.dtype in (torch.bfloat16, torch.float16) and not trees
-            and cfg.target_quantization == "none")
+    return target.batch_invariant_default(trees, quantized=cfg.target_quantization != "none")
 
 
 def lossy_labels(target_quantization: str, cfg: EngineConfig) -> dict:
@@ -575,9 +489,22 @@ def validate_config(cfg: EngineConfig) -> None:
 
 def build_engine(cfg: EngineConfig) -> "Engine":
     validate_config(cfg)
-    backend = choose_backend(cfg)
-    return engine_from_pair(load_pair(cfg.target, model_draft(cfg), cfg.dtype, cfg.device, cfg.draft_quantization,
-                                      cfg.target_quantization, backend=backend, threads=cfg.threads), cfg)
+    cfg = without_idle_draft(cfg)
+    choice = choose_backend(cfg)
+    pair = load_pair(cfg, choice.name)
+    announce(cfg, choice)
+    return engine_from_pair(pair, cfg)
+
+
+def without_idle_draft(cfg: EngineConfig) -> EngineConfig:
+    """``-k 0`` with a fixed draft length drafts nothing: say so, and do not load the draft."""
+    import sys
+    from dataclasses import replace
+
+    if cfg.drafts and cfg.num_draft_tokens == 0 and cfg.draft_policy == "fixed":
+        print(f"note: -k 0 decodes target-only; --draft {', '.join(cfg.drafts)} is not loaded", file=sys.stderr)
+        return replace(cfg, draft=None, extra_drafts=())
+    return cfg
 
 
 def model_draft(cfg: EngineConfig) -> str | None:

@@ -22,10 +22,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """Bad flags are one line and exit 2, like every other bad input (not a usage dump)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the flags)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from specdecode import __version__
 
-    parser = argparse.ArgumentParser(prog="specdecode", description=__doc__.splitlines()[0])
+    parser = Parser(prog="specdecode", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"specdecode {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module_name, help_text) in COMMANDS.items():

@@ -35,6 +35,7 @@ from typing import Iterator
 import torch
 
 from specdecode.drafters.base import Drafter, Proposal, TargetFeatures
+from specdecode.drafters.state import DraftState
 from specdecode.errors import UserError
 from specdecode.metrics import SpecStats
 from specdecode.models.base import Runner
@@ -69,10 +70,7 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)  # prompt + generated
     finish_reason: str | None = None  # "stop" (EOS or stop string) | "length" | "abort" | "error"
     stats: SpecStats = field(default_factory=SpecStats)
-    drafter_started: bool = False  # the drafter has seen the prompt (after the first token: see add_batch)
-    early_features: list[TargetFeatures] = field(default_factory=list)  # target features kept until then
-    drafter_eligible: bool = True  # False once a feature drafter could no longer catch up (features dropped)
-    drafter_prefilled: int = 0  # prompt tokens the drafter cached in chunks ahead of its start (chunked prefill)
+    draft: DraftState = field(default_factory=DraftState)  # the engine's bookkeeping of the drafter for it
     prefilled: int = 0  # prompt tokens the target has cached (all but the last once prefill is complete)
     prefill_began: float | None = None  # perf_counter at the start / end of its target prefill
     prefill_ended: float | None = None
@@ -142,6 +140,8 @@ class Engine:
         first_token_from_target: bool = False,
         max_num_batched_tokens: int | None = None,
         batched_tokens_per_seq: int = 0,
+        target_quantization: str = "none",
+        lossy: dict | None = None,
     ) -> None:
         self.target = target
         self.tokenizer = tokenizer
@@ -156,8 +156,8 @@ class Engine:
         max_tree_nodes = max(max_tree_nodes, getattr(drafter, "max_tree_nodes", 0) if drafter is not None else 0)
         self.window = max(inner.max_k, max_tree_nodes) + 1
         self.max_tree_nodes = max_tree_nodes  # > 0: the drafter proposes trees of up to this many nodes
-        self.target_quantization = "none"  # set by build: "int8"/"int4" means a LOSSY, quantized target
-        self.lossy: dict = {}  # set by build: why outputs do not follow the named target's law ({} = exact)
+        self.target_quantization = target_quantization  # "int8"/"int4": a LOSSY, quantized target
+        self.lossy: dict = dict(lossy or {})  # why outputs do not follow the named target's law ({} = exact)
         self.max_batch_size = max_batch_size or target.num_slots or 1
         if max_context is None:
             if not target.max_len:
@@ -188,8 +188,12 @@ class Engine:
 
     @property
     def backend(self) -> str:
-        """What runs the target: ``torch`` or ``llamacpp`` (the runner says)."""
-        return getattr(self.target, "backend", "torch")
+        """The backend that runs the target (the runner says: ``torch``, ``llamacpp``, ...)."""
+        return self.target.backend
+
+    def where(self) -> dict[str, str]:
+        """Where each model runs, by role (the target and whatever the drafter owns)."""
+        return {role: runner.where for role, runner in self.runners().items()}
 
     def runners(self) -> dict[str, Runner]:
         """Every model runner in use, by role: ``target`` and whatever the drafter owns."""
@@ -212,7 +216,7 @@ class Engine:
         if self.drafter is None:
             return 0
         live = getattr(self.drafter, "live", None)  # a GuardedDrafter knows
-        return len(live) if live is not None else sum(s.drafter_started for s in self.running)
+        return len(live) if live is not None else sum(s.draft.started for s in self.running)
 
     # -- admission ------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -305,7 +309,7 @@ class Engine:
                 raise PrefillError([s for s, _ in work]) from exc
             for (s, n), piece, f in zip(work, pieces, feats):
                 if self.feature_layers:
-                    s.early_features.append(TargetFeatures(s.prefilled, piece, f))
+                    s.draft.early_features.append(TargetFeatures(s.prefilled, piece, f))
                 s.prefilled += n
         t1 = time.perf_counter()
         for s, _ in work:
@@ -338,7 +342,7 @@ class Engine:
         of the shared forward raises (the caller decides about the whole batch)."""
         if self.drafter is not None:
             # (a request that opted out of speculation never costs the drafter anything)
-            late = [s for s in self.running if not s.drafter_started and s.drafter_eligible
+            late = [s for s in self.running if not s.draft.started and s.draft.eligible
                     and self.switch.drafts_for(s) and (s.output_ids or not self.first_token_from_target)]
             if late and self.max_num_batched_tokens is not None:
                 late = self._drafter_prefill(late)  # a chunk; those whose prompt it has cached start now
@@ -348,7 +352,7 @@ class Engine:
         # yet (its first step), nor one with a single token left; never past the token budget (a step
         # emits depth + 1 tokens at most)
         seqs = self.running
-        room = [s.params.max_new_tokens - len(s.output_ids) - 1 if s.drafter_started else 0 for s in seqs]
+        room = [s.params.max_new_tokens - len(s.output_ids) - 1 if s.draft.started else 0 for s in seqs]
         ready = [s for s, r in zip(seqs, room) if r > 0]
         planned = dict(zip(map(id, ready), plan_of(self.policy, ready, len(seqs)) if ready and self.drafter else []))
         ks = [max(0, min(planned.get(id(s), 0), r)) for s, r in zip(seqs, room)]
@@ -387,16 +391,16 @@ class Engine:
             seq.finish_reason, seq.error = "error", fault
             events.append(StepEvent(seq, [], True, error=fault))
         if self.feature_layers:
-            live = [(b, s) for b, s in enumerate(seqs) if not s.finished and s.drafter_started]
+            live = [(b, s) for b, s in enumerate(seqs) if not s.finished and s.draft.started]
             if live:
                 self.drafter.observe([s.slot for _, s in live], [self._features(verified, b, s) for b, s in live])
             for b, s in enumerate(seqs):
-                if s.finished or s.drafter_started or not s.drafter_eligible:
+                if s.finished or s.draft.started or not s.draft.eligible:
                     continue
                 if self.switch.drafts_for(s):
-                    s.early_features.append(self._features(verified, b, s))
+                    s.draft.early_features.append(self._features(verified, b, s))
                 else:  # not drafting (opted out): keep nothing; it decodes target-only to the end
-                    s.early_features, s.drafter_eligible = [], False
+                    s.draft.early_features, s.draft.eligible = [], False
         for ev in events:
             if ev.finished:
                 self._release(ev.seq)
@@ -446,18 +450,18 @@ class Engine:
         prefill = getattr(self.drafter, "prefill", None)
         if prefill is None:
             return seqs
-        work = [(s, min(len(s.prompt_ids) - 1 - s.drafter_prefilled, self.max_num_batched_tokens)) for s in seqs]
+        work = [(s, min(len(s.prompt_ids) - 1 - s.draft.prefilled, self.max_num_batched_tokens)) for s in seqs]
         work = [(s, n) for s, n in work if n > 0]
         if work:
             t0 = time.perf_counter()
-            if not prefill([s.slot for s, _ in work], [s.prompt_ids[s.drafter_prefilled: s.drafter_prefilled + n]
-                                                       for s, n in work], [s.drafter_prefilled for s, _ in work]):
+            if not prefill([s.slot for s, _ in work], [s.prompt_ids[s.draft.prefilled: s.draft.prefilled + n]
+                                                       for s, n in work], [s.draft.prefilled for s, _ in work]):
                 return seqs
             elapsed = time.perf_counter() - t0
             for s, n in work:
-                s.drafter_prefilled += n
+                s.draft.prefilled += n
                 s.stats.prefill_s += elapsed
-        return [s for s in seqs if s.drafter_prefilled >= len(s.prompt_ids) - 1]
+        return [s for s in seqs if s.draft.prefilled >= len(s.prompt_ids) - 1]
 
     def _pack_prefilling(self) -> None:
         """Move the prefilling sequences down to the slots right after the running block (in order)."""
@@ -476,12 +480,12 @@ class Engine:
         t0 = time.perf_counter()
         slots = [s.slot for s in seqs]
         self.drafter.start(slots, [s.prompt_ids for s in seqs])
-        for j in range(max(len(s.early_features) for s in seqs)):
-            rows = [s for s in seqs if j < len(s.early_features)]
-            self.drafter.observe([s.slot for s in rows], [s.early_features[j] for s in rows])
+        for j in range(max(len(s.draft.early_features) for s in seqs)):
+            rows = [s for s in seqs if j < len(s.draft.early_features)]
+            self.drafter.observe([s.slot for s in rows], [s.draft.early_features[j] for s in rows])
         elapsed = time.perf_counter() - t0
         for s in seqs:
-            s.drafter_started, s.early_features = True, []
+            s.draft.started, s.draft.early_features = True, []
             s.stats.prefill_s += elapsed
 
     def _features(self, verified: "_Verified", b: int, seq: Sequence) -> TargetFeatures:
@@ -603,11 +607,11 @@ class Engine:
         i = self.running.index(seq)
         last = self.running.pop()
         self.policy.forget(seq)
-        if self.drafter is not None and (seq.drafter_started or seq.drafter_prefilled):
+        if self.drafter is not None and (seq.draft.started or seq.draft.prefilled):
             self.drafter.release(seq.slot)
         if last is not seq:  # keep slots contiguous: move the last sequence into the freed slot
             self.target.copy_slot(last.slot, i, len(last.token_ids) - 1)
-            if self.drafter is not None and (last.drafter_started or last.drafter_prefilled):
+            if self.drafter is not None and (last.draft.started or last.draft.prefilled):
                 self.drafter.move(last.slot, i)
             last.slot = i
             self.running[i] = last

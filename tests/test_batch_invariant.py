@@ -236,7 +236,9 @@ def test_bf16_server_concurrent_greedy_and_seeded_requests_equal_each_alone():
 def test_auto_is_on_for_bf16_and_fp16_on_a_cpu_and_off_in_float32_or_with_trees():
     from specdecode.build import ConfigError, EngineConfig, batch_invariant_on, validate_config
 
-    fp32, bf16 = make_model(32, dtype=torch.float32), make_model(32, dtype=torch.bfloat16)
+    from specdecode.models.backends.pytorch import TorchModel
+
+    fp32, bf16 = (TorchModel.wrap(make_model(32, dtype=dtype), make_tokenizer(32)) for dtype in (torch.float32, torch.bfloat16))
     auto = EngineConfig("t", "ngram")
     assert batch_invariant_on(auto, bf16) and not batch_invariant_on(auto, fp32)
     assert batch_invariant_on(EngineConfig("t", "ngram", batch_invariant="on"), fp32)

@@ -117,7 +117,10 @@ def tiny_pair(monkeypatch):
     import specdecode.build as build
 
     target = make_model(V, seed=5, scale=0.5)
-    pair = build.LoadedPair(target, make_tokenizer(V), perturbed_copy(target, 0.3, seed=3), make_tokenizer(V))
+    from specdecode.models.backends.pytorch import TorchModel
+
+    pair = build.LoadedPair(TorchModel.wrap(target, make_tokenizer(V)),
+                            TorchModel.wrap(perturbed_copy(target, 0.3, seed=3), make_tokenizer(V)))
     monkeypatch.setattr(build, "load_pair", lambda *args, **kwargs: pair)
     return pair
 

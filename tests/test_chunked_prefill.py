@@ -221,7 +221,7 @@ def test_drafter_prefill_in_chunks_starts_drafting_late_and_survives_a_fault(pai
                 drafted_from = len(seq.output_ids) - len(ev.new_token_ids)
     # target prefill: 7 steps of 8 tokens, the first token in the last; then 7 drafter chunks of 8, one
     # per step from the second token on, the step of the 7th drafting at once: tokens 2..7 target-only
-    assert seq.drafter_prefilled == 56 and drafted_from == 7 and seq.output_ids == ref
+    assert seq.draft.prefilled == 56 and drafted_from == 7 and seq.output_ids == ref
 
     failures = []
     eng = _engine(pair, budget=8, slots=2, first_token_from_target=True)

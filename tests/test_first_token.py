@@ -184,4 +184,4 @@ def test_an_opted_out_request_keeps_no_target_features_for_a_feature_drafter():
     quiet = eng.add([1, 2, 3, 1, 2], SamplingParams(max_new_tokens=12, ignore_eos=True), request_id="quiet")
     for _ in range(4):
         eng.step()
-    assert quiet.early_features == [] and not quiet.drafter_started and log == []
+    assert quiet.draft.early_features == [] and not quiet.draft.started and log == []

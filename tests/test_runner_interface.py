@@ -19,7 +19,7 @@ from specdecode.models.hf import HFRunner
 from specdecode.sampling import SamplingParams
 from specdecode.tree import chain_parents, path_writes, root_to_leaf_paths, tree_layout
 from tiny import make_model, make_tokenizer, perturbed_copy
-from toy_runner import ToyRunner
+from specdecode.models.backends.toy import ToyRunner
 
 V = 32
 TOK = make_tokenizer(V)

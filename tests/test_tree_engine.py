@@ -16,7 +16,7 @@ from specdecode.verify import Verifier, verify_tree
 from specdecode.verify.tree import IID
 from test_engine import ALPHA, VS, chi_square_p, exact_two_token_law, sample_pairs
 from tiny import make_engine, make_model, make_tokenizer, perturbed_copy
-from toy_runner import ToyRunner
+from specdecode.models.backends.toy import ToyRunner
 
 V = 32
 TOK = make_tokenizer(V)

@@ -83,10 +83,12 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _settings(args: argparse.Namespace) -> dict:
-    from specdecode.build import choose_backend, config_from_args
+    from specdecode.build import announce, choose_backend, config_from_args
 
+    choice = choose_backend(config_from_args(args))
+    announce(config_from_args(args), choice)
     return {"target": args.target, "draft": args.draft, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
-            "backend": choose_backend(config_from_args(args)),  # torch | llamacpp, resolved
+            "backend": choice.name,  # resolved: a registered backend (specdecode.models.backends)
             "ignore_eos": not args.stop_at_eos, "seed": args.seed, "repeats": args.repeats,
             "sampling": args.sampling, "draft_lengths": args.draft_lengths or [args.num_draft_tokens],
             "baselines": args.baselines, "threads": args.threads, "draft_schedule": draft_schedule(args),
@@ -181,33 +183,36 @@ def _prepare(args: argparse.Namespace, meta: dict, configs: list, samplings: lis
     if args.draft and parse_draft(args.draft).quantization:
         raise BenchInputError(f"--draft {args.draft!r}: in bench, give the draft unquantized and compare modes with "
                               "--draft-quantization none,int8,...")
+    from specdecode.build import ConfigError, config_from_args
+    from specdecode.models import backends
+
     backend = meta["settings"]["backend"]
-    from specdecode.models.quantize import GGUF_MODES
-
-    gguf_modes = sorted({c.quantization for c in configs} & set(GGUF_MODES))
-    if gguf_modes and args.draft:  # the draft on llama.cpp: checked before any model loads
-        from specdecode.models import llamacpp
-        from specdecode.models.loading import resolve
-
-        if resolve(parse_draft(args.draft).arg).kind != "gguf":
-            raise BenchInputError(f"--draft-quantization {','.join(gguf_modes)} keeps a .gguf draft quantized on "
-                                  f"llama.cpp; --draft {args.draft!r} is not a .gguf file")
-        if not llamacpp.available():
-            raise BenchInputError(f"--draft-quantization {','.join(gguf_modes)} needs llama-cpp-python: "
-                                  f"{llamacpp.INSTALL_HINT}")
-    if backend == "llamacpp":
-        if [c for c in configs if c.kind == "hf"]:  # they run torch models: not what this run measures
-            configs[:] = [c for c in configs if c.kind != "hf"]
-            print("note: the transformers baselines are left out: the models run on llama.cpp "
-                  "(--backend torch compares with transformers)", file=sys.stderr)
-        from specdecode.models.quantize import GGUF_MODES
-
-        if [c for c in configs if c.quantization not in ("none", *GGUF_MODES)]:
-            raise BenchInputError("--draft-quantization int8/int4/auto quantize torch models; a .gguf draft on "
-                                  "llama.cpp runs as quantized in its file (or requantized: q8_0, q4_0)")
-    pair = load_pair(args.target, args.draft, args.dtype, args.device,  # draft: quantized copies in make_backend
-                     target_quantization=args.target_quantization, backend=backend, threads=args.threads)
-    model_ctx = getattr(pair.target.config, "max_position_embeddings", 4096)
+    supports = backends.get(backend).supports
+    modes = sorted({c.quantization for c in configs} - {"none"})
+    if modes and args.draft:  # each mode's backend opens the draft and is installed: checked before any model loads
+        draft = parse_draft(args.draft).arg
+        for mode in modes:
+            where = backends.draft_backend(mode, backend, draft)
+            if not backends.get(where).opens(draft):
+                backends.get(where).spec_kind(draft)  # a draft that cannot be found says so
+                text = backends.get(where).supports.opens_text
+                raise BenchInputError(f"--draft-quantization {mode} runs the draft on {where}, which loads {text}; "
+                                      f"--draft {args.draft!r} is not {text}")
+            missing = backends.get(where).missing()
+            if missing:
+                raise BenchInputError(f"--draft-quantization {mode} runs the draft on {where}: {missing}")
+    if not supports.transformers and [c for c in configs if c.kind == "hf"]:  # they run transformers modules
+        configs[:] = [c for c in configs if c.kind != "hf"]
+        print(f"note: the transformers baselines are left out: the models run on {backend} "
+              "(--backend torch compares with transformers)", file=sys.stderr)
+    if [m for m in modes if m not in supports.draft_modes]:
+        raise BenchInputError(f"--draft-quantization {','.join(m for m in modes if m not in supports.draft_modes)} "
+                              f"cannot pair with a target on {backend} (it pairs {', '.join(supports.draft_modes)})")
+    try:  # the draft unquantized: make_backend makes a quantized copy per mode
+        pair = load_pair(replace(config_from_args(args), draft_quantization="none", extra_drafts=()), backend)
+    except ConfigError as exc:
+        raise BenchInputError(str(exc)) from exc
+    model_ctx = pair.target.max_position
     limit = args.max_context or min(model_ctx, 4096)
     if limit > model_ctx:
         raise BenchInputError(f"--max-context {limit} exceeds the model's context of {model_ctx}")
@@ -271,23 +276,18 @@ def make_backend(pair, args: argparse.Namespace, max_context: int):
 
     def draft_pair(mode: str):
         """The pair with its draft quantized to ``mode`` (a copy per mode; the original stays for HF)."""
-        from specdecode.models.quantize import GGUF_MODES
+        from specdecode.models import backends
+        from specdecode.models.backends import Settings
 
         if mode == "none" or pair.draft is None:
             return pair
-        if mode not in drafts and mode in GGUF_MODES:  # the .gguf draft on llama.cpp, as in its file or requantized
-            from specdecode.models.loading import load_gguf_draft
-
-            drafts[mode] = replace(pair, draft=load_gguf_draft(args.draft, mode, args.threads)[0],
-                                   draft_quantization=mode)
         if mode not in drafts:
-            import copy
-
-            from specdecode.models.quantize import auto_mode, quantize_model
-
-            resolved = auto_mode(pair.draft, args.draft) if mode == "auto" else mode
-            drafts[mode] = replace(pair, draft=quantize_model(copy.deepcopy(pair.draft), resolved),
-                                   draft_quantization=resolved)
+            where = backends.draft_backend(mode, pair.backend, args.draft)
+            if where == pair.draft.backend:  # a copy of the loaded draft (auto: the fastest measured here)
+                drafts[mode] = replace(pair, draft=pair.draft.requantized(mode))
+            else:  # loaded again by the backend that applies the mode (a .gguf draft on llama.cpp)
+                drafts[mode] = replace(pair, draft=backends.get(where).load(
+                    args.draft, Settings("cpu", "float32", args.threads, mode, "draft")))
         return drafts[mode]
 
     def engine_for(config):
@@ -307,7 +307,7 @@ def make_backend(pair, args: argparse.Namespace, max_context: int):
 
     def hf_for(assisted: bool) -> HFBaseline:
         if assisted not in hf:
-            hf[assisted] = HFBaseline(pair.target, pair.draft if assisted else None, pad)
+            hf[assisted] = HFBaseline(pair.target.hf_model, pair.draft.hf_model if assisted else None, pad)
         return hf[assisted]
 
     from specdecode.bench.runner import RunConfig
@@ -316,13 +316,9 @@ def make_backend(pair, args: argparse.Namespace, max_context: int):
 
     @torch.inference_mode()
     def target_logits(ids: list[int]) -> torch.Tensor:  # [V]
-        if pair.backend == "llamacpp":
-            from specdecode.check.common import next_token_logits
+        return pair.target.next_token_logits(ids, target_only.target)
 
-            return next_token_logits(target_only.target, ids)
-        return pair.target(torch.tensor([ids], device=pair.target.device), logits_to_keep=1).logits[0, -1].float().cpu()
-
-    eps = getattr(target_only.target, "logit_eps", None) or torch.finfo(target_only.target.dtype).eps
+    eps = target_only.target.logit_eps or torch.finfo(target_only.target.dtype).eps
     return Backend(engine_for, hf_for, target_logits, sorted(target_only.eos_token_ids), eps)
 
 

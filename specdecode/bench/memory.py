@@ -45,10 +45,10 @@ def measure(target: str, draft: str | None, dtype: str, context: int, k: int, ne
     from specdecode.sampling import SamplingParams
 
     rss_start = psutil.Process().memory_info().rss
-    pair = load_pair(target, draft, dtype)
-    weights = weight_bytes(pair.target) + (weight_bytes(pair.draft) if pair.draft is not None else 0)
     cfg = EngineConfig(target, draft, num_draft_tokens=k if draft else 0, dtype=dtype, max_batch_size=1,
-                       max_context=context)
+                       max_context=context, backend="torch")  # the torch backend's memory: its modules are counted
+    pair = load_pair(cfg, "torch")
+    weights = weight_bytes(pair.target.hf_model) + (weight_bytes(pair.draft.hf_model) if pair.draft is not None else 0)
     engine = engine_from_pair(pair, cfg)
     cache = sum(runner.kv_bytes() for runner in engine.runners().values())
     prompt = long_prompt(pair.tokenizer, context - new_tokens)

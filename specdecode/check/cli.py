@@ -128,7 +128,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from specdecode.bench.prompts import PromptSetError
-    from specdecode.build import PairError, choose_backend, engine_from_pair, load_pair, model_draft
+    from specdecode.build import PairError, announce, choose_backend, engine_from_pair, load_pair
     from specdecode.build import config_from_args as engine_config
     from specdecode.check.common import TqdmProgress
     from specdecode.check.prefix import reuse_prefills
@@ -137,9 +137,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args)
         prompts = load_prompts(args.prompts, args.num_prompts, args.seed)
-        backend = choose_backend(engine_config(args))
-        pair = load_pair(args.target, model_draft(engine_config(args)), args.dtype, args.device, args.draft_quantization,
-                         args.target_quantization, backend=backend, threads=args.threads)
+        choice = choose_backend(engine_config(args))
+        pair = load_pair(engine_config(args), choice.name)
+        announce(engine_config(args), choice)
         ids = encode_prompts(pair.tokenizer, prompts, args.max_prompt_tokens)
     except (ValueError, PromptSetError, PairError, OSError) as exc:
         print(f"specdecode check: {exc}", file=sys.stderr)
@@ -167,7 +167,7 @@ def main(args: argparse.Namespace) -> int:
             "verified_against": (f"the {pair.target_quantization}-quantized target (LOSSY w.r.t. {args.target})"
                                  if pair.target_quantization != "none" else "the target as loaded"),
             "backend": pair.backend, "torch": torch.__version__,
-            "threads": pair.target.threads if pair.backend == "llamacpp" else torch.get_num_threads(),
+            "threads": pair.target.threads or torch.get_num_threads(),
             "prompts": [{"id": p.id, "tokens": len(t)} for p, t in zip(prompts, ids)]}
     progress = None if args.no_progress else TqdmProgress()
     report = run_check(factory, ids, cfg, progress=progress, meta=meta)

@@ -85,7 +85,7 @@ def compare(pool: EnginePool, prompt: list[int], ref: Run, out: Run) -> dict:
     logits = next_token_logits(runner, prompt + ref.token_ids[:i])
     top2 = torch.topk(logits, 2).values
     tol = near_tie_rel(runner) * max(1.0, float(top2[0].abs()))
-    if getattr(runner, "batch_invariant", False):  # both runs computed each row alike: no tie may flip
+    if runner.batch_invariant:  # both runs computed each row alike: no tie may flip
         tol = 0.0
     gap = float(logits[a] - logits[b])
     d |= {"top2_margin": float(top2[0] - top2[1]), "logit_gap": gap, "tolerance": tol,
@@ -95,7 +95,7 @@ def compare(pool: EnginePool, prompt: list[int], ref: Run, out: Run) -> dict:
 
 def near_tie_rel(runner) -> float:
     """The relative logit tolerance for ``runner``: its own statement, else by its dtype."""
-    return getattr(runner, "near_tie_rel", None) or NEAR_TIE_REL.get(runner.dtype, NEAR_TIE_REL[torch.float32])
+    return runner.near_tie_rel or NEAR_TIE_REL.get(runner.dtype, NEAR_TIE_REL[torch.float32])
 
 
 def _fmt(x) -> str:

@@ -43,7 +43,7 @@ def _prompt_ids(args, tokenizer) -> list[int]:
     return tokenizer(args.prompt, add_special_tokens=False).input_ids
 
 
-def _summary(out, timing: dict, backend: str = "torch") -> str:
+def _summary(out, timing: dict, where: dict[str, str] | None = None) -> str:
     s = out.stats
     rate = "n/a" if s.acceptance_rate is None else f"{s.acceptance_rate:.2f}"
     tree = f"; {s.nodes / s.target_steps:.1f} tree nodes/step" if s.nodes > s.drafted else ""
@@ -51,7 +51,7 @@ def _summary(out, timing: dict, backend: str = "torch") -> str:
             f"time to first token {timing['ttft_s']:.2f} s (prefill {s.prefill_s:.2f} s); decode {timing['decode_s']:.2f} s "
             f"({timing['decode_tok_s']:.1f} tok/s); acceptance {rate}; {s.tokens_per_step:.2f} tokens/step{tree}; "
             f"draft {s.draft_s:.2f} s verify {s.verify_s:.2f} s"
-            + ("; on llama.cpp" if backend == "llamacpp" else "") + _choices(s) + "]")
+            + "".join(f"; {role} on {place}" for role, place in (where or {}).items()) + _choices(s) + "]")
 
 
 def _choices(s) -> str:
@@ -133,7 +133,8 @@ def main(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"sample": i, "token_ids": out.token_ids, "text": out.text,
                               "finish_reason": out.finish_reason, "stats": out.stats.to_dict(), "timing": timing,
-                              "backend": engine.backend, "target_quantization": engine.target_quantization,
+                              "backend": engine.backend, "where": engine.where(),
+                              "target_quantization": engine.target_quantization,
                               "lossy": bool(engine.lossy)}
                              | ({"lossy_because": engine.lossy} if engine.lossy else {})))
             continue
@@ -141,5 +142,5 @@ def main(args: argparse.Namespace) -> int:
             print()
         else:
             print(out.text)
-        print(_summary(out, timing, engine.backend), file=sys.stderr)
+        print(_summary(out, timing, engine.where()), file=sys.stderr)
     return 0

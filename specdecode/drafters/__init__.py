@@ -27,6 +27,7 @@ class DrafterKind:
     loads_model: bool  # ARG names a model that build() gets through ``ctx.draft_runner()``
     help: str
     needs_arg: bool = False  # KIND alone is not a spec (medusa:DIR)
+    reads_layers: bool = False  # reads intermediate layers and feeds input embeddings (a backend must expose them)
 
 
 KINDS: dict[str, DrafterKind] = {
@@ -37,7 +38,7 @@ KINDS: dict[str, DrafterKind] = {
                           needs_arg=True),
     "eagle": DrafterKind("specdecode.drafters.eagle", False,
                          "an EAGLE draft layer on the target's features (eagle:DIR from `specdecode heads train "
-                         "--kind eagle`)", needs_arg=True),
+                         "--kind eagle`)", needs_arg=True, reads_layers=True),
 }
 
 

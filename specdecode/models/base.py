@@ -33,7 +33,7 @@ and overwritten later, so ``truncate`` may be a no-op there. Backends that need 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -48,7 +48,11 @@ class ForwardOutput:
     features: Features = field(default_factory=dict)  # layer -> [B, q, H], only the layers asked for
 
 
-class Runner(Protocol):
+class Runner:
+    """What every runner has; backends subclass it (``specdecode.models.backends``). The attributes
+    after ``identity`` are optional capabilities: a runner that has them sets them, the defaults here
+    say what a runner without them means, and nothing above a runner probes for others."""
+
     num_slots: int
     max_len: int  # positions per slot
     vocab_size: int  # rows of the LM head (logits width)
@@ -58,9 +62,23 @@ class Runner(Protocol):
     device: torch.device
     eos_token_ids: set[int]  # from the model's generation config (may be empty)
     identity: str  # names the weights: equal identities compute equal K/V for equal tokens
+    # -- optional capabilities, with their defaults -------------------------------------------------
+    backend: str = "torch"  # the registry name of the backend that made it (specdecode.models.backends)
+    threads: int | None = None  # CPU threads the backend computes with (None: torch's own setting)
+    batch_invariant: bool = False  # every row computed alike whatever the batch and verify width
+    # greedy divergences within near_tie_rel * |top logit| count as numeric near-ties (`check`); logit_eps is
+    # the logit resolution `bench` reports ties at. None: decided by the dtype
+    near_tie_rel: float | None = None
+    logit_eps: float | None = None
+
+    @property
+    def where(self) -> str:
+        """Where it runs, for the stats line: backend, device and dtype."""
+        return f"{self.backend} {self.device.type} {str(self.dtype).removeprefix('torch.')}"
 
     def ensure_capacity(self, num_slots: int, max_len: int) -> None:
         """Make room for at least ``num_slots`` slots of ``max_len`` positions (may drop cached K/V)."""
+        raise NotImplementedError
 
     def prefill(self, slots: Sequence[int], prompts: Sequence[list[int]], layers: Sequence[int] = (),
                 starts: Sequence[int] | None = None) -> list[Features]:
@@ -68,33 +86,43 @@ class Runner(Protocol):
         the slot's positions before ``starts[i]`` stay as they are and are attended to: a prompt in
         chunks); per prompt, the requested layers' hidden states ``[len, H]`` (empty dicts when
         ``layers`` is empty)."""
+        raise NotImplementedError
 
     def forward(self, slots: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, *,
                 write_positions: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
                 tree_start: torch.Tensor | None = None, layers: Sequence[int] = ()) -> ForwardOutput:
         """``slots`` [B], ``input_ids``/``positions``/``write_positions`` [B, q], ``tree_mask`` [B, q, W],
         ``tree_start`` [B]."""
+        raise NotImplementedError
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., H]`` -> ``[..., vocab_size]`` float32."""
+        raise NotImplementedError
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token ids ``[...]`` -> the model's input embeddings ``[..., H]`` (EAGLE reads the target's)."""
+        raise NotImplementedError
 
     def truncate(self, slot: int, length: int) -> None:
         """Only positions ``< length`` of ``slot`` are valid from now on."""
+        raise NotImplementedError
 
     def compact(self, slot: int, src: Sequence[int], dst_start: int) -> None:
         """Move the K/V at write indices ``src`` of ``slot`` to ``dst_start, dst_start + 1, ...``."""
+        raise NotImplementedError
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         """Copy positions ``0..length-1`` of slot ``src`` into slot ``dst``."""
+        raise NotImplementedError
 
     def export_kv(self, slot: int, length: int) -> Any:
         """An opaque snapshot of positions ``0..length-1`` of ``slot``."""
+        raise NotImplementedError
 
     def import_kv(self, slot: int, state: Any) -> None:
         """Restore a snapshot from :meth:`export_kv` (of a runner with the same identity) into ``slot``."""
+        raise NotImplementedError
 
     def kv_bytes(self) -> int:
         """Memory held by the KV cache."""
+        raise NotImplementedError

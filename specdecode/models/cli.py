@@ -25,6 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="dtype of the safetensors cache (default auto: the dtype `generate --dtype auto` loads)")
 
     sub.add_parser("list", help="registered aliases and pairs, their files and safetensors caches")
+    sub.add_parser("backends", help="the registered backends: what each supports, and whether it runs here")
 
     convert = sub.add_parser("convert", help="build the safetensors cache of a GGUF file")
     convert.add_argument("path", metavar="PATH.gguf")
@@ -74,11 +75,33 @@ def _list() -> int:
     return 0
 
 
+def _backends() -> int:
+    """The capability table of the backend registry (specdecode.models.backends), one row per backend."""
+    from specdecode.models import backends
+
+    rows = []
+    for name in backends.names():
+        backend = backends.get(name)
+        missing = backend.missing()
+        rows.append({"backend": name, "here": "no: " + missing if missing else "yes",
+                     **backend.supports.rows(), "what": backend.description})
+    for row in rows:
+        print(f"{row['backend']}: {row.pop('what')}")
+        for key, value in row.items():
+            if key != "backend":
+                print(f"  {key:20} {value}")
+    print("--backend auto takes the first of them that can run the settings, in this order "
+          f"({', '.join(n for n in backends.names() if backends.get(n).supports.auto)})")
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
     import torch
 
     if args.models_command == "list":
         return _list()
+    if args.models_command == "backends":
+        return _backends()
     from specdecode.models.device import resolve_dtype, resolve_device
 
     dtype = resolve_dtype(args.dtype, resolve_device("auto"))

@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 from specdecode.models import batch_invariant as batch_invariant_mode
-from specdecode.models.base import FINAL, Features, ForwardOutput
+from specdecode.models.base import FINAL, Features, ForwardOutput, Runner
 from specdecode.models.kv_cache import StaticKVCache
 
 PREFILL_TOKENS = 2048  # tokens per prefill forward (all rows together): bounds attention memory
@@ -37,7 +37,7 @@ def pack_rows(lengths: Sequence[int], slack: float = PAD_SLACK) -> list[list[int
     return [sorted(g) for g in groups]
 
 
-class HFRunner:
+class HFRunner(Runner):
     backend = "torch"
 
     def __init__(self, model: torch.nn.Module, num_slots: int = 0, max_len: int = 0,

@@ -36,14 +36,13 @@ from __future__ import annotations
 import ctypes
 import os
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Sequence
 
 import numpy as np
 import torch
 
 from specdecode.errors import UserError
-from specdecode.models.base import FINAL, Features, ForwardOutput
+from specdecode.models.base import FINAL, Features, ForwardOutput, Runner
 from specdecode.models.llamacpp_tree import MAX_SEQ, NodeTable
 
 INSTALL_HINT = "install it with `scripts/install-llamacpp.sh` (builds llama-cpp-python from source, a few minutes)"
@@ -157,7 +156,6 @@ class LlamaCppModel:
         stat = self.path.stat()
         self.identity = f"llamacpp:{self.path}:{stat.st_size}:{stat.st_mtime_ns}"
         # what commands read off a model: its context length (like a transformers config)
-        self.config = SimpleNamespace(max_position_embeddings=self.context_length)
         buf = ctypes.create_string_buffer(256)
         ll.llama_model_desc(self.ptr, buf, len(buf))
         self.description = buf.value.decode(errors="replace")
@@ -169,7 +167,7 @@ class LlamaCppModel:
             _LIB.llama_model_free(ptr)
 
 
-class LlamaCppRunner:
+class LlamaCppRunner(Runner):
     """Slot-addressed sequences on a llama.cpp context (see the module docstring)."""
 
     backend = "llamacpp"
@@ -192,6 +190,7 @@ class LlamaCppRunner:
         self.device = torch.device("cpu")
         self.identity = model.identity
         self.eos_token_ids = set(model.eos_token_ids)
+        self.threads = model.threads
         self.num_slots = self.max_len = 0
         self.ctx = None
         self._batch = None
@@ -199,6 +198,10 @@ class LlamaCppRunner:
         self._length: list[int] = []  # per slot: 1 + the highest position the cache holds (0: empty)
         if num_slots and max_len:
             self.ensure_capacity(num_slots, max_len)
+
+    @property
+    def where(self) -> str:
+        return f"llama.cpp {self.model.description}, {self.threads} threads"
 
     # -- sizes ------------------------------------------------------------------------------------
     def ensure_capacity(self, num_slots: int, max_len: int) -> None:

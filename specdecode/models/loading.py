@@ -302,53 +302,15 @@ def load_gguf_tokenizer(gguf: str | Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def load_llamacpp(spec: str | Path, threads: int | None = None):
-    """``(LlamaCppModel, tokenizer)`` for a spec naming a GGUF file (path or alias): the llama.cpp backend."""
-    from specdecode.models.llamacpp import LlamaCppModel
-
-    resolved = resolve(str(spec))
-    if resolved.kind != "gguf":
-        raise ModelNotFoundError(f"{spec!r} is a {resolved.describe()}; the llama.cpp backend runs .gguf files "
-                                 "(use --backend torch for other models)")
-    return LlamaCppModel(resolved.path, threads), load_gguf_tokenizer(resolved.path)
-
-
-def load_gguf_draft(spec: str | Path, mode: str, threads: int | None = None):
-    """``(LlamaCppModel, tokenizer)`` of a .gguf draft kept quantized on llama.cpp's kernels, beside a
-    target on any backend: ``mode`` ``gguf`` runs the file's own types, ``q8_0``/``q4_0`` a copy
-    requantized once into the cache (:func:`specdecode.models.llamacpp.requantize`)."""
-    from specdecode.models import llamacpp
-
-    resolved = resolve(str(spec))
-    if resolved.kind != "gguf":
-        raise ModelNotFoundError(f"--draft-quantization {mode} keeps a .gguf draft quantized on llama.cpp; "
-                                 f"{spec!r} is a {resolved.describe()} (use none, int8, int4 or auto for it)")
-    path = resolved.path if mode == "gguf" else llamacpp.requantize(resolved.path, mode, threads)
-    return llamacpp.LlamaCppModel(path, threads), load_gguf_tokenizer(resolved.path)
-
-
 # ---------------------------------------------------------------------------------------------------
 # draft/target compatibility
-
-
-def _vocab_rows(model, tokenizer) -> int:
-    """How many token ids the model can embed and score (its embedding matrix may be padded)."""
-    if model is None:
-        return len(tokenizer)
-    if not isinstance(model, torch.nn.Module):  # a llama.cpp model: its output rows
-        return int(model.vocab_size)
-    rows = [model.get_input_embeddings().weight.shape[0]]
-    output = model.get_output_embeddings()
-    if output is not None:  # a quantized head has out_features (its weight may be packed or a method)
-        rows.append(int(getattr(output, "out_features", None) or output.weight.shape[0]))
-    return min(rows)
 
 
 def _id_to_token(tokenizer) -> dict[int, str]:
     return {index: token for token, index in tokenizer.get_vocab().items()}
 
 
-def tokenizers_compatible(tok_a, tok_b, model_a=None, model_b=None) -> str | None:
+def tokenizers_compatible(tok_a, tok_b, rows_a: int | None = None, rows_b: int | None = None) -> str | None:
     """None if a draft and a target can exchange token ids; otherwise why not.
 
     What speculative decoding needs is that every id one model can produce means the same token to
@@ -365,7 +327,7 @@ def tokenizers_compatible(tok_a, tok_b, model_a=None, model_b=None) -> str | Non
     because only the target decides when generation stops. Normalisation and pre-tokenisation do not
     matter either: the prompt is tokenized once, by the target's tokenizer.
     """
-    n = min(_vocab_rows(model_a, tok_a), _vocab_rows(model_b, tok_b))
+    n = min(len(tok_a) if rows_a is None else rows_a, len(tok_b) if rows_b is None else rows_b)
     vocab_a, vocab_b = _id_to_token(tok_a), _id_to_token(tok_b)
     problems = []
     for name, vocab in (("first", vocab_a), ("second", vocab_b)):

@@ -1,4 +1,10 @@
-"""A second runner with no transformers inside, to prove the engine needs nothing but the protocol.
+"""The toy backend: a tiny model with no transformers inside, for demos and tests (``--backend toy``).
+
+It proves the engine, ``generate``, ``check`` and ``serve`` need nothing but the backend protocol, and it
+is the smallest example of a backend: one file and one line in the registry. ``--target toy:SEED`` names
+a random toy model; ``toy:SEED:NOISE`` is that model with its weights perturbed (a draft that agrees with
+it more or less, like a smaller model of the same family). Its tokenizer has one token per character of
+``a-zA-Z0-9`` and an end-of-sequence token.
 
 The toy "model": the hidden state of a query is a position-weighted mean of the embeddings of the
 tokens it can see (weight ``exp(-DECAY * (query position - key position))``), plus its own position's
@@ -9,15 +15,27 @@ real cache. :meth:`ToyRunner.reference_logits` recomputes from a plain token lis
 
 from __future__ import annotations
 
+import re
+import string
+from dataclasses import dataclass, field
+
 import torch
 
-from specdecode.models.base import FINAL, ForwardOutput
+from specdecode.models.backends.base import Backend, Model, Settings, Supports
+from specdecode.models.base import ForwardOutput, Runner
+from specdecode.models.loading import ModelNotFoundError
 
 DECAY = 0.3
+ALPHABET = string.ascii_lowercase + string.ascii_uppercase + string.digits  # one token per character
+EOS = "<eos>"
+VOCAB = len(ALPHABET) + 1
+CONTEXT = 4096
+SPEC = re.compile(r"toy:(\d+)(?::(\d*\.?\d+))?")
 
 
-class ToyRunner:
+class ToyRunner(Runner):
     num_layers = 1
+    backend = "toy"
 
     def __init__(self, vocab_size: int, hidden: int = 16, seed: int = 0, sharpness: float = 4.0) -> None:
         g = torch.Generator().manual_seed(seed)
@@ -77,6 +95,9 @@ class ToyRunner:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return (hidden @ self.head).float()
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.emb[input_ids]
+
     def prefill(self, slots, prompts, layers=(), starts=None):
         feats = []
         for slot, p, start in zip(slots, prompts, starts or [0] * len(prompts)):
@@ -115,5 +136,53 @@ class ToyRunner:
         h = self._hidden(torch.tensor(token_ids), pos, torch.ones(1, n, dtype=torch.bool), pos[-1:])
         return self.logits(h)[0]
 
+    def perturb(self, noise: float, seed: int) -> "ToyRunner":
+        """Add ``noise`` x std Gaussian noise to every weight table (in place; a draft of this model)."""
+        g = torch.Generator().manual_seed(seed)
+        for table in (self.emb, self.head):
+            table.add_(noise * table.std() * torch.randn(table.shape, generator=g))
+        return self
 
-assert FINAL == -1
+
+def make_tokenizer():
+    """One token per character of :data:`ALPHABET`, then <eos>; decoding concatenates."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(ALPHABET)} | {EOS: len(ALPHABET)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=EOS))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
+
+
+@dataclass
+class ToyModel(Model):
+    seed: int = 0
+    noise: float = 0.0
+
+    def runner(self, *, batch_invariant: bool = False, trees: bool = False, draft: bool = False) -> ToyRunner:
+        runner = ToyRunner(VOCAB, seed=self.seed)
+        runner.identity = f"toy:{self.seed}:{self.noise}"  # equal weights: equal K/V (prefix reuse may share)
+        return runner.perturb(self.noise, self.seed + 1) if self.noise else runner
+
+
+class ToyBackend(Backend):
+    name = "toy"
+    description = "a tiny built-in model with no transformers inside (toy:SEED[:NOISE]), for demos and tests"
+    supports = Supports(opens=("toy",), opens_text="a toy:SEED[:NOISE] spec", devices=("cpu",), dtypes=False,
+                        trees=True, features=False, transformers=False, auto=False)
+
+    def spec_kind(self, spec: str) -> str:
+        if not SPEC.fullmatch(spec):
+            raise ModelNotFoundError(f"{spec!r} is not a toy model: toy:SEED or toy:SEED:NOISE")
+        return "toy"
+
+    def load(self, spec: str, settings: Settings) -> ToyModel:
+        match = SPEC.fullmatch(spec)
+        if match is None:
+            raise ModelNotFoundError(f"{spec!r} is not a toy model: toy:SEED or toy:SEED:NOISE")
+        return ToyModel("toy", make_tokenizer(), CONTEXT, VOCAB, seed=int(match[1]), noise=float(match[2] or 0))
+
+
+BACKEND = ToyBackend()
