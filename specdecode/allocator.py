@@ -7,12 +7,12 @@ pages in again, and the kernel zeroes each one; in a sandboxed kernel a fault co
 profile of a bf16 EAGLE step showed 90 ms to zero-fill one 33 MB block). On the 2-core machine of
 docs/benchmarks.md (session 16) the median of seven such training steps was 2.19 / 1.93 / 1.96 s
 without, 1.81 / 1.75 s with these settings as environment variables and 2.13 / 1.60 / 1.94 s with this call
-(scripts/train_step_bench.py): 5-10 % on average, within the noise for any single pair. The same effect is
+(docs/bench/eagle/avx512bf16-training/train_step_bench.py): 5-10 % on average, within the noise for any single pair. The same effect is
 why PyTorch's CPU tuning guides preload jemalloc or tcmalloc; this does it with glibc's own knobs
 (``mallopt``), from inside the process, so no launcher or preload is needed. The cost is resident
 memory: what a step freed stays mapped (plus ``TOP_PAD`` of slack at the top of the heap).
 
-Training only: tried on inference (docs/benchmarks.md, session 17; scripts/alloc_inference_bench.py),
+Training only: tried on inference (docs/benchmarks.md, session 17; docs/bench/allocator/avx512bf16-inference/alloc_inference_bench.py),
 a 768-token prefill was 6 % faster but 1-token decode and 5-token verify steps 8-11 % slower.
 """
 

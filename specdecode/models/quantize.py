@@ -9,7 +9,7 @@ it agrees with the target (acceptance).
 Modes (``--draft-quantization``, or a ``@mode`` suffix on the draft spec):
 
 * ``int8`` — int8 weights, one scale per output channel. The kernel is chosen by measurement
-  (docs/benchmarks.md; ``scripts/draft_kernels.py`` for speed, ``scripts/draft_fidelity.py`` for
+  (docs/benchmarks.md; ``docs/bench/quantized-draft/avx512bf16-humaneval8/draft_kernels.py`` for speed, ``docs/bench/quantized-draft/avx512bf16-humaneval8/draft_fidelity.py`` for
   agreement): a float32 draft on the CPU uses dynamic quantization (activations quantized per call,
   fbgemm kernels; ``torch.ao``), because PyTorch's weight-only int8 kernel
   (``aten._weight_int8pack_mm``) with float32 activations was 2-6x *slower* than float32 on both
@@ -201,7 +201,7 @@ def _dynamic_int8(linear: nn.Linear, per_channel: bool = True) -> nn.Module:
 
 def _with_qconfig(linear: nn.Linear, per_channel: bool = True) -> nn.Linear:
     # one weight scale per output channel: torch.ao's default (one per tensor) cost the 0.5B draft much
-    # of its agreement with the target (docs/benchmarks.md, session 12; scripts/draft_fidelity.py)
+    # of its agreement with the target (docs/benchmarks.md, session 12; docs/bench/quantized-draft/avx512bf16-humaneval8/draft_fidelity.py)
     from torch.ao.quantization import default_dynamic_qconfig, per_channel_dynamic_qconfig
 
     linear.qconfig = per_channel_dynamic_qconfig if per_channel else default_dynamic_qconfig
