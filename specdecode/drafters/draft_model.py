@@ -8,19 +8,20 @@ from typing import Callable, Sequence
 
 import torch
 
-from specdecode.drafters.base import DrafterBase, Proposal, SequenceView, common_prefix
-from specdecode.drafters.dynamic_tree import GROWTH, GrownTree, grow_trees
+from specdecode.drafters.autoregressive import (AutoregressiveDrafter, draft_settings, grow_tree, propose_chain,
+                                                tree_proposal)
+from specdecode.drafters.base import Proposal, SequenceView, common_prefix
+from specdecode.drafters.dynamic_tree import GrownTree
 from specdecode.models.base import Runner
 from specdecode.models.device import synchronize
-from specdecode.sampling import params_tensors, sample, warp
-from specdecode.verify.tree import DETERMINISTIC, WITHOUT_REPLACEMENT
 
 
 CATCH_UP_WIDTH = 16  # a row with more tokens to read than this reads them through the runner's prefill
 
 
-class DraftModelDrafter(DrafterBase):
-    """Samples ``k`` tokens autoregressively from a draft model, warped like the target.
+class DraftModelDrafter(AutoregressiveDrafter):
+    """Samples ``k`` tokens autoregressively from a draft model, warped like the target (the loop:
+    :mod:`specdecode.drafters.autoregressive`).
 
     Per slot it remembers which tokens its KV cache holds (``_cached``); before drafting it rolls
     back to the part that still agrees with the sequence and feeds the rest (one token after a
@@ -45,13 +46,7 @@ class DraftModelDrafter(DrafterBase):
 
     def __init__(self, runner: Runner, vocab_size: int | None = None, confidence: float = 0.0,
                  tree_topk: int = 1, tree_nodes: int = 0) -> None:
-        if not 0.0 <= confidence < 1.0:
-            raise ValueError(f"draft confidence threshold must be in [0, 1), got {confidence!r}")
-        if tree_topk < 1 or (tree_topk > 1 and tree_nodes < 1):
-            raise ValueError(f"need tree_topk >= 1 and, for trees, tree_nodes >= 1; got {tree_topk}, {tree_nodes}")
-        self.confidence = confidence
-        self.tree_topk, self.tree_nodes = tree_topk, tree_nodes
-        self.max_tree_nodes = tree_nodes if tree_topk > 1 else 0
+        super().__init__(confidence, tree_topk, tree_nodes)
         self._tree: dict[int, tuple[int, GrownTree]] = {}  # slot -> (window start, the tree last proposed)
         self.runner = runner
         # the target's vocabulary size: draft logits past it are never sampled, and the draft
@@ -59,11 +54,6 @@ class DraftModelDrafter(DrafterBase):
         self.vocab_size = vocab_size or runner.vocab_size
         self._cached: dict[int, list[int]] = {}
         self._floor: dict[int, int] = {}  # a length known to agree with the sequence
-
-    def reserve(self, num_slots: int, max_len: int) -> None:
-        # greedy trees grow past the node budget before their rerank: room for that window too
-        extra = GROWTH * self.tree_nodes + 1 if self.tree_topk > 1 else 0
-        self.runner.ensure_capacity(num_slots, max_len + extra)
 
     def runners(self) -> dict[str, Runner]:
         return {"draft": self.runner}
@@ -181,58 +171,27 @@ class DraftModelDrafter(DrafterBase):
     def propose(self, seqs: Sequence[SequenceView], num_tokens: list[int]) -> Proposal:
         if self.tree_topk > 1:
             return self._propose_tree(seqs, num_tokens)
-        bsz, k_max, dev = len(seqs), max(num_tokens, default=0), self.runner.device
-        tokens = torch.zeros(bsz, k_max, dtype=torch.long, device=dev)
-        probs = None
+        bsz = len(seqs)
         rows = [b for b in range(bsz) if num_tokens[b] > 0]
         if not rows:
+            tokens = torch.zeros(bsz, max(num_tokens, default=0), dtype=torch.long, device=self.runner.device)
             return Proposal(tokens, None, torch.tensor(num_tokens, dtype=torch.long))
         active = [seqs[b] for b in rows]
-        ks = [num_tokens[b] for b in rows]
-
-        # 1. roll back to the agreeing prefix and feed what the cache lacks, up to the pending token
-        hidden = self._catch_up(active)
+        # roll back to the agreeing prefix and feed what the cache lacks, up to the pending token
+        hidden = self._catch_up(active)  # [A, H]
         slots = torch.tensor([s.slot for s in active])
+        starts = torch.tensor([len(s.token_ids) for s in active])  # where the first draft token goes
 
-        # 2. sample k tokens autoregressively with each sequence's own generator
-        params = [s.params for s in active]
-        temperature, top_k, top_p = params_tensors(params)
-        all_greedy = all(p.greedy for p in params)
-        uniforms = torch.zeros(len(active), k_max)
-        for i, s in enumerate(active):
-            if not s.params.greedy:
-                uniforms[i, : ks[i]] = torch.rand(ks[i], generator=s.generator)
-        step_probs = []
-        next_pos = torch.tensor([len(s.token_ids) for s in active])
-        j = 0
-        while j < max(ks):
-            logits = self._fit_vocab(self.runner.logits(hidden))  # [b, V]
-            if all_greedy:
-                tok = logits.argmax(-1)
-            else:
-                p = warp(logits, temperature, top_k, top_p)
-                tok = sample(p, uniforms[:, j])
-                step_probs.append(p)
-            tokens[rows, j] = tok
-            if self.confidence > 0:
-                ks = stop_unsure(ks, j, logits, None if all_greedy else p, tok, params, self.confidence)
-            j += 1
-            if j < max(ks):
-                hidden = self.runner.forward(slots, tok[:, None], (next_pos + j - 1)[:, None]).hidden[:, 0]
+        def feed(tok: torch.Tensor, j: int) -> torch.Tensor:  # the j-th draft token [A] -> logits after it [A, V]
+            return self._logits(self.runner.forward(slots, tok[:, None], (starts + j)[:, None]).hidden[:, 0])
 
-        # 3. remember what the cache now holds (the last proposed token was never fed)
-        for i, s in enumerate(active):
-            fed = tokens[rows[i], : ks[i] - 1].tolist()
+        proposal = propose_chain(bsz, rows, active, num_tokens, self._logits(hidden), feed, self.confidence)
+        # remember what the cache now holds (the last proposed token was never fed)
+        for b, s in zip(rows, active):
+            fed = proposal.tokens[b, : int(proposal.num_tokens[b]) - 1].tolist()
             self._cached[s.slot] = s.token_ids + fed
             self._floor[s.slot] = len(s.token_ids)
-        num = list(num_tokens)
-        for i, b in enumerate(rows):
-            num[b] = ks[i]
-        width = max(num)
-        if not all_greedy:
-            probs = torch.zeros(bsz, width, step_probs[0].shape[-1], device=dev)
-            probs[rows] = torch.stack(step_probs[:width], dim=1)
-        return Proposal(tokens[:, :width], probs, torch.tensor(num, dtype=torch.long))
+        return proposal
 
     @torch.inference_mode()
     def _propose_tree(self, seqs: Sequence[SequenceView], num_tokens: list[int]) -> Proposal:
@@ -241,78 +200,30 @@ class DraftModelDrafter(DrafterBase):
         if not rows:
             return Proposal.empty(bsz)
         active = [seqs[b] for b in rows]
-        root_logits = self._fit_vocab(self.runner.logits(self._catch_up(active)))  # [A, V]
+        root_logits = self._logits(self._catch_up(active))  # [A, V]
         starts = [len(s.token_ids) for s in active]  # tree node i is written at start + i
         slots = torch.tensor([s.slot for s in active])
 
-        def expand(trees: list[GrownTree], chosen: list[list[int]]) -> torch.Tensor:  # [A, E, V]
-            e_max, width = max(len(c) for c in chosen), max(len(t.tokens) for t in trees)
-            ids = torch.zeros(len(trees), e_max, dtype=torch.long)
-            positions = torch.zeros(len(trees), e_max, dtype=torch.long)
-            writes = torch.zeros(len(trees), e_max, dtype=torch.long)
-            mask = torch.zeros(len(trees), e_max, width, dtype=torch.bool)
-            for r, (tree, nodes) in enumerate(zip(trees, chosen)):
-                if not nodes:  # nothing to expand: a harmless write past any tree node, seeing the prefix
-                    positions[r], writes[r] = starts[r], starts[r] + GROWTH * self.tree_nodes
-                    continue
-                for e in range(e_max):
-                    i = nodes[min(e, len(nodes) - 1)]  # padding repeats the last node (same K/V, same place)
-                    ids[r, e], writes[r, e] = tree.tokens[i], starts[r] + tree.writes[i]
-                    positions[r, e] = starts[r] - 1 + tree.depths[i]
-                    mask[r, e, tree.ancestors_or_self(i)] = True
-            out = self.runner.forward(slots, ids, positions, write_positions=writes, tree_mask=mask,
-                                      tree_start=torch.tensor(starts))
-            return self._fit_vocab(self.runner.logits(out.hidden))
+        def forward(trees, chosen, ids: torch.Tensor, positions: torch.Tensor, **tree) -> torch.Tensor:  # [A, E, V]
+            return self._logits(self.runner.forward(slots, ids, positions, **tree).hidden)
 
-        trees = grow_trees(root_logits, [s.params for s in active], [s.generator for s in active],
-                           [num_tokens[b] for b in rows], self.tree_topk, self.tree_nodes, expand)
+        trees = grow_tree(active, [num_tokens[b] for b in rows], root_logits, starts, self.tree_topk, self.tree_nodes,
+                          forward)
         for s, start, tree in zip(active, starts, trees):
             self._cached[s.slot], self._floor[s.slot] = list(s.token_ids), start
             self._tree[s.slot] = (start, tree)
         return tree_proposal(bsz, rows, trees, all(s.params.greedy for s in active), dev)
 
-    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:  # [b, V_draft] -> [b, V_target]
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., V_target]
+        """The draft's logits over the target's vocabulary: past the draft's rows -inf, past the target's cut."""
+        logits = self.runner.logits(hidden)
         extra = self.vocab_size - logits.shape[-1]
         if extra > 0:
             return torch.nn.functional.pad(logits, (0, extra), value=-float("inf"))
         return logits[..., : self.vocab_size]
 
 
-def stop_unsure(ks: list[int], j: int, logits: torch.Tensor, probs: torch.Tensor | None, tok: torch.Tensor, params,
-                threshold: float) -> list[int]:
-    """End the chain of each row whose j-th token has draft probability below ``threshold``: the
-    warped probability it was sampled with, or for greedy rows the draft's softmax."""
-    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-    conf = probs.gather(1, tok[:, None])[:, 0] if probs is not None else torch.zeros(len(params), device=logits.device)
-    if greedy.any():
-        soft = torch.softmax(logits[greedy], dim=-1).gather(1, tok[greedy, None])[:, 0]
-        conf[greedy] = soft
-    return [j + 1 if j < k and c < threshold else k for k, c in zip(ks, conf.tolist())]
-
-
-def tree_proposal(bsz: int, rows: list[int], trees: list[GrownTree], greedy: bool, device) -> Proposal:
-    """Pack grown trees (of batch rows ``rows``) into a tree :class:`Proposal`."""
-    width = max(1, max(len(t.tokens) for t in trees))
-    tokens = torch.zeros(bsz, width, dtype=torch.long)
-    parents = torch.full((bsz, width), -1, dtype=torch.long)
-    num = torch.zeros(bsz, dtype=torch.long)
-    vocab = None if greedy else next((t.laws[0].shape[-1] for t in trees if t.laws), None)
-    probs = None if vocab is None else torch.zeros(bsz, width, vocab, device=device)
-    for b, tree in zip(rows, trees):
-        n = len(tree.tokens)
-        num[b] = n
-        if n:
-            tokens[b, :n] = torch.tensor(tree.tokens)
-            parents[b, :n] = torch.tensor(tree.parents)
-            if probs is not None:
-                probs[b, :n] = torch.stack(tree.laws)
-    rule = DETERMINISTIC if greedy else WITHOUT_REPLACEMENT
-    return Proposal(tokens.to(device), probs, num.to(device), parents.to(device), rule)
-
-
 def build(arg: str, ctx) -> DraftModelDrafter:
     """``--draft MODEL`` (or ``model:MODEL``): the draft model ``ctx`` loaded for ``arg``; a dynamic
     tree with ``--tree-topk K > 1``."""
-    cfg = ctx.config
-    return DraftModelDrafter(ctx.draft_runner(), ctx.target.vocab_size, cfg.draft_confidence,
-                             getattr(cfg, "tree_topk", 1), getattr(cfg, "tree_nodes", 0))
+    return DraftModelDrafter(ctx.draft_runner(), ctx.target.vocab_size, **draft_settings(ctx.config))

@@ -24,16 +24,13 @@ from typing import Sequence
 
 import torch
 
-from specdecode.drafters.base import DrafterBase, Proposal, SequenceView, TargetFeatures
-from specdecode.drafters.draft_model import stop_unsure, tree_proposal
-from specdecode.drafters.dynamic_tree import GROWTH, GrownTree, grow_trees
+from specdecode.drafters.autoregressive import (AutoregressiveDrafter, draft_settings, grow_tree, invariant_draws,
+                                                pad_nodes, propose_chain, tree_proposal)
+from specdecode.drafters.base import Proposal, SequenceView, TargetFeatures
 from specdecode.heads.eagle import FINAL_KEY, WEIGHTS, EagleModel
-from specdecode.heads.medusa import CONFIG, HeadsError
+from specdecode.heads.medusa import HeadsError, check_model, check_sizes, require_dir
 from specdecode.models.base import FINAL, Runner
 from specdecode.models.hf import HFRunner
-from specdecode.sampling import params_tensors, sample, warp
-
-FINGERPRINT_OVERLAP = 0.75
 
 
 def layer_ids(keys: list[str]) -> tuple[int, ...]:
@@ -52,32 +49,23 @@ class _Slot:
 
 
 
-class EagleDrafter(DrafterBase):
+class EagleDrafter(AutoregressiveDrafter):
     name = "eagle"
 
     def __init__(self, model: EagleModel, target: Runner, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, tree_topk: int = 1, tree_nodes: int = 0,
                  confidence: float = 0.0) -> None:
-        if tree_topk < 1 or (tree_topk > 1 and tree_nodes < 1):
-            raise ValueError(f"need tree_topk >= 1 and, for trees, tree_nodes >= 1; got {tree_topk}, {tree_nodes}")
-        if not 0.0 <= confidence < 1.0:
-            raise ValueError(f"draft confidence threshold must be in [0, 1), got {confidence!r}")
+        super().__init__(confidence, tree_topk, tree_nodes)
         self.model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
         self.target = target  # its input embeddings are the drafter's
         self.feature_layers = layer_ids(model.config.feature_layers)
         self.runner = HFRunner(self.model.decoder)
         self.vocab_size = target.vocab_size
         self.id_map = self.model.id_map.to(self.runner.device)
-        self.tree_topk, self.tree_nodes, self.confidence = tree_topk, tree_nodes, confidence
-        self.max_tree_nodes = tree_nodes if tree_topk > 1 else 0
         self._raw_layer = () if model.config.final_mode else (1,)  # the fed-back feature of fusion drafters
         self.slots: dict[int, _Slot] = {}
 
     # -- state -------------------------------------------------------------------------------------
-    def reserve(self, num_slots: int, max_len: int) -> None:
-        extra = GROWTH * self.tree_nodes + 1 if self.tree_topk > 1 else 0
-        self.runner.ensure_capacity(num_slots, max_len + extra)
-
     def runners(self) -> dict[str, Runner]:
         return {"eagle": self.runner}
 
@@ -176,108 +164,53 @@ class EagleDrafter(DrafterBase):
 
     def _chain(self, bsz: int, rows: list[int], active, g: torch.Tensor, logits: torch.Tensor,
                num_tokens: list[int]) -> Proposal:
-        ks = [num_tokens[b] for b in rows]
-        k_max, dev = max(ks), self.runner.device
-        params = [s.params for s in active]
-        temperature, top_k, top_p = params_tensors(params)
-        all_greedy = all(p.greedy for p in params)
-        uniforms = torch.zeros(len(active), k_max)
-        for i, s in enumerate(active):
-            if not s.params.greedy:
-                uniforms[i, : ks[i]] = torch.rand(ks[i], generator=s.generator)
-        tokens = torch.zeros(bsz, k_max, dtype=torch.long)
         slots = torch.tensor([s.slot for s in active])
-        next_pos = torch.tensor([len(s.token_ids) - 1 for s in active])  # the pending token's position
-        step_probs = []
-        j = 0
-        while j < max(ks):
-            p = None
-            if all_greedy:
-                tok = logits.argmax(-1)
-            else:
-                p = warp(logits, temperature, top_k, top_p)
-                tok = sample(p, uniforms[:, j])
-                step_probs.append(p)
-            tokens[rows, j] = tok.cpu()
-            if self.confidence > 0:
-                ks = stop_unsure(ks, j, logits, p, tok, params, self.confidence)
-            j += 1
-            if j < max(ks):
-                g, logits = self._run(slots, g[:, None], tok[:, None], (next_pos + j - 1)[:, None])
-                g, logits = g[:, 0], logits[:, 0]
-        num = list(num_tokens)
-        for i, b in enumerate(rows):
-            num[b] = ks[i]
-        for b in range(bsz):
-            if b not in rows:
-                num[b] = 0
-        width = max(num)
-        probs = None
-        if not all_greedy:
-            probs = torch.zeros(bsz, width, self.vocab_size, device=dev)
-            probs[rows] = torch.stack(step_probs[:width], dim=1)
-        return Proposal(tokens[:, :width], probs, torch.tensor(num, dtype=torch.long))
+        starts = torch.tensor([len(s.token_ids) - 1 for s in active])  # the pending token's position
+
+        def feed(tok: torch.Tensor, j: int) -> torch.Tensor:  # the j-th draft token [A] -> logits after it [A, V]
+            nonlocal g  # [A, H] the feature fed with it: the one the previous step predicted
+            g, step_logits = self._run(slots, g[:, None], tok[:, None], (starts + j)[:, None])
+            g = g[:, 0]
+            return step_logits[:, 0]
+
+        return propose_chain(bsz, rows, active, num_tokens, logits, feed, self.confidence)
 
     def _tree(self, bsz: int, rows: list[int], active, root_g: torch.Tensor, root_logits: torch.Tensor,
               num_tokens: list[int]) -> Proposal:
         starts = [len(s.token_ids) - 1 for s in active]  # the window: node i is written at start + i
         slots = torch.tensor([s.slot for s in active])
-        out_g: list[dict[int, torch.Tensor]] = [{-1: root_g[r]} for r in range(len(active))]
+        out_g: list[dict[int, torch.Tensor]] = [{-1: root_g[r]} for r in range(len(active))]  # node -> output feature
 
-        def expand(trees: list[GrownTree], chosen: list[list[int]]) -> torch.Tensor:  # [A, E, V]
-            e_max, width = max(len(c) for c in chosen), max(len(t.tokens) for t in trees)
-            g = torch.zeros(len(trees), e_max, self.model.config.hidden_size, device=self.runner.device,
-                            dtype=self.runner.dtype)
-            ids = torch.zeros(len(trees), e_max, dtype=torch.long)
-            positions = torch.zeros(len(trees), e_max, dtype=torch.long)
-            writes = torch.zeros(len(trees), e_max, dtype=torch.long)
-            mask = torch.zeros(len(trees), e_max, width, dtype=torch.bool)
-            for r, (tree, nodes) in enumerate(zip(trees, chosen)):
-                if not nodes:  # nothing to expand: a harmless write past any tree node, seeing the prefix
-                    positions[r], writes[r] = starts[r], starts[r] + GROWTH * self.tree_nodes
+        def forward(trees, chosen, ids: torch.Tensor, positions: torch.Tensor, **tree) -> torch.Tensor:  # [A, E, V]
+            g = torch.zeros(*ids.shape, self.model.config.hidden_size, device=self.runner.device,
+                            dtype=self.runner.dtype)  # each node is fed with its parent's output feature
+            for r, (t, nodes) in enumerate(zip(trees, chosen)):
+                if not nodes:
                     g[r] = root_g[r]
-                    continue
-                for e in range(e_max):
-                    i = nodes[min(e, len(nodes) - 1)]  # padding repeats the last node (same K/V, same place)
-                    g[r, e] = out_g[r][tree.parents[i]]
-                    ids[r, e], writes[r, e] = tree.tokens[i], starts[r] + tree.writes[i]
-                    positions[r, e] = starts[r] - 1 + tree.depths[i]
-                    mask[r, e, tree.ancestors_or_self(i)] = True
-            nxt, logits = self._run(slots, g, ids, positions, write_positions=writes, tree_mask=mask,
-                                    tree_start=torch.tensor(starts))
+                for e, i in enumerate(pad_nodes(nodes, ids.shape[1])):
+                    g[r, e] = out_g[r][t.parents[i]]
+            nxt, logits = self._run(slots, g, ids, positions, **tree)
             for r, nodes in enumerate(chosen):
                 for e, i in enumerate(nodes):
                     out_g[r][i] = nxt[r, e]
             return logits
 
-        trees = grow_trees(root_logits, [s.params for s in active], [s.generator for s in active],
-                           [num_tokens[b] for b in rows], self.tree_topk, self.tree_nodes, expand)
+        trees = grow_tree(active, [num_tokens[b] for b in rows], root_logits, starts, self.tree_topk, self.tree_nodes,
+                          forward)
         return tree_proposal(bsz, rows, trees, all(s.params.greedy for s in active), self.runner.device)
 
 
 def check_target(model: EagleModel, target: Runner, where: str) -> None:
     """Refuse a drafter trained for another target (sizes, feature layers, output-layer fingerprint)."""
-    from specdecode.heads.features import model_fingerprint
-
     cfg = model.config
-    spec = cfg.target.get("spec", "?")
-    if cfg.hidden_size != target.hidden_size:
-        raise HeadsError(f"EAGLE drafter {where} reads features of size {cfg.hidden_size}; this target's are "
-                         f"{target.hidden_size}: it was trained for another model ({spec})")
-    if cfg.vocab_size != target.vocab_size:
-        raise HeadsError(f"EAGLE drafter {where} predicts over a vocabulary of {cfg.vocab_size}; this target has "
-                         f"{target.vocab_size}: it was trained for another model ({spec})")
+    check_sizes("EAGLE drafter", "features", cfg, target, where)
     layers = [x for x in layer_ids(cfg.feature_layers) if x != FINAL]
     trained_depth = cfg.target.get("num_layers")
     if (trained_depth and trained_depth != target.num_layers) or any(x > target.num_layers for x in layers):
         raise HeadsError(f"EAGLE drafter {where} reads feature layers {cfg.feature_layers} of a {trained_depth}-layer "
-                         f"model; this target has {target.num_layers} layers: it was trained for another model ({spec})")
-    if int(model.id_map.max()) >= target.vocab_size:
-        raise HeadsError(f"EAGLE drafter {where}: id map names tokens outside the target's vocabulary")
-    expected = cfg.target.get("fingerprint")
-    if expected and len(set(expected) & set(model_fingerprint(target))) < FINGERPRINT_OVERLAP * len(expected):
-        raise HeadsError(f"EAGLE drafter {where} was trained for another model ({spec}): the target's output "
-                         "layer differs")
+                         f"model; this target has {target.num_layers} layers: it was trained for another model "
+                         f"({cfg.target.get('spec', '?')})")
+    check_model("EAGLE drafter", cfg, model.id_map, target, where)
 
 
 def validate(arg: str) -> None:
@@ -285,10 +218,7 @@ def validate(arg: str) -> None:
     if not arg:
         raise HeadsError("draft spec 'eagle' needs the drafter's directory: eagle:DIR (train one with "
                          "`specdecode heads train --kind eagle`)")
-    directory = Path(arg).expanduser()
-    if not (directory / CONFIG).is_file() or not (directory / WEIGHTS).is_file():
-        raise HeadsError(f"eagle:{arg}: {directory} is not an EAGLE drafter directory (needs {CONFIG} and {WEIGHTS}; "
-                         "train one with `specdecode heads train --kind eagle`)")
+    require_dir(Path(arg).expanduser(), WEIGHTS, "eagle", "an EAGLE drafter", f"eagle:{arg}: ")
 
 
 def draft_dtype(device, target_dtype: torch.dtype) -> torch.dtype:
@@ -307,12 +237,6 @@ def build(arg: str, ctx) -> EagleDrafter:
     validate(arg)
     model = EagleModel.load(Path(arg))
     check_target(model, ctx.target, arg)
-    if getattr(ctx.config, "batch_invariant", False):  # its draws then do not depend on the batch either
-        from specdecode.models import batch_invariant
-
-        batch_invariant.enable(model, batch_invariant.DRAFT_WORKLOAD)
-    cfg = ctx.config
-    tree = (getattr(cfg, "tree_topk", 1), getattr(cfg, "tree_nodes", 0)) if cfg else (1, 0)
+    invariant_draws(model, ctx.config)
     dtype = draft_dtype(ctx.target.device, ctx.target.dtype)
-    confidence = getattr(cfg, "draft_confidence", 0.0) if cfg else 0.0
-    return EagleDrafter(model, ctx.target, ctx.target.device, dtype, *tree, confidence=confidence)
+    return EagleDrafter(model, ctx.target, ctx.target.device, dtype, **draft_settings(ctx.config))

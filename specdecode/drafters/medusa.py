@@ -22,13 +22,11 @@ from typing import Sequence
 
 import torch
 
+from specdecode.drafters.autoregressive import check_tree, draft_settings, invariant_draws
 from specdecode.drafters.base import DrafterBase, Proposal, SequenceView, TargetFeatures
-from specdecode.heads.medusa import HeadsError, MedusaHeads, static_tree
+from specdecode.heads.medusa import HeadsError, MedusaHeads, check_model, check_sizes, static_tree
 from specdecode.models.base import FINAL, Runner
 from specdecode.verify.tree import DETERMINISTIC
-
-FINGERPRINT_OVERLAP = 0.75  # share of the probe tokens in common: the heads' target and this one are one model
-
 
 class MedusaDrafter(DrafterBase):
     name = "medusa"
@@ -36,8 +34,7 @@ class MedusaDrafter(DrafterBase):
 
     def __init__(self, heads: MedusaHeads, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  tree_topk: int = 1, tree_nodes: int = 0, confidence: float = 0.0) -> None:
-        if tree_topk < 1 or (tree_topk > 1 and tree_nodes < 1):
-            raise ValueError(f"need tree_topk >= 1 and, for trees, tree_nodes >= 1; got {tree_topk}, {tree_nodes}")
+        check_tree(tree_topk, tree_nodes)
         self.heads = heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
         self.num_heads = heads.config.num_heads
         self.tree_topk = tree_topk
@@ -117,34 +114,18 @@ class MedusaDrafter(DrafterBase):
 
 def check_target(heads: MedusaHeads, target: Runner, where: str) -> None:
     """Refuse heads trained for another target: sizes first, then the model fingerprint."""
-    from specdecode.heads.features import model_fingerprint
-
-    cfg = heads.config
-    if cfg.hidden_size != target.hidden_size:
-        raise HeadsError(f"heads {where} read hidden states of size {cfg.hidden_size}; this target's are "
-                         f"{target.hidden_size}: they were trained for another model ({cfg.target.get('spec', '?')})")
-    if cfg.vocab_size != target.vocab_size:
-        raise HeadsError(f"heads {where} predict over a vocabulary of {cfg.vocab_size}; this target has "
-                         f"{target.vocab_size}: they were trained for another model ({cfg.target.get('spec', '?')})")
-    if int(heads.id_map.max()) >= target.vocab_size:
-        raise HeadsError(f"heads {where}: id map names tokens outside the target's vocabulary")
-    expected = cfg.target.get("fingerprint")
-    if expected and len(set(expected) & set(model_fingerprint(target))) < FINGERPRINT_OVERLAP * len(expected):
-        raise HeadsError(f"heads {where} were trained for another model ({cfg.target.get('spec', '?')}): "
-                         "the target's output layer differs")
+    check_sizes("heads", "hidden states", heads.config, target, where)
+    check_model("heads", heads.config, heads.id_map, target, where)
 
 
 def validate(arg: str) -> None:
     """Cheap checks before any model loads: the spec names a heads directory."""
-    from specdecode.heads.medusa import CONFIG, WEIGHTS
+    from specdecode.heads.medusa import WEIGHTS, require_dir
 
     if not arg:
         raise HeadsError("draft spec 'medusa' needs the heads directory: medusa:DIR (train one with "
                          "`specdecode heads train --kind medusa`)")
-    directory = Path(arg).expanduser()
-    if not (directory / CONFIG).is_file() or not (directory / WEIGHTS).is_file():
-        raise HeadsError(f"medusa:{arg}: {directory} is not a heads directory (needs {CONFIG} and {WEIGHTS}; train "
-                         "one with `specdecode heads train --kind medusa`)")
+    require_dir(Path(arg).expanduser(), WEIGHTS, "medusa", "a heads", f"medusa:{arg}: ")
 
 
 def build(arg: str, ctx) -> MedusaDrafter:
@@ -152,11 +133,6 @@ def build(arg: str, ctx) -> MedusaDrafter:
     validate(arg)
     heads = MedusaHeads.load(Path(arg))
     check_target(heads, ctx.target, arg)
-    if getattr(ctx.config, "batch_invariant", False):  # its draws then do not depend on the batch either
-        from specdecode.models import batch_invariant
-
-        batch_invariant.enable(heads, batch_invariant.DRAFT_WORKLOAD)
-    tree = (getattr(ctx.config, "tree_topk", 1), getattr(ctx.config, "tree_nodes", 0)) if ctx.config else (1, 0)
+    invariant_draws(heads, ctx.config)
     dtype = torch.float32 if str(ctx.target.device) == "cpu" else ctx.target.dtype
-    confidence = getattr(ctx.config, "draft_confidence", 0.0) if ctx.config else 0.0
-    return MedusaDrafter(heads, ctx.target.device, dtype, *tree, confidence=confidence)
+    return MedusaDrafter(heads, ctx.target.device, dtype, **draft_settings(ctx.config))

@@ -29,14 +29,13 @@ the ordinary :class:`~specdecode.models.hf.HFRunner` (slot KV cache, tree masks,
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from specdecode.heads.medusa import CONFIG, HeadsError
+from specdecode.heads.medusa import CONFIG, HeadsError, load_dir, save_dir
 
 WEIGHTS = "eagle.safetensors"
 FINAL_KEY = "final"
@@ -204,40 +203,12 @@ class EagleModel(nn.Module):
 
     # -- persistence ---------------------------------------------------------------------------------
     def save(self, directory: str | Path) -> None:
-        from safetensors.torch import save_file
-
-        from specdecode.fsutil import make_readable
-
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items() if k != _TIED}
-        tmp = directory / (WEIGHTS + ".tmp")
-        save_file(state, str(tmp))
-        make_readable(tmp)
-        tmp.replace(directory / WEIGHTS)
-        (directory / CONFIG).write_text(json.dumps(asdict(self.config), indent=1))
+        save_dir(directory, {k: v for k, v in self.state_dict().items() if k != _TIED}, self.config, WEIGHTS)
 
     @classmethod
     def load(cls, directory: str | Path) -> "EagleModel":
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
         directory = Path(directory).expanduser()
-        if not (directory / CONFIG).is_file() or not (directory / WEIGHTS).is_file():
-            raise HeadsError(f"{directory}: not an EAGLE drafter directory (needs {CONFIG} and {WEIGHTS}; train one "
-                             "with `specdecode heads train --kind eagle`)")
-        try:
-            config = EagleConfig(**json.loads((directory / CONFIG).read_text()))
-        except (json.JSONDecodeError, TypeError) as exc:
-            raise HeadsError(f"{directory / CONFIG}: not an EAGLE config ({exc})") from None
-        if config.kind != "eagle":
-            raise HeadsError(f"{directory}: heads of kind {config.kind!r}, not eagle")
-        try:
-            state = load_file(str(directory / WEIGHTS))
-        except (SafetensorError, OSError) as exc:
-            raise HeadsError(f"{directory / WEIGHTS}: unreadable ({exc})") from None
-        if "id_map" not in state:
-            raise HeadsError(f"{directory / WEIGHTS}: no id_map")
+        config, state = load_dir(directory, WEIGHTS, EagleConfig, "an EAGLE drafter")
         model = cls(config, state["id_map"])
         missing, unexpected = model.load_state_dict(state, strict=False)
         if unexpected or set(missing) - {_TIED}:

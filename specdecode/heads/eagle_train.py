@@ -23,12 +23,13 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
 from specdecode.heads.eagle import FINAL_KEY, EagleConfig, EagleModel, decoder_config, eagle3_layers
 from specdecode.heads.features import FeatureError, FeatureSet, layer_key
-from specdecode.heads.train import Loop, check_compute_dtype, draft_vocabulary, held_out_docs, lm_target
+from specdecode.heads.train import CommonSettings, Loop, draft_vocabulary, held_out_docs, lm_target
 
 EVAL_LEVELS = 6  # draft positions scored on held-out chunks
 # anchor rows whose float32 log-probabilities are formed at once: a [256, 16384] float32 block is 16 MiB, under
@@ -38,36 +39,20 @@ LOSS_ROWS = 256
 
 
 @dataclass
-class EagleSettings:
+class EagleSettings(CommonSettings):
     layers: str = "final"  # feature layers: final | eagle3 | comma-separated decoder-layer indices
-    draft_vocab: int = 16384
     intermediate_size: int = 0  # 0 = the target's
     ttt_steps: int = 3  # unrolled levels per anchor
-    epochs: float = 2.0
     batch_chunks: int = 1
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    warmup: float = 0.05
     level_decay: float = 0.8
-    soft_weight: float = 0.8
     feature_weight: float = 0.5
     feature_noise: float = 0.05
-    held_out: float = 0.1
-    max_train_tokens: int = 0
-    seed: int = 0
-    compute_dtype: str = "float32"  # or bfloat16: autocast of the forward (Loop)
+    positive: ClassVar[tuple[str, ...]] = ("draft_vocab", "ttt_steps", "batch_chunks")
 
     def validate(self) -> None:
-        check_compute_dtype(self.compute_dtype)
-        for name in ("draft_vocab", "ttt_steps", "batch_chunks"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        super().validate()
         if self.intermediate_size < 0:
             raise ValueError("--intermediate-size must be >= 0 (0 = the target's)")
-        if not (self.epochs > 0 and self.lr > 0):
-            raise ValueError("--epochs and --lr must be > 0")
-        if not (0 <= self.soft_weight <= 1 and 0 <= self.warmup < 1 and 0 < self.held_out < 1):
-            raise ValueError("need 0 <= --soft-weight <= 1, 0 <= --warmup < 1 and 0 < --held-out < 1")
         if self.feature_weight < 0 or self.feature_noise < 0:
             raise ValueError("--feature-weight and --feature-noise must be >= 0")
 

@@ -70,6 +70,16 @@ def model_fingerprint(runner: Runner) -> list[int]:
     return [int(t) for t in runner.logits(probe)[0].topk(min(16, runner.vocab_size // 2)).indices.tolist()]
 
 
+FINGERPRINT_OVERLAP = 0.75  # share of the probe tokens in common: two fingerprints of one model
+
+
+def same_model(fingerprint: list[int], runner: Runner) -> bool:
+    """Whether ``runner`` is the model ``fingerprint`` (:func:`model_fingerprint`) was taken of; an empty one passes."""
+    if not fingerprint:
+        return True
+    return len(set(fingerprint) & set(model_fingerprint(runner))) >= FINGERPRINT_OVERLAP * len(fingerprint)
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as fh:

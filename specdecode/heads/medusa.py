@@ -10,7 +10,8 @@ ids). A token outside it is never drafted, which costs acceptance, never exactne
 
 Saved as ``config.json`` + ``heads.safetensors`` in one directory; ``config.json`` names the target
 (sizes and a fingerprint) and keeps the held-out accuracy by head and rank, from which the static
-draft tree is built (:func:`static_tree`).
+draft tree is built (:func:`static_tree`). The directory and the checks against a target are shared
+with EAGLE (:func:`save_dir`, :func:`load_dir`, :func:`check_sizes`, :func:`check_model`).
 """
 
 from __future__ import annotations
@@ -77,40 +78,12 @@ class MedusaHeads(nn.Module):
 
     # -- persistence --------------------------------------------------------------------------------
     def save(self, directory: str | Path) -> None:
-        from safetensors.torch import save_file
-
-        from specdecode.fsutil import make_readable
-
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
-        save_file(state, str(directory / (WEIGHTS + ".tmp")))
-        make_readable(directory / (WEIGHTS + ".tmp"))
-        (directory / (WEIGHTS + ".tmp")).replace(directory / WEIGHTS)
-        (directory / CONFIG).write_text(json.dumps(asdict(self.config), indent=1))
+        save_dir(directory, self.state_dict(), self.config, WEIGHTS)
 
     @classmethod
     def load(cls, directory: str | Path) -> "MedusaHeads":
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
         directory = Path(directory).expanduser()
-        if not (directory / CONFIG).is_file() or not (directory / WEIGHTS).is_file():
-            raise HeadsError(f"{directory}: not a heads directory (needs {CONFIG} and {WEIGHTS}; train one with "
-                             "`specdecode heads train`)")
-        try:
-            raw = json.loads((directory / CONFIG).read_text())
-            config = MedusaConfig(**raw)
-        except (json.JSONDecodeError, TypeError) as exc:
-            raise HeadsError(f"{directory / CONFIG}: not a Medusa heads config ({exc})") from None
-        if config.kind != "medusa":
-            raise HeadsError(f"{directory}: heads of kind {config.kind!r}, not medusa")
-        try:
-            state = load_file(str(directory / WEIGHTS))
-        except (SafetensorError, OSError) as exc:
-            raise HeadsError(f"{directory / WEIGHTS}: unreadable ({exc})") from None
-        if "id_map" not in state:
-            raise HeadsError(f"{directory / WEIGHTS}: no id_map")
+        config, state = load_dir(directory, WEIGHTS, MedusaConfig, "a heads")
         heads = cls(config, state["id_map"])
         try:
             heads.load_state_dict(state)
@@ -118,6 +91,76 @@ class MedusaHeads(nn.Module):
             raise HeadsError(f"{directory / WEIGHTS}: weights do not match {CONFIG} ({str(exc).splitlines()[0]})") from None
         heads.eval().requires_grad_(False)
         return heads
+
+
+def save_dir(directory: str | Path, state: dict[str, torch.Tensor], config, weights: str) -> None:
+    """Write a trained drafter: ``state`` to ``directory/weights`` (renamed into place) and ``config`` as JSON."""
+    from safetensors.torch import save_file
+
+    from specdecode.fsutil import make_readable
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / (weights + ".tmp")
+    save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(tmp))
+    make_readable(tmp)
+    tmp.replace(directory / weights)
+    (directory / CONFIG).write_text(json.dumps(asdict(config), indent=1))
+
+
+# -- what every trained drafter (Medusa heads, EAGLE) shares: its directory, its checks against a target ---
+def check_sizes(name: str, reads: str, config, target, where: str) -> None:
+    """Refuse a drafter (``name`` "heads", reading ``reads`` "hidden states") sized for another target."""
+    spec = config.target.get("spec", "?")
+    if config.hidden_size != target.hidden_size:
+        raise HeadsError(f"{name} {where}: trained on {reads} of size {config.hidden_size}, this target's are "
+                         f"{target.hidden_size}; trained for another model ({spec})")
+    if config.vocab_size != target.vocab_size:
+        raise HeadsError(f"{name} {where}: trained over a vocabulary of {config.vocab_size}, this target has "
+                         f"{target.vocab_size}; trained for another model ({spec})")
+
+
+def check_model(name: str, config, id_map: torch.Tensor, target, where: str) -> None:
+    """Refuse a drafter whose draft vocabulary leaves the target's, or trained for another model (its fingerprint)."""
+    from specdecode.heads.features import same_model
+
+    if int(id_map.max()) >= target.vocab_size:
+        raise HeadsError(f"{name} {where}: id map names tokens outside the target's vocabulary")
+    if not same_model(config.target.get("fingerprint") or [], target):
+        raise HeadsError(f"{name} {where}: trained for another model ({config.target.get('spec', '?')}): the "
+                         "target's output layer differs")
+
+
+def require_dir(directory: Path, weights: str, kind: str, noun: str, spec: str = "") -> None:
+    """Refuse a path that is not a trained drafter's directory (``noun``: "a heads"; ``spec``: a draft spec's
+    prefix, "medusa:DIR: ")."""
+    if not (directory / CONFIG).is_file() or not (directory / weights).is_file():
+        raise HeadsError(f"{spec}{directory} is not {noun} directory (needs {CONFIG} and {weights}; train one with "
+                         f"`specdecode heads train --kind {kind}`)")
+
+
+def load_dir(directory: str | Path, weights: str, config_type: type, noun: str) -> tuple:
+    """Read a directory :func:`save_dir` wrote: ``(config, state)``, or a :class:`HeadsError` naming what is
+    wrong. ``config_type`` (a dataclass with a ``kind``) names the kind; ``noun`` ("a heads") the directory."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    directory = Path(directory).expanduser()
+    kind = config_type.kind
+    require_dir(directory, weights, kind, noun)
+    try:
+        config = config_type(**json.loads((directory / CONFIG).read_text()))
+    except (json.JSONDecodeError, TypeError) as exc:
+        raise HeadsError(f"{directory / CONFIG}: not {noun} config ({exc})") from None
+    if config.kind != kind:
+        raise HeadsError(f"{directory}: heads of kind {config.kind!r}, not {kind}")
+    try:
+        state = load_file(str(directory / weights))
+    except (SafetensorError, OSError) as exc:
+        raise HeadsError(f"{directory / weights}: unreadable ({exc})") from None
+    if "id_map" not in state:
+        raise HeadsError(f"{directory / weights}: no id_map")
+    return config, state
 
 
 def static_tree(accuracy: list[list[float]], num_nodes: int, max_depth: int) -> tuple[list[int], list[int], list[int]]:

@@ -24,6 +24,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -89,33 +90,42 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 
 @dataclass
-class TrainSettings:
-    num_heads: int = 4
-    depth: int = 1
+class CommonSettings:
+    """What training takes for every drafter kind: the output rows, the schedule, the label mix, the split, the seed."""
+
     draft_vocab: int = 16384
-    train_output: bool = False
     epochs: float = 2.0
-    batch_size: int = 256
     lr: float = 1e-3
     weight_decay: float = 0.0
     warmup: float = 0.05
-    head_decay: float = 0.8
     soft_weight: float = 0.8
     held_out: float = 0.1
     max_train_tokens: int = 0
     seed: int = 0
     compute_dtype: str = "float32"  # or bfloat16: autocast of the forward (Loop)
+    positive: ClassVar[tuple[str, ...]] = ()  # a kind's sizes that must be >= 1
 
     def validate(self) -> None:
         check_compute_dtype(self.compute_dtype)
-        positive = ("num_heads", "depth", "draft_vocab", "batch_size")
-        for name in positive:
+        for name in self.positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if not (self.epochs > 0 and self.lr > 0):
             raise ValueError("--epochs and --lr must be > 0")
         if not (0 <= self.soft_weight <= 1 and 0 <= self.warmup < 1 and 0 < self.held_out < 1):
             raise ValueError("need 0 <= --soft-weight <= 1, 0 <= --warmup < 1 and 0 < --held-out < 1")
+
+
+@dataclass
+class TrainSettings(CommonSettings):
+    """Medusa heads."""
+
+    num_heads: int = 4
+    depth: int = 1
+    train_output: bool = False
+    batch_size: int = 256
+    head_decay: float = 0.8
+    positive: ClassVar[tuple[str, ...]] = ("num_heads", "depth", "draft_vocab", "batch_size")
 
 
 @dataclass
@@ -249,12 +259,12 @@ class TargetParts:
 
 def lm_target(target, fingerprint: list[int]) -> TargetParts:
     """Load the target (a spec, or an already loaded HF causal LM) and check it is the extracted one."""
-    from specdecode.heads.features import model_fingerprint
+    from specdecode.heads.features import same_model
     from specdecode.models.hf import HFRunner
     from specdecode.models.loading import load_model
 
     model = load_model(target, torch.float32, "cpu")[0] if isinstance(target, str) else target
-    if len(set(model_fingerprint(HFRunner(model))) & set(fingerprint)) < 0.75 * len(fingerprint):
+    if not same_model(fingerprint, HFRunner(model)):
         raise FeatureError(f"target {getattr(model.config, 'name_or_path', target)!r} is not the model the features "
                            "were extracted from")
     norm = getattr(model.base_model, "norm", None)
@@ -466,18 +476,19 @@ def main(args: argparse.Namespace) -> int:
     compute = args.compute_dtype
     if compute == "auto":
         compute = "bfloat16" if native_bf16("cpu") else "float32"
+    common = dict(draft_vocab=args.draft_vocab, epochs=args.epochs, lr=args.lr or 1e-3, weight_decay=args.weight_decay,
+                  warmup=args.warmup, soft_weight=args.soft_weight, held_out=args.held_out,
+                  max_train_tokens=args.max_train_tokens, seed=args.seed, compute_dtype=compute)
     if args.kind == "eagle":
         from specdecode.heads.eagle_train import EagleSettings, train as run
 
-        settings = EagleSettings(args.eagle_layers, args.draft_vocab, args.intermediate_size, args.ttt_steps,
-                                 args.epochs, args.batch_chunks, args.lr or 1e-3, args.weight_decay, args.warmup,
-                                 args.level_decay, args.soft_weight, args.feature_weight, args.feature_noise,
-                                 args.held_out, args.max_train_tokens, args.seed, compute)
+        settings = EagleSettings(layers=args.eagle_layers, intermediate_size=args.intermediate_size,
+                                 ttt_steps=args.ttt_steps, batch_chunks=args.batch_chunks, level_decay=args.level_decay,
+                                 feature_weight=args.feature_weight, feature_noise=args.feature_noise, **common)
     else:
         run = train
-        settings = TrainSettings(args.num_heads, args.depth, args.draft_vocab, args.train_output, args.epochs,
-                                 args.batch_size, args.lr or 1e-3, args.weight_decay, args.warmup, args.head_decay,
-                                 args.soft_weight, args.held_out, args.max_train_tokens, args.seed, compute)
+        settings = TrainSettings(num_heads=args.num_heads, depth=args.depth, train_output=args.train_output,
+                                 batch_size=args.batch_size, head_decay=args.head_decay, **common)
     try:
         settings.validate()
         if args.checkpoint_every < 1:
