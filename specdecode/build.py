@@ -4,7 +4,7 @@ serve) turn their ``--target/--draft`` flags into models, runners and a drafter.
 from __future__ import annotations
 
 import argparse
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, fields
 from typing import TYPE_CHECKING
 
 from specdecode.errors import UserError
@@ -13,9 +13,8 @@ from specdecode.models.backends import BackendRefused, Choice, Model, Request, S
 from specdecode.models.device import device_arg, dtype_arg
 
 if TYPE_CHECKING:
-    import torch
-
     from specdecode.engine import Engine
+    from specdecode.models.base import Runner
 
 
 class PairError(UserError, ValueError):
@@ -66,11 +65,21 @@ class EngineConfig:
     backend: str = "auto"
     threads: int | None = None  # llama.cpp backend: CPU threads (default: every core this process may use)
     recalibrate: bool = False  # auto policy: measure the cost model again instead of reading its cache
+    # streamed output (generate, serve): a sequence's first token comes from the target alone, so the drafter
+    # never delays it (Engine.add_batch)
+    first_token_from_target: bool = False
+    # tokens one engine step carries: the running verify windows + a chunk of waiting prompts (serve's
+    # --max-num-batched-tokens); None: a prompt is prefilled whole in the step after its admission
+    max_num_batched_tokens: int | None = None
+    batched_tokens_per_seq: int = 0  # > 0: the step budget grows to this many tokens per admitted sequence
 
     @property
     def drafts(self) -> list[str]:
         """Every drafter spec: ``draft`` and the extra ones."""
         return ([self.draft] if self.draft else []) + list(self.extra_drafts)
+
+
+DEFAULTS = EngineConfig("")  # every flag's default is its field's: one default from flag to use
 
 
 class DraftAction(argparse.Action):
@@ -127,28 +136,29 @@ def add_model_arguments(parser: argparse.ArgumentParser, draft_required: bool = 
                         "with --draft-policy auto to let the selector choose among several (at most one model)"
                         + ("" if draft_required else "; omit for target-only"))
     parser.set_defaults(extra_drafts=[])
-    g.add_argument("--num-draft-tokens", "-k", type=int, default=4, help="tokens drafted per step (default 4)")
-    g.add_argument("--device", type=device_arg, default="auto",
+    g.add_argument("--num-draft-tokens", "-k", type=int, default=DEFAULTS.num_draft_tokens,
+                   help=f"tokens drafted per step (default {DEFAULTS.num_draft_tokens})")
+    g.add_argument("--device", type=device_arg, default=DEFAULTS.device,
                    help="auto | cpu | cuda | cuda:N (default auto: CUDA when present, else the CPU)")
-    g.add_argument("--dtype", type=dtype_arg, default="auto",
+    g.add_argument("--dtype", type=dtype_arg, default=DEFAULTS.dtype,
                    help="bfloat16 | float16 | float32 | auto (default: bfloat16 where the device has native bf16 "
                         "matmuls (CUDA, AVX512-BF16/AMX CPUs), else float32)")
-    g.add_argument("--max-context", type=int, default=None, help="max prompt+generated tokens (default min(model, 4096))")
-    g.add_argument("--draft-policy", choices=POLICIES, default="fixed",
+    g.add_argument("--max-context", type=int, default=DEFAULTS.max_context, help="max prompt+generated tokens (default min(model, 4096))")
+    g.add_argument("--draft-policy", choices=POLICIES, default=DEFAULTS.draft_policy,
                    help="fixed: always -k tokens; acceptance: start at -k, +2 after a fully accepted step, "
                         "-1 after a rejection, per sequence, up to --max-draft-tokens; auto: before each step "
                         "choose per sequence the drafter (of the --draft given), the length up to "
                         "--max-draft-tokens, or no drafting, from this machine's measured costs (cached; "
                         "--recalibrate) and each request's acceptance (docs/architecture.md)")
-    g.add_argument("--max-draft-tokens", type=int, default=16,
-                   help="upper bound for --draft-policy acceptance and auto (default 16)")
-    g.add_argument("--catch-up-tokens", type=int, default=64, metavar="N",
+    g.add_argument("--max-draft-tokens", type=int, default=DEFAULTS.max_draft_tokens,
+                   help=f"upper bound for --draft-policy acceptance and auto (default {DEFAULTS.max_draft_tokens})")
+    g.add_argument("--catch-up-tokens", type=int, default=DEFAULTS.catch_up_tokens, metavar="N",
                    help="--draft-policy auto: beside other sequences, a draft model starting late on a request "
                         "reads its history N tokens per step in all, so no step waits for a whole prompt "
                         "(alone it reads at once; default 64)")
     g.add_argument("--recalibrate", action="store_true",
                    help="--draft-policy auto: measure the step costs again instead of using the cached ones")
-    g.add_argument("--draft-confidence", type=float, default=0.0, metavar="P",
+    g.add_argument("--draft-confidence", type=float, default=DEFAULTS.draft_confidence, metavar="P",
                    help="draft model and Medusa heads: end a sequence's draft chain after a token whose draft probability "
                         "is below P (0 = off, the default; transformers' assisted generation uses 0.4). "
                         "Exact either way: only the draft length changes")
@@ -159,64 +169,62 @@ def add_model_arguments(parser: argparse.ArgumentParser, draft_required: bool = 
                             "configs other than none are named <config>@<mode>. The target is untouched")
     else:
         g.add_argument("--draft-quantization", choices=("none", "int8", "int4", "auto", "gguf", "q8_0", "q4_0"),
-                       default="none",
+                       default=DEFAULTS.draft_quantization,
                        help="quantize the draft model's weights (the target is untouched, so output stays exact): "
                             "int8, int4, or auto (the fastest on this machine, measured once and cached); for a .gguf "
                             "draft, gguf keeps the file's own quantization and runs the draft on llama.cpp's kernels "
                             "beside any target, q8_0/q4_0 requantize it once (cached) and do the same; a draft spec's "
                             "@mode suffix (e.g. qwen2.5-coder-0.5b@int8) wins. Default none")
-    g.add_argument("--target-quantization", choices=("none", "int8", "int4"), default="none",
+    g.add_argument("--target-quantization", choices=("none", "int8", "int4"), default=DEFAULTS.target_quantization,
                    help="LOSSY: quantize the target itself. Output then follows the quantized target's law (still "
                         "exactly, speculation included), not the model you named; every output is marked "
                         "\"lossy\": true. Never the default")
-    g.add_argument("--tree-topk", type=int, default=1, metavar="K",
+    g.add_argument("--tree-topk", type=int, default=DEFAULTS.tree_topk, metavar="K",
                    help="draft a tree: K children per expanded node (1 = a chain, the default); depth = -k. "
                         "Exact for greedy and sampling (docs/architecture.md)")
-    g.add_argument("--tree-nodes", type=int, default=16, metavar="N",
+    g.add_argument("--tree-nodes", type=int, default=DEFAULTS.tree_nodes, metavar="N",
                    help="trees: draft nodes verified per step, the pending token excluded (default 16)")
-    g.add_argument("--acceptance", choices=("exact", "typical"), default="exact",
+    g.add_argument("--acceptance", choices=("exact", "typical"), default=DEFAULTS.acceptance,
                    help="exact (default): rejection sampling, the output follows the target's law. typical: LOSSY "
                         "Medusa-style typical acceptance for sampled requests (accept a draft token when its target "
                         "probability exceeds min(epsilon, alpha * exp(-entropy))); every output is marked "
                         "\"lossy\": true and `check` fails it")
-    g.add_argument("--typical-epsilon", type=float, default=0.09, help="typical acceptance: epsilon (default 0.09)")
-    g.add_argument("--typical-alpha", type=float, default=0.3, help="typical acceptance: alpha (default 0.3)")
-    g.add_argument("--batch-invariant", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
+    g.add_argument("--typical-epsilon", type=float, default=DEFAULTS.typical_epsilon,
+                   help=f"typical acceptance: epsilon (default {DEFAULTS.typical_epsilon})")
+    g.add_argument("--typical-alpha", type=float, default=DEFAULTS.typical_alpha,
+                   help=f"typical acceptance: alpha (default {DEFAULTS.typical_alpha})")
+    g.add_argument("--batch-invariant", nargs="?", const="on", default=DEFAULTS.batch_invariant, choices=("auto", "on", "off"),
                    help="compute every row the same way whatever else is in the batch: greedy outputs and seeded "
                         "samples then do not depend on concurrent requests or on the verify width, so speculation "
                         "reproduces target-only decoding bit for bit in bf16 too. auto (default): on for bf16/fp16 "
                         "on a CPU, off in float32 (there only exact near-ties can differ) and on CUDA; costs speed "
                         "(docs/benchmarks.md); chains only (with --tree-topk > 1, auto means off)")
-    g.add_argument("--backend", type=backend_arg, default="auto", metavar="{auto," + ",".join(backends.names()) + "}",
+    g.add_argument("--backend", type=backend_arg, default=DEFAULTS.backend, metavar="{auto," + ",".join(backends.names()) + "}",
                    help="what runs the models (`specdecode models backends` prints what each supports): torch "
                         "(PyTorch, CPU or CUDA), llamacpp (llama.cpp's kernels on the CPU, .gguf files as they are "
                         "quantized; `scripts/install-llamacpp.sh`), toy (a built-in tiny model, --target toy:SEED, "
                         "for trying things out), or auto (default): the first that can run the settings, llamacpp "
                         "for a .gguf target when it is installed and nothing asked needs torch (EAGLE, --dtype, "
                         "quantization flags, --batch-invariant on, CUDA), else torch; it says which on one line")
-    g.add_argument("--threads", type=int, default=None, metavar="N",
+    g.add_argument("--threads", type=int, default=DEFAULTS.threads, metavar="N",
                    help="CPU threads: llama.cpp's (default: every core this process may use) and torch's "
                         "(default: torch's choice; 1 is steadier on a shared machine)")
-    g.add_argument("--verify-budget", type=int, default=0, metavar="N",
+    g.add_argument("--verify-budget", type=int, default=DEFAULTS.verify_budget, metavar="N",
                    help="load-aware draft length: verify at most N tokens per step across the batch, so each of "
                         "B sequences drafts at most N // B - 1 (target-only once B >= N); 0 = no cap (default)")
 
 
-def config_from_args(args: argparse.Namespace, max_batch_size: int = 1) -> EngineConfig:
-    dtype = args.dtype if getattr(args, "dtype_given", True) else "auto"
-    return EngineConfig(
-        args.target, args.draft, extra_drafts=tuple(getattr(args, "extra_drafts", None) or ()),
-        num_draft_tokens=args.num_draft_tokens, dtype=dtype, device=getattr(args, "device", "auto"),
-        max_batch_size=max_batch_size, max_context=args.max_context,
-        draft_policy=getattr(args, "draft_policy", "fixed"), max_draft_tokens=getattr(args, "max_draft_tokens", 16),
-        catch_up_tokens=getattr(args, "catch_up_tokens", 64),
-        draft_confidence=getattr(args, "draft_confidence", 0.0), verify_budget=getattr(args, "verify_budget", 0),
-        draft_quantization=_single(getattr(args, "draft_quantization", "none")),
-        target_quantization=getattr(args, "target_quantization", "none"), tree_topk=getattr(args, "tree_topk", 1),
-        tree_nodes=getattr(args, "tree_nodes", 16), acceptance=getattr(args, "acceptance", "exact"),
-        typical_epsilon=getattr(args, "typical_epsilon", 0.09), typical_alpha=getattr(args, "typical_alpha", 0.3),
-        batch_invariant=getattr(args, "batch_invariant", "auto"), backend=getattr(args, "backend", "auto"),
-        threads=getattr(args, "threads", None), recalibrate=getattr(args, "recalibrate", False))
+def config_from_args(args: argparse.Namespace, max_batch_size: int = 1, **decided) -> EngineConfig:
+    """The one plan of a command: every :class:`EngineConfig` field from the flag of the same name where the
+    command has that flag, else the field's default (the flags' defaults are the fields'); ``decided``:
+    what the command sets itself (serve and generate stream: ``first_token_from_target=True``)."""
+    values = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
+    values["extra_drafts"] = tuple(values.get("extra_drafts") or ())
+    if not getattr(args, "dtype_given", True):  # cli.py resolved --dtype auto for reports: the plan keeps auto
+        values["dtype"] = "auto"
+    if "draft_quantization" in values:  # bench sweeps several: the first is the plan's
+        values["draft_quantization"] = _single(values["draft_quantization"])
+    return EngineConfig(**{**values, "max_batch_size": max_batch_size, **decided})
 
 
 def _single(mode) -> str:
@@ -293,9 +301,8 @@ def load_pair(cfg: EngineConfig, backend: str) -> LoadedPair:
     return LoadedPair(target, draft)
 
 
-def make_policy(cfg: EngineConfig):
-    from specdecode.policy import AcceptancePolicy, BudgetPolicy, FixedPolicy
-
+def check_policy(cfg: EngineConfig) -> None:
+    """The draft-length settings that cannot work (raises ConfigError), before anything loads."""
     if cfg.num_draft_tokens < 0:
         raise ConfigError(f"--num-draft-tokens must be >= 0, got {cfg.num_draft_tokens}")
     if cfg.draft_policy not in POLICIES:
@@ -317,26 +324,26 @@ def make_policy(cfg: EngineConfig):
         raise ConfigError(f"--verify-budget must be >= 0, got {cfg.verify_budget}")
     if cfg.tree_topk < 1 or cfg.tree_nodes < 1:
         raise ConfigError(f"--tree-topk and --tree-nodes must be >= 1, got {cfg.tree_topk}, {cfg.tree_nodes}")
-    k = cfg.num_draft_tokens if cfg.draft else 0
-    if cfg.draft_policy == "auto":
-        from specdecode.drafters import unique_labels
-        from specdecode.selector import AutoPolicy
 
-        policy = AutoPolicy(unique_labels(cfg.drafts), max_k=cfg.max_draft_tokens, catch_up_tokens=cfg.catch_up_tokens)
-        return BudgetPolicy(policy, cfg.verify_budget) if cfg.verify_budget else policy
-    policy = FixedPolicy(k)
-    if cfg.draft and cfg.draft_policy == "acceptance":
+
+def make_policy(cfg: EngineConfig, selector=None):
+    """The draft-length policy: fixed k, per-sequence from acceptance, or ``selector`` (``--draft-policy
+    auto``, built with its drafters: :func:`engine_from_pair`); under a verify budget when one is set."""
+    from specdecode.policy import AcceptancePolicy, BudgetPolicy, FixedPolicy
+
+    check_policy(cfg)
+    k = cfg.num_draft_tokens if cfg.draft else 0
+    policy = selector if selector is not None else FixedPolicy(k)
+    if selector is None and cfg.draft and cfg.draft_policy == "acceptance":
         policy = AcceptancePolicy(start_k=k, max_k=max(k, cfg.max_draft_tokens))
-    if cfg.verify_budget:
-        policy = BudgetPolicy(policy, cfg.verify_budget)
-    return policy
+    return BudgetPolicy(policy, cfg.verify_budget) if cfg.verify_budget else policy
 
 
 def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
     from specdecode.drafters import DraftContext, build_drafter
     from specdecode.engine import Engine
 
-    policy = make_policy(cfg)
+    check_policy(cfg)
     model_ctx = pair.target.max_position
     max_context = cfg.max_context or min(model_ctx, 4096)
     if max_context > model_ctx:
@@ -349,23 +356,22 @@ def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
             pair.draft.check_tree(cfg.max_batch_size, cfg.tree_topk * cfg.num_draft_tokens + 1,
                                   "the draft model's tree growth")
     target = pair.target.runner(batch_invariant=invariant, trees=trees)  # the engine sizes its cache
-    drafter = None
+    drafter, selector = None, None
     if cfg.draft:
         draft_model = pair.draft
         make_draft = ((lambda: draft_model.runner(batch_invariant=invariant, trees=trees, draft=True))
                       if draft_model is not None else None)
-        if cfg.draft_policy == "auto":
+        if cfg.draft_policy == "auto":  # the selector and the drafters it routes among, built together
             from specdecode.drafters import unique_labels
-            from specdecode.drafters.multi import MultiDrafter
+            from specdecode.selector import auto_drafting
 
-            selector = policy.inner if hasattr(policy, "inner") else policy  # under a verify budget
             parts = {name: build_drafter(spec, DraftContext(target, cfg, make_draft))
                      for name, spec in zip(unique_labels(cfg.drafts), cfg.drafts)}
-            drafter = MultiDrafter(parts, selector.route, selector.observe_draft, selector.observe_catch_up)
-            selector.lag, selector.read = drafter.lag, drafter.read
-            selector.shadow, selector.free = drafter.shadow, drafter.free_parts()
+            drafter, selector = auto_drafting(parts, cost_model(target, parts, cfg, pair, max_context),
+                                              max_k=cfg.max_draft_tokens, catch_up_tokens=cfg.catch_up_tokens)
         else:
             drafter = build_drafter(cfg.draft, DraftContext(target, cfg, make_draft))
+    policy = make_policy(cfg, selector)
     tree_nodes = cfg.tree_nodes if trees else 0
     verifier = None
     if cfg.acceptance == "typical":
@@ -377,14 +383,16 @@ def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
     engine = Engine(target, pair.tokenizer, drafter, policy, max_batch_size=cfg.max_batch_size,
                     max_context=max_context, max_tree_nodes=tree_nodes, verifier=verifier,
                     target_quantization=pair.target_quantization,
-                    lossy=lossy_labels(pair.target_quantization, cfg))
-    if cfg.draft_policy == "auto":
-        attach_cost_model(engine, cfg, pair)
+                    lossy=lossy_labels(pair.target_quantization, cfg),
+                    first_token_from_target=cfg.first_token_from_target,
+                    max_num_batched_tokens=cfg.max_num_batched_tokens,
+                    batched_tokens_per_seq=cfg.batched_tokens_per_seq)
     return engine
 
 
-def attach_cost_model(engine: "Engine", cfg: EngineConfig, pair: LoadedPair, cache_dir=None) -> None:
-    """Give the engine's selector its cost model: from the cache when these models, device, dtype,
+def cost_model(target: "Runner", parts: dict, cfg: EngineConfig, pair: LoadedPair, max_context: int, cache_dir=None):
+    """The selector's cost model for ``target`` and the drafters ``parts``, sized as the engine will size
+    them (its batch, its verify window of chains): from the cache when these models, device, dtype,
     backend, threads and grid were measured before, else measured now (a few seconds to a minute)."""
     import sys
 
@@ -392,23 +400,23 @@ def attach_cost_model(engine: "Engine", cfg: EngineConfig, pair: LoadedPair, cac
 
     from specdecode import costmodel
 
-    selector = engine.policy.inner
-    selector = getattr(selector, "inner", selector)  # under a verify budget
-    parts = engine.drafter.parts
+    batch, window = cfg.max_batch_size, cfg.max_draft_tokens + 1  # Engine.window for chains of max_k
     key = "|".join([
         "cost-model v4", _fingerprint(cfg.target), *(f"{n}={_fingerprint(d)}" for n, d in zip(parts, cfg.drafts)),
         f"draft quantization {pair.draft_quantization}", f"target quantization {pair.target_quantization}",
-        f"device {engine.target.device}", f"dtype {engine.target.dtype}", f"backend {engine.backend}",
+        f"device {target.device}", f"dtype {target.dtype}", f"backend {target.backend}",
         f"threads {cfg.threads or torch.get_num_threads()}", f"torch {torch.__version__}",
-        f"batch {engine.max_batch_size}", f"window {engine.window}", f"confidence {cfg.draft_confidence}"])
+        f"batch {batch}", f"window {window}", f"confidence {cfg.draft_confidence}"])
 
     def measure():
-        print(f"calibrating step costs for --draft-policy auto (batch <= {engine.max_batch_size}, "
-              f"draft <= {engine.window - 1}; cached for the next run) ...", file=sys.stderr, flush=True)
-        return costmodel.calibrate(engine.target, parts, engine.max_batch_size, engine.window,
-                                   engine.window - 1, engine.max_context)
+        print(f"calibrating step costs for --draft-policy auto (batch <= {batch}, draft <= {window - 1}; cached "
+              "for the next run) ...", file=sys.stderr, flush=True)
+        target.ensure_capacity(batch, max_context + window)
+        for part in parts.values():
+            part.reserve(batch, max_context + window)
+        return costmodel.calibrate(target, parts, batch, window, window - 1, max_context)
 
-    selector.cost = costmodel.cached(key, measure, cache_dir, cfg.recalibrate)
+    return costmodel.cached(key, measure, cache_dir, cfg.recalibrate)
 
 
 def _fingerprint(name: str) -> str:
@@ -465,7 +473,7 @@ def validate_config(cfg: EngineConfig) -> None:
     """Check the settings that need no model (raises ValueError), so bad flags fail before any load."""
     from specdecode.drafters import check_draft
 
-    make_policy(cfg)
+    check_policy(cfg)
     specs = [check_draft(d) for d in cfg.drafts]
     if sum(spec.loads_model for spec in specs) > 1:
         raise ConfigError(f"at most one --draft may be a draft model; got {', '.join(cfg.drafts)}")
@@ -485,6 +493,10 @@ def validate_config(cfg: EngineConfig) -> None:
         raise ConfigError(f"max batch size must be >= 1, got {cfg.max_batch_size}")
     if cfg.max_context is not None and cfg.max_context < 1:
         raise ConfigError(f"--max-context must be >= 1, got {cfg.max_context}")
+    if cfg.max_num_batched_tokens is not None and cfg.max_num_batched_tokens < 1:
+        raise ConfigError(f"--max-num-batched-tokens must be >= 1, got {cfg.max_num_batched_tokens}")
+    if cfg.batched_tokens_per_seq < 0:
+        raise ConfigError(f"--batched-tokens-per-seq must be >= 0, got {cfg.batched_tokens_per_seq}")
 
 
 def build_engine(cfg: EngineConfig) -> "Engine":

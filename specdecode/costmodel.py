@@ -246,7 +246,7 @@ def calibrate(target, drafters: dict, max_batch: int, max_width: int, max_k: int
         def call(r: int, k: int) -> None:
             last[0] = drafter.propose(views[:r], [k] * r)
 
-        if getattr(drafter, "lazy_start", False):  # what reading a history late costs, per token
+        if drafter.lazy_start:  # what reading a history late costs, per token
             n = max(2, min(CATCH_UP_LEN, max_context - 1))
             history = [(17 + 7919 * i) % max(2, vocab - 1) for i in range(n)]
             release = lambda: drafter.release(slots[0])  # noqa: E731

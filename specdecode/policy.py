@@ -15,6 +15,10 @@ from typing import Protocol
 
 
 class DraftPolicy(Protocol):
+    """What the engine asks of a policy. ``plan``, ``idle``, ``observe_step`` and ``label`` have
+    defaults in :class:`PerSequence` (decide each sequence alone with ``num_draft``; nothing to do
+    when idle or after a step; no label): a policy that needs more overrides them."""
+
     max_k: int  # the longest draft it can ask for (sizes the verify window in the KV cache)
 
     def num_draft(self, seq, batch_size: int) -> int: ...
@@ -24,6 +28,9 @@ class DraftPolicy(Protocol):
     def forget(self, seq) -> None: ...
 
     def plan(self, seqs: list, batch_size: int) -> list[int]: ...
+
+    def idle(self, seqs: list) -> None:
+        """A step in which nothing may draft (a verify budget at its cap): no plan is asked for."""
 
     def observe_step(self, batch_size: int, width: int, draft_s: float, verify_s: float) -> None: ...
 
@@ -36,6 +43,9 @@ class PerSequence:
     def plan(self, seqs: list, batch_size: int) -> list[int]:
         return [self.num_draft(s, batch_size) for s in seqs]  # type: ignore[attr-defined]
 
+    def idle(self, seqs: list) -> None:
+        pass
+
     def observe_step(self, batch_size: int, width: int, draft_s: float, verify_s: float) -> None:
         pass
 
@@ -43,11 +53,9 @@ class PerSequence:
         return None
 
 
-def plan_of(policy, seqs: list, batch_size: int) -> list[int]:
-    """``policy.plan``, or ``num_draft`` per sequence for a policy written before ``plan`` existed."""
-    if hasattr(policy, "plan"):
-        return policy.plan(seqs, batch_size)
-    return [policy.num_draft(s, batch_size) for s in seqs]
+def plan_of(policy: DraftPolicy, seqs: list, batch_size: int) -> list[int]:
+    """``policy.plan`` (kept for callers of the old name)."""
+    return policy.plan(seqs, batch_size)
 
 
 def _check_k(name: str, k: int) -> int:
@@ -121,20 +129,22 @@ class BudgetPolicy(PerSequence):
 
     def plan(self, seqs: list, batch_size: int) -> list[int]:
         cap = self._cap(batch_size)
-        if cap == 0 and hasattr(self.inner, "idle"):  # (a planner that does work ahead, e.g. the selector's reads)
+        if cap == 0:  # not planned at all (a planner may do work ahead, e.g. the selector's reads)
             self.inner.idle(seqs)
             return [0] * len(seqs)
-        return [min(k, cap) for k in plan_of(self.inner, seqs, batch_size)]
+        return [min(k, cap) for k in self.inner.plan(seqs, batch_size)]
+
+    def idle(self, seqs: list) -> None:
+        self.inner.idle(seqs)
 
     def observe(self, seq, drafted: int, accepted: int) -> None:
         self.inner.observe(seq, drafted, accepted)
 
     def observe_step(self, batch_size: int, width: int, draft_s: float, verify_s: float) -> None:
-        if hasattr(self.inner, "observe_step"):
-            self.inner.observe_step(batch_size, width, draft_s, verify_s)
+        self.inner.observe_step(batch_size, width, draft_s, verify_s)
 
     def label(self, seq, k: int) -> str | None:
-        return self.inner.label(seq, k) if hasattr(self.inner, "label") else None
+        return self.inner.label(seq, k)
 
     def forget(self, seq) -> None:
         self.inner.forget(seq)
@@ -165,18 +175,20 @@ class SwitchPolicy:
 
     def plan(self, seqs: list, batch_size: int) -> list[int]:
         drafting = [s for s in seqs if self.drafts_for(s)]
-        ks = dict(zip(map(id, drafting), plan_of(self.inner, drafting, batch_size) if drafting else []))
+        ks = dict(zip(map(id, drafting), self.inner.plan(drafting, batch_size) if drafting else []))
         return [ks.get(id(s), 0) for s in seqs]
+
+    def idle(self, seqs: list) -> None:
+        self.inner.idle([s for s in seqs if self.drafts_for(s)])
 
     def observe(self, seq, drafted: int, accepted: int) -> None:
         self.inner.observe(seq, drafted, accepted)
 
     def observe_step(self, batch_size: int, width: int, draft_s: float, verify_s: float) -> None:
-        if hasattr(self.inner, "observe_step"):
-            self.inner.observe_step(batch_size, width, draft_s, verify_s)
+        self.inner.observe_step(batch_size, width, draft_s, verify_s)
 
     def label(self, seq, k: int) -> str | None:
-        return self.inner.label(seq, k) if hasattr(self.inner, "label") else None
+        return self.inner.label(seq, k)
 
     def forget(self, seq) -> None:
         self._opted_out.discard(getattr(seq, "request_id", None))

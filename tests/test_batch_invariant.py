@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from specdecode.models import batch_invariant as bi
 from specdecode.models.hf import HFRunner
 from specdecode.sampling import SamplingParams
-from tiny import make_engine, make_model, make_tokenizer, perturbed_copy
+from tiny import make_engine, make_model, make_tokenizer, perturbed_copy, serving
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -160,14 +160,14 @@ def test_negative_control_plain_kernels_depend_on_the_batch():
     assert not torch.equal(alone, batched)
 
 
-def _engine(k, draft=True, slots=4):
+def _engine(k, draft=True, slots=4, **engine_kwargs):
     vocab = 64
     target = make_model(vocab, seed=7, layers=2, hidden=128, dtype=torch.bfloat16)
     draft_model = perturbed_copy(target, noise=0.2) if draft else None
     for model in (target, draft_model):
         if model is not None:
             bi.enable(model)
-    eng = make_engine(target, make_tokenizer(vocab), draft_model, k=k, num_slots=slots, max_len=256)
+    eng = make_engine(target, make_tokenizer(vocab), draft_model, k=k, num_slots=slots, max_len=256, **engine_kwargs)
     assert eng.target.batch_invariant
     return eng
 
@@ -226,7 +226,7 @@ def test_bf16_server_concurrent_greedy_and_seeded_requests_equal_each_alone():
         assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
         return [r.json()["choices"][0]["text"] for r in replies]
 
-    with serve(_engine(3, slots=4), max_queue=32) as s:
+    with serve(_engine(3, slots=4, **serving()), max_queue=32) as s:
         together = asyncio.run(post_all(s.url, greedy + seeded))
         alone = [asyncio.run(post_all(s.url, [b]))[0] for b in seeded]
     assert together[: len(texts)] == expected

@@ -227,9 +227,9 @@ def test_a_llamacpp_draft_model_reads_a_backlog_in_pieces(tiny, pieces):
         model.runner.prefill([0, 1], [v.token_ids[:1] + v.token_ids[:-2] for v in views], starts=[0, 0])
         for v in views:
             model._cached[v.slot], model._floor[v.slot] = list(v.token_ids[:-1]), len(v.token_ids) - 1
-            multi._waiting["model"].pop(v.slot)
+            multi.parts._waiting["model"].pop(v.slot)
     read = []
-    while pieces and (n := multi.read(views, "model", pieces)) > 0:
+    while pieces and (n := multi.parts.read(views, "model", pieces)) > 0:
         read.append(n)
     assert not pieces or (max(read) <= 5 and sum(read) == sum(len(v.token_ids) - 1 for v in views))
     out = multi.propose(views, [4, 4])

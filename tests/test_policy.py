@@ -3,7 +3,7 @@ import pytest
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.engine import Engine
 from specdecode.models.hf import HFRunner
-from specdecode.policy import AcceptancePolicy, BudgetPolicy, FixedPolicy
+from specdecode.policy import AcceptancePolicy, BudgetPolicy, FixedPolicy, PerSequence
 from specdecode.sampling import SamplingParams
 from tiny import make_engine, make_model, make_tokenizer, perturbed_copy
 
@@ -102,8 +102,9 @@ def test_budget_policy_caps_the_draft_by_batch_size():
             BudgetPolicy(FixedPolicy(2), bad)
 
 
-class _Recording:
-    """A policy wrapper that records (batch size, draft length) for every request."""
+class _Recording(PerSequence):
+    """A policy wrapper that records (batch size, draft length) for every request (deciding per
+    sequence: the rest of the protocol from PerSequence)."""
 
     def __init__(self, inner):
         self.inner, self.max_k, self.calls = inner, inner.max_k, []
@@ -142,3 +143,41 @@ def test_draft_confidence_in_a_mixed_greedy_and_sampled_batch():
     alone = _confident_engine(target, draft, 6, 0.5).generate([[1, 2, 3]], [greedy])[0]
     assert mixed[0].stats.drafted == alone.stats.drafted  # same stopping decisions with a sampled neighbour
     assert mixed[0].stats.drafted < 6 * mixed[0].stats.target_steps
+
+
+class _Planner(PerSequence):
+    """A policy that plans ahead (as the selector does) and records what it is asked."""
+
+    max_k = 4
+
+    def __init__(self):
+        self.calls = []
+
+    def num_draft(self, seq, batch_size):
+        return 4
+
+    def plan(self, seqs, batch_size):
+        self.calls.append(("plan", len(seqs)))
+        return [4] * len(seqs)
+
+    def idle(self, seqs):
+        self.calls.append(("idle", len(seqs)))
+
+    def observe(self, seq, drafted, accepted):
+        pass
+
+    def forget(self, seq):
+        pass
+
+    def label(self, seq, k):
+        return f"k{k}"
+
+
+def test_a_budget_at_its_cap_idles_the_policy_instead_of_planning():
+    inner = _Planner()
+    capped = BudgetPolicy(inner, budget=4)
+    seqs = [object() for _ in range(4)]
+    assert capped.plan(seqs, 4) == [0] * 4 and inner.calls == [("idle", 4)]  # 4 // 4 - 1 = 0: nothing may draft
+    assert capped.plan(seqs[:2], 2) == [1, 1] and inner.calls[-1] == ("plan", 2)
+    assert capped.label(seqs[0], 1) == "k1"  # the rest of the protocol reaches the inner policy as it is
+    assert FixedPolicy(2).label(seqs[0], 2) is None and FixedPolicy(2).idle(seqs) is None  # (the defaults)

@@ -1,6 +1,7 @@
-"""``--draft-policy auto``: the cost model, the selector's arithmetic on scripted costs and acceptance,
-exploration, the multi-drafter's merged proposals, and exactness through the engine (greedy equality
-with target-only, the chi-square law of two sampled tokens, ALPHA = 1e-4) over a mixed drafter set."""
+"""``--draft-policy auto``: the cost model, the selector's pure decision functions and its plans on
+scripted costs and acceptance, exploration, the multi-drafter's merged proposals, and exactness
+through the engine (greedy equality with target-only, the chi-square law of two sampled tokens,
+ALPHA = 1e-4) over a mixed drafter set."""
 
 from __future__ import annotations
 
@@ -16,15 +17,16 @@ from specdecode import costmodel
 from specdecode.costmodel import CostModel
 from specdecode.drafters.base import Proposal
 from specdecode.drafters.draft_model import DraftModelDrafter
-from specdecode.drafters.multi import MultiDrafter, merge
+from specdecode.drafters.multi import MultiDrafter, Parts, merge
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.engine import Engine
 from specdecode.models.hf import HFRunner
 from specdecode.sampling import SamplingParams
 from specdecode.policy import BudgetPolicy
-from specdecode.selector import AutoPolicy, _Counts, expected_tokens
+from specdecode.selector import (AutoPolicy, Counts, SelectorSettings, auto_drafting, could_pay, estimate,
+                                 expected_tokens, look_first, pays_back, seconds_per_token, shadow_score, steps_to_read)
 from test_engine import ALPHA, VS, chi_square_p, exact_two_token_law, sample_pairs
-from tiny import make_model, make_tokenizer, perturbed_copy
+from tiny import make_model, make_tokenizer, perturbed_copy, serving
 
 V = 32
 TOK = make_tokenizer(V)
@@ -55,15 +57,33 @@ class Req(Seq):
 def teach(policy, seq, drafter, alpha_steps, k=4):
     """Make ``seq``'s estimate for ``drafter`` come from ``alpha_steps``: accepted counts per step."""
     for accepted in alpha_steps:
-        state = policy._state(seq)
-        state.choice = (drafter, k)
-        policy.observe(seq, k, accepted)
+        policy.record(seq, drafter, k, k, accepted)
 
 
-def known(policy, drafter, counts):
-    """Give ``drafter`` a history, as if it had drafted (or been scored) on earlier requests."""
-    policy.history[drafter] = counts
-    policy.tried.add(drafter)
+class FakeParts:
+    """The selector's view of its drafters (``PartsView``) from plain functions."""
+
+    def __init__(self, lag=lambda s, d: 0, read=None, shadow=None, free=()):
+        self._lag, self._read, self._shadow, self.free = lag, read, shadow, tuple(free)
+
+    def lag(self, seq, name):
+        return self._lag(seq, name)
+
+    def read(self, seqs, name, budget):
+        return self._read(seqs, name, budget)
+
+    def shadow(self, seqs, name, k):
+        return self._shadow(seqs, name, k)
+
+
+def auto(drafters, cost, parts=None, *, max_k=8, catch_up_tokens=64, history=None, **settings):
+    """An :class:`AutoPolicy` with ``settings`` (SelectorSettings fields) and ``history`` (drafter -> its
+    counts from earlier requests: as if it had drafted, or been scored, on them)."""
+    return AutoPolicy(drafters, cost, parts, max_k=max_k, catch_up_tokens=catch_up_tokens,
+                      settings=SelectorSettings(**settings), history=history)
+
+
+USELESS = Counts(0.0, 10.0, 10.0, 10.0)  # a history of nothing but rejections
 
 
 # -- the cost model ---------------------------------------------------------------------------------------------
@@ -90,7 +110,7 @@ def test_calibrated_costs_never_fall_with_more_tokens():
 def test_calibration_measures_every_grid_point_through_the_protocols():
     target = HFRunner(make_model(V, seed=0))
     draft = DraftModelDrafter(HFRunner(perturbed_copy(make_model(V, seed=0), 0.1)))
-    engine = Engine(target, TOK, MultiDrafter({"m": draft, "ngram": NgramDrafter()}, lambda s: "m"), 4,
+    engine = Engine(target, TOK, MultiDrafter(Parts({"m": draft, "ngram": NgramDrafter()}), lambda s: "m"), 4,
                     max_batch_size=4, max_context=100)
     cm = costmodel.calibrate(engine.target, engine.drafter.parts, 4, 5, 4, 40, reps=1, prompt_len=16)
     assert sorted(cm.verify) == [1, 2, 4] and sorted(cm.verify[4]) == [1, 2, 3, 5]
@@ -125,7 +145,7 @@ def test_calibration_proposals_are_real_for_every_kind_of_drafter():
 
     parts = {"m": counting("m", DraftModelDrafter(HFRunner(perturbed_copy(model, 0.1)))),
              "medusa": counting("medusa", MedusaDrafter(tiny_heads(model)))}
-    engine = Engine(HFRunner(model), TOK, MultiDrafter(parts, lambda s: "m"), 3, max_batch_size=2, max_context=60)
+    engine = Engine(HFRunner(model), TOK, MultiDrafter(Parts(parts), lambda s: "m"), 3, max_batch_size=2, max_context=60)
     cm = costmodel.calibrate(engine.target, engine.drafter.parts, 2, 4, 3, 60, reps=2, prompt_len=24)
     assert len(proposed["m"]) == len(proposed["medusa"]) == 2 * (1 + 3 * 2)  # per row count: a warm-up + 3 lengths x 2 reps
     assert min(proposed["m"]) >= 1 and min(proposed["medusa"]) >= 1
@@ -178,7 +198,7 @@ def brute_force(policy, seq, batch=1):
 
 def test_the_selector_picks_what_the_arithmetic_says():
     cost = flat_cost(verify_per_token=0.02, drafts={"model": 0.15, "ngram": 0.002})
-    policy = AutoPolicy(["model", "ngram"], max_k=16, cost=cost, explore_every=0)
+    policy = auto(["model", "ngram"], cost, max_k=16, explore_every=0)
     seq = Seq()
     teach(policy, seq, "model", [3, 4, 4, 2, 4, 4, 3, 4])  # ~0.9 per token
     teach(policy, seq, "ngram", [0, 1, 0, 0, 1, 0, 0, 0])  # ~0.2
@@ -194,7 +214,7 @@ def test_the_selector_picks_what_the_arithmetic_says():
 
 def test_the_selector_switches_when_acceptance_drifts():
     cost = flat_cost(verify_per_token=0.02, drafts={"a": 0.05, "b": 0.05})
-    policy = AutoPolicy(["a", "b"], max_k=8, cost=cost, explore_every=8)
+    policy = auto(["a", "b"], cost, max_k=8, explore_every=8)
     teach(policy, Seq(), "a", [0, 1, 0, 0], k=4)  # a did poorly on an earlier request
     seq = Seq()
     teach(policy, seq, "b", [2, 2, 1, 2], k=4)  # b: middling
@@ -216,7 +236,7 @@ def test_the_selector_stops_drafting_when_verification_stops_being_free():
     verify = {1: {w: 1.0 + 0.02 * (w - 1) for w in (1, 2, 3, 5, 9, 17)},
               16: {w: 1.0 * w for w in (1, 2, 3, 5, 9, 17)}}
     cost = CostModel(verify, {"d": {r: {k: 0.01 * k for k in (1, 2, 4, 8, 16)} for r in (1, 16)}})
-    policy = AutoPolicy(["d"], max_k=16, cost=cost, explore_every=8)
+    policy = auto(["d"], cost, max_k=16, explore_every=8)
     seqs = [Seq(slot=i) for i in range(16)]
     for s in seqs:
         teach(policy, s, "d", [3, 3, 4, 2], k=4)  # ~0.75 per token
@@ -230,7 +250,7 @@ def test_the_selector_stops_drafting_when_verification_stops_being_free():
 
 def test_the_selector_explores_a_drafter_it_does_not_use():
     cost = flat_cost(verify_per_token=0.01, drafts={"a": 0.01, "b": 0.01})
-    policy = AutoPolicy(["a", "b"], max_k=4, cost=cost, explore_every=5)
+    policy = auto(["a", "b"], cost, max_k=4, explore_every=5)
     seq = Seq()
     teach(policy, seq, "a", [4, 4, 4, 4, 4, 4], k=4)
     teach(policy, seq, "b", [0, 0, 0, 0, 0, 0], k=4)
@@ -255,8 +275,8 @@ def test_exploration_costs_the_batch_at_most_its_share():
     verify = {1: {w: 1.0 + 0.02 * (w - 1) for w in (1, 2, 3, 5, 9)},
               16: {w: 1.0 + 0.4 * (w - 1) for w in (1, 2, 3, 5, 9)}}
     draft = {name: {r: {k: 0.001 * k for k in (1, 2, 4, 8)} for r in (1, 16)} for name in ("a", "b")}
-    policy = AutoPolicy(["a", "b"], max_k=8, cost=CostModel(verify, draft), explore_every=4)
-    assert policy.could_pay("b", 16)
+    policy = auto(["a", "b"], CostModel(verify, draft), max_k=8, explore_every=4)
+    assert could_pay(policy.cost, "b", 16, policy.lengths, policy.settings.margin)
     seqs = [Seq(slot=i) for i in range(16)]
     for s in seqs:
         teach(policy, s, "a", [0, 0, 0, 0, 0, 0])
@@ -286,7 +306,7 @@ def test_exploration_costs_the_batch_at_most_its_share():
 
 def test_history_gives_new_sequences_a_prior():
     cost = flat_cost(verify_per_token=0.02, drafts={"a": 0.05, "b": 0.05})
-    policy = AutoPolicy(["a", "b"], max_k=8, cost=cost, explore_every=0)
+    policy = auto(["a", "b"], cost, max_k=8, explore_every=0)
     for i in range(30):
         teach(policy, Seq(slot=i), "b", [4, 4, 3, 4], k=4)
         teach(policy, Seq(slot=i), "a", [0, 1, 0, 0], k=4)
@@ -306,7 +326,7 @@ def _fixed_length_efficiency(alpha, prior_weight, seed, requests=40, steps=12):
     rate = {k: expected_tokens(alpha, 1.0, k) / (cost.verify_s(1, k + 1) + cost.draft_s("d", 1, k)) if k else
             1 / cost.verify_s(1, 1) for k in range(0, 9)}
     rng = random.Random(seed)
-    policy = AutoPolicy(["d"], max_k=8, cost=cost, explore_every=0, prior_weight=prior_weight)
+    policy = auto(["d"], cost, max_k=8, explore_every=0, prior_weight=prior_weight)
     got = []
     for r in range(requests):
         seq = Seq()
@@ -339,10 +359,9 @@ def test_a_drafter_never_tried_is_explored_at_the_first_chance():
     pay even if always right (here: drafting costs more than a step) is never tried."""
     cost = flat_cost(verify_per_token=0.02, drafts={"model": 0.05, "ngram": 0.001, "dear": 2.0})
 
-    def fresh(drafters):
-        policy = AutoPolicy(drafters, max_k=8, cost=cost, explore_every=16)
-        known(policy, "ngram", _Counts(30.0, 3.0, 36.0, 40.0))  # lookup: right ~90 % of the time
-        return policy
+    def fresh(drafters, history={}):
+        # lookup: right ~90 % of the time
+        return auto(drafters, cost, max_k=8, explore_every=16, history={"ngram": Counts(30.0, 3.0, 36.0, 40.0), **history})
 
     def routes(policy, steps=8):
         seq, out = Seq(), []
@@ -356,8 +375,8 @@ def test_a_drafter_never_tried_is_explored_at_the_first_chance():
     first = routes(policy)
     assert first[0] == "model" and first[1:] == ["ngram"] * 7 and policy.tried == {"model", "ngram"}, first
     assert routes(policy) == ["ngram"] * 8  # tried (and missed): no early exploration on the next request
-    control = fresh(["model", "ngram"])
-    control.tried.add("model")  # as if it had been tried: it waits for its turn
+    # as if it had been tried (counts equal to its guess): it waits for its turn
+    control = fresh(["model", "ngram"], {"model": Counts.guess(0.5, 0.8, 3.0)})
     assert routes(control) == ["ngram"] * 8
 
 
@@ -377,7 +396,7 @@ def test_merge_widens_point_masses_and_trims_to_the_longest_proposal():
 
 def test_a_part_that_drafts_trees_is_refused():
     with pytest.raises(ValueError, match="chains"):
-        MultiDrafter({"ngram": NgramDrafter(tree_topk=2, tree_nodes=4)}, lambda s: "ngram")
+        Parts({"ngram": NgramDrafter(tree_topk=2, tree_nodes=4)})
 
 
 # -- late starts: a draft model reads a sequence only once it drafts for it ---------------------------------------
@@ -403,20 +422,20 @@ def test_a_draft_model_never_routed_to_never_runs():
     target = make_model(V, seed=0)
     runner = CountingRunner(HFRunner(perturbed_copy(target, 0.1)))
     route = {"to": "ngram"}
-    multi = MultiDrafter({"model": DraftModelDrafter(runner), "ngram": NgramDrafter()}, lambda s: route["to"])
+    multi = MultiDrafter(Parts({"model": DraftModelDrafter(runner), "ngram": NgramDrafter()}), lambda s: route["to"])
     engine = Engine(HFRunner(target), TOK, multi, 3, max_batch_size=2, max_context=80)
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     reference = Engine(HFRunner(target), TOK, None, 0, max_batch_size=2, max_context=80).generate(PROMPTS, params)
     assert [o.token_ids for o in engine.generate(PROMPTS, params)] == [r.token_ids for r in reference]
     assert runner.calls == []  # four requests, not one token read by the draft model
-    assert multi.lag(Seq(slot=0, token_ids=[1, 2, 3]), "ngram") == 0
+    assert multi.parts.lag(Seq(slot=0, token_ids=[1, 2, 3]), "ngram") == 0
 
     # routed to it from the middle of a request: it reads the prompt and what was generated, then drafts
     seqs = engine.admit([(p, params, None) for p in PROMPTS[:2]])
     engine.prefill()
     for _ in range(3):
         engine.step()
-    assert runner.calls == [] and multi.lag(seqs[0], "model") == len(seqs[0].token_ids) - 1
+    assert runner.calls == [] and multi.parts.lag(seqs[0], "model") == len(seqs[0].token_ids) - 1
     route["to"] = "model"
     while engine.running:
         engine.step()
@@ -463,7 +482,8 @@ def test_a_catch_up_is_paid_only_when_it_pays_back():
     cost = flat_cost(verify_per_token=0.02, drafts={"model": 0.05, "ngram": 0.001})
     cost.catch_up = {"model": 0.01}
     lags = {}
-    policy = AutoPolicy(["model", "ngram"], max_k=8, cost=cost, explore_every=2, lag=lambda s, d: lags.get((id(s), d), 0))
+    policy = auto(["model", "ngram"], cost, FakeParts(lag=lambda s, d: lags.get((id(s), d), 0)), max_k=8,
+                  catch_up_tokens=None, explore_every=2)  # (read whole: see the in-pieces tests below)
 
     def request(max_new):
         seq = Req(params=SamplingParams(max_new_tokens=max_new))
@@ -489,7 +509,6 @@ def test_a_catch_up_is_paid_only_when_it_pays_back():
     lags[(id(short), "model")] = 0  # read (say, it was routed there earlier)
     policy.plan([short], 1)
     assert policy.route(short) == "model"
-    assert AutoPolicy(["model"], max_k=8, cost=cost).lag is None  # nothing to read: the usual arithmetic
 
 
 def test_late_starts_are_reported_as_catch_up_apart_from_proposals():
@@ -497,10 +516,10 @@ def test_late_starts_are_reported_as_catch_up_apart_from_proposals():
     through prefill) as catch-up, and times the proposal without it."""
     target = make_model(V, seed=0)
     caught, timed = [], []
-    multi = MultiDrafter({"model": DraftModelDrafter(HFRunner(perturbed_copy(target, 0.1))), "ngram": NgramDrafter()},
-                         lambda s: "model" if len(s.output_ids) >= 25 else "ngram",
-                         on_timing=lambda name, rows, k, sec: timed.append((name, sec)),
-                         on_catch_up=lambda name, tokens, sec: caught.append((name, tokens)))
+    parts = Parts({"model": DraftModelDrafter(HFRunner(perturbed_copy(target, 0.1))), "ngram": NgramDrafter()},
+                  on_catch_up=lambda name, tokens, sec: caught.append((name, tokens)))
+    multi = MultiDrafter(parts, lambda s: "model" if len(s.output_ids) >= 25 else "ngram",
+                         on_timing=lambda name, rows, k, sec: timed.append((name, sec)))
     engine = Engine(HFRunner(target), TOK, multi, 2, max_batch_size=1, max_context=80)
     prompt = [4, 5, 6, 7, 8, 9, 10]
     out = engine.generate([prompt], SamplingParams(max_new_tokens=40, ignore_eos=True))[0]
@@ -518,10 +537,8 @@ def test_through_the_engine_a_draft_model_runs_only_when_its_catch_up_pays(per_t
     runner = CountingRunner(HFRunner(perturbed_copy(target, 0.1)))
     cost = flat_cost(verify_per_token=0.001, drafts={"model": 0.02, "ngram": 0.001})
     cost.catch_up = {"model": per_token}
-    policy = AutoPolicy(["model", "ngram"], max_k=4, explore_every=1, cost=cost)
-    multi = MultiDrafter({"model": DraftModelDrafter(runner), "ngram": NgramDrafter()}, policy.route,
-                         policy.observe_draft, policy.observe_catch_up)
-    policy.lag = multi.lag
+    multi, policy = auto_drafting({"model": DraftModelDrafter(runner), "ngram": NgramDrafter()}, cost, max_k=4,
+                                  settings=SelectorSettings(explore_every=1))
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
     prompts = [p for p in PROMPTS if len(p) > 1]  # (a one-token prompt leaves nothing to read at the first step)
     outs = Engine(HFRunner(target), TOK, multi, policy, max_batch_size=2, max_context=80).generate(prompts, params)
@@ -550,8 +567,8 @@ def test_a_long_backlog_is_read_in_pieces_while_others_wait():
             budget -= n
         return 0
 
-    policy = AutoPolicy(["model", "ngram"], max_k=8, cost=cost, explore_every=100,
-                        lag=lambda s, d: lags.get((id(s), d), 0), read=read)
+    policy = auto(["model", "ngram"], cost, FakeParts(lag=lambda s, d: lags.get((id(s), d), 0), read=read), max_k=8,
+                  explore_every=100)
 
     def request():
         seq = Req(params=SamplingParams(max_new_tokens=200))
@@ -599,9 +616,8 @@ def test_an_exploration_that_must_read_first_reads_in_pieces_and_stays_due():
             lags[(id(s), drafter)] -= min(lags[(id(s), drafter)], budget)
         return 0
 
-    policy = AutoPolicy(["model", "ngram"], max_k=4, cost=cost, explore_every=2, catch_up_margin=0.0,
-                        lag=lambda s, d: lags.get((id(s), d), 0), read=read)
-    known(policy, "model", _Counts(0.0, 10.0, 10.0, 10.0))  # its history: useless
+    policy = auto(["model", "ngram"], cost, FakeParts(lag=lambda s, d: lags.get((id(s), d), 0), read=read), max_k=4,
+                  explore_every=2, catch_up_margin=0.0, history={"model": USELESS})  # its history: useless
 
     seq, other = Req(params=SamplingParams(max_new_tokens=200)), Req(params=SamplingParams(max_new_tokens=200))
     teach(policy, seq, "ngram", [1] * 6)  # lookup half right: a draft model always right would beat it
@@ -618,7 +634,8 @@ def test_an_exploration_that_must_read_first_reads_in_pieces_and_stays_due():
     short, reads[:] = Req(params=SamplingParams(max_new_tokens=200), output_ids=[0] * 170), []
     lags[(id(short), "model")] = 1000
     cost.catch_up = {"model": 0.009}  # 18 s of the batch; ~0.8 s saved a token: 30 tokens would pay, 14 not
-    assert policy._pays_back(short, "model", (0.999, 1.0), 2, 9.0)
+    # (30 tokens left, read whole: it would pay back)
+    assert pays_back(9.0, 30, cost.verify_s(2, 1), seconds_per_token(cost, "model", (0.999, 1.0), 2, policy.lengths), 2, 0.0)
     for _ in range(4):
         policy.plan([short, other], 2)
         policy.observe(short, 0, 0)
@@ -631,15 +648,14 @@ def test_reading_in_pieces_is_priced_in_the_pay_back():
     would (and never delays the answer)."""
     cost = flat_cost(verify_per_token=0.02, drafts={"model": 0.05, "ngram": 0.001})
     cost.catch_up = {"model": 0.0125}  # 12.5 s for 1,000 tokens, 25 s of the batch: ~0.8 s saved a token
-    policy = AutoPolicy(["model"], max_k=8, cost=cost, catch_up_margin=0.0)
+    policy = auto(["model"], cost, max_k=8)
     seq = Seq()
     teach(policy, seq, "model", [4, 4, 4, 4])
-    est = policy.estimate(seq, "model")
-    seq.params, seq.output_ids = SamplingParams(max_new_tokens=60), [0] * 20
+    best = seconds_per_token(cost, "model", policy.estimate(seq, "model"), 2, policy.lengths)
     catch = cost.catch_up_s("model", 1000)
-    assert policy._pays_back(seq, "model", est, 2, catch, delay=0)
-    assert not policy._pays_back(seq, "model", est, 2, catch, delay=AutoPolicy._steps_to_read(1000, 64))
-    assert AutoPolicy._steps_to_read(1000, 64) == 16 and AutoPolicy._steps_to_read(64, 64) == 0
+    assert pays_back(catch, 40, cost.verify_s(2, 1), best, 2, margin=0.0, delay=0)
+    assert not pays_back(catch, 40, cost.verify_s(2, 1), best, 2, margin=0.0, delay=steps_to_read(1000, 64))
+    assert steps_to_read(1000, 64) == 16 and steps_to_read(64, 64) == 0 and steps_to_read(1000, None) == 0
 
 
 def test_a_draft_model_reading_in_pieces_drafts_what_an_early_start_would():
@@ -652,23 +668,23 @@ def test_a_draft_model_reading_in_pieces_drafts_what_an_early_start_would():
     late = DraftModelDrafter(HFRunner(draft))
     early.reserve(2, 80)
     late.reserve(2, 80)
-    multi = MultiDrafter({"model": late, "ngram": NgramDrafter()}, lambda s: "model")
+    parts = Parts({"model": late, "ngram": NgramDrafter()})
     prompts = [[1, 2, 3, 4, 5, 6], [7, 8, 9]]
     gen = torch.Generator().manual_seed(1)
     histories = [p + torch.randint(1, V, (n,), generator=gen).tolist() for p, n in zip(prompts, (20, 33))]
     early.start([0, 1], prompts)
-    multi.start([0, 1], prompts)
+    parts.start([0, 1], prompts)
     for i, (p, h) in enumerate(zip(prompts, histories)):
         for n in range(len(p) + 1, len(h), 4):
             early.propose([Seq(slot=i, token_ids=h[:n])], [1])
     views = [Seq(slot=i, token_ids=h) for i, h in enumerate(histories)]
-    assert multi.lag(views[1], "model") == len(histories[1]) - 1
+    assert parts.lag(views[1], "model") == len(histories[1]) - 1 and parts.waiting("model") == [0, 1]
     pieces = []
-    while (n := multi.read(views, "model", 7)) > 0:
+    while (n := parts.read(views, "model", 7)) > 0:
         pieces.append(n)
-        assert multi._waiting["model"] == {}
+        assert parts.waiting("model") == []
     assert pieces == [7] * 8 + [4]  # 25 + 35 tokens before each pending one: 60 in pieces of 7 at most
-    assert multi.lag(views[0], "model") == 0 and multi.lag(views[1], "model") == 0
+    assert parts.lag(views[0], "model") == 0 and parts.lag(views[1], "model") == 0
     for sp in (SamplingParams(), SamplingParams(0.8, top_p=0.9)):
         histories = [h + [5] for h in histories]
         a = early.propose([Seq(slot=i, token_ids=list(h), params=sp, generator=torch.Generator().manual_seed(i))
@@ -686,12 +702,14 @@ def test_through_the_engine_late_starts_read_in_pieces_and_stay_exact():
     proposal, are not reads), and the greedy outputs equal target-only decoding."""
     target = make_model(V, seed=0)
     caught = []
-    policy = AutoPolicy(["model", "ngram"], max_k=4, explore_every=2, catch_up_tokens=8,
-                        cost=flat_cost(verify_per_token=0.001, drafts={"model": 0.02, "ngram": 0.001}))
-    policy.history["ngram"].accepted = 0.0  # a drafter that never helps: the model is the only choice
-    multi = MultiDrafter({"model": DraftModelDrafter(HFRunner(perturbed_copy(target, 0.1))), "ngram": NgramDrafter()},
-                         policy.route, policy.observe_draft, lambda name, tokens, sec: caught.append(tokens))
-    policy.lag, policy.read = multi.lag, multi.read
+    cost = flat_cost(verify_per_token=0.001, drafts={"model": 0.02, "ngram": 0.001})
+    # built by hand (auto_drafting's three steps) to hear the catch-ups and give n-gram lookup a
+    # history that never helps: the model is the only choice
+    parts = Parts({"model": DraftModelDrafter(HFRunner(perturbed_copy(target, 0.1))), "ngram": NgramDrafter()},
+                  on_catch_up=lambda name, tokens, sec: caught.append(tokens))
+    policy = AutoPolicy(list(parts), cost, parts, max_k=4, catch_up_tokens=8, settings=SelectorSettings(explore_every=2),
+                        history={"ngram": USELESS})
+    multi = MultiDrafter(parts, policy.route, cost.record)
     engine = Engine(HFRunner(target), TOK, multi, policy, max_batch_size=2, max_context=80)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, V, (30,), generator=gen).tolist() for _ in range(2)]
@@ -720,14 +738,11 @@ PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 7, 8, 9, 10], [11], [20, 21, 22, 
 
 
 def auto_engine(target, draft, slots, cost=None, explore_every=3, max_context=80, catch_up_tokens=4):
-    """(Backlogs over ``catch_up_tokens`` are read in pieces when the batch holds others, as in build.)"""
-    policy = AutoPolicy(["model", "ngram"], max_k=6, explore_every=explore_every, catch_up_tokens=catch_up_tokens,
-                        cost=cost or flat_cost(verify_per_token=0.001, drafts={"model": 0.02, "ngram": 0.001}))
-    parts = {"model": DraftModelDrafter(HFRunner(draft)), "ngram": NgramDrafter()}
-    multi = MultiDrafter(parts, policy.route, policy.observe_draft, policy.observe_catch_up)
-    policy.lag, policy.read = multi.lag, multi.read
-    policy.shadow, policy.free = multi.shadow, multi.free_parts()
-    return Engine(HFRunner(target), TOK if target.config.vocab_size == V else make_tokenizer(target.config.vocab_size),
+    """(selector, engine). (Backlogs over ``catch_up_tokens`` are read in pieces when the batch holds others, as in build.)"""
+    multi, policy = auto_drafting({"model": DraftModelDrafter(HFRunner(draft)), "ngram": NgramDrafter()},
+                                  cost or flat_cost(verify_per_token=0.001, drafts={"model": 0.02, "ngram": 0.001}),
+                                  max_k=6, catch_up_tokens=catch_up_tokens, settings=SelectorSettings(explore_every=explore_every))
+    return policy, Engine(HFRunner(target), TOK if target.config.vocab_size == V else make_tokenizer(target.config.vocab_size),
                   multi, policy, max_batch_size=slots, max_context=max_context)
 
 
@@ -735,7 +750,7 @@ def test_greedy_auto_over_a_model_and_ngram_equals_target_only():
     target = make_model(V, seed=0)
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     reference = Engine(HFRunner(target), TOK, None, 0, max_batch_size=2, max_context=80).generate(PROMPTS, params)
-    engine = auto_engine(target, perturbed_copy(target, 0.2), slots=2)
+    _, engine = auto_engine(target, perturbed_copy(target, 0.2), slots=2)
     outs = engine.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
     choices = {}
@@ -752,11 +767,11 @@ def test_auto_over_mixed_drafters_keeps_the_target_law(sp):
     lookup (prompt [1, 2, 1, 2, 1]: lookup proposes), every sequence exploring the other drafter."""
     target = make_model(VS, seed=5, scale=0.5)
     draft = perturbed_copy(target, noise=0.6, seed=3)
-    engine = auto_engine(target, draft, slots=250, explore_every=1, max_context=12)
+    selector, engine = auto_engine(target, draft, slots=250, explore_every=1, max_context=12)
     prompt = [1, 2, 1, 2, 1]
     counts = sample_pairs(engine, prompt, sp, 4000, 250, max_new_tokens=3)
     assert chi_square_p(counts, exact_two_token_law(target, prompt, sp), 4000) > ALPHA
-    used = engine.policy.inner.history
+    used = selector.history
     assert used["model"].requested > 3 and used["ngram"].requested > 3  # both drafted
 
 
@@ -771,7 +786,7 @@ def test_mixed_rows_in_one_step_keep_the_target_law():
 
     def engine(multi_cls=MultiDrafter):
         parts = {"model": DraftModelDrafter(HFRunner(draft)), "ngram": NgramDrafter()}
-        multi = multi_cls(parts, lambda s: "model" if s.slot % 2 else "ngram")
+        multi = multi_cls(Parts(parts), lambda s: "model" if s.slot % 2 else "ngram")
         return Engine(HFRunner(target), make_tokenizer(VS), multi, 2, max_batch_size=250, max_context=12)
 
     law = exact_two_token_law(target, prompt, sp)
@@ -800,10 +815,9 @@ def test_check_passes_with_the_selector_over_a_model_and_ngram():
     def factory(k, batch):
         if not k:
             return Engine(HFRunner(target), CHECK_TOK, None, 0, max_batch_size=batch, max_context=64)
-        policy = AutoPolicy(["model", "ngram"], max_k=k, explore_every=2,
-                            cost=flat_cost(verify_per_token=0.001, drafts={"model": 0.02, "ngram": 0.001}))
-        multi = MultiDrafter({"model": DraftModelDrafter(HFRunner(draft)), "ngram": NgramDrafter()}, policy.route,
-                             policy.observe_draft)
+        multi, policy = auto_drafting({"model": DraftModelDrafter(HFRunner(draft)), "ngram": NgramDrafter()},
+                                      flat_cost(verify_per_token=0.001, drafts={"model": 0.02, "ngram": 0.001}),
+                                      max_k=k, settings=SelectorSettings(explore_every=2))
         return Engine(HFRunner(target), CHECK_TOK, multi, policy, max_batch_size=batch, max_context=64)
 
     report = run_check(factory, CHECK_PROMPTS, CheckConfig(**{**CFG.__dict__, "parts": (1, 3)}))
@@ -816,11 +830,10 @@ def test_the_server_reports_the_choices_and_keeps_greedy_outputs_under_concurren
     from test_server_harness import MODEL, pair, reference, serve, tokenizer
 
     target, draft = pair()
-    policy = AutoPolicy(["model", "ngram"], max_k=4, explore_every=3,
-                        cost=flat_cost(verify_per_token=0.001, drafts={"model": 0.02, "ngram": 0.001}))
-    multi = MultiDrafter({"model": DraftModelDrafter(HFRunner(draft)), "ngram": NgramDrafter()}, policy.route,
-                         policy.observe_draft)
-    eng = Engine(HFRunner(target), tokenizer(), multi, policy, max_batch_size=4, max_context=96)
+    multi, policy = auto_drafting({"model": DraftModelDrafter(HFRunner(draft)), "ngram": NgramDrafter()},
+                                  flat_cost(verify_per_token=0.001, drafts={"model": 0.02, "ngram": 0.001}),
+                                  max_k=4, settings=SelectorSettings(explore_every=3))
+    eng = Engine(HFRunner(target), tokenizer(), multi, policy, max_batch_size=4, max_context=96, **serving())
     prompts = ["abcabcab", "hello", "xyzzy", "kitten", "q", "mmmm"]
     with serve(eng) as s:
         def ask(p):
@@ -841,13 +854,28 @@ def test_the_server_reports_the_choices_and_keeps_greedy_outputs_under_concurren
     assert sum(served.values()) == steps and any("ngram:" in k or "model:" in k for k in served), served
 
 
-def test_the_catch_up_flag_reaches_the_selector():
-    from specdecode.build import EngineConfig, make_policy
-
-    cfg = EngineConfig("t", "ngram", extra_drafts=("draft-model-dir",), draft_policy="auto", catch_up_tokens=17)
-    assert make_policy(cfg).catch_up_tokens == 17
+def test_the_catch_up_tokens_reach_the_selector():
+    _, policy = auto_drafting({"ngram": NgramDrafter()}, flat_cost(drafts={"ngram": 0.001}), max_k=4, catch_up_tokens=17)
+    assert policy.catch_up_tokens == 17
     with pytest.raises(ValueError, match="catch_up_tokens"):
-        AutoPolicy(["ngram"], max_k=4, catch_up_tokens=0)
+        auto(["ngram"], flat_cost(), catch_up_tokens=0)
+
+
+def test_the_multi_drafter_and_its_selector_are_built_complete():
+    """One call builds both: the selector asks the parts (lags, free drafters), the multi-drafter
+    routes by the selector and reports proposal and catch-up times to the cost model."""
+    cost = flat_cost(verify_per_token=0.001, drafts={"model": 0.02, "ngram": 0.001})
+    cost.catch_up = {"model": 0.001}
+    target = make_model(V, seed=0)
+    multi, policy = auto_drafting({"model": DraftModelDrafter(HFRunner(perturbed_copy(target, 0.1))),
+                                   "ngram": NgramDrafter()}, cost, max_k=4, catch_up_tokens=8)
+    assert multi.route == policy.route and policy.parts is multi.parts and policy.free == ("ngram",)
+    assert policy.cost is cost and policy.drafters == ["model", "ngram"]
+    capped = BudgetPolicy(policy, 12)  # under a verify budget, nobody unwraps it
+    engine = Engine(HFRunner(target), TOK, multi, capped, max_batch_size=2, max_context=80)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    engine.generate([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [4, 5, 6]], params)
+    assert {"verify", "ngram"} <= set(cost.correction)  # measured times reached the cost model
 
 
 @pytest.mark.parametrize("shadowed", [True, False], ids=["shadow", "negative-control"])
@@ -855,7 +883,7 @@ def test_a_free_drafter_is_scored_every_step_without_drafting(shadowed):
     """n-gram lookup's history says it is useless, and exploration is off; on this sequence it would
     in fact propose exactly what the target emits. Asked every step what it would propose (no model:
     free), scored against the emitted tokens, it takes over from the draft model within a few steps.
-    Not asked (the control), the selector never learns it and stays with the draft model."""
+    Not free to ask (the control), the selector never learns it and stays with the draft model."""
     cost = flat_cost(verify_per_token=0.02, drafts={"model": 0.05, "ngram": 0.001})
     truth = list(range(100, 300))  # what the target emits after the 3-token prompt
 
@@ -863,9 +891,8 @@ def test_a_free_drafter_is_scored_every_step_without_drafting(shadowed):
         assert drafter == "ngram"
         return [truth[len(s.token_ids) - 3: len(s.token_ids) - 3 + k] for s in seqs]
 
-    policy = AutoPolicy(["model", "ngram"], max_k=4, cost=cost, explore_every=0,
-                        shadow=shadow if shadowed else None, free=("ngram",))
-    known(policy, "ngram", _Counts(0.0, 10.0, 10.0, 10.0))
+    parts = FakeParts(shadow=shadow, free=("ngram",) if shadowed else ())
+    policy = auto(["model", "ngram"], cost, parts, max_k=4, explore_every=0, history={"ngram": USELESS})
     seq = Seq(token_ids=[1, 2, 3])
     teach(policy, seq, "model", [2, 2, 2, 2])
     routes = []
@@ -883,29 +910,51 @@ def test_a_free_drafter_is_scored_every_step_without_drafting(shadowed):
 
 
 def test_shadow_scoring_counts_the_matched_prefix_and_censors_past_the_emitted():
-    policy = AutoPolicy(["model", "ngram"], max_k=4, cost=flat_cost(drafts={"model": 0.05, "ngram": 0.001}),
-                        decay=1.0, prior_decay=1.0, free=("ngram",),
-                        shadow=lambda seqs, d, k: [[5, 6, 7]])
-    seq = Seq(token_ids=[1, 2, 3])
-    state = policy._state(seq)
-    before = _Counts(**vars(policy.history["ngram"]))
     cases = [([5, 6, 7], [5, 9], (1, 1, 3, 3)),  # a mismatch at the second: 1 accepted, 1 rejection
              ([5, 6, 7], [5], (1, 0, 3, 3)),  # only one emitted: 1 accepted, the rest not judged
              ([], [5], (0, 0, 0, 3))]  # nothing found: fill falls, acceptance unchanged
-    for tokens, emitted, (acc, rej, proposed, requested) in cases:
-        state.counts.pop("ngram", None)
-        state.shadow = {"ngram": (3, 3, tokens)}
-        seq.token_ids = [1, 2, 3] + emitted
-        policy.observe(seq, 0, 0)
-        c = state.counts["ngram"]
-        assert (c.accepted, c.rejected, c.proposed, c.requested) == (acc, rej, proposed, requested)
-        assert state.shadow == {}
-    h = policy.history["ngram"]
-    assert (h.accepted - before.accepted, h.rejected - before.rejected) == (2, 1)
-    # the plan asks only for sequences the free drafter does not draft for, and records where it stood
-    seq.token_ids = [1, 2, 3]
-    policy.plan([seq], 1)
-    assert (policy.route(seq) == "ngram") == ("ngram" not in state.shadow)
+    for tokens, emitted, expected in cases:
+        matched, compared = shadow_score(tokens, emitted)
+        c = Counts().add(3, len(tokens), matched, 1.0, compared)
+        assert (c.accepted, c.rejected, c.proposed, c.requested) == expected
+    # through the selector: the plan asks only for sequences the free drafter does not draft for, and
+    # the step's emitted tokens score that proposal (here a mismatch at the second token)
+    asked = []
+    parts = FakeParts(shadow=lambda seqs, d, k: asked.extend(seqs) or [[5, 6, 7] for _ in seqs], free=("ngram",))
+    policy = auto(["model", "ngram"], flat_cost(drafts={"model": 0.05, "ngram": 0.001}), parts, max_k=4,
+                  decay=1.0, prior_decay=1.0, history={"model": Counts(9.0, 1.0, 10.0, 10.0), "ngram": USELESS})
+    seq = Seq(token_ids=[1, 2, 3])
+    k = policy.plan([seq], 1)[0]
+    assert policy.route(seq) == "model" and asked == [seq]
+    seq.token_ids = [1, 2, 3, 5, 9]
+    policy.observe(seq, k, 1)
+    # asked for explore_k = 2 (no length planned for it), it proposed 3: 1 accepted, 1 rejected
+    assert policy.history["ngram"] == USELESS.add(2, 3, 1, 1.0, 2)
+    assert policy.estimate(seq, "ngram") == estimate(Counts(1.0, 1.0, 3.0, 2.0), policy.history["ngram"], 10.0)
+
+
+def test_the_acceptance_estimate_is_own_counts_plus_the_history_at_its_weight():
+    history = Counts(8.0, 2.0, 9.0, 10.0)  # alpha 0.8, fill 0.9
+    assert estimate(Counts(), history, 10.0) == pytest.approx((0.8, 0.9))
+    own = Counts(1.0, 3.0, 2.0, 4.0)  # alpha 0.25, fill 0.5
+    assert estimate(own, history, 10.0) == pytest.approx(((1 + 8) / (4 + 10), (2 + 9) / (4 + 10)))
+    assert estimate(Counts(5.0, 0.0, 9.0, 5.0), Counts(1.0, 0.0, 2.0, 1.0), 10.0) == (0.999, 1.0)  # capped
+    assert Counts(1.0, 1.0, 1.0, 1.0).add(4, 3, 2, 0.5) == Counts(2.5, 1.5, 3.5, 4.5)
+    assert vars(Counts.guess(0.5, 0.8, 3.0)) == pytest.approx(vars(Counts(1.5, 1.5, 2.4, 3.0)))
+    assert expected_tokens(0.5, 1.0, 3) == pytest.approx(1.875) and expected_tokens(0.5, 0.5, 3) == pytest.approx(1.4375)
+
+
+def test_the_step_cost_of_a_plan_and_the_exploration_allowance():
+    from specdecode.selector import exploration_allowance, moved, plan_rows, step_seconds
+
+    cost = flat_cost(verify_per_token=0.1, drafts={"a": 0.01, "b": 0.02})
+    rows = plan_rows([("a", 4), (None, 0), ("a", 4), ("b", 2)])
+    assert rows == {("a", 4): 2, ("b", 2): 1}
+    # one verify as wide as the longest chain, each drafter's proposal for its rows
+    assert step_seconds(cost, 4, rows) == pytest.approx(cost.verify_s(4, 5) + cost.draft_s("a", 2, 4) + cost.draft_s("b", 1, 2))
+    assert moved(rows, ("b", 2), ("a", 8)) == {("a", 4): 2, ("a", 8): 1} and rows == {("a", 4): 2, ("b", 2): 1}
+    assert step_seconds(cost, 4, {}) == cost.verify_s(4, 1)
+    assert exploration_allowance(2.0, 4, 0.05, 16) == pytest.approx(0.4)  # 5 % of the time, 4 rows sharing it
 
 
 def test_a_catch_up_must_beat_what_the_sequence_has_without_one():
@@ -915,19 +964,18 @@ def test_a_catch_up_must_beat_what_the_sequence_has_without_one():
     cost = flat_cost(verify_per_token=0.02, drafts={"model": 0.05, "ngram": 0.001})
     cost.catch_up = {"model": 0.05}
     lags = {}
-    policy = AutoPolicy(["model", "ngram"], max_k=8, cost=cost, explore_every=0,
-                        lag=lambda s, d: lags.get((id(s), d), 0))
+    policy = auto(["model", "ngram"], cost, FakeParts(lag=lambda s, d: lags.get((id(s), d), 0)), max_k=8, explore_every=0)
 
     good, poor = Req(params=SamplingParams(max_new_tokens=100)), Req(params=SamplingParams(max_new_tokens=100))
     for seq, ngram in ((good, [4, 3, 4, 3, 4, 3]), (poor, [0] * 6)):
         teach(policy, seq, "model", [4] * 6)
         teach(policy, seq, "ngram", ngram)
         lags[(id(seq), "model")] = 300
-    est = policy.estimate(good, "model")
-    lookup = policy._per_token("ngram", policy.estimate(good, "ngram"), 1)
-    assert policy._per_token("model", est, 1) < lookup  # the model is the better drafter once caught up
-    assert policy._pays_back(good, "model", est, 1, 15.0)  # against plain decoding it pays back
-    assert not policy._pays_back(good, "model", est, 1, 15.0, ready=lookup)  # against lookup it does not
+    model = seconds_per_token(cost, "model", policy.estimate(good, "model"), 1, policy.lengths)
+    lookup = seconds_per_token(cost, "ngram", policy.estimate(good, "ngram"), 1, policy.lengths)
+    assert model < lookup  # the model is the better drafter once caught up
+    assert pays_back(15.0, 100, cost.verify_s(1, 1), model, 1, 1.0)  # against plain decoding it pays back
+    assert not pays_back(15.0, 100, lookup, model, 1, 1.0)  # against lookup it does not
     policy.plan([good], 1)
     assert policy.route(good) == "ngram"
     policy.plan([poor], 1)
@@ -950,10 +998,10 @@ def test_a_dear_catch_up_waits_until_lookup_has_been_watched(lookup_matches, loo
     def shadow(seqs, drafter, k):
         return [truth[len(s.token_ids) - 3: len(s.token_ids) - 3 + k] if lookup_matches else [7] * k for s in seqs]
 
-    policy = AutoPolicy(["model", "ngram"], max_k=8, cost=cost, explore_every=0, look_steps=look_steps,
-                        lag=lambda s, d: lags.get((id(s), d), 0), shadow=shadow, free=("ngram",))
-    teach(policy, Seq(), "model", [4] * 6)  # the draft model's history: good
-    known(policy, "ngram", _Counts(0.0, 10.0, 10.0, 10.0))  # lookup's: useless
+    parts = FakeParts(lag=lambda s, d: lags.get((id(s), d), 0), shadow=shadow, free=("ngram",))
+    policy = auto(["model", "ngram"], cost, parts, max_k=8, explore_every=0, look_steps=look_steps,
+                  history={"ngram": USELESS})  # lookup's history: useless
+    teach(policy, Seq(), "model", [4] * 6)  # the draft model's: good
 
     seq = Req(params=SamplingParams(max_new_tokens=40))
     lags[(id(seq), "model")] = 1500
@@ -979,15 +1027,17 @@ def test_a_short_catch_up_or_no_free_drafter_does_not_wait():
     backlog when no free drafter is loaded (nothing to learn by waiting): read at the first step."""
     cost = flat_cost(verify_per_token=0.02, drafts={"model": 0.05, "ngram": 0.001})
     cost.catch_up = {"model": 0.01}
-    for lag, shadow, free in ((100, lambda seqs, d, k: [[7] * k for _ in seqs], ("ngram",)), (1500, None, ())):
-        policy = AutoPolicy(["model", "ngram"], max_k=8, cost=cost, explore_every=0, lag=lambda s, d: lag,
-                            shadow=shadow, free=free)
+    for lag, free in ((100, ("ngram",)), (1500, ())):
+        parts = FakeParts(lag=lambda s, d: lag, shadow=lambda seqs, d, k: [[7] * k for _ in seqs], free=free)
+        policy = auto(["model", "ngram"], cost, parts, max_k=8, explore_every=0, history={"ngram": USELESS})
         teach(policy, Seq(), "model", [4] * 6)
-        known(policy, "ngram", _Counts(0.0, 10.0, 10.0, 10.0))
         seq = Req(params=SamplingParams(max_new_tokens=40))
         policy.plan([seq], 1)
         assert policy.route(seq) == "model"
-        assert not policy._looking(seq, {"model": 0.01 * lag}, 1)  # (the scripted catch-up: 0.01 s a token)
+        # (the scripted catch-up: 0.01 s a token; nothing scored yet)
+        assert not look_first({"model": 0.01 * lag}, {}, free, cost.verify_s(1, 1), 1, 3, 0.25)
+    assert look_first({"model": 15.0}, {}, ("ngram",), cost.verify_s(1, 1), 1, 3, 0.25)  # (the control: 1,500)
+    assert not look_first({"model": 15.0}, {"ngram": 3}, ("ngram",), cost.verify_s(1, 1), 1, 3, 0.25)
 
 
 def test_a_catch_up_is_judged_against_the_whole_request_not_its_last_steps():
@@ -996,8 +1046,8 @@ def test_a_catch_up_is_judged_against_the_whole_request_not_its_last_steps():
     rest of the request against what lookup did over all of it, and does not."""
     cost = flat_cost(verify_per_token=0.02, drafts={"model": 0.05, "ngram": 0.001})
     cost.catch_up = {"model": 0.01}
-    policy = AutoPolicy(["model", "ngram"], max_k=8, cost=cost, explore_every=0, catch_up_margin=0.0,
-                        lag=lambda s, d: 600 if d == "model" else 0)
+    policy = auto(["model", "ngram"], cost, FakeParts(lag=lambda s, d: 600 if d == "model" else 0), max_k=8,
+                  explore_every=0, catch_up_margin=0.0)
     teach(policy, Seq(), "model", [4] * 6)
     teach(policy, Seq(), "ngram", [0, 1, 0, 0, 0, 0])  # lookup did poorly on earlier requests
 
@@ -1005,9 +1055,11 @@ def test_a_catch_up_is_judged_against_the_whole_request_not_its_last_steps():
     teach(policy, seq, "ngram", [4] * 8 + [0] * 4)
     fast, whole = policy.estimate(seq, "ngram"), policy.estimate(seq, "ngram", whole=True)
     assert whole[0] > fast[0] + 0.1
-    model, catch = policy.estimate(seq, "model"), cost.catch_up_s("model", 600)
-    assert policy._pays_back(seq, "model", model, 1, catch, 0, policy._per_token("ngram", fast, 1))  # (the control)
-    assert not policy._pays_back(seq, "model", model, 1, catch, 0, policy._per_token("ngram", whole, 1))
+    model = seconds_per_token(cost, "model", policy.estimate(seq, "model"), 1, policy.lengths)
+    catch = cost.catch_up_s("model", 600)
+    lookup = {e: seconds_per_token(cost, "ngram", e, 1, policy.lengths) for e in (fast, whole)}
+    assert pays_back(catch, 40, lookup[fast], model, 1, 0.0)  # (the control)
+    assert not pays_back(catch, 40, lookup[whole], model, 1, 0.0)
     policy.plan([seq], 1)
     assert policy.route(seq) != "model"
 
@@ -1018,12 +1070,13 @@ def test_exploration_never_tries_a_catch_up_that_cannot_beat_what_the_sequence_h
     (against plain decoding, which the sequence no longer needs, it would have been)."""
     cost = flat_cost(verify_per_token=0.001, drafts={"model": 0.002, "ngram": 0.001})
     cost.catch_up = {"model": 0.01}
-    policy = AutoPolicy(["model", "ngram"], max_k=4, cost=cost, explore_every=2, lag=lambda s, d: 150 if d == "model" else 0)
-    known(policy, "model", _Counts(0.0, 10.0, 10.0, 10.0))
+    policy = auto(["model", "ngram"], cost, FakeParts(lag=lambda s, d: 150 if d == "model" else 0), max_k=4,
+                  explore_every=2, history={"model": USELESS})
 
     seq = Req(params=SamplingParams(max_new_tokens=30))
     teach(policy, seq, "ngram", [4] * 6)
-    assert policy._pays_back(seq, "model", (0.999, 1.0), 1, 1.5)  # against plain decoding (the scripted 1.5 s)
+    perfect = seconds_per_token(cost, "model", (0.999, 1.0), 1, policy.lengths)
+    assert pays_back(1.5, 30, cost.verify_s(1, 1), perfect, 1, 1.0)  # against plain decoding (the scripted 1.5 s)
     for _ in range(6):
         k = policy.plan([seq], 1)[0]
         assert policy.route(seq) == "ngram"
@@ -1036,11 +1089,11 @@ def test_a_catch_up_must_be_expected_to_save_twice_what_it_costs():
     once. 100 tokens at ~0.54 s saved a token (~54 s): a 30 s catch-up is not paid by default (the
     saving must be twice the cost), a 25 s one is; with no margin the 30 s one is paid too."""
     cost = flat_cost(verify_per_token=0.02, drafts={"model": 0.05})
-    seq = Req(params=SamplingParams(max_new_tokens=100))
+    assert SelectorSettings().catch_up_margin == 1.0
     for margin, catch, pays in ((1.0, 30.0, False), (1.0, 25.0, True), (0.0, 30.0, True)):
-        policy = AutoPolicy(["model"], max_k=8, cost=cost, catch_up_margin=margin)
-        saved = 100 * (cost.verify_s(1, 1) - policy._per_token("model", (0.7, 1.0), 1))
+        best = seconds_per_token(cost, "model", (0.7, 1.0), 1, auto(["model"], cost).lengths)
+        saved = 100 * (cost.verify_s(1, 1) - best)
         assert 50 < saved < 60
-        assert policy._pays_back(seq, "model", (0.7, 1.0), 1, catch) == pays
+        assert pays_back(catch, 100, cost.verify_s(1, 1), best, 1, margin) == pays
     with pytest.raises(ValueError, match="catch_up_margin"):
-        AutoPolicy(["model"], max_k=8, catch_up_margin=-1)
+        SelectorSettings(catch_up_margin=-1)

@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from tiny import serving
 from test_server_harness import one_torch_thread  # noqa: F401 (autouse fixture)
 from test_server_harness import (CLIENT_TIMEOUT_S, KEY, MAX_LEN, MODEL, HeldSteps, engine, reference, serve,
                                  sse_events, tokenizer, until)
@@ -30,7 +31,7 @@ def srv():
 @pytest.fixture(scope="module")
 def chunked():
     """A server whose steps carry 6 tokens: every prompt here is prefilled a token or two per step."""
-    with serve(engine(k=3, slots=4), max_num_batched_tokens=6, batched_tokens_per_seq=0) as s:
+    with serve(engine(k=3, slots=4, max_num_batched_tokens=6, batched_tokens_per_seq=0)) as s:
         yield s
 
 
@@ -468,7 +469,7 @@ def test_long_prompt_is_prefilled_in_chunks_while_a_stream_decodes(budget, per_s
     ``batched_tokens_per_seq`` the step budget is that many tokens per admitted request (two here)
     when that is more than ``max_num_batched_tokens``: chunks bigger than the fixed budget, never
     bigger than the scaled one."""
-    eng = engine(k=3, slots=4)
+    eng = engine(k=3, slots=4, max_num_batched_tokens=budget, batched_tokens_per_seq=per_seq)
     gate, step, prefill, log, armed = threading.Event(), eng.step, eng.target.prefill, [], [True]
     gate.set()
 
@@ -509,7 +510,7 @@ def test_long_prompt_is_prefilled_in_chunks_while_a_stream_decodes(budget, per_s
             gate.set()
             return await asyncio.gather(a, b)
 
-    with serve(eng, max_num_batched_tokens=budget, batched_tokens_per_seq=per_seq) as s:
+    with serve(eng) as s:
         try:
             responses = asyncio.run(run(s))
         finally:
@@ -556,7 +557,7 @@ def test_a_tree_drafting_server_answers_concurrent_greedy_requests_like_target_o
 
     target, draft = pair()
     eng = Engine(HFRunner(target), tokenizer(), DraftModelDrafter(HFRunner(draft), tree_topk=2, tree_nodes=6), 3,
-                 max_batch_size=3, max_context=MAX_LEN)
+                 max_batch_size=3, max_context=MAX_LEN, **serving())
     prompts = ["abc", "hello", "xyz", "tree"]
     with serve(eng) as s:
         client = s.openai()

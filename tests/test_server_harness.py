@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from specdecode.sampling import SamplingParams
 from specdecode.server.app import ServerConfig, create_app
 from specdecode.server.connections import ConnectionLimits, DrainingServer, uvicorn_config
-from tiny import make_engine, make_model, make_tokenizer, perturbed_copy
+from tiny import make_engine, make_model, make_tokenizer, perturbed_copy, serving
 
 V = 32
 MAX_LEN = 128
@@ -57,11 +57,13 @@ def pair():
     return target, perturbed_copy(target, noise=0.15)
 
 
-def engine(k: int = 3, slots: int = 4, max_len: int = MAX_LEN, draft: bool = True, backend: str | None = None):
-    """A tiny engine on $SPECDECODE_TEST_BACKEND (torch by default; see tiny.runner_for) or ``backend``."""
+def engine(k: int = 3, slots: int = 4, max_len: int = MAX_LEN, draft: bool = True, backend: str | None = None,
+           **budget):
+    """A tiny engine built for serving (tiny.serving; ``budget``: its step budget) on $SPECDECODE_TEST_BACKEND
+    (torch by default; see tiny.runner_for) or ``backend``."""
     target, draft_model = pair()
     return make_engine(target, tokenizer(), draft_model if draft and k else None, k=k if draft else 0,
-                       num_slots=slots, max_len=max_len, backend=backend)
+                       num_slots=slots, max_len=max_len, backend=backend, **serving(**budget))
 
 
 @functools.cache

@@ -130,12 +130,17 @@ def test_cli_flags():
     assert check_arguments(args) is None
     cfg = server_config(args)
     assert (cfg.model_name, cfg.api_key, cfg.max_queue, cfg.speculation) == ("t", "k", 4, False)
-    assert cfg.max_num_batched_tokens == 64
-    assert cfg.batched_tokens_per_seq == 0  # the default: a fixed budget
+    from specdecode.build import ConfigError, config_from_args, validate_config
+
+    plan = config_from_args(args, max_batch_size=args.max_batch_size, first_token_from_target=True)
+    assert plan.max_num_batched_tokens == 64 and plan.max_batch_size == 16 and plan.num_draft_tokens == 5
+    assert plan.batched_tokens_per_seq == 0  # the default: a fixed budget
     scaled = parser.parse_args(["--target", "t", "--batched-tokens-per-seq", "64"])
-    assert check_arguments(scaled) is None and server_config(scaled).batched_tokens_per_seq == 64
-    assert "--batched-tokens-per-seq" in check_arguments(parser.parse_args(["--target", "t", "--batched-tokens-per-seq", "-1"]))
-    assert "--max-num-batched-tokens" in check_arguments(parser.parse_args(["--target", "t", "--max-num-batched-tokens", "0"]))
+    assert check_arguments(scaled) is None and config_from_args(scaled).batched_tokens_per_seq == 64
+    assert config_from_args(scaled).max_num_batched_tokens == 512  # serve's default step budget
+    for flag in ("--batched-tokens-per-seq", "--max-num-batched-tokens"):
+        with pytest.raises(ConfigError, match=flag):
+            validate_config(config_from_args(parser.parse_args(["--target", "t", flag, "-1"])))
     assert args.host == "127.0.0.1"
     assert "--max-queue" in check_arguments(parser.parse_args(["--target", "t", "--max-queue", "0"]))
 

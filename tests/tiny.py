@@ -88,11 +88,18 @@ def runner_for(model, backend: str | None = None):
 
 
 def make_engine(target, tokenizer, draft=None, k: int = 0, num_slots: int = 4, max_len: int = 256, drafter=None,
-                verifier=None, backend: str | None = None):
-    """An engine on tiny models; it sizes both runners' caches itself (see :func:`runner_for`)."""
+                verifier=None, backend: str | None = None, **engine_kwargs):
+    """An engine on tiny models; it sizes both runners' caches itself (see :func:`runner_for`);
+    ``engine_kwargs`` go to :class:`Engine` (``serving()`` gives a server's)."""
     from specdecode.drafters.draft_model import DraftModelDrafter
 
     if draft is not None:
         drafter = DraftModelDrafter(runner_for(draft, backend))
     return Engine(runner_for(target, backend), tokenizer, drafter, k, max_batch_size=num_slots, max_context=max_len,
-                  verifier=verifier)
+                  verifier=verifier, **engine_kwargs)
+
+
+def serving(max_num_batched_tokens: int = 512, batched_tokens_per_seq: int = 0) -> dict:
+    """Engine arguments of an engine built for serving, as `specdecode serve` builds it by default."""
+    return dict(first_token_from_target=True, max_num_batched_tokens=max_num_batched_tokens,
+                batched_tokens_per_seq=batched_tokens_per_seq)

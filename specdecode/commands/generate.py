@@ -99,8 +99,8 @@ def main(args: argparse.Namespace) -> int:
                            None if args.seed is None else args.seed + i, args.max_new_tokens, tuple(args.stop), args.ignore_eos)
             for i in range(args.num_samples)
         ]
-        engine = build_engine(config_from_args(args, max_batch_size=args.num_samples))  # flags checked before loading
-        engine.first_token_from_target = True  # streamed: the first token never waits for the drafter
+        # streamed: the first token never waits for the drafter; flags are checked before anything loads
+        engine = build_engine(config_from_args(args, max_batch_size=args.num_samples, first_token_from_target=True))
         prompt = _prompt_ids(args, engine.tokenizer)
         if engine.target_quantization != "none":
             print(f"warning: LOSSY — the target was quantized to {engine.target_quantization} "

@@ -19,7 +19,7 @@ Each drafter lives in one file with a ``build(arg, ctx)`` factory, listed in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -59,9 +59,18 @@ class TargetFeatures:
 
 
 class Drafter(Protocol):
+    """Members with a default in :class:`DrafterBase` are optional capabilities: a drafter that has
+    them overrides the default."""
+
     name: str
     feature_layers: tuple[int, ...]  # target feature layers it wants (see models.base); () = none
     max_tree_nodes: int  # the largest tree it proposes (0: chains only)
+    # its state is the tokens it has read (a draft model): it may start on a sequence late and catch up
+    # (specdecode.drafters.multi); such a drafter also implements ``lag`` and ``read``
+    lazy_start: bool
+    free: bool  # a proposal costs no model forward (n-gram lookup): the selector may ask it for any sequence
+    # told of each backlog a proposal first read through prefill (tokens, seconds): catch-up, not drafting
+    on_catch_up: Callable[[int, float], None]
 
     def reserve(self, num_slots: int, max_len: int) -> None:
         """Size per-slot state (the engine calls this once, from its batch size and context)."""
@@ -80,6 +89,15 @@ class Drafter(Protocol):
 
     def observe(self, slots: list[int], features: list[TargetFeatures]) -> None:
         """Target features of newly cached tokens (only called when ``feature_layers`` is non-empty)."""
+
+    def lag(self, seq: SequenceView) -> int:
+        """Tokens the next proposal for ``seq`` must read beyond the usual one or two; 0 for a drafter
+        that is always in step."""
+
+    def read(self, seqs: Sequence[SequenceView], budget: int) -> int:
+        """Read up to ``budget`` tokens, in all, of what ``seqs`` have that the drafter has not read,
+        without drafting (a slot it has never seen has read nothing: a lazy drafter starts this way).
+        Returns the tokens read; 0 for a drafter that is always in step."""
 
     def propose(self, seqs: Sequence[SequenceView], num_tokens: list[int]) -> Proposal:
         """Propose up to ``num_tokens[b]`` tokens continuing each sequence."""
@@ -101,11 +119,15 @@ def common_prefix(a: list[int], b: list[int], start: int = 0) -> int:
 
 
 class DrafterBase:
-    """Defaults for the optional parts of the protocol: no features, no runners, no per-slot state."""
+    """Defaults for the optional parts of the protocol: no features, no runners, no per-slot state,
+    chains, started with every sequence and always in step, each proposal costing a forward."""
 
     name = "drafter"
     feature_layers: tuple[int, ...] = ()
     max_tree_nodes = 0  # the largest tree it proposes (0: chains only); the engine sizes its window by it
+    lazy_start = False
+    free = False
+    on_catch_up: Callable[[int, float], None] = staticmethod(lambda tokens, seconds: None)
 
     def reserve(self, num_slots: int, max_len: int) -> None:
         pass
@@ -121,6 +143,12 @@ class DrafterBase:
 
     def observe(self, slots: list[int], features: list[TargetFeatures]) -> None:
         pass
+
+    def lag(self, seq: SequenceView) -> int:
+        return 0
+
+    def read(self, seqs: Sequence[SequenceView], budget: int) -> int:
+        return 0
 
     def move(self, src: int, dst: int) -> None:
         pass

@@ -1,5 +1,6 @@
 """Several drafters behind one: each step, each sequence drafts with the part ``route(seq)`` names
-(``--draft A --draft B --draft-policy auto``; the selector, :mod:`specdecode.selector`, routes).
+(``--draft A --draft B --draft-policy auto``; the selector, :mod:`specdecode.selector`, routes, and
+:func:`specdecode.selector.auto_drafting` builds the two together).
 
 Every part sees every sequence (``start``, ``observe``, ``move``, ``release``), so any of them can
 take over a sequence at any step: a draft model catches up on the tokens it missed at its next
@@ -14,49 +15,148 @@ part's proposals meet the verifier.
 
 **Lazy parts.** A part that says ``lazy_start = True`` (a draft model: its state is a cache of the
 tokens it has read, so it can catch up on any history) is not started when a sequence arrives: its
-prompt is only remembered, and the part prefills it the first time the sequence is routed to it
-(then it catches up on the tokens generated meanwhile, as after a rejection). A sequence the
-selector never routes to a draft model never costs that model a forward, so under load, or for a
-request too short to pay back a long prompt's prefill, choosing among drafters costs no more than
-not drafting. :meth:`lag` tells the selector how many tokens a part would have to catch up on first,
-:meth:`read` lets it have a part read a bounded piece of that backlog at a step without drafting (a
-long catch-up spread over several steps), and ``on_catch_up(name, tokens, seconds)`` reports what a
-deferred prefill cost.
+prompt is only remembered (:class:`Parts`), and the part reads it the first time the sequence is
+routed to it (then it catches up on the tokens generated meanwhile, as after a rejection). A
+sequence the selector never routes to a draft model never costs that model a forward, so under
+load, or for a request too short to pay back a long prompt's prefill, choosing among drafters costs
+no more than not drafting. :meth:`Parts.lag` tells the selector how many tokens a part would have to
+catch up on first, :meth:`Parts.read` lets it have a part read a bounded piece of that backlog at a
+step without drafting (a long catch-up spread over several steps), and ``on_catch_up(name, tokens,
+seconds)`` reports what each catch-up cost.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from specdecode.drafters.base import Drafter, Proposal, SequenceView, TargetFeatures
+from specdecode.drafters.base import Drafter, DrafterBase, Proposal, SequenceView, TargetFeatures
 from specdecode.models.base import Runner
 from specdecode.models.device import synchronize
 
 
-class MultiDrafter:
-    max_tree_nodes = 0
+class Parts(Mapping[str, Drafter]):
+    """A multi-drafter's parts by name, and for each lazy part the sequences it has not started on:
+    what the selector asks of the parts (:class:`specdecode.selector.PartsView`) and what the
+    multi-drafter drafts with. ``on_catch_up(name, tokens, seconds)`` hears every catch-up: a late
+    start, a piece read ahead, a backlog a proposal read through prefill."""
 
-    def __init__(self, parts: dict[str, Drafter], route: Callable[[SequenceView], str | None],
-                 on_timing: Callable[[str, int, int, float], None] = lambda name, rows, k, s: None,
+    def __init__(self, drafters: dict[str, Drafter],
                  on_catch_up: Callable[[str, int, float], None] = lambda name, tokens, s: None) -> None:
-        if not parts:
+        if not drafters:
             raise ValueError("a multi-drafter needs at least one part")
-        trees = [name for name, d in parts.items() if getattr(d, "max_tree_nodes", 0)]
+        trees = [name for name, d in drafters.items() if d.max_tree_nodes]
         if trees:
             raise ValueError(f"the selector chooses among chains; {', '.join(trees)} drafts trees")
-        self.parts, self.route, self.on_timing, self.on_catch_up = dict(parts), route, on_timing, on_catch_up
+        self._drafters, self.on_catch_up = dict(drafters), on_catch_up
+        self.free = tuple(name for name, d in drafters.items() if d.free)  # (see shadow)
         # lazy part -> slot -> the prompt it has not read yet (see the module docstring)
-        self._waiting: dict[str, dict[int, list[int]]] = {
-            name: {} for name, d in parts.items() if getattr(d, "lazy_start", False)}
-        self._caught_up_s = 0.0  # catch-up seconds inside the proposal being timed
+        self._waiting: dict[str, dict[int, list[int]]] = {name: {} for name, d in drafters.items() if d.lazy_start}
+        self.caught_up_s = 0.0  # seconds of catch-up read inside proposals so far (not drafting time)
         for name in self._waiting:
-            parts[name].on_catch_up = lambda tokens, seconds, name=name: self._caught_up(name, tokens, seconds)
+            drafters[name].on_catch_up = lambda tokens, seconds, name=name: self._caught_up(name, tokens, seconds)
+
+    def __getitem__(self, name: str) -> Drafter:
+        return self._drafters[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._drafters)
+
+    def __len__(self) -> int:
+        return len(self._drafters)
+
+    def _caught_up(self, name: str, tokens: int, seconds: float) -> None:
+        self.caught_up_s += seconds
+        self.on_catch_up(name, tokens, seconds)
+
+    def waiting(self, name: str) -> list[int]:
+        """The slots whose prompt lazy part ``name`` has not started on."""
+        return list(self._waiting.get(name, {}))
+
+    def start(self, slots: list[int], prompts: list[list[int]]) -> None:
+        for name, d in self._drafters.items():
+            if name in self._waiting:
+                self._waiting[name].update((slot, list(p)) for slot, p in zip(slots, prompts))
+            else:
+                d.start(slots, prompts)
+
+    def prefill(self, slots: list[int], pieces: list[list[int]], starts: list[int]) -> bool:
+        done = [d.prefill(slots, pieces, starts) for name, d in self._drafters.items() if name not in self._waiting]
+        return any(done)
+
+    def move(self, src: int, dst: int) -> None:
+        for name, d in self._drafters.items():
+            waiting = self._waiting.get(name)
+            if waiting is not None and src in waiting:
+                waiting[dst] = waiting.pop(src)
+            else:
+                d.move(src, dst)
+
+    def release(self, slot: int) -> None:
+        for name, d in self._drafters.items():
+            waiting = self._waiting.get(name)
+            if waiting is not None and slot in waiting:
+                del waiting[slot]
+            else:
+                d.release(slot)
+
+    def lag(self, seq: SequenceView, name: str) -> int:
+        """Tokens part ``name`` must read for ``seq`` before it can draft, beyond the one or two a
+        proposal always feeds: the whole history when it has not started on ``seq``."""
+        waiting = self._waiting.get(name)
+        if waiting is not None and seq.slot in waiting:
+            return len(seq.token_ids) - 1
+        return self._drafters[name].lag(seq)
+
+    def start_late(self, name: str, seqs: Sequence[SequenceView]) -> None:
+        """Start lazy part ``name`` on the sequences among ``seqs`` it has not read yet."""
+        waiting = self._waiting.get(name)
+        late = [s for s in seqs if waiting and s.slot in waiting]
+        if not late:
+            return
+        part = self._drafters[name]
+        prompts = [waiting[s.slot] for s in late]
+        t0 = time.perf_counter()
+        part.start([s.slot for s in late], prompts)
+        for runner in part.runners().values():
+            synchronize(runner)
+        for s in late:
+            del waiting[s.slot]
+        self.on_catch_up(name, sum(len(p) - 1 for p in prompts), time.perf_counter() - t0)
+
+    def read(self, seqs: list[SequenceView], name: str, budget: int) -> int:
+        """Part ``name`` reads at most ``budget`` tokens, in all, of the histories of ``seqs`` that it
+        lacks (in the order given), without drafting: the selector starts a draft model late in
+        pieces, so no step holds the batch for a whole prompt. Returns the tokens read (the part
+        reports them through ``on_catch_up``)."""
+        waiting = self._waiting.get(name, {})
+        for s in seqs:  # it starts on them now, from their first token
+            waiting.pop(s.slot, None)
+        return self._drafters[name].read(seqs, budget)
+
+    def shadow(self, seqs: list[SequenceView], name: str, k: int) -> list[list[int]]:
+        """What free part ``name`` would propose for each of ``seqs`` at length ``k``; nothing is
+        drafted or verified (the selector scores it against what the step emits)."""
+        if name not in self.free:
+            raise ValueError(f"part {name!r} is not free to ask: it runs a model")
+        p = self._drafters[name].propose(seqs, [k] * len(seqs))
+        return [p.tokens[b, : int(p.num_tokens[b])].tolist() for b in range(len(seqs))]
+
+
+class MultiDrafter(DrafterBase):
+    """Drafts each sequence with the part ``route(seq)`` names; ``on_timing(name, rows, k, seconds)``
+    hears each part's proposal time, catch-up excluded. ``parts`` may be a plain dict (name ->
+    drafter) where nobody needs to hear catch-ups."""
+
+    def __init__(self, parts: Parts | dict[str, Drafter], route: Callable[[SequenceView], str | None],
+                 on_timing: Callable[[str, int, int, float], None] = lambda name, rows, k, s: None) -> None:
+        self.parts = parts if isinstance(parts, Parts) else Parts(parts)
+        self.route, self.on_timing = route, on_timing
         self._turn = 0  # for callers outside the engine's plan (see propose)
-        self.name = "+".join(parts)
-        self.feature_layers = tuple(sorted({layer for d in parts.values() for layer in d.feature_layers}))
+        self.name = "+".join(self.parts)
+        self.feature_layers = tuple(sorted({layer for d in self.parts.values() for layer in d.feature_layers}))
 
     def reserve(self, num_slots: int, max_len: int) -> None:
         for d in self.parts.values():
@@ -70,71 +170,10 @@ class MultiDrafter:
         return out
 
     def start(self, slots: list[int], prompts: list[list[int]]) -> None:
-        for name, d in self.parts.items():
-            if name in self._waiting:
-                self._waiting[name].update((slot, list(p)) for slot, p in zip(slots, prompts))
-            else:
-                d.start(slots, prompts)
+        self.parts.start(slots, prompts)
 
     def prefill(self, slots: list[int], pieces: list[list[int]], starts: list[int]) -> bool:
-        done = [d.prefill(slots, pieces, starts) for name, d in self.parts.items()
-                if hasattr(d, "prefill") and name not in self._waiting]
-        return any(done)
-
-    def lag(self, seq: SequenceView, name: str) -> int:
-        """Tokens part ``name`` must read for ``seq`` before it can draft, beyond the one or two a
-        proposal always feeds: the whole history when it has not started on ``seq``."""
-        waiting = self._waiting.get(name)
-        if waiting is not None and seq.slot in waiting:
-            return len(seq.token_ids) - 1
-        lag = getattr(self.parts[name], "lag", None)
-        return lag(seq) if lag is not None else 0
-
-    def _start_late(self, name: str, seqs: list[SequenceView]) -> None:
-        """Start lazy part ``name`` on the sequences among ``seqs`` it has not read yet."""
-        waiting = self._waiting.get(name)
-        late = [s for s in seqs if waiting and s.slot in waiting]
-        if not late:
-            return
-        part = self.parts[name]
-        prompts = [waiting[s.slot] for s in late]
-        t0 = time.perf_counter()
-        part.start([s.slot for s in late], prompts)
-        for runner in part.runners().values():
-            synchronize(runner)
-        for s in late:
-            del waiting[s.slot]
-        self.on_catch_up(name, sum(len(p) - 1 for p in prompts), time.perf_counter() - t0)
-
-    def read(self, seqs: list[SequenceView], name: str, budget: int) -> int:
-        """Part ``name`` reads at most ``budget`` tokens, in all, of the histories of ``seqs`` that it
-        lacks (in the order given), without drafting: the selector starts a draft model late in
-        pieces, so no step holds the batch for a whole prompt. A lazy part that cannot read in pieces
-        starts on them whole now. Returns the tokens read (also reported through ``on_catch_up``)."""
-        part, waiting = self.parts[name], self._waiting.get(name, {})
-        if not hasattr(part, "read"):
-            tokens = sum(len(waiting[s.slot]) - 1 for s in seqs if s.slot in waiting)
-            self._start_late(name, list(seqs))
-            return tokens
-        for s in seqs:  # it starts on them now, from their first token
-            waiting.pop(s.slot, None)
-        return part.read(seqs, budget)
-
-    def free_parts(self) -> tuple[str, ...]:
-        """Parts whose proposals cost no model forward (n-gram lookup): :meth:`shadow` may ask them."""
-        return tuple(name for name, d in self.parts.items() if getattr(d, "free", False))
-
-    def shadow(self, seqs: list[SequenceView], name: str, k: int) -> list[list[int]]:
-        """What free part ``name`` would propose for each of ``seqs`` at length ``k``; nothing is
-        drafted or verified (the selector scores it against what the step emits)."""
-        if name not in self.free_parts():
-            raise ValueError(f"part {name!r} is not free to ask: it runs a model")
-        p = self.parts[name].propose(seqs, [k] * len(seqs))
-        return [p.tokens[b, : int(p.num_tokens[b])].tolist() for b in range(len(seqs))]
-
-    def _caught_up(self, name: str, tokens: int, seconds: float) -> None:
-        self._caught_up_s += seconds
-        self.on_catch_up(name, tokens, seconds)
+        return self.parts.prefill(slots, pieces, starts)
 
     def observe(self, slots: list[int], features: list[TargetFeatures]) -> None:
         for d in self.parts.values():
@@ -156,29 +195,19 @@ class MultiDrafter:
         parts: list[tuple[list[int], Proposal]] = []
         for name, rows in rows_of.items():
             ks = [num_tokens[b] for b in rows]
-            self._start_late(name, [seqs[b] for b in rows])
-            self._caught_up_s = 0.0
+            self.parts.start_late(name, [seqs[b] for b in rows])
+            caught_up = self.parts.caught_up_s
             t0 = time.perf_counter()
             parts.append((rows, self.parts[name].propose([seqs[b] for b in rows], ks)))
             # (a backlog read through prefill inside the proposal is catch-up, reported apart)
-            self.on_timing(name, len(rows), max(ks), time.perf_counter() - t0 - self._caught_up_s)
+            self.on_timing(name, len(rows), max(ks), time.perf_counter() - t0 - (self.parts.caught_up_s - caught_up))
         return merge(bsz, parts)
 
     def move(self, src: int, dst: int) -> None:
-        for name, d in self.parts.items():
-            waiting = self._waiting.get(name)
-            if waiting is not None and src in waiting:
-                waiting[dst] = waiting.pop(src)
-            else:
-                d.move(src, dst)
+        self.parts.move(src, dst)
 
     def release(self, slot: int) -> None:
-        for name, d in self.parts.items():
-            waiting = self._waiting.get(name)
-            if waiting is not None and slot in waiting:
-                del waiting[slot]
-            else:
-                d.release(slot)
+        self.parts.release(slot)
 
 
 def merge(batch: int, parts: list[tuple[list[int], Proposal]]) -> Proposal:

@@ -51,8 +51,6 @@ class ServerConfig:
     api_key: str | None = None
     public_paths: tuple[str, ...] = ("/health",)  # the liveness allowlist: no API key needed
     max_queue: int = 128  # requests waiting for a batch slot; more get 429
-    max_num_batched_tokens: int = 512  # tokens per engine step: verify windows + a chunk of waiting prompts
-    batched_tokens_per_seq: int = 0  # > 0: or this many per admitted request when that is more (0: fixed)
     max_body_bytes: int = 1 << 20
     body_timeout_s: float = BODY_TIMEOUT_S  # the whole body must arrive within this, else 408
     # Host headers served without an API key, besides loopback ones (DNS rebinding); "*" = any
@@ -70,8 +68,7 @@ def create_app(engine: Engine | Callable[[], Engine], config: ServerConfig | Non
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         eng = engine if isinstance(engine, Engine) else await asyncio.to_thread(engine)
-        scheduler = Scheduler(eng, metrics, config.max_queue, config.speculation, config.max_num_batched_tokens,
-                              config.batched_tokens_per_seq)
+        scheduler = Scheduler(eng, metrics, config.max_queue, config.speculation)
         app.state.scheduler = scheduler
         app.state.max_prompt_chars = await asyncio.to_thread(max_prompt_chars, eng.tokenizer, eng.max_context)
         app.state.tokenize_pool = ThreadPoolExecutor(TOKENIZE_WORKERS, thread_name_prefix="specdecode-tokenize")

@@ -19,7 +19,7 @@ API_KEY_ENV = "SPECDECODE_API_KEY"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from specdecode.build import add_model_arguments
+    from specdecode.build import DEFAULTS, add_model_arguments
 
     add_model_arguments(parser)
     g = parser.add_argument_group("server")
@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="tokens one engine step carries: the running sequences' verify windows plus a chunk of "
                         "waiting prompts (at least a quarter of it), so a long prompt stalls the running streams "
                         "for one chunk at most (default 512)")
-    g.add_argument("--batched-tokens-per-seq", type=int, default=0,
+    g.add_argument("--batched-tokens-per-seq", type=int, default=DEFAULTS.batched_tokens_per_seq,
                    help="under load the step budget grows to this many tokens per admitted request when that is "
                         "more than --max-num-batched-tokens (running rows make each step dearer, so a bigger chunk "
                         "costs them relatively less); 0 keeps the budget fixed (default 0: on a CPU it measured "
@@ -65,11 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_arguments(args: argparse.Namespace) -> str | None:
-    for name in ("max_batch_size", "max_queue", "max_body_bytes", "max_num_batched_tokens"):
+    for name in ("max_batch_size", "max_queue", "max_body_bytes"):  # the engine's settings: build.validate_config
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1"
-    if args.batched_tokens_per_seq < 0:
-        return "--batched-tokens-per-seq must be >= 0"
     if not 0 <= args.port <= 65535:
         return f"--port must be in [0, 65535], got {args.port}"
     if args.max_connections is not None and args.max_connections < 1:
@@ -103,8 +101,6 @@ def server_config(args: argparse.Namespace):
                         api_key=args.api_key or None, allowed_hosts=allowed_hosts(args.allowed_hosts),
                         max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                         body_timeout_s=args.body_timeout or BODY_TIMEOUT_S,
-                        max_num_batched_tokens=args.max_num_batched_tokens,
-                        batched_tokens_per_seq=args.batched_tokens_per_seq,
                         speculation=not args.no_speculation, wedge_timeout_s=args.wedge_timeout)
 
 
@@ -138,7 +134,8 @@ def main(args: argparse.Namespace) -> int:
     from specdecode.server.app import create_app
 
     try:
-        engine = build_engine(config_from_args(args, max_batch_size=args.max_batch_size))
+        # a request's first token comes from the target's prefill and one step; its drafter catches up after
+        engine = build_engine(config_from_args(args, max_batch_size=args.max_batch_size, first_token_from_target=True))
     except (PairError, ValueError, OSError) as exc:
         print(f"specdecode serve: {exc}", file=sys.stderr)
         return 2

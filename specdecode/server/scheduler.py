@@ -109,24 +109,18 @@ def row_error() -> APIError:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, metrics: ServerMetrics, max_queue: int = 128, speculation: bool = True,
-                 max_num_batched_tokens: int = 512, batched_tokens_per_seq: int = 0) -> None:
+    def __init__(self, engine: Engine, metrics: ServerMetrics, max_queue: int = 128, speculation: bool = True) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
-        if max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
-        if batched_tokens_per_seq < 0:
-            raise ValueError(f"batched_tokens_per_seq must be >= 0, got {batched_tokens_per_seq}")
-        # tokens per engine step: the running rows' verify windows + a chunk of waiting prompts; between
-        # steps cancellations take effect, so a long prompt neither stalls the running sequences for
-        # more than one chunk nor keeps the engine busy once its client has left
-        engine.max_num_batched_tokens = max_num_batched_tokens
-        # ... or, if set, ``batched_tokens_per_seq`` per admitted request when more (Engine.step_token_budget)
-        engine.batched_tokens_per_seq = batched_tokens_per_seq
+        # an engine built for serving (EngineConfig, as `specdecode serve` builds it): a request's first token
+        # comes from the target's prefill and one target step, its drafter catching up after that, so
+        # speculation never delays it; and each step carries at most a token budget (the running rows'
+        # verify windows + a chunk of waiting prompts), so a long prompt neither stalls the running
+        # sequences for more than one chunk nor keeps the engine busy once its client has left
+        if not engine.first_token_from_target or engine.max_num_batched_tokens is None:
+            raise ValueError("the server needs an engine built for serving: first_token_from_target=True and a "
+                             "max_num_batched_tokens step budget (EngineConfig / Engine arguments)")
         self.engine = engine
-        # a request's first token comes from the target's prefill and one target step; its drafter
-        # catches up after that, so speculation never delays the first token (Engine.add_batch)
-        engine.first_token_from_target = True
         self.metrics = metrics
         self.max_queue = max_queue
         engine.isolate_drafter_faults(lambda where: metrics.draft_failures.inc(),
