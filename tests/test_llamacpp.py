@@ -481,3 +481,17 @@ def test_bench_compares_the_gguf_draft_on_llamacpp_with_the_torch_one(tiny, tmp_
                                                                      "spec-k3@q4_0"}
     checks = [r for r in records if r["type"] == "check" and "@" in r["config"]]
     assert len(checks) == 6 and all(c["match"] for c in checks)  # greedy: the target-only tokens
+
+
+def test_hidden_states_of_the_model_width_go_through_the_files_output_layer(tiny):
+    """What a heads checkpoint's fingerprint probe needs: score_hidden() of a final normed state equals the
+    torch runner's logits on the same weights (logits() passes its forward's output through)."""
+    from specdecode.heads.features import model_fingerprint
+
+    target, _, gguf, _, _ = tiny
+    ll, hf = LlamaCppRunner(gguf), HFRunner(target)
+    probe = torch.randn(3, target.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    assert (ll.score_hidden(probe) - hf.logits(probe)).abs().max() < 1e-4
+    assert model_fingerprint(ll) == model_fingerprint(hf)
+    with pytest.raises(BackendUnsupported, match="width"):
+        ll.score_hidden(torch.zeros(2, target.config.hidden_size + 1))

@@ -48,10 +48,11 @@ class _ReusingPrefill:
 def reuse_prefills(engine, store: PrefillStore | None = None) -> PrefillStore:
     """Make ``engine``'s target runner and draft-model runner (if any) reuse stored prefills.
 
-    Pass the same ``store`` to every engine built on the same models. Returns the store.
+    Pass the same ``store`` to every engine built on the same models. Returns the store. Runners that
+    do not promise exact snapshots (``Runner.kv_snapshots_exact``: llama.cpp's) prefill for real.
     """
     store = {} if store is None else store
     for runner in engine.runners().values():
-        if not isinstance(runner.prefill, _ReusingPrefill):
+        if runner.kv_snapshots_exact and not isinstance(runner.prefill, _ReusingPrefill):
             runner.prefill = _ReusingPrefill(runner, store)
     return store

@@ -66,7 +66,7 @@ def check_seeds(pool: EnginePool, prompts: list[list[int]], cfg: CheckConfig, pr
 
     variance = None
     if any(not r["equal"] and not r["strict"] for r in records):
-        variance = batch_variance(pool, x_prompt, b)
+        variance = batch_variance(pool, x_prompt, b, [p for p, _ in others])
     numeric_possible = bool(variance) and any(v > 0 for v in variance.values())
     for r in records:
         if not r["equal"]:
@@ -107,14 +107,17 @@ def _others(prompts: list[list[int]], n: int, cfg: CheckConfig) -> list:
     return out
 
 
-def batch_variance(pool: EnginePool, prompt: list[int], b: int) -> dict[str, float]:
+def batch_variance(pool: EnginePool, prompt: list[int], b: int, others: list[list[int]] = ()) -> dict[str, float]:
     """Max |logit difference| for ``prompt``'s next token computed alone (one token after a prefill)
-    vs as ``b`` copies in a batch, and vs ``b`` copies fed as a verify window (the engine's width of
-    tokens in one forward): kernels may change with either shape (llama.cpp's do, with the width)."""
+    vs as ``b`` copies in a batch, vs ``b`` copies fed as a verify window (the engine's width of
+    tokens in one forward), and vs beside ``others`` (other prompts of other lengths, prefilled and
+    stepped together, as the requests it is compared among): kernels may change with any of these
+    shapes (llama.cpp's do, with the width and with the batch's mix of lengths)."""
     engine = pool.spec(b)
     runners = engine.runners()
     out = {}
     width = max(1, min(engine.window, len(prompt) - 1))
+    mix = [prompt] + [p for p in others if len(p) > 1][: b - 1]
     for name, runner in runners.items():
         if runner is None:
             continue
@@ -126,5 +129,11 @@ def batch_variance(pool: EnginePool, prompt: list[int], b: int) -> dict[str, flo
             pos = torch.arange(len(prompt) - w, len(prompt))[None].expand(b, -1)
             batched = runner.logits(runner.forward(torch.arange(b), ids, pos).hidden)[:, -1].cpu()
             worst = max(worst, float((batched - alone[None]).abs().max()))
+        if len(mix) > 1:
+            runner.prefill(list(range(len(mix))), [p[:-1] for p in mix])
+            ids = torch.tensor([[p[-1]] for p in mix])
+            pos = torch.tensor([[len(p) - 1] for p in mix])
+            beside = runner.logits(runner.forward(torch.arange(len(mix)), ids, pos).hidden)[0, -1].cpu()
+            worst = max(worst, float((beside - alone).abs().max()))
         out[name] = worst
     return out

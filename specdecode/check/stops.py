@@ -185,6 +185,8 @@ def _stop_string(texts: list[str], c: int) -> str | None:
     full = texts[c]
     for m in range(1, min(len(full), MAX_STOP_LEN) + 1):
         s = full[-m:]
+        if "\ufffd" in s:  # an incomplete UTF-8 character, decoded as U+FFFD: a later token changes it
+            return None
         if _first_completion(texts, s) == c:
             return s
     return None

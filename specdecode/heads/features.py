@@ -67,7 +67,7 @@ def model_fingerprint(runner: Runner) -> list[int]:
     one model in any dtype or backend, different for another model. Heads are checked against it."""
     gen = torch.Generator().manual_seed(1234)
     probe = torch.randn(1, runner.hidden_size, generator=gen).to(device=runner.device, dtype=runner.dtype)
-    return [int(t) for t in runner.logits(probe)[0].topk(min(16, runner.vocab_size // 2)).indices.tolist()]
+    return [int(t) for t in runner.score_hidden(probe)[0].topk(min(16, runner.vocab_size // 2)).indices.tolist()]
 
 
 FINGERPRINT_OVERLAP = 0.75  # share of the probe tokens in common: two fingerprints of one model

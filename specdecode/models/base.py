@@ -70,6 +70,9 @@ class Runner:
     # the logit resolution `bench` reports ties at. None: decided by the dtype
     near_tie_rel: float | None = None
     logit_eps: float | None = None
+    # import_kv(export_kv(...)) restores a slot so that it computes bit for bit what a prefill would
+    # (check's prefix reuse relies on it; a runner that cannot promise it is prefilled for real)
+    kv_snapshots_exact: bool = True
 
     @property
     def where(self) -> str:
@@ -98,6 +101,12 @@ class Runner:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., H]`` -> ``[..., vocab_size]`` float32."""
         raise NotImplementedError
+
+    def score_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final normed hidden states (made elsewhere: a probe) ``[..., H]`` -> float32 logits. The
+        default is :meth:`logits`; a runner whose ``logits`` only passes its forward's output on
+        (llama.cpp's) scores them another way."""
+        return self.logits(hidden)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token ids ``[...]`` -> the model's input embeddings ``[..., H]`` (EAGLE reads the target's)."""

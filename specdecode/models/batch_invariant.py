@@ -40,6 +40,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -218,6 +219,8 @@ def _plan(kind: str, shape: tuple, dtype: torch.dtype, device: torch.device, wor
             plan = RowPlan(tuple(_disk()[disk_key]))
         else:
             sizes = BULK_SIZES if mode == "bulk" else STEP_SIZES
+            print(f"batch-invariant mode: probing {kind} {shape} {str(dtype).removeprefix('torch.')} rows on this "
+                  f"machine ({mode}; once, a few seconds: cached in {_cache_file()})", file=sys.stderr, flush=True)
             classes = probe(run, lead, width, sizes, dtype, device)
             if not classes:
                 raise InvarianceError(f"batch-invariant mode: {kind} {shape} in {dtype} on {device}: no row count "

@@ -167,6 +167,20 @@ class LlamaCppModel:
             _LIB.llama_model_free(ptr)
 
 
+def output_layer(path: Path, hidden: torch.Tensor, rows: int = 16384) -> torch.Tensor:
+    """``hidden [..., H] @ W.T`` for the output layer ``W [V, H]`` of the GGUF file at ``path`` (the token
+    embeddings when the file ties them), dequantized ``rows`` vocabulary rows at a time."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    weight = tensors.get("output.weight") or tensors["token_embd.weight"]
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    parts = [flat @ torch.from_numpy(dequantize(weight.data[a: a + rows], weight.tensor_type).astype(np.float32)).T
+             for a in range(0, weight.data.shape[0], rows)]
+    return torch.cat(parts, dim=-1).reshape(*hidden.shape[:-1], -1)
+
+
 class LlamaCppRunner(Runner):
     """Slot-addressed sequences on a llama.cpp context (see the module docstring)."""
 
@@ -177,6 +191,10 @@ class LlamaCppRunner(Runner):
     # greedy divergence within near_tie_rel * |top logit| a numeric near-tie; `bench` likewise (logit_eps)
     near_tie_rel = 2.0**-5
     logit_eps = 2.0**-6
+    # A slot restored from a snapshot computed other logits than a prefill of the same tokens in `check`
+    # (part 5 after part 3, tiny GGUF pairs: diff 6.2 in the draft's logits at the first step, in one
+    # batch layout and only once; a standalone replay of the same imports is exact): not promised
+    kv_snapshots_exact = False
 
     def __init__(self, model: LlamaCppModel, num_slots: int = 0, max_len: int = 0, trees: bool = False) -> None:
         self.ll = lib()
@@ -470,8 +488,15 @@ class LlamaCppRunner(Runner):
         """The identity: :meth:`forward` already returns logits as ``hidden``."""
         if hidden.shape[-1] != self.vocab_size:
             raise BackendUnsupported("the llama.cpp runner cannot apply its output layer to hidden states; "
-                                     "logits() takes what its forward returned")
+                                     "logits() takes what its forward returned (score_hidden() scores states)")
         return hidden.float()
+
+    def score_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final normed states ``[..., H]`` through the file's output layer, dequantized a block of rows at
+        a time: slow, for one-off checks (a heads checkpoint's fingerprint probe)."""
+        if hidden.shape[-1] != self.hidden_size:
+            raise BackendUnsupported(f"score_hidden takes states of width {self.hidden_size}, not {hidden.shape[-1]}")
+        return output_layer(self.model.path, hidden.float())
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise BackendUnsupported("the llama.cpp backend does not expose input embeddings (EAGLE drafters need "

@@ -214,6 +214,8 @@ def convert_gguf(
     _remove_stale_temps(final)
     tmp = final.parent / f".tmp-{final.name}.{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
+    print(f"converting {gguf.name} to a {_dtype_name(dtype)} safetensors cache, once (about a minute for 1.5B "
+          f"parameters; later loads read {final})", file=sys.stderr, flush=True)
     try:
         if in_subprocess:
             _convert_in_child(gguf, tmp, _dtype_name(dtype))
