@@ -39,7 +39,7 @@ from specdecode.drafters.state import DraftState
 from specdecode.errors import UserError
 from specdecode.metrics import SpecStats
 from specdecode.models.base import Runner
-from specdecode.policy import DraftPolicy, FixedPolicy, SwitchPolicy, plan_of
+from specdecode.policy import DraftPolicy, FixedPolicy, SwitchPolicy
 from specdecode.sampling import SamplingParams, make_generator, params_tensors, warp
 from specdecode.text import IncrementalText
 from specdecode.tree import tree_layout
@@ -153,7 +153,7 @@ class Engine:
         self.eos_token_ids = set(eos_token_ids if eos_token_ids is not None else default_eos_ids(target, tokenizer))
         self.device = target.device
         # the verify window: the pending token plus the longest chain or largest tree a step may carry
-        max_tree_nodes = max(max_tree_nodes, getattr(drafter, "max_tree_nodes", 0) if drafter is not None else 0)
+        max_tree_nodes = max(max_tree_nodes, drafter.max_tree_nodes if drafter is not None else 0)
         self.window = max(inner.max_k, max_tree_nodes) + 1
         self.max_tree_nodes = max_tree_nodes  # > 0: the drafter proposes trees of up to this many nodes
         self.target_quantization = target_quantization  # "int8"/"int4": a LOSSY, quantized target
@@ -215,8 +215,8 @@ class Engine:
         """Slots the drafter holds state for (after a drafter fault, fewer than the running ones)."""
         if self.drafter is None:
             return 0
-        live = getattr(self.drafter, "live", None)  # a GuardedDrafter knows
-        return len(live) if live is not None else sum(s.draft.started for s in self.running)
+        held = self.drafter.held_slots()  # a fault-isolating drafter knows
+        return len(held) if held is not None else sum(s.draft.started for s in self.running)
 
     # -- admission ------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -354,7 +354,7 @@ class Engine:
         seqs = self.running
         room = [s.params.max_new_tokens - len(s.output_ids) - 1 if s.draft.started else 0 for s in seqs]
         ready = [s for s, r in zip(seqs, room) if r > 0]
-        planned = dict(zip(map(id, ready), plan_of(self.policy, ready, len(seqs)) if ready and self.drafter else []))
+        planned = dict(zip(map(id, ready), self.policy.plan(ready, len(seqs)) if ready and self.drafter else []))
         ks = [max(0, min(planned.get(id(s), 0), r)) for s, r in zip(seqs, room)]
         if self.prefilling:
             done = self.prefill(self._chunk_budget(ks))
@@ -447,9 +447,7 @@ class Engine:
         prompt the drafter has cached (all of them when it does nothing in pieces). The others keep
         decoding target-only until then. The chunk is per sequence, not shared, so when a request
         starts drafting never depends on the rest of the batch (nor, then, do its seeded samples)."""
-        prefill = getattr(self.drafter, "prefill", None)
-        if prefill is None:
-            return seqs
+        prefill = self.drafter.prefill
         work = [(s, min(len(s.prompt_ids) - 1 - s.draft.prefilled, self.max_num_batched_tokens)) for s in seqs]
         work = [(s, n) for s, n in work if n > 0]
         if work:

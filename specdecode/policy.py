@@ -53,11 +53,6 @@ class PerSequence:
         return None
 
 
-def plan_of(policy: DraftPolicy, seqs: list, batch_size: int) -> list[int]:
-    """``policy.plan`` (kept for callers of the old name)."""
-    return policy.plan(seqs, batch_size)
-
-
 def _check_k(name: str, k: int) -> int:
     if isinstance(k, bool) or not isinstance(k, int) or k < 0:
         raise ValueError(f"{name} must be an integer >= 0, got {k!r}")

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import specdecode.engine
-from specdecode.drafters.base import Proposal
+from specdecode.drafters.base import DrafterBase, Proposal
 from specdecode.drafters.guard import GuardedDrafter
 from specdecode.sampling import NonFiniteProbabilities, SamplingParams, warp
 from specdecode.server import protocol as P
@@ -453,10 +453,10 @@ def test_with_an_api_key_the_key_decides_not_the_host():
         assert c.get("/v1/models", headers={"host": "evil.example", "Authorization": f"Bearer {KEY}"}).status_code == 200
 
 
-class _RowDrafter:
+class _RowDrafter(DrafterBase):
     """Proposes token ``10 + slot`` per position; any call with a row in ``bad`` raises."""
 
-    name, feature_layers, max_tree_nodes = "rows", (), 0
+    name = "rows"
 
     def __init__(self, bad: set[int], tree: bool = False) -> None:
         self.bad, self.tree, self.calls = bad, tree, []

@@ -8,16 +8,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specdecode.drafters.base import Proposal
+from specdecode.drafters.base import DrafterBase, Proposal
 from specdecode.server import protocol as P
 from specdecode.server.cli import add_arguments, check_arguments, server_config
 from specdecode.drafters.guard import GuardedDrafter
 from specdecode.policy import FixedPolicy, SwitchPolicy
 
 
-class FakeDrafter:
+class FakeDrafter(DrafterBase):
     name = "fake"
-    feature_layers = ()
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []

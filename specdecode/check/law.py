@@ -110,7 +110,7 @@ def per_context_and_setting(engine, contexts: list[Context], cfg: CheckConfig, p
     from specdecode.drafters.base import TargetFeatures
 
     records = []
-    layers = tuple(getattr(engine.drafter, "feature_layers", ()))
+    layers = tuple(engine.drafter.feature_layers)
     for ci, context in enumerate(contexts):
         ctx = context.token_ids
         feats = engine.target.prefill([0], [ctx[:-1]], layers)[0]

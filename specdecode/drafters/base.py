@@ -108,6 +108,10 @@ class Drafter(Protocol):
     def release(self, slot: int) -> None:
         """The sequence in ``slot`` has finished."""
 
+    def held_slots(self) -> set[int] | None:
+        """The slots it holds state for, where it keeps count (a fault-isolating wrapper drops the slots of
+        rows that failed); None: every sequence it was started on."""
+
 
 def common_prefix(a: list[int], b: list[int], start: int = 0) -> int:
     """Length of the common prefix of ``a`` and ``b``, given that the first ``start`` items agree."""
@@ -155,3 +159,6 @@ class DrafterBase:
 
     def release(self, slot: int) -> None:
         pass
+
+    def held_slots(self) -> set[int] | None:
+        return None

@@ -16,22 +16,25 @@ from typing import Callable, Sequence
 
 import torch
 
-from specdecode.drafters.base import Drafter, Proposal, SequenceView, TargetFeatures
+from specdecode.drafters.base import Drafter, DrafterBase, Proposal, SequenceView, TargetFeatures
 from specdecode.drafters.multi import merge
 
 log = logging.getLogger("specdecode.drafters")
 
 
-class GuardedDrafter:
+class GuardedDrafter(DrafterBase):
     def __init__(self, inner: Drafter, on_failure: Callable[[str], None] = lambda where: None,
                  on_retry: Callable[[str, int], None] = lambda where, rows: None) -> None:
         self.inner = inner
         self.name = inner.name
         self.feature_layers = tuple(inner.feature_layers)
-        self.max_tree_nodes = getattr(inner, "max_tree_nodes", 0)
+        self.max_tree_nodes = inner.max_tree_nodes
         self.live: set[int] = set()  # slots the inner drafter holds state for
         self._on_failure = on_failure
         self._on_retry = on_retry  # (where, rows retried alone after a call for several rows failed)
+
+    def held_slots(self) -> set[int]:
+        return self.live
 
     def _failed(self, where: str, slots: Sequence[int]) -> None:
         log.exception("drafter failed in %s; slots %s fall back to target-only decoding", where, list(slots))
@@ -71,9 +74,7 @@ class GuardedDrafter:
                 self.live.add(slot)
 
     def prefill(self, slots: list[int], pieces: list[list[int]], starts: list[int]) -> bool:
-        prefill = getattr(self.inner, "prefill", None)
-        if prefill is None:
-            return False
+        prefill = self.inner.prefill
         try:
             done = prefill(slots, pieces, starts)
         except Exception:
