@@ -68,7 +68,7 @@ class Sequence:
     generator: torch.Generator
     text: IncrementalText
     token_ids: list[int] = field(default_factory=list)  # prompt + generated
-    finish_reason: str | None = None  # "stop" (EOS or stop string) | "length" | "abort" | "error"
+    finish_reason: str | None = None  # "stop" (EOS, stop token, string or rule) | "length" | "abort" | "error"
     stats: SpecStats = field(default_factory=SpecStats)
     draft: DraftState = field(default_factory=DraftState)  # the engine's bookkeeping of the drafter for it
     prefilled: int = 0  # prompt tokens the target has cached (all but the last once prefill is complete)
@@ -263,7 +263,7 @@ class Engine:
                 params=params,
                 slot=first + i,
                 generator=make_generator(params.seed),
-                text=IncrementalText(self.tokenizer, params.stop),
+                text=IncrementalText(self.tokenizer, params.stop, stop_dedent=params.stop_dedent),
                 token_ids=list(prompt_ids),
             )
             for i, (prompt_ids, params, request_id) in enumerate(requests)
@@ -586,12 +586,13 @@ class Engine:
         return out
 
     def _append(self, seq: Sequence, tokens: list[int]) -> list[int]:
-        """Append verified tokens, cutting exactly at EOS, a stop string or the length limit."""
+        """Append verified tokens, cutting exactly at EOS (or a request's ``stop_token_ids``: kept in
+        ``token_ids``, never in the text), a stop string, the block rule or the length limit."""
         new = []
         for tok in tokens:
             seq.token_ids.append(tok)
             new.append(tok)
-            if tok in self.eos_token_ids and not seq.params.ignore_eos:
+            if (tok in self.eos_token_ids and not seq.params.ignore_eos) or tok in seq.params.stop_token_ids:
                 seq.finish_reason = "stop"
             elif seq.text.add(tok):
                 seq.finish_reason = "stop"

@@ -47,6 +47,12 @@ class SamplingParams:
     max_new_tokens: int = 128
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    # token ids that end the request like EOS (not in the text, finish_reason "stop"), even with
+    # ignore_eos (vLLM's convention): e.g. a fill-in-the-middle prompt's end tokens (specdecode.fim)
+    stop_token_ids: tuple[int, ...] = ()
+    # end the text at the first line, after the first, indented less than this many columns (tabs to
+    # multiples of 8), or at the blank lines before it: an editor's block rule (specdecode.fim); None = off
+    stop_dedent: int | None = None
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -70,6 +76,13 @@ class SamplingParams:
         if any(len(s) > MAX_STOP_CHARS for s in stop):
             raise SamplingError(f"stop strings may have at most {MAX_STOP_CHARS} characters")
         object.__setattr__(self, "stop", stop)
+        ids = tuple(self.stop_token_ids)
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+            raise SamplingError(f"stop_token_ids must be integers >= 0, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", ids)
+        d = self.stop_dedent
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 0):
+            raise SamplingError(f"stop_dedent must be an integer >= 0 or None, got {d!r}")
 
     @property
     def greedy(self) -> bool:

@@ -1,4 +1,4 @@
-"""Incremental detokenization with exact stop-string handling."""
+"""Incremental detokenization with exact stop handling: stop strings and an editor's block rule."""
 
 from __future__ import annotations
 
@@ -59,18 +59,69 @@ class StopMatcher:
         return max(states, default=0)
 
 
+TAB_WIDTH = 8  # columns a tab advances to (Python's tokenizer's tab stops)
+
+
+class DedentStop:
+    """An editor's block rule, matched incrementally like :class:`StopMatcher` (same ``feed`` / ``held``
+    interface): the text ends at the first line *after the first* whose indentation is less than
+    ``indent`` columns, cut before it and before any blank (whitespace-only) lines that precede it,
+    i.e. at the newline that ends the last kept non-blank line. The first line (the rest of the
+    cursor's line) is always kept. A line's indentation is decided by its first non-blank character,
+    so a trailing run of blank lines and indentation is held back until that character arrives.
+
+    The state is ``(lines, cut, blank, width, end)``: newlines seen, the newline where the text would
+    be cut, whether the current line is blank so far, its indentation so far in columns, and the
+    length of the text fed."""
+
+    def __init__(self, indent: int) -> None:
+        self.indent = indent
+        self.states: tuple[int, int | None, bool, int, int] = (0, None, True, 0, 0)
+
+    def feed(self, text: str, offset: int, states: tuple | None = None) -> tuple[int | None, tuple]:
+        """Run ``text`` (starting at ``offset`` in the whole text) from ``states`` (default: this
+        matcher's): (the cut position if the rule ends the text inside ``text``, else None; the new
+        state). This matcher's state is not changed."""
+        lines, cut, blank, width, _ = self.states if states is None else states
+        for i, c in enumerate(text):
+            if c == "\n":
+                if lines == 0 or not blank:  # a line to keep ends here
+                    cut = offset + i
+                lines, blank, width = lines + 1, True, 0
+            elif not blank or c in "\r\f\v":
+                continue
+            elif c == " ":
+                width += 1
+            elif c == "\t":
+                width += TAB_WIDTH - width % TAB_WIDTH
+            else:
+                blank = False
+                if lines and width < self.indent:
+                    return cut, (lines, cut, blank, width, offset + i + 1)
+        return None, (lines, cut, blank, width, offset + len(text))
+
+    @staticmethod
+    def held(states: tuple) -> int:
+        """Characters at the end of the text that the rule may still cut: from the last kept line's
+        newline on, while only blank lines and indentation follow it."""
+        lines, cut, blank, _, end = states
+        return end - cut if lines and blank else 0
+
+
 class IncrementalText:
-    """Text of a growing list of generated token ids, cut before the first stop string.
+    """Text of a growing list of generated token ids, cut before the first stop string (or where the
+    block rule ``stop_dedent`` ends it: :class:`DedentStop`).
 
     Each ``add(token)`` decodes only a short window (the previous few tokens plus the new one) and
     appends the difference, so a long generation costs O(1) per token. Tokens that end in an
     incomplete UTF-8 character wait until it completes. ``add`` returns True when the token
-    completes a stop string; the text is then cut just before it and nothing more should be added.
-    ``delta()`` hands out text not yet handed out, holding back a tail that could still become a
-    stop string.
+    completes a stop string (or decides the block rule); the text is then cut just before it and
+    nothing more should be added. ``delta()`` hands out text not yet handed out, holding back a tail
+    that could still become a stop string or be cut by the rule.
     """
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True,
+                 stop_dedent: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
         self.skip_special_tokens = skip_special_tokens
@@ -81,7 +132,10 @@ class IncrementalText:
         self._prefix = 0  # ids[_prefix:_read] give the context the next decode is diffed against
         self._read = 0
         self._sent = 0
-        self._stops = StopMatcher(stop) if stop else None  # its states cover _stable (which only grows)
+        # stop strings, and the block rule (``stop_dedent``: see DedentStop); their states cover _stable
+        # (which only grows)
+        self._stops = ([StopMatcher(stop)] if stop else []) + ([DedentStop(stop_dedent)] if stop_dedent is not None
+                                                              else [])
         self._held = 0  # characters at the end of ``text`` that could still become a stop string
 
     def _decode(self, ids: list[int]) -> str:
@@ -105,16 +159,19 @@ class IncrementalText:
         else:
             tail, stable = "", new
             self._prefix, self._read = self._read, len(self.token_ids)
-        if self._stops is not None:
+        first, self._held = None, 0
+        for matcher in self._stops:
             # only the new text is scanned: a stop string that completes must end inside it
-            first, states = self._stops.feed(stable, len(self._stable))
-            self._stops.states = states
-            if first is None and tail:
-                first, states = self._stops.feed(tail, len(self._stable) + len(stable), states)
-            self._held = StopMatcher.held(states)
+            found, states = matcher.feed(stable, len(self._stable))
+            matcher.states = states
+            if found is None and tail:
+                found, states = matcher.feed(tail, len(self._stable) + len(stable), states)
+            self._held = max(self._held, matcher.held(states))
+            if found is not None:
+                first = found if first is None else min(first, found)
         self._stable += stable
         self.text = self._stable + tail
-        if self._stops is not None and first is not None:
+        if first is not None:
             self.text, self.stopped = self.text[:first], True
         return self.stopped
 

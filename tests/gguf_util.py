@@ -1,10 +1,11 @@
 """A tiny qwen2-architecture GGUF file, written with the `gguf` package, for loading tests.
 
-The file has what a real Qwen2.5 GGUF has, only small: a byte-level BPE tokenizer (256 byte tokens,
-a few merges, three control tokens) in the metadata, attention biases, an untied output matrix, and
-a mix of F32 and Q8_0 tensors, so the dequantization path is exercised. ``write_tiny_qwen2_gguf``
-returns the weights a loader should end up with (Q8_0 tensors already dequantized), under the
-transformers parameter names, and the matching ``Qwen2Config`` keyword arguments.
+The file has what a real Qwen2.5(-Coder) GGUF has, only small: a byte-level BPE tokenizer (256 byte
+tokens, a few merges, four fill-in-the-middle and three other control tokens) in the metadata,
+attention biases, an untied output matrix, and a mix of F32 and Q8_0 tensors, so the dequantization
+path is exercised. ``write_tiny_qwen2_gguf`` returns the weights a loader should end up with (Q8_0
+tensors already dequantized), under the transformers parameter names, and the matching
+``Qwen2Config`` keyword arguments.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from gguf.quants import dequantize, quantize
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 64, 2, 4, 2, 128
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+FIM_TOKENS = ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>"]  # Qwen2.5-Coder's, in its order
 # Each merge adds the concatenation of its pair to the vocabulary. "Ġ" is the byte-level space.
 MERGES = [
     ("h", "e"), ("Ġ", "t"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), ("e", "r"), ("o", "n"), ("r", "e"),
@@ -33,13 +35,14 @@ def _byte_tokens() -> list[str]:
 
 
 def tiny_vocab(extra_merges: int = len(MERGES), rename: dict[int, str] | None = None) -> tuple[list[str], list[str]]:
-    """``(tokens, merges)``: bytes, then the first ``extra_merges`` merged tokens, then SPECIAL."""
+    """``(tokens, merges)``: bytes, then the first ``extra_merges`` merged tokens, then FIM_TOKENS (control
+    tokens, as in Qwen2.5-Coder, so fill-in-the-middle works), then SPECIAL."""
     tokens = _byte_tokens()
     merges = []
     for left, right in MERGES[:extra_merges]:
         tokens.append(left + right)
         merges.append(f"{left} {right}")
-    tokens += SPECIAL
+    tokens += FIM_TOKENS + SPECIAL
     for index, token in (rename or {}).items():
         tokens[index] = token
     return tokens, merges
@@ -78,7 +81,8 @@ def write_tiny_qwen2_gguf(path: Path, seed: int = 0, *, quantized: bool = True, 
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list(tokens)
-    writer.add_token_types([3 if t in special else 1 for t in tokens])  # 3 = control, 1 = normal
+    control = set(special) | set(FIM_TOKENS)
+    writer.add_token_types([3 if t in control else 1 for t in tokens])  # 3 = control, 1 = normal
     writer.add_token_merges(merges)
     writer.add_bos_token_id(tokens.index(special[0]))
     writer.add_eos_token_id(tokens.index(special[-1]))

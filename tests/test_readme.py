@@ -68,8 +68,14 @@ def world(tmp_path_factory):
     mp.undo()
 
 
+def _ansi_c(command: str) -> str:
+    """bash's ``$'...'`` quoting (``\\n`` is a newline there), which shlex does not know, as plain quoting."""
+    return re.sub(r"\$'((?:[^'\\]|\\.)*)'",
+                  lambda m: shlex.quote(m.group(1).encode().decode("unicode_escape")), command)
+
+
 def _argv(command: str, names: dict[str, str]) -> list[str]:
-    words = shlex.split(command)
+    words = shlex.split(_ansi_c(command))
     assert words[0] == "specdecode", command
     out = []
     for word in words[1:]:

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from specdecode.fim import FIM_STOPS
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from specdecode.build import add_model_arguments
@@ -15,6 +17,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--prompt", help="prompt text (continued raw; use --chat to apply the chat template)")
     src.add_argument("--prompt-ids", help="comma-separated prompt token ids, e.g. 1,2,3")
     parser.add_argument("--chat", action="store_true", help="wrap --prompt as a user message in the chat template")
+    parser.add_argument("--suffix", default=None,
+                        help="fill in the middle: --prompt is the text before the cursor, this the text after it "
+                             "(the model's own FIM tokens; ends at its FIM end tokens)")
+    parser.add_argument("--fim-stop", choices=FIM_STOPS, default="none",
+                        help="with --suffix, also end the completion at the first newline (line) or where the "
+                             "cursor's block ends (block: a line indented less than the cursor's); default none")
     s = parser.add_argument_group("sampling")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     s.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -37,6 +45,7 @@ def _parse_ids(text: str) -> list[int]:
 def _prompt_ids(args, tokenizer) -> list[int]:
     if args.prompt_ids is not None:
         return _parse_ids(args.prompt_ids)
+
     if args.chat:
         return list(tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
                                                   add_generation_prompt=True, tokenize=True, return_dict=False))
@@ -78,8 +87,13 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError("--num-samples must be >= 1")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.prompt is not None and not args.prompt:
+    if args.prompt is not None and not args.prompt and args.suffix is None:
         raise ValueError("--prompt is empty")
+    if args.suffix is not None and (args.chat or args.prompt is None):
+        raise ValueError("--suffix fills in the middle of --prompt's text: it cannot go with "
+                         + ("--chat" if args.chat else "--prompt-ids"))
+    if args.fim_stop != "none" and args.suffix is None:
+        raise ValueError("--fim-stop applies to fill-in-the-middle: give --suffix too ('' at the end of a file)")
     if args.prompt_ids is not None and not _parse_ids(args.prompt_ids):
         raise ValueError("--prompt-ids is empty")
 
@@ -94,14 +108,26 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         _validate(args)
-        params = [
-            SamplingParams(args.temperature, args.top_k, args.top_p,
-                           None if args.seed is None else args.seed + i, args.max_new_tokens, tuple(args.stop), args.ignore_eos)
-            for i in range(args.num_samples)
-        ]
-        # streamed: the first token never waits for the drafter; flags are checked before anything loads
+
+        def params(fim: dict) -> list[SamplingParams]:  # fim: a FIM request's stop fields (specdecode.fim)
+            stop = tuple(args.stop) + tuple(s for s in fim.pop("stop", ()) if s not in args.stop)
+            return [SamplingParams(args.temperature, args.top_k, args.top_p,
+                                   None if args.seed is None else args.seed + i, args.max_new_tokens, stop,
+                                   args.ignore_eos, **fim)
+                    for i in range(args.num_samples)]
+
+        params({})  # the sampling flags are checked before anything loads
+        # streamed: the first token never waits for the drafter
         engine = build_engine(config_from_args(args, max_batch_size=args.num_samples, first_token_from_target=True))
-        prompt = _prompt_ids(args, engine.tokenizer)
+        fim = {}
+        if args.suffix is None:
+            prompt = _prompt_ids(args, engine.tokenizer)
+        else:  # the model's own FIM prompt; its end tokens stop it, and so does the --fim-stop rule
+            from specdecode.fim import fim_prompt, fim_tokens, stop_fields
+
+            tokens = fim_tokens(engine.tokenizer)
+            prompt = fim_prompt(engine.tokenizer, args.prompt, args.suffix, tokens)
+            fim = stop_fields(tokens, args.fim_stop, args.prompt)
         if engine.target_quantization != "none":
             print(f"warning: LOSSY — the target was quantized to {engine.target_quantization} "
                   "(--target-quantization): output follows that model, not the one named", file=sys.stderr)
@@ -112,7 +138,7 @@ def main(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         first: dict[str, float] = {}
         ended: dict[str, tuple[Output, float]] = {}
-        for ev in engine.stream([prompt] * args.num_samples, params):
+        for ev in engine.stream([prompt] * args.num_samples, params(fim)):
             seq = ev.seq
             if ev.new_token_ids and seq.request_id not in first:
                 first[seq.request_id] = time.perf_counter()

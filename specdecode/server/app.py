@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP app: ``create_app(engine_or_factory, ServerConfig(...))``.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with SSE streaming),
+Routes: ``POST /v1/completions`` (fill-in-the-middle with ``suffix``: :mod:`specdecode.fim`),
+``POST /v1/chat/completions`` (both with SSE streaming),
 ``GET /v1/models``, ``GET /health`` and ``GET /metrics``. Every route but those in
 ``ServerConfig.public_paths`` needs ``Authorization: Bearer <api key>`` when a key is set.
 The request path is: Host (without an API key: loopback or ``allowed_hosts``) -> auth -> body (content
@@ -31,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from specdecode.engine import Engine, RequestError
+from specdecode.fim import FimTokens, FimUnsupported, fim_prompt, fim_tokens, stop_fields
 from specdecode.server import protocol as P
 from specdecode.server.connections import BODY_TIMEOUT_S
 from specdecode.server.metrics import ServerMetrics
@@ -113,6 +115,15 @@ def create_app(engine: Engine | Callable[[], Engine], config: ServerConfig | Non
     async def completions(request: Request) -> Response:
         req = P.parse(P.CompletionRequest, await _read_json(request, config))
         _check_model(req.model, config)
+        if (fim := P.fim_input(req)) is not None:  # fill-in-the-middle: the model's own FIM prompt
+            prefix, suffix = fim
+            _check_length(request, len(prefix) + len(suffix), "prompt")
+            tokenizer = request.app.state.scheduler.engine.tokenizer
+            tokens = await _off_loop(request, _fim_tokens, request.app.state, tokenizer)
+            params = P.sampling_params(req, req.max_tokens, config.completions_default_max_tokens,
+                                       stop_fields(tokens, req.fim_stop, prefix))
+            prompt_ids = await _off_loop(request, _encode_fim, tokenizer, prefix, suffix, tokens)
+            return await _generate(request, req, prompt_ids, params, _CompletionFormat(config.model_name))
         prompt = P.prompt_input(req.prompt)
         params = P.sampling_params(req, req.max_tokens, config.completions_default_max_tokens)
         if isinstance(prompt, list):
@@ -217,6 +228,27 @@ def _encode(tokenizer, text: str) -> list[int]:
         return tokenizer(text).input_ids
     except Exception as exc:  # the text is the request's: e.g. characters the tokenizer cannot take
         raise P.bad_request(f"the tokenizer could not encode the prompt: {exc}", "prompt") from None
+
+
+def _fim_tokens(state, tokenizer) -> FimTokens:
+    """The model's FIM tokens (looked up once; a model without them: 400 with what was looked for)."""
+    found = getattr(state, "fim_tokens", None)
+    if found is None:
+        try:
+            found = fim_tokens(tokenizer)
+        except FimUnsupported as exc:
+            found = exc
+        state.fim_tokens = found
+    if isinstance(found, FimUnsupported):
+        raise P.bad_request(str(found), "suffix", "fim_unsupported")
+    return found
+
+
+def _encode_fim(tokenizer, prefix: str, suffix: str, tokens: FimTokens) -> list[int]:
+    try:
+        return fim_prompt(tokenizer, prefix, suffix, tokens)
+    except Exception as exc:  # the text is the request's: e.g. characters the tokenizer cannot take
+        raise P.bad_request(f"the tokenizer could not encode the prompt or suffix: {exc}", "prompt") from None
 
 
 def _check_model(name: str | None, config: ServerConfig) -> None:

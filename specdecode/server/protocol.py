@@ -6,8 +6,14 @@ shape ``{"error": {"message", "type", "param", "code"}}``. Parameters we do not 
 (``logprobs``, penalties, ``logit_bias``, ``n > 1``, ...) are accepted only at their neutral value.
 
 Extensions beyond the OpenAI API: ``top_k`` (``0`` or ``-1`` = off; any value at or above the
-vocabulary size keeps every token, as off), ``ignore_eos``, and ``speculation: false`` to decode this
-request without a draft. A ``temperature`` below ``sampling.GREEDY_TEMPERATURE`` (1e-5) is greedy.
+vocabulary size keeps every token, as off), ``ignore_eos``, ``speculation: false`` to decode this
+request without a draft, and on completions ``fim_stop`` (``none`` | ``line`` | ``block``: an editor's
+stop rule for a fill-in-the-middle request, see :mod:`specdecode.fim`). A ``temperature`` below
+``sampling.GREEDY_TEMPERATURE`` (1e-5) is greedy.
+
+A completions request with a ``suffix`` (any string, ``""`` included: the cursor at the end of a
+file) is fill-in-the-middle: ``prompt`` is the text before the cursor (``""`` allowed: the start of a
+file), ``suffix`` the text after it; without ``suffix`` (or ``null``) it is a plain completion.
 """
 
 from __future__ import annotations
@@ -93,7 +99,8 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     echo: bool | None = None
     best_of: int | None = None
-    suffix: str | None = None
+    suffix: str | None = None  # set: fill-in-the-middle (see fim_input)
+    fim_stop: Literal["none", "line", "block"] = "none"
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -141,6 +148,19 @@ def prompt_input(prompt: Any) -> str | list[int]:
     raise bad_request("'prompt' must be a non-empty string or a non-empty list of token ids", "prompt")
 
 
+def fim_input(req: CompletionRequest) -> tuple[str, str] | None:
+    """``(prefix, suffix)`` of a fill-in-the-middle request (one with a ``suffix``), else None."""
+    if req.suffix is None:
+        if req.fim_stop != "none":
+            raise bad_request("'fim_stop' applies to fill-in-the-middle requests: send 'suffix' too "
+                              "('' at the end of a file)", "fim_stop")
+        return None
+    prompt = req.prompt[0] if isinstance(req.prompt, list) and len(req.prompt) == 1 else req.prompt
+    if not isinstance(prompt, str):
+        raise bad_request("with 'suffix', 'prompt' must be the text before the cursor (a string)", "prompt")
+    return prompt, req.suffix
+
+
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
     if not req.messages:
         raise bad_request("'messages' must be a non-empty list", "messages")
@@ -157,7 +177,7 @@ def _unsupported(req: SamplingFields) -> None:
     }
     if isinstance(req, CompletionRequest):
         neutral |= {"echo": (req.echo, (None, False)), "best_of": (req.best_of, (None, 1)),
-                    "suffix": (req.suffix, (None, "")), "logprobs": (req.logprobs, (None,))}
+                    "logprobs": (req.logprobs, (None,))}
     else:
         neutral |= {"logprobs": (req.logprobs, (None, False)), "top_logprobs": (req.top_logprobs, (None,))}
     for name, (value, allowed) in neutral.items():
@@ -190,8 +210,11 @@ def _number(value: float | None, name: str, default: float, lo: float, hi: float
     return float(value)
 
 
-def sampling_params(req: SamplingFields, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
-    """Validated :class:`SamplingParams` for a request (context length is checked by the engine)."""
+def sampling_params(req: SamplingFields, max_tokens: int | None, default_max_tokens: int,
+                    fim: dict | None = None) -> SamplingParams:
+    """Validated :class:`SamplingParams` for a request (context length is checked by the engine);
+    ``fim``: a fill-in-the-middle request's stop fields (:func:`specdecode.fim.stop_fields`), whose
+    stop strings join the request's."""
     _unsupported(req)
     temperature = _number(req.temperature, "temperature", 1.0, 0.0, 2.0, lo_open=False)
     top_p = _number(req.top_p, "top_p", 1.0, 0.0, 1.0, lo_open=True)
@@ -204,9 +227,12 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, default_max_tok
         raise bad_request(f"'max_tokens' must be an integer >= 1, got {max_tokens}", "max_tokens")
     if req.seed is not None and not -(2**63) <= req.seed < 2**64:
         raise bad_request("'seed' must fit in 64 bits", "seed")
+    fim = dict(fim or {})
+    stop = stop_strings(req.stop)
+    stop += tuple(s for s in fim.pop("stop", ()) if s not in stop)
     try:
         return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=req.seed,
-                              max_new_tokens=max_tokens, stop=stop_strings(req.stop), ignore_eos=req.ignore_eos)
+                              max_new_tokens=max_tokens, stop=stop, ignore_eos=req.ignore_eos, **fim)
     except SamplingError as exc:  # everything is checked above; this is a backstop
         raise bad_request(str(exc)) from None
 
