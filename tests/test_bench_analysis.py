@@ -146,3 +146,47 @@ def test_break_even_table_flags_prompts_below():
     assert row.break_even == pytest.approx(A.break_even_alpha(2, 0.2))
     assert row.below is (row.alpha < row.break_even)
     assert row.speedup == pytest.approx(1.25)
+
+
+def test_tokens_per_step_needed_is_the_step_cost_ratio_and_decides_paying():
+    """spec-k2's decode steps take 0.19 s against target-only's 0.1 s: it needs 1.9 tokens per step and
+    gets 2.0, so it pays; with 0.25 s steps it would need 2.5 and not pay. got / needed = decode speedup."""
+    (row,) = A.break_even_table(_records(), "code")
+    assert row.needed_tokens_per_step == pytest.approx(1.9)
+    assert row.tokens_per_step == pytest.approx(2.0)
+    assert row.pays is True
+    cell = next(c for c in A.summarize(_records()) if (c.config, c.group) == ("spec-k2", "code"))
+    assert row.tokens_per_step / row.needed_tokens_per_step == pytest.approx(cell.decode_speedup)
+    slow = [dict(r, steps=[s[:4] + [0.25] for s in r["steps"]]) if r["config"] == "spec-k2" else r for r in _records()]
+    (row,) = A.break_even_table(slow, "code")
+    assert row.needed_tokens_per_step == pytest.approx(2.5) and row.pays is False
+
+
+def test_break_even_rows_cover_trees_and_lookup_configs_without_the_chain_formula():
+    recs = _records()
+    tree = [dict(r, config="spec-k2-t2n4") for r in recs if r["config"] == "spec-k2"]
+    auto = [dict(r, config="auto") for r in recs if r["config"] == "spec-k2"]
+    rows = {r.config: r for r in A.break_even_table(recs + tree + auto, "code")}
+    assert set(rows) == {"spec-k2", "spec-k2-t2n4", "auto"}
+    assert rows["spec-k2-t2n4"].break_even is None and rows["spec-k2-t2n4"].below is None  # no chain formula
+    assert rows["spec-k2-t2n4"].pays is True and rows["auto"].break_even is not None
+
+
+def test_percentile_interpolates_like_numpy():
+    assert A.percentile([], 50) is None
+    assert A.percentile([3.0], 99) == 3.0
+    assert A.percentile([1, 2, 3, 4], 50) == pytest.approx(2.5)
+    assert A.percentile(range(101), 99) == pytest.approx(99.0)
+    assert A.percentile([0, 10], 99) == pytest.approx(9.9)
+
+
+def test_latency_cells_per_group_with_ratios_to_target_on_the_same_prompts():
+    recs = _records()  # target runs 1.0 s, spec-k2 0.8 s, both prompts
+    recs.append(run_rec("p3", "target", 0, 4.0, [[10, 1, 0, 0, 0.1]], category="chat"))  # no spec run for p3
+    cells = {(c.config, c.group): c for c in A.latency_cells(recs)}
+    assert set(cells) == {(c, g) for c in ("target", "spec-k2") for g in ("overall", "code", "chat")}
+    assert cells[("target", "overall")].requests == 3 and cells[("spec-k2", "overall")].requests == 2
+    assert cells[("spec-k2", "code")].p50_s == pytest.approx(0.8)
+    assert cells[("spec-k2", "chat")].p50_ratio == pytest.approx(0.8)  # p3 has no spec run: left out of the ratio
+    assert cells[("spec-k2", "overall")].p99_ratio == pytest.approx(0.8)
+    assert cells[("target", "overall")].p99_s == pytest.approx(1.0 + 3.0 * 0.98)  # interpolated toward p3's 4 s

@@ -79,8 +79,8 @@ def test_full_run_writes_records_report_and_plots(models, tmp_path):
     overall = next(c for c in results["summary"]["cells"]
                    if (c["sampling"], c["config"], c["group"]) == ("greedy", "spec-k3", "overall"))
     assert f"| spec-k3 | 4 | {overall['tok_s']:.3f} | {overall['speedup']:.2f} |" in report
-    for heading in ("## Results: greedy", "## Results: t0.7-p0.95", "Break-even for code completion: code",
-                    "Against `transformers`", "Greedy exactness", "## Definitions"):
+    for heading in ("## Results: greedy", "## Results: t0.7-p0.95", "## Break-even: code",
+                    "Latency: time to the last token", "Per request: tokens per decode step", "Against `transformers`", "Greedy exactness", "## Definitions"):
         assert heading in report
 
     # the report rebuilt from the records alone: no --target (the stored run names its models)

@@ -26,6 +26,12 @@ Definitions (also written into every report):
   is overhead the formula does not model (v > 1, Python, sampling, bookkeeping).
 * **break-even α** for k and c: the α at which E(α, k) = k·c + 1, i.e. drafting just pays for
   itself; with the measured v in place of 1 it is the *overhead-aware* break-even.
+* **tokens per step needed** (per prompt) = the decode step's wall time with speculation / target-only's
+  (draft, verify and bookkeeping together): speculation pays exactly when tokens per step got exceeds it
+  (decode speedup = got / needed). It holds for any drafter (lookup, auto, trees), with no model of α.
+* **latency** of a request = its wall time, prefill included: the time to the last token (a short
+  completion's latency is what an editor waits for). p50 / p99 over every run of a group (all
+  repeats); the ratio is to target-only's over the runs of the same prompts.
 * **context length** of a step = prompt + tokens generated before the step; per-bucket tok/s is
   emitted tokens / decode step time (prefill excluded).
 """
@@ -220,7 +226,8 @@ def per_prompt(records: Iterable[dict[str, Any]]) -> dict[tuple[str, str, str], 
         tok_s = statistics.median(r["new_tokens"] / r["wall_s"] for r in runs)
         tokens = statistics.median(r["new_tokens"] for r in runs)
         out[key] = {"tok_s": tok_s, "tokens": tokens, "seconds": tokens / tok_s, "repeats": len(runs),
-                    "category": runs[0]["category"], "k": runs[0]["k"], "counts": counts}
+                    "category": runs[0]["category"], "k": runs[0]["k"], "counts": counts,
+                    "latency_s": statistics.median(r["wall_s"] for r in runs)}
     return out
 
 
@@ -365,7 +372,62 @@ def by_context(records: list[dict[str, Any]]) -> list[BucketCell]:
     return cells
 
 
-# -- code-completion break-even ----------------------------------------------------------------------
+# -- latency -----------------------------------------------------------------------------------------
+def percentile(xs: Iterable[float], q: float) -> float | None:
+    """The q-th percentile (0–100) by linear interpolation between order statistics (numpy's default)."""
+    xs = sorted(xs)
+    if not xs:
+        return None
+    pos = (len(xs) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+@dataclass
+class LatencyCell:
+    """Time to the last token (request wall time, prefill included) of one (sampling, config, group)."""
+
+    sampling: str
+    config: str
+    group: str
+    requests: int
+    p50_s: float
+    p99_s: float
+    p50_ratio: float | None = None  # / target-only's p50 over the runs of the same prompts
+    p99_ratio: float | None = None
+
+
+def latency_cells(records: list[dict[str, Any]], group_by_category: bool = True) -> list[LatencyCell]:
+    """p50 / p99 request latency for every (sampling, config) over each category and over all prompts."""
+    walls: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    categories: dict[str, str] = {}
+    for r in runs_of(records):
+        walls[(r["sampling"], r["config"])][r["prompt_id"]].append(r["wall_s"])
+        categories[r["prompt_id"]] = r["category"]
+    groups: dict[str, set[str]] = {"overall": set(categories)}
+    if group_by_category and len(set(categories.values())) > 1:
+        for pid, cat in categories.items():
+            groups.setdefault(cat, set()).add(pid)
+    cells = []
+    for (sampling, config), by_prompt in sorted(walls.items(), key=lambda kv: (kv[0][0], _config_order(kv[0][1]))):
+        base = walls.get((sampling, TARGET), {})
+        for group, pids in groups.items():
+            mine = [w for pid in pids & set(by_prompt) for w in by_prompt[pid]]
+            if not mine:
+                continue
+            cell = LatencyCell(sampling, config, group, len(mine), percentile(mine, 50), percentile(mine, 99))
+            shared = pids & set(by_prompt) & set(base)
+            if shared:
+                theirs = [w for pid in shared for w in base[pid]]
+                ours = [w for pid in shared for w in by_prompt[pid]]
+                cell.p50_ratio = percentile(ours, 50) / percentile(theirs, 50)
+                cell.p99_ratio = percentile(ours, 99) / percentile(theirs, 99)
+            cells.append(cell)
+    return cells
+
+
+# -- break-even --------------------------------------------------------------------------------------
 @dataclass
 class BreakEven:
     sampling: str
@@ -379,31 +441,49 @@ class BreakEven:
     break_even: float | None  # formula (v = 1); None = never pays
     break_even_v: float | None  # with the measured v
     speedup: float | None
+    tokens_per_step: float | None = None  # got
+    needed_tokens_per_step: float | None = None  # step wall time / target-only's: pays iff got > needed
+    latency_s: float | None = None  # time to the last token, median over repeats
+    latency_ratio: float | None = None  # / target-only's for the same prompt
+
+    @property
+    def pays(self) -> bool | None:
+        """Whether the decode steps paid for themselves (tokens per step got > needed)."""
+        if self.tokens_per_step is None or self.needed_tokens_per_step is None:
+            return None
+        return self.tokens_per_step > self.needed_tokens_per_step
 
     @property
     def below(self) -> bool | None:
-        """Below the formula's break-even (``None`` when not measurable)."""
-        if self.alpha is None or self.c is None:
+        """Below the formula's break-even (``None`` when not measurable, or for a tree)."""
+        if self.alpha is None or self.c is None or is_tree(self.config):
             return None
         return self.break_even is None or self.alpha < self.break_even
 
 
 def break_even_table(records: list[dict[str, Any]], category: str | None = None) -> list[BreakEven]:
-    """Per prompt and speculative config: measured α, c, v, the break-even α and the speedup."""
+    """Per prompt and speculative config: measured α, c, v, the break-even α, tokens per step needed
+    and got, latency and the speedup. Trees get the drafter-agnostic columns only (no chain formula)."""
     prompts = per_prompt(records)
     rows = []
     for (sampling, config, pid), p in sorted(prompts.items(), key=lambda kv: (kv[0][0], _config_order(kv[0][1]), kv[0][2])):
-        if p["k"] < 1 or is_tree(config) or (category is not None and p["category"] != category):
+        if p["k"] < 1 or (category is not None and p["category"] != category):
             continue
         base = prompts.get((sampling, TARGET, pid))
         cell = Cell(sampling, config, pid, p["k"], 1, p["tokens"], p["seconds"], p["tok_s"])
         fill_speculation(cell, p["counts"], base["counts"] if base else Counts())
         be = be_v = None
-        if cell.c is not None:
+        if cell.c is not None and not is_tree(config):
             be = break_even_alpha(cell.k, cell.c)
             be_v = break_even_alpha(cell.k, cell.c, cell.v)
+        counts, base_counts = p["counts"], base["counts"] if base else Counts()
+        needed = None
+        if counts.steps and base_counts.steps and base_counts.step_s:
+            needed = (counts.step_s / counts.steps) / (base_counts.step_s / base_counts.steps)
         rows.append(BreakEven(sampling, config, cell.k, pid, cell.alpha, cell.acceptance_rate, cell.c, cell.v,
-                              be, be_v, p["tok_s"] / base["tok_s"] if base else None))
+                              be, be_v, p["tok_s"] / base["tok_s"] if base else None,
+                              counts.tokens_per_step, needed, p["latency_s"],
+                              p["latency_s"] / base["latency_s"] if base else None))
     return rows
 
 

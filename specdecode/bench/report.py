@@ -18,10 +18,11 @@ PLOTS = ("speedup_vs_k.png", "acceptance_by_position.png", "speedup_vs_context.p
 class Summary:
     cells: list[A.Cell]
     context: list[A.BucketCell]
-    break_even: dict[str, list[A.BreakEven]]  # completion category -> rows
+    break_even: dict[str, list[A.BreakEven]]  # category -> rows
     checks: list[dict[str, Any]]
-    completion_categories: list[str]
+    break_even_categories: list[str]  # categories with speculative runs
     prompts: list[dict[str, Any]]
+    latency: list[A.LatencyCell] = dataclasses.field(default_factory=list)
 
     def cell(self, sampling: str, config: str, group: str = "overall") -> A.Cell | None:
         return next((c for c in self.cells if (c.sampling, c.config, c.group) == (sampling, config, group)), None)
@@ -44,14 +45,15 @@ class Summary:
 
 def summarize(records: list[dict[str, Any]]) -> Summary:
     runs = A.runs_of(records)
-    completion = sorted({r["category"] for r in runs if r.get("prompt_kind") == "completion"})
+    categories = sorted({r["category"] for r in runs if r.get("k", 0) > 0})
     return Summary(
         cells=A.summarize(records),
         context=A.by_context(records),
-        break_even={cat: A.break_even_table(records, cat) for cat in completion},
+        break_even={cat: A.break_even_table(records, cat) for cat in categories},
         checks=[r for r in records if r.get("type") == "check"],
-        completion_categories=completion,
+        break_even_categories=categories,
         prompts=A.prompt_rows(records),
+        latency=A.latency_cells(records),
     )
 
 
@@ -65,8 +67,9 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], meta: dict[str, A
         "summary": {
             "cells": [dataclasses.asdict(c) for c in summary.cells],
             "context": [dataclasses.asdict(c) for c in summary.context],
-            "break_even": {cat: [dataclasses.asdict(r) | {"below": r.below} for r in rows]
+            "break_even": {cat: [dataclasses.asdict(r) | {"below": r.below, "pays": r.pays} for r in rows]
                            for cat, rows in summary.break_even.items()},
+            "latency": [dataclasses.asdict(c) for c in summary.latency],
             "checks": summary.checks,
             "prompts": summary.prompts,
         },
@@ -98,7 +101,8 @@ def markdown(summary: Summary, meta: dict[str, Any], sessions: list[dict[str, An
         lines += ["", *_category_table(summary, sampling)]
         lines += ["", *_position_table(summary, sampling)]
         lines += ["", *_context_table(summary, sampling)]
-    for cat in summary.completion_categories:
+        lines += ["", *_latency_table(summary, sampling)]
+    for cat in summary.break_even_categories:
         lines += ["", *_break_even_section(summary, cat)]
     lines += ["", *_peer_section(summary), "", *_checks_section(summary), "", *_prompt_table(summary)]
     lines += ["", "## Plots", ""] + [f"![{p[:-4]}]({p})" for p in PLOTS]
@@ -232,6 +236,29 @@ def _context_table(summary: Summary, sampling: str) -> list[str]:
     return lines
 
 
+def _latency_table(summary: Summary, sampling: str) -> list[str]:
+    cells = [c for c in summary.latency if c.sampling == sampling]
+    if not cells:
+        return []
+    groups = list(dict.fromkeys(c.group for c in cells))
+    groups = [g for g in groups if g != "overall"] + ["overall"]
+    configs = list(dict.fromkeys(c.config for c in cells))
+    lines = ["Latency: time to the last token of a request (prefill included), p50 / p99 seconds over every run "
+             "(ratio to target-only's on the same prompts: p50× / p99×).", "",
+             "| config | " + " | ".join(groups) + " |", "|---" * (len(groups) + 1) + "|"]
+    for name in configs:
+        row = [name]
+        for g in groups:
+            c = next((x for x in cells if x.config == name and x.group == g), None)
+            if c is None:
+                row.append("–")
+                continue
+            ratio = "" if name == A.TARGET or c.p50_ratio is None else f" ({c.p50_ratio:.2f}× / {c.p99_ratio:.2f}×)"
+            row.append(f"{c.p50_s:.2f} / {c.p99_s:.2f}{ratio}")
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
 MAX_PROMPT_ROWS = 120
 
 
@@ -267,11 +294,14 @@ def _break_even_section(summary: Summary, category: str) -> list[str]:
     rows = summary.break_even[category]
     if not rows:
         return []
-    lines = [f"## Break-even for code completion: {category}", "",
-             "Per draft length: the acceptance α at which drafting just pays for itself given the measured c "
-             "(formula, v = 1) and with the measured verification cost v; how many prompts fall below.", "",
+    lines = [f"## Break-even: {category}", "",
+             "Per configuration, over its prompts. Chains: the acceptance α at which drafting just pays for "
+             "itself given the measured c (formula, v = 1) and with the measured verification cost v. Every "
+             "configuration (lookup, auto, trees): the tokens per decode step it needed to pay (its step's wall "
+             "time over target-only's) against what it got; a prompt pays when got > needed.", "",
              "| sampling | config | prompts | median α | median c | break-even α | prompts below | "
-             "break-even α (v) | prompts below (v) | prompts with speedup < 1 |", "|---" * 10 + "|"]
+             "break-even α (v) | prompts below (v) | median tokens/step got / needed | prompts paying "
+             "| prompts with speedup < 1 |", "|---" * 12 + "|"]
     by: dict[tuple[str, str], list[A.BreakEven]] = defaultdict(list)
     for r in rows:
         by[(r.sampling, r.config)].append(r)
@@ -280,15 +310,21 @@ def _break_even_section(summary: Summary, category: str) -> list[str]:
         cs = [r.c for r in rs if r.c is not None]
         k, c_med = rs[0].k, A.median(cs)
         v_med = A.median([r.v for r in rs if r.v is not None])
-        be = A.break_even_alpha(k, c_med) if c_med is not None else None
-        be_v = A.break_even_alpha(k, c_med, v_med) if c_med is not None and v_med is not None else None
+        chain = not A.is_tree(config)
+        be = A.break_even_alpha(k, c_med) if chain and c_med is not None else None
+        be_v = A.break_even_alpha(k, c_med, v_med) if chain and c_med is not None and v_med is not None else None
         below = sum(1 for r in rs if r.below)
-        below_v = sum(1 for r in rs if r.alpha is not None and r.c is not None
+        below_v = sum(1 for r in rs if chain and r.alpha is not None and r.c is not None
                       and (r.break_even_v is None or r.alpha < r.break_even_v))
         slow = sum(1 for r in rs if r.speedup is not None and r.speedup < 1)
-        lines.append(f"| {sampling} | {config} | {len(rs)} | {_n(A.median(alphas), '.3f')} | {_n(c_med, '.3f')} "
-                     f"| {_be(be)} | {below} | {_be(be_v)} | {below_v} | {slow} |")
-    lines += ["", *_verdict(summary, category), "", *_per_prompt_table(summary, category)]
+        got = A.median([r.tokens_per_step for r in rs if r.tokens_per_step is not None])
+        needed = A.median([r.needed_tokens_per_step for r in rs if r.needed_tokens_per_step is not None])
+        paying = sum(1 for r in rs if r.pays)
+        formula = [_be(be), str(below), _be(be_v), str(below_v)] if chain else ["–", "–", "–", "–"]
+        lines.append(f"| {sampling} | {config} | {len(rs)} | {_n(A.median(alphas), '.3f')} | {_n(c_med, '.3f')} | "
+                     + " | ".join(formula) + f" | {_n(got)} / {_n(needed)} | {paying} | {slow} |")
+    lines += ["", *_verdict(summary, category), "", *_per_prompt_table(summary, category),
+              "", *_per_request_table(summary, category)]
     return lines
 
 
@@ -310,6 +346,34 @@ def _per_prompt_table(summary: Summary, category: str) -> list[str]:
         lines.append(f"| {r.sampling} | {r.config} | {r.prompt_id} | {_n(r.alpha, '.3f')} | {_n(r.acceptance_rate, '.3f')} "
                      f"| {_n(r.c, '.3f')} | {_n(r.v)} | {_be(r.break_even)} | {'yes' if r.below else 'no'} "
                      f"| {_n(r.speedup)} |")
+    return lines
+
+
+def _per_request_table(summary: Summary, category: str) -> list[str]:
+    """Every prompt x speculative configuration: tokens per step got / needed (✓ when it paid) and the
+    latency ratio to target-only."""
+    rows = summary.break_even[category]
+    if not rows:
+        return []
+    configs = sorted({r.config for r in rows}, key=A._config_order)
+    by: dict[tuple[str, str], dict[str, A.BreakEven]] = defaultdict(dict)
+    for r in rows:
+        by[(r.sampling, r.prompt_id)][r.config] = r
+    lines = ["Per request: tokens per decode step got / needed to pay (✓ paid), and the time to the last token "
+             "against target-only's (×); target-only's own latency in seconds.", "",
+             "| sampling | prompt | target-only s | " + " | ".join(configs) + " |", "|---" * (len(configs) + 3) + "|"]
+    for n, ((sampling, pid), cells) in enumerate(by.items()):
+        if n == MAX_PROMPT_ROWS:
+            lines.append(f"\n({len(by) - n} more rows in results.json, summary.break_even)")
+            break
+        ref = next((r for r in cells.values() if r.latency_s is not None and r.latency_ratio), None)
+        target_s = ref.latency_s / ref.latency_ratio if ref is not None else None
+        row = [sampling, pid, _n(target_s)]
+        for config in configs:
+            r = cells.get(config)
+            row.append("–" if r is None else f"{_n(r.tokens_per_step)} / {_n(r.needed_tokens_per_step)}"
+                       + (" ✓" if r.pays else "") + (f", {r.latency_ratio:.2f}×" if r.latency_ratio is not None else ""))
+        lines.append("| " + " | ".join(row) + " |")
     return lines
 
 
