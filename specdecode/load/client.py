@@ -1,9 +1,12 @@
 """One timed, streamed request against an OpenAI-compatible endpoint.
 
 Chat prompts go to ``/v1/chat/completions`` (``messages``), completion prompts to
-``/v1/completions`` (``prompt``), always with ``stream: true`` and
-``stream_options: {"include_usage": true}``. Server-sent ``data:`` lines are read until
-``[DONE]``. A *content chunk* is a chunk whose first choice carries non-empty text
+``/v1/completions`` (``prompt``); a fill-in-the-middle prompt (the ``fim`` workload) adds OpenAI's
+``suffix`` field, and its editor rule as ``"stop": ["\\n"]`` where the rule is ``line`` (the portable
+spelling; the ``block`` rule has none), or, for a target with ``fim_stop`` set, as specdecode's own
+``fim_stop`` field (exact for both rules; other servers may refuse the field). Always with
+``stream: true`` and ``stream_options: {"include_usage": true}``. Server-sent ``data:`` lines are read
+until ``[DONE]``. A *content chunk* is a chunk whose first choice carries non-empty text
 (``text`` for completions, ``delta.content`` or ``delta.reasoning_content`` for chat); TTFT and
 inter-token latencies are measured on content chunks. A top-level ``"speculation"`` object on any
 chunk (our server puts it on the last one) is kept as reported.
@@ -29,12 +32,14 @@ class LoadError(RuntimeError):
 
 @dataclass(frozen=True)
 class Target:
-    """One endpoint configuration: where to send, which model, what extra request fields."""
+    """One endpoint configuration: where to send, which model, what extra request fields; ``fim_stop``:
+    send a FIM prompt's editor rule as specdecode's ``fim_stop`` field (else as OpenAI's ``stop``)."""
 
     label: str
     url: str
     model: str | None = None
     extra_body: dict[str, Any] = field(default_factory=dict)
+    fim_stop: bool = False
 
 
 def base_url(url: str) -> str:
@@ -74,6 +79,12 @@ def request_body(target: Target, prompt: Prompt, max_tokens: int) -> tuple[str, 
         path, body["messages"] = "/v1/chat/completions", prompt.messages
     else:
         path, body["prompt"] = "/v1/completions", prompt.text
+    if prompt.suffix is not None:
+        body["suffix"] = prompt.suffix
+        if target.fim_stop and prompt.fim_stop:
+            body["fim_stop"] = prompt.fim_stop
+        elif not target.fim_stop and prompt.fim_stop == "line":
+            body["stop"] = ["\n"]
     body.update(target.extra_body)
     body["stream"] = True
     return path, body
