@@ -33,6 +33,8 @@ class DrafterKind:
 KINDS: dict[str, DrafterKind] = {
     "model": DrafterKind("specdecode.drafters.draft_model", True, "a smaller causal LM with the target's vocabulary"),
     "ngram": DrafterKind("specdecode.drafters.ngram", False, "prompt lookup: copy what followed the suffix earlier"),
+    "suffix": DrafterKind("specdecode.drafters.suffix", False,
+                          "suffix-tree lookup over the sequence and earlier outputs (SuffixDecoding)"),
     "medusa": DrafterKind("specdecode.drafters.medusa", False,
                           "Medusa heads on the target's final hidden state (medusa:DIR from `specdecode heads train`)",
                           needs_arg=True),
