@@ -58,6 +58,9 @@ class EngineConfig:
     acceptance: str = "exact"  # exact | typical (Medusa's typical acceptance: LOSSY, outputs say so)
     typical_epsilon: float = 0.09
     typical_alpha: float = 0.3
+    # how sampled requests draw (specdecode.sampling.SAMPLERS): rejection (the exact rule against the draft's
+    # law) or coupled (Gumbel-max keyed by seed and position: a seed's tokens do not depend on the drafter)
+    sampler: str = "rejection"
     # rows computed alike whatever the batch (specdecode.models.batch_invariant): on | off | auto (on for
     # bf16/fp16 on a CPU, where plain kernels flip greedy tokens with the batch; off in float32 and on CUDA)
     batch_invariant: str | bool = "auto"
@@ -132,8 +135,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, draft_required: bool = 
     g.add_argument("--target", required=target_required, help="alias, local dir, .gguf file or hub id of the target model")
     g.add_argument("--draft", required=draft_required, default=None, action=DraftAction,
                    help="draft model (alias/dir/.gguf/hub id), 'ngram' (or ngram:MAX, ngram:MIN-MAX) for prompt "
-                        "lookup, or medusa:DIR / eagle:DIR for trained heads (`specdecode heads train`); repeat it "
-                        "with --draft-policy auto to let the selector choose among several (at most one model)"
+                        "lookup, 'suffix' (or suffix:depth=64,history=32768,prob=0.1,factor=1.0) for suffix-tree "
+                        "lookup over the sequence and earlier outputs, or medusa:DIR / eagle:DIR for trained heads "
+                        "(`specdecode heads train`); repeat it with --draft-policy auto to let the selector choose "
+                        "among several (at most one model)"
                         + ("" if draft_required else "; omit for target-only"))
     parser.set_defaults(extra_drafts=[])
     g.add_argument("--num-draft-tokens", "-k", type=int, default=DEFAULTS.num_draft_tokens,
@@ -193,6 +198,13 @@ def add_model_arguments(parser: argparse.ArgumentParser, draft_required: bool = 
                    help=f"typical acceptance: epsilon (default {DEFAULTS.typical_epsilon})")
     g.add_argument("--typical-alpha", type=float, default=DEFAULTS.typical_alpha,
                    help=f"typical acceptance: alpha (default {DEFAULTS.typical_alpha})")
+    g.add_argument("--sampler", choices=("rejection", "coupled"), default=DEFAULTS.sampler,
+                   help="how sampled requests draw (greedy ones are unchanged). rejection (default): speculative "
+                        "rejection sampling, the output follows the target's law. coupled: every position by "
+                        "Gumbel-max with noise keyed by (seed, position), the drafter proposing with the same noise, "
+                        "so a seeded request's tokens equal target-only decoding's whatever drafts them (with "
+                        "--batch-invariant, bit for bit); also exact, with lower acceptance (docs/exactness.md). "
+                        "The server's default: a request may name its own \"sampler\"")
     g.add_argument("--batch-invariant", nargs="?", const="on", default=DEFAULTS.batch_invariant, choices=("auto", "on", "off"),
                    help="compute every row the same way whatever else is in the batch: greedy outputs and seeded "
                         "samples then do not depend on concurrent requests or on the verify width, so speculation "
@@ -386,7 +398,7 @@ def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
                     lossy=lossy_labels(pair.target_quantization, cfg),
                     first_token_from_target=cfg.first_token_from_target,
                     max_num_batched_tokens=cfg.max_num_batched_tokens,
-                    batched_tokens_per_seq=cfg.batched_tokens_per_seq)
+                    batched_tokens_per_seq=cfg.batched_tokens_per_seq, sampler=cfg.sampler)
     return engine
 
 
@@ -479,6 +491,10 @@ def validate_config(cfg: EngineConfig) -> None:
         raise ConfigError(f"at most one --draft may be a draft model; got {', '.join(cfg.drafts)}")
     if cfg.acceptance not in ("exact", "typical"):
         raise ConfigError(f"unknown acceptance {cfg.acceptance!r}: exact or typical")
+    if cfg.sampler not in ("rejection", "coupled"):
+        raise ConfigError(f"--sampler must be rejection or coupled, got {cfg.sampler!r}")
+    if cfg.sampler == "coupled" and cfg.acceptance != "exact":
+        raise ConfigError("--sampler coupled verifies by its own rule: drop --acceptance typical")
     if cfg.acceptance == "typical" and not (0 < cfg.typical_epsilon <= 1 and cfg.typical_alpha > 0):
         raise ConfigError(f"typical acceptance needs 0 < epsilon <= 1 and alpha > 0, got {cfg.typical_epsilon}, "
                          f"{cfg.typical_alpha}")

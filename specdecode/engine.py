@@ -22,14 +22,17 @@ The engine talks to models only through the runner interface (:mod:`specdecode.m
 drafters only through their protocol (:mod:`specdecode.drafters.base`); it sizes the caches itself
 (context + the longest verify window), verifies with an injected :class:`~specdecode.verify.Verifier`,
 and hands a drafter that asks for them the target's hidden states of every token it caches. Every
-tensor it builds lives on the target's device; random draws come from per-request CPU generators.
+tensor it builds lives on the target's device; random draws come from per-request CPU generators, or for
+a request of the coupled sampler (``--sampler coupled``) from noise keyed by its seed and each token's
+position, verified by the coupled rule (:mod:`specdecode.verify.coupled`).
 """
 
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import torch
@@ -40,7 +43,7 @@ from specdecode.errors import UserError
 from specdecode.metrics import SpecStats
 from specdecode.models.base import Runner
 from specdecode.policy import DraftPolicy, FixedPolicy, SwitchPolicy
-from specdecode.sampling import SamplingParams, make_generator, params_tensors, warp
+from specdecode.sampling import SAMPLERS, SamplingParams, make_generator, params_tensors, race_noises, warp
 from specdecode.text import IncrementalText
 from specdecode.tree import tree_layout
 from specdecode.verify import Verifier
@@ -142,6 +145,7 @@ class Engine:
         batched_tokens_per_seq: int = 0,
         target_quantization: str = "none",
         lossy: dict | None = None,
+        sampler: str = "rejection",
     ) -> None:
         self.target = target
         self.tokenizer = tokenizer
@@ -150,6 +154,9 @@ class Engine:
         # the policy says how many tokens to draft; its switch turns drafting off server-wide or per request
         self.policy = self.switch = SwitchPolicy(inner)
         self.verifier = verifier or Verifier()
+        if sampler not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
+        self.sampler = sampler  # a request's sampler when its params name none (--sampler)
         self.eos_token_ids = set(eos_token_ids if eos_token_ids is not None else default_eos_ids(target, tokenizer))
         self.device = target.device
         # the verify window: the pending token plus the longest chain or largest tree a step may carry
@@ -256,6 +263,7 @@ class Engine:
         if len(requests) > self.free_slots():
             raise RuntimeError("not enough free slots: check free_slots() first")
         first = len(self.running) + len(self.prefilling)
+        requests = [(prompt_ids, self._resolve(params), request_id) for prompt_ids, params, request_id in requests]
         seqs = [
             Sequence(
                 request_id=request_id or f"req-{next(self._ids)}",
@@ -270,6 +278,17 @@ class Engine:
         ]
         self.prefilling.extend(seqs)
         return seqs
+
+    def _resolve(self, params: SamplingParams) -> SamplingParams:
+        """A request's params with its sampler decided (the engine's when it names none); a coupled
+        request without a seed gets a random one here, which keys its noise from then on."""
+        sampler = params.sampler or self.sampler
+        seed = params.seed
+        if sampler == "coupled" and seed is None:
+            seed = secrets.randbits(63)
+        if (sampler, seed) == (params.sampler, params.seed):
+            return params
+        return replace(params, sampler=sampler, seed=seed)
 
     def prefill(self, budget: int | None = None) -> list[Sequence]:
         """Prefill the target on waiting prompts in admission order, at most ``budget`` tokens in all
@@ -511,8 +530,17 @@ class Engine:
             target_probs, faults = self._warp(seqs, logits)
             if draft_probs is not None and draft_probs.shape[-1] != target_probs.shape[-1]:
                 raise RuntimeError("draft and target distributions have different vocabulary sizes")
-            uniforms = self._uniforms(seqs, num_draft.tolist(), k).to(dev)
-            result = self.verifier.speculative(drafts, draft_probs, target_probs, num_draft, uniforms)
+
+            def rejection(r: torch.Tensor):
+                uniforms = self._uniforms([seqs[b] for b in r.tolist()], num_draft[r].tolist(), k).to(dev)
+                probs = None if draft_probs is None else draft_probs[r]
+                return self.verifier.speculative(drafts[r], probs, target_probs[r], num_draft[r], uniforms)
+
+            def coupled(c: torch.Tensor):
+                noise = self._noise([seqs[b] for b in c.tolist()], k + 1, target_probs.shape[-1])
+                return self.verifier.coupled(drafts[c], target_probs[c], noise, num_draft[c])
+
+            result = self._by_sampler(seqs, rejection, coupled)
         accepted, n = result.num_accepted.tolist(), num_draft.tolist()
         return _Verified(result.tokens.tolist(), accepted, [list(range(a + 1)) for a in accepted], n, n, ids,
                          out.features, faults)
@@ -538,9 +566,19 @@ class Engine:
             draft_probs = None if proposal.probs is None else proposal.probs.to(dev)
             if draft_probs is not None and draft_probs.shape[-1] != target_probs.shape[-1]:
                 raise RuntimeError("draft and target distributions have different vocabulary sizes")
-            uniforms = self._uniforms(seqs, num_nodes.tolist(), drafts.shape[1]).to(dev)
             rule = proposal.rule or (DETERMINISTIC if draft_probs is None else IID)
-            result = self.verifier.tree(drafts, parents, num_nodes, draft_probs, target_probs, uniforms, rule)
+
+            def rejection(r: torch.Tensor):
+                uniforms = self._uniforms([seqs[b] for b in r.tolist()], num_nodes[r].tolist(), drafts.shape[1]).to(dev)
+                probs = None if draft_probs is None else draft_probs[r]
+                return self.verifier.tree(drafts[r], parents[r], num_nodes[r], probs, target_probs[r], uniforms, rule)
+
+            def coupled(c: torch.Tensor):
+                depth = layout.depth[c]
+                noise = self._noise([seqs[b] for b in c.tolist()], int(depth.max()) + 1, target_probs.shape[-1])
+                return self.verifier.tree_coupled(drafts[c], parents[c], num_nodes[c], target_probs[c], noise, depth)
+
+            result = self._by_sampler(seqs, rejection, coupled)
         accepted = result.num_accepted.tolist()
         paths = [row[: a + 1] for row, a in zip(result.path.tolist(), accepted)]
         depth = (layout.depth * (torch.arange(layout.depth.shape[1], device=dev)[None] <= num_nodes[:, None])).amax(1)
@@ -572,6 +610,30 @@ class Engine:
                 faults[b] = exc
                 probs[b].scatter_(1, logits[b].argmax(-1, keepdim=True), 1.0)
         return probs, faults
+
+    def _by_sampler(self, seqs: list[Sequence], rejection, coupled):
+        """Verify the coupled rows with ``coupled(rows)`` and the others with ``rejection(rows)`` (rows: a
+        [n] index tensor), and put the two results together in batch order."""
+        is_coupled = [s.params.coupled for s in seqs]
+        groups = [(fn, torch.tensor([b for b, c in enumerate(is_coupled) if c == want], device=self.device))
+                  for fn, want in ((coupled, True), (rejection, False))]
+        parts = [(rows, fn(rows)) for fn, rows in groups if rows.numel()]
+        if len(parts) == 1:
+            return parts[0][1]
+        merged = {}
+        for name in parts[0][1].__dataclass_fields__:  # pad the rows' results to the wider and interleave them
+            tensors = [getattr(result, name) for _, result in parts]
+            shape = (len(seqs), *(max(t.shape[d] for t in tensors) for d in range(1, tensors[0].dim())))
+            out = torch.full(shape, -1 if name == "path" else 0, dtype=tensors[0].dtype, device=tensors[0].device)
+            for (rows, _), t in zip(parts, tensors):
+                out[(rows.to(out.device), *(slice(0, w) for w in t.shape[1:]))] = t
+            merged[name] = out
+        return type(parts[0][1])(**merged)
+
+    def _noise(self, seqs: list[Sequence], width: int, vocab: int) -> torch.Tensor:  # [B, width, V]
+        """The coupled sampler's noise of each row's positions ``len(token_ids) .. + width - 1`` (keyed by
+        its seed and those positions alone: the same in any batch, on any device)."""
+        return torch.stack([race_noises(s.params.seed, len(s.token_ids), width, vocab) for s in seqs]).to(self.device)
 
     def _uniforms(self, seqs: list[Sequence], num_draft: list[int], k: int) -> torch.Tensor:
         """[B, k+1]: each row draws its own ``num_draft + 1`` uniforms from its own generator, so a

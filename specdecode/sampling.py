@@ -8,12 +8,23 @@ Greedy (``temperature == 0``) is represented as a one-hot distribution on the ar
 on ties), which makes greedy decoding a special case of the exact speculative rule. A temperature
 below :data:`GREEDY_TEMPERATURE` is greedy too (dividing logits by a subnormal number overflows to
 NaN probabilities). No NaN reaches sampling: :func:`warp` raises instead.
+
+Two samplers (``SamplingParams.sampler``, ``--sampler``): ``rejection`` (the default) draws each
+request's randomness from its generator, in the order the engine consumes it, so a seeded request's
+tokens depend on what was drafted; ``coupled`` samples every position by the Gumbel-max trick, in
+its exponential-race form ``argmax(probs / E)`` with ``E ~ Exp(1)`` per token, the noise ``E`` keyed
+by (seed, absolute position) alone (:func:`race_noise`). The drafter proposes with the same noise on
+its own law and the target accepts a draft token iff its own choice is that token
+(:mod:`specdecode.verify.coupled`), so the output is target-only coupled decoding's, token for token.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +39,7 @@ GREEDY_TEMPERATURE = 1e-5
 # huge integer (2**63) never overflows a tensor
 TOP_K_MAX = 2**31 - 1
 TOP_P_MIN = float(torch.finfo(torch.float32).tiny)  # ~1.2e-38; see params_tensors
+SAMPLERS = ("rejection", "coupled")  # --sampler; see the module docstring
 
 
 class SamplingError(UserError, ValueError):
@@ -53,6 +65,8 @@ class SamplingParams:
     # end the text at the first line, after the first, indented less than this many columns (tabs to
     # multiples of 8), or at the blank lines before it: an editor's block rule (specdecode.fim); None = off
     stop_dedent: int | None = None
+    # "rejection" | "coupled" (SAMPLERS); None: the engine's (--sampler). Greedy requests ignore it
+    sampler: str | None = None
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -83,10 +97,17 @@ class SamplingParams:
         d = self.stop_dedent
         if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 0):
             raise SamplingError(f"stop_dedent must be an integer >= 0 or None, got {d!r}")
+        if self.sampler is not None and self.sampler not in SAMPLERS:
+            raise SamplingError(f"sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def coupled(self) -> bool:
+        """Sampled by the coupled sampler (a greedy request is plain argmax whatever its sampler)."""
+        return self.sampler == "coupled" and not self.greedy
 
 
 @dataclass(frozen=True)
@@ -272,3 +293,57 @@ def params_tensors(params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Te
         # keeps exactly the most likely token(s), so the smallest normal float32 is the same law
         torch.tensor([max(p.top_p, TOP_P_MIN) for p in params], dtype=torch.float32),
     )
+
+
+# -- the coupled sampler's noise ------------------------------------------------------------------
+NOISE_CACHE_BYTES = 128 << 20  # recent noise rows kept (the drafter and the verifier read the same ones)
+_noise_cache: OrderedDict[tuple[int, int, int], torch.Tensor] = OrderedDict()
+_noise_bytes = 0
+_noise_lock = threading.Lock()
+
+
+def coupling_key(seed: int, position: int) -> int:
+    """The generator seed of (request seed, absolute position): a hash, the same on every platform."""
+    data = int(seed).to_bytes(16, "little", signed=True) + int(position).to_bytes(8, "little", signed=True)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
+
+
+def race_noise(seed: int, position: int, vocab: int) -> torch.Tensor:  # [V] float32 on the CPU, read-only
+    """``E ~ Exp(1)`` per token for the token at ``position`` (its index in prompt + output) of a request
+    seeded ``seed``: a function of (seed, position, vocab) alone, whatever the device, batch or drafter.
+
+    Drawn as ``-log(u)`` from float64 uniforms of a CPU generator seeded by :func:`coupling_key`, then
+    rounded to float32 (``argmax(probs / E)`` is then ``argmax(log probs + G)`` with Gumbel ``G = -log E``:
+    Gumbel-max, an exact sample of ``probs``). Rows are cached (``NOISE_CACHE_BYTES``); never write to one."""
+    global _noise_bytes
+    key = (int(seed), int(position), int(vocab))
+    with _noise_lock:
+        row = _noise_cache.get(key)
+        if row is not None:
+            _noise_cache.move_to_end(key)
+            return row
+    g = torch.Generator()
+    g.manual_seed(coupling_key(seed, position))
+    row = torch.rand(vocab, dtype=torch.float64, generator=g).log_().neg_().float()
+    with _noise_lock:
+        if key not in _noise_cache:
+            _noise_cache[key] = row
+            _noise_bytes += row.numel() * row.element_size()
+            while _noise_bytes > NOISE_CACHE_BYTES and len(_noise_cache) > 1:
+                _, old = _noise_cache.popitem(last=False)
+                _noise_bytes -= old.numel() * old.element_size()
+    return row
+
+
+def race_noises(seed: int, start: int, n: int, vocab: int) -> torch.Tensor:  # [n, V] float32 on the CPU
+    """:func:`race_noise` of positions ``start .. start + n - 1``."""
+    if n == 0:
+        return torch.zeros(0, vocab)
+    return torch.stack([race_noise(seed, start + i, vocab) for i in range(n)])
+
+
+def coupled_choice(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:  # [..., V], [..., V] -> [...] long
+    """The coupled sample of each row: ``argmax(probs / noise)`` (first index on a tie). A division and a
+    maximum, both exact in floating point, so a row's choice does not depend on the batch or its shape;
+    tokens of probability 0 are never chosen."""
+    return (probs.float() / noise.to(probs.device)).argmax(-1)

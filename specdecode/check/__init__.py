@@ -1,7 +1,9 @@
 """`specdecode check`: evidence that speculation does not change what the target says.
 
 Five parts, each with a PASS/FAIL verdict (see docs/exactness.md): the verifier's law on the pair's
-real distributions, the end-to-end sampling law, greedy equality, stop/length accounting, seeds.
+real distributions, the end-to-end sampling law, greedy equality, stop/length accounting, seeds; and a
+sixth for ``--sampler coupled`` (on by default with it): seeded equality with target-only decoding and
+the coupled law.
 """
 
 from specdecode.check.common import CheckConfig, EngineFactory, parse_settings

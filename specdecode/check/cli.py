@@ -37,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "short built-in prompts)")
     g.add_argument("--num-prompts", type=int, default=4, help="prompts used, from whichever set (default 4)")
     g.add_argument("--max-prompt-tokens", type=int, default=64, help="keep the last N tokens of each prompt (default 64)")
-    g.add_argument("--parts", default="1,2,3,4,5", help="parts to run, e.g. 1,3 (default all)")
+    g.add_argument("--parts", default=None,
+                   help="parts to run, e.g. 1,3 (default 1-5, and 6 with --sampler coupled)")
     g.add_argument("--alpha", type=float, default=_DEFAULTS.alpha,
                    help=f"false-alarm probability of the whole check, split over parts 1-2 (default {_DEFAULTS.alpha:g})")
     g.add_argument("--seed", type=int, default=0, help="seed of every random draw the check makes (default 0)")
@@ -65,6 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--seed-tokens", type=int, default=_DEFAULTS.seed_tokens,
                    help="part 5: tokens per request (default %(default)s)")
     b.add_argument("--seed-batch", type=int, default=_DEFAULTS.seed_batch, help="part 5: batch size (default %(default)s)")
+    b.add_argument("--coupled-tokens", type=int, default=_DEFAULTS.coupled_tokens,
+                   help="part 6: tokens per seeded request (default %(default)s)")
+    b.add_argument("--coupled-draft-lengths", default=",".join(map(str, _DEFAULTS.coupled_ks)),
+                   help="part 6: draft lengths compared with target-only decoding (default %(default)s)")
+    b.add_argument("--coupled-setting", default="t=0.7", help="part 6: the sampling setting (default %(default)r)")
+    b.add_argument("--coupled-samples", type=int, default=_DEFAULTS.coupled_samples,
+                   help="part 6: seeds per context and setting of the law test (default %(default)s)")
 
 
 def _names(settings: tuple[SamplingSetting, ...]) -> str:
@@ -76,12 +84,27 @@ def _names(settings: tuple[SamplingSetting, ...]) -> str:
 def config_from_args(args: argparse.Namespace) -> CheckConfig:
     from specdecode.check.common import parse_settings
 
-    parts = tuple(sorted({int(p) for p in args.parts.split(",") if p.strip()}))
-    if not parts or any(p not in range(1, 6) for p in parts):
-        raise ValueError(f"--parts must list numbers 1-5, got {args.parts!r}")
+    from specdecode.sampling import parse_setting
+
+    spec = args.parts or ("1,2,3,4,5,6" if getattr(args, "sampler", "rejection") == "coupled" else "1,2,3,4,5")
+    try:
+        parts = tuple(sorted({int(p) for p in spec.split(",") if p.strip()}))
+    except ValueError:
+        parts = ()
+    if not parts or any(p not in range(1, 7) for p in parts):
+        raise ValueError(f"--parts must list numbers 1-6, got {spec!r}")
+    try:
+        ks = tuple(int(k) for k in args.coupled_draft_lengths.split(",") if k.strip())
+    except ValueError:
+        ks = ()
+    if not ks or min(ks) < 1:
+        raise ValueError(f"--coupled-draft-lengths must list draft lengths >= 1, got {args.coupled_draft_lengths!r}")
+    coupled_setting = parse_setting(args.coupled_setting)
+    if coupled_setting.greedy:
+        raise ValueError("--coupled-setting must sample (T > 0): greedy decoding is part 3's")
     for name in ("law_contexts", "law_samples", "e2e_prompts", "e2e_samples", "e2e_tokens", "e2e_batch",
                  "greedy_tokens", "greedy_batch", "stop_tokens", "seed_tokens", "seed_batch", "num_prompts",
-                 "max_prompt_tokens"):
+                 "max_prompt_tokens", "coupled_tokens", "coupled_samples"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 < args.alpha < 1:
@@ -94,7 +117,8 @@ def config_from_args(args: argparse.Namespace) -> CheckConfig:
         e2e_prompts=args.e2e_prompts, e2e_samples=args.e2e_samples, e2e_tokens=args.e2e_tokens,
         e2e_batch=args.e2e_batch, e2e_settings=parse_settings(args.e2e_settings),
         greedy_tokens=args.greedy_tokens, greedy_batch=args.greedy_batch, stop_tokens=args.stop_tokens,
-        seed_tokens=args.seed_tokens, seed_batch=args.seed_batch,
+        seed_tokens=args.seed_tokens, seed_batch=args.seed_batch, coupled_tokens=args.coupled_tokens,
+        coupled_ks=ks, coupled_setting=coupled_setting, coupled_samples=args.coupled_samples,
     )
 
 
@@ -144,7 +168,7 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, PromptSetError, PairError, OSError) as exc:
         print(f"specdecode check: {exc}", file=sys.stderr)
         return 2
-    longest_output = max(cfg.greedy_tokens, cfg.stop_tokens, cfg.seed_tokens + 4, cfg.e2e_tokens)
+    longest_output = max(cfg.greedy_tokens, cfg.stop_tokens, cfg.seed_tokens + 4, cfg.e2e_tokens, cfg.coupled_tokens)
     max_context = args.max_context or max(len(p) for p in ids) + longest_output + 8
     store: dict = {}
 
@@ -162,7 +186,7 @@ def main(args: argparse.Namespace) -> int:
     meta = {"target": args.target, "draft": args.draft, "dtype": args.dtype, "num_draft_tokens": cfg.num_draft_tokens,
             "extra_drafts": list(getattr(args, "extra_drafts", None) or []), "draft_policy": args.draft_policy,
             "draft_quantization": pair.draft_quantization, "tree_topk": args.tree_topk, "tree_nodes": args.tree_nodes,
-            "target_quantization": pair.target_quantization, "acceptance": args.acceptance,
+            "target_quantization": pair.target_quantization, "acceptance": args.acceptance, "sampler": args.sampler,
             "batch_invariant": args.batch_invariant,  # auto | on | off, as asked (auto: on for bf16/fp16 on a CPU)
             "verified_against": (f"the {pair.target_quantization}-quantized target (LOSSY w.r.t. {args.target})"
                                  if pair.target_quantization != "none" else "the target as loaded"),

@@ -34,7 +34,9 @@ PART_NAMES = {
     3: "greedy equality",
     4: "stop and length accounting",
     5: "seeds",
+    6: "coupled sampler",
 }
+OPTIONAL_PARTS = {6}  # run when asked (the CLI asks with --sampler coupled); not listed otherwise
 
 
 @dataclass
@@ -66,10 +68,15 @@ class CheckConfig:
     seed_tokens: int = 8
     seed_batch: int = 3
     seed_setting: SamplingSetting = SamplingSetting(1.0)
+    # part 6: the coupled sampler (--sampler coupled): seeded equality, and its law on part 1's contexts
+    coupled_tokens: int = 16
+    coupled_ks: tuple[int, ...] = (2, 4, 8)
+    coupled_setting: SamplingSetting = SamplingSetting(0.7)
+    coupled_samples: int = 2000  # seeds per (context, setting) of the law test
 
     @property
     def statistical_parts(self) -> list[int]:
-        return [p for p in (1, 2) if p in self.parts]
+        return [p for p in (1, 2, 6) if p in self.parts]
 
     def part_alpha(self) -> float:
         """Each statistical part gets an equal share of ``alpha``."""
@@ -80,6 +87,7 @@ class CheckConfig:
         for key in ("law_settings", "e2e_settings"):
             out[key] = [s.name for s in getattr(self, key)]
         out["seed_setting"] = self.seed_setting.name
+        out["coupled_setting"] = self.coupled_setting.name
         return out
 
 
@@ -141,6 +149,10 @@ class EnginePool:
 
     def target_only(self, batch: int) -> Engine:
         return self._get(0, batch)
+
+    def engine(self, k: int, batch: int) -> Engine:
+        """An engine drafting ``k`` tokens (0: target-only) at ``batch``."""
+        return self._get(k, batch)
 
     def _get(self, k: int, batch: int) -> Engine:
         key = (k, batch)

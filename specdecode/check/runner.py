@@ -5,8 +5,9 @@ from __future__ import annotations
 import time
 import traceback
 
-from specdecode.check.common import PART_NAMES, CheckConfig, EngineFactory, EnginePool, NullProgress, Progress
+from specdecode.check.common import OPTIONAL_PARTS, PART_NAMES, CheckConfig, EngineFactory, EnginePool, NullProgress, Progress
 from specdecode.check.contexts import Context, rank_contexts
+from specdecode.check.coupled import check_coupled
 from specdecode.check.e2e import check_e2e
 from specdecode.check.greedy import check_greedy
 from specdecode.check.law import check_law
@@ -52,11 +53,13 @@ def run_check(
         3: lambda: check_greedy(pool, prompts, cfg, progress),
         4: lambda: check_stops(pool, prompts, cfg, progress),
         5: lambda: check_seeds(pool, prompts, cfg, progress),
+        6: lambda: check_coupled(pool, prompts, contexts(cfg.law_contexts), cfg, progress),
     }
     results = []
     for number, run in parts.items():
         if number not in cfg.parts:
-            results.append(PartResult(number, PART_NAMES[number], SKIP, "not selected"))
+            if number not in OPTIONAL_PARTS:  # (an optional part not asked for is not listed)
+                results.append(PartResult(number, PART_NAMES[number], SKIP, "not selected"))
             continue
         t0 = time.perf_counter()
         try:

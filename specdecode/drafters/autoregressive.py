@@ -7,11 +7,16 @@ row's pending token and a function that feeds one step; the loop does the rest, 
 * **chains** (:func:`propose_chain`): ``k`` steps; each step's logits are warped with the request's
   :class:`~specdecode.sampling.SamplingParams`, each row samples with its own generator (uniforms drawn
   up front, ``k`` per sampled row) or takes the argmax, and the tokens and the laws they were drawn from
-  are collected. ``confidence > 0`` ends a row's chain after its first token whose draft probability is
+  are collected; a row of the coupled sampler (``--sampler coupled``) takes ``argmax(law / E)`` with the
+  noise ``E`` of the token's absolute position (:func:`specdecode.sampling.race_noise`), the target's own
+  noise there, and draws nothing. ``confidence > 0`` ends a row's chain after its first token whose draft probability is
   below it (:func:`stop_unsure`): the decision reads only the draft's state, so verification stays exact.
 * **trees** (:func:`grow_tree`): EAGLE-2's dynamic tree, grown level by level
   (:func:`specdecode.drafters.dynamic_tree.grow_trees`); each level is one tree-masked forward whose
-  inputs are built here, its nodes' K/V written past the sequence (node ``i`` at ``start + i``).
+  inputs are built here, its nodes' K/V written past the sequence (node ``i`` at ``start + i``). A
+  coupled row grows as a greedy row over its noise-perturbed log-law ``log(law / E)``: a node's
+  children are the top of ``law / E`` at their position (Gumbel top-k: distinct tokens, the first
+  the coupled choice).
 
 :class:`AutoregressiveDrafter` holds the settings both take (``--draft-confidence``, ``--tree-topk``,
 ``--tree-nodes``) and sizes the draft cache for the tree window; :func:`draft_settings` reads them
@@ -21,6 +26,7 @@ with a model of its own (Medusa's heads too).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Sequence
 
 import torch
@@ -28,7 +34,7 @@ import torch
 from specdecode.drafters.base import DrafterBase, Proposal, SequenceView
 from specdecode.drafters.dynamic_tree import GROWTH, GrownTree, grow_trees
 from specdecode.models.base import Runner
-from specdecode.sampling import params_tensors, sample, warp
+from specdecode.sampling import coupled_choice, params_tensors, race_noise, sample, warp
 from specdecode.verify.tree import DETERMINISTIC, WITHOUT_REPLACEMENT
 
 # feed(tokens [A], j) -> logits [A, V]: feed each row's j-th draft token, return the logits after it
@@ -88,8 +94,9 @@ def propose_chain(bsz: int, rows: list[int], active: Sequence[SequenceView], num
     temperature, top_k, top_p = params_tensors(params)
     all_greedy = all(p.greedy for p in params)  # then no laws are formed: greedy verification needs none
     uniforms = torch.zeros(len(active), max(ks))
+    coupled = [i for i, s in enumerate(active) if s.params.coupled]  # these draw nothing: the noise decides
     for i, s in enumerate(active):
-        if not s.params.greedy:
+        if not s.params.greedy and not s.params.coupled:
             uniforms[i, : ks[i]] = torch.rand(ks[i], generator=s.generator)
     tokens = torch.zeros(bsz, max(ks), dtype=torch.long, device=logits.device)
     laws = []  # [A, V] per step: the warped draft law each token was drawn from
@@ -101,6 +108,10 @@ def propose_chain(bsz: int, rows: list[int], active: Sequence[SequenceView], num
         else:
             law = warp(logits, temperature, top_k, top_p)
             tok = sample(law, uniforms[:, j])
+            if coupled:  # the j-th draft token sits at position len(token_ids) + j
+                noise = torch.stack([race_noise(active[i].params.seed, len(active[i].token_ids) + j, law.shape[-1])
+                                     for i in coupled])
+                tok[coupled] = coupled_choice(law[coupled], noise)
             laws.append(law)
         tokens[rows, j] = tok
         if confidence > 0:
@@ -160,8 +171,35 @@ def grow_tree(active: Sequence[SequenceView], depths: list[int], root_logits: to
         return forward(trees, chosen, ids, positions, write_positions=writes, tree_mask=mask,
                        tree_start=torch.tensor(starts))
 
-    return grow_trees(root_logits, [s.params for s in active], [s.generator for s in active], depths, topk,
-                      max_nodes, expand)
+    params = [s.params for s in active]
+    coupled = [r for r, p in enumerate(params) if p.coupled]
+    level = expand
+    if coupled:  # grown as greedy rows over log(law / E): Gumbel top-k at each node's children's position
+        root_logits = _perturb(root_logits.clone(), active, coupled, [[0] for _ in active])
+        params = [replace(p, temperature=0.0) if p.coupled else p for p in params]
+
+        def level(trees: list[GrownTree], chosen: list[list[int]]) -> torch.Tensor:  # [A, E, V]
+            logits = expand(trees, chosen)
+            depths = [[t.depths[i] for i in pad_nodes(nodes, logits.shape[1])] if nodes else [0] * logits.shape[1]
+                      for t, nodes in zip(trees, chosen)]
+            return _perturb(logits, active, [r for r in coupled if chosen[r]], depths)
+
+    return grow_trees(root_logits, params, [s.generator for s in active], depths, topk, max_nodes, level)
+
+
+def _perturb(logits: torch.Tensor, active: Sequence[SequenceView], rows: list[int],
+             depths: list[list[int]]) -> torch.Tensor:  # [A, V] or [A, E, V], perturbed in place
+    """``log(law / E)`` for the listed rows: the warped draft law of entry ``e`` of row ``r`` over the race
+    noise of the position after a node of depth ``depths[r][e]`` (``len(token_ids) + depth``)."""
+    flat = logits if logits.dim() == 3 else logits[:, None]
+    for r in rows:
+        s = active[r]
+        t, k, p = (x.expand(flat.shape[1]) for x in params_tensors([s.params]))
+        law = warp(flat[r], t, k, p)  # [E, V]
+        noise = torch.stack([race_noise(s.params.seed, len(s.token_ids) + d, law.shape[-1])
+                             for d in depths[r]]).to(law.device)
+        flat[r] = (law / noise).log().to(flat.dtype)
+    return logits
 
 
 def tree_proposal(bsz: int, rows: list[int], trees: list[GrownTree], greedy: bool, device) -> Proposal:
@@ -170,7 +208,8 @@ def tree_proposal(bsz: int, rows: list[int], trees: list[GrownTree], greedy: boo
     tokens = torch.zeros(bsz, width, dtype=torch.long)
     parents = torch.full((bsz, width), -1, dtype=torch.long)
     num = torch.zeros(bsz, dtype=torch.long)
-    vocab = None if greedy else next((t.laws[0].shape[-1] for t in trees if t.laws), None)
+    # (a batch of coupled rows, grown as greedy rows, carries no laws: point masses)
+    vocab = None if greedy else next((t.laws[0].shape[-1] for t in trees if t.laws and t.laws[0] is not None), None)
     probs = None if vocab is None else torch.zeros(bsz, width, vocab, device=device)
     for b, tree in zip(rows, trees):
         n = len(tree.tokens)
@@ -180,5 +219,5 @@ def tree_proposal(bsz: int, rows: list[int], trees: list[GrownTree], greedy: boo
             parents[b, :n] = torch.tensor(tree.parents)
             if probs is not None:
                 probs[b, :n] = torch.stack(tree.laws)
-    rule = DETERMINISTIC if greedy else WITHOUT_REPLACEMENT
+    rule = DETERMINISTIC if greedy or probs is None else WITHOUT_REPLACEMENT
     return Proposal(tokens.to(device), probs, num.to(device), parents.to(device), rule)

@@ -7,7 +7,9 @@ shape ``{"error": {"message", "type", "param", "code"}}``. Parameters we do not 
 
 Extensions beyond the OpenAI API: ``top_k`` (``0`` or ``-1`` = off; any value at or above the
 vocabulary size keeps every token, as off), ``ignore_eos``, ``speculation: false`` to decode this
-request without a draft, and on completions ``fim_stop`` (``none`` | ``line`` | ``block``: an editor's
+request without a draft, ``sampler`` (``rejection`` | ``coupled``: how this sampled request draws,
+by default the server's ``--sampler``; coupled makes a seeded request's tokens independent of the
+drafter and the batch, see :mod:`specdecode.verify.coupled`), and on completions ``fim_stop`` (``none`` | ``line`` | ``block``: an editor's
 stop rule for a fill-in-the-middle request, see :mod:`specdecode.fim`). A ``temperature`` below
 ``sampling.GREEDY_TEMPERATURE`` (1e-5) is greedy.
 
@@ -88,6 +90,7 @@ class SamplingFields(_Strict):
     user: str | None = None
     ignore_eos: bool = False
     speculation: bool = True
+    sampler: Literal["rejection", "coupled"] | None = None  # None: the server's --sampler
 
     @property
     def include_usage(self) -> bool:
@@ -232,7 +235,7 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, default_max_tok
     stop += tuple(s for s in fim.pop("stop", ()) if s not in stop)
     try:
         return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=req.seed,
-                              max_new_tokens=max_tokens, stop=stop, ignore_eos=req.ignore_eos, **fim)
+                              max_new_tokens=max_tokens, stop=stop, ignore_eos=req.ignore_eos, sampler=req.sampler, **fim)
     except SamplingError as exc:  # everything is checked above; this is a backstop
         raise bad_request(str(exc)) from None
 

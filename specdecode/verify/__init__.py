@@ -4,6 +4,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from specdecode.verify.chain import VerifyResult, verify_greedy, verify_speculative
+from specdecode.verify.coupled import verify_coupled, verify_tree_coupled
 from specdecode.verify.tree import TreeVerifyResult, verify_tree, verify_tree_greedy
 
 
@@ -15,7 +16,9 @@ class Verifier:
     speculative: Callable[..., VerifyResult] = verify_speculative
     tree_greedy: Callable[..., TreeVerifyResult] = verify_tree_greedy  # trees (verify/tree.py)
     tree: Callable[..., TreeVerifyResult] = verify_tree
+    coupled: Callable[..., VerifyResult] = verify_coupled  # --sampler coupled (verify/coupled.py)
+    tree_coupled: Callable[..., TreeVerifyResult] = verify_tree_coupled
 
 
-__all__ = ["TreeVerifyResult", "Verifier", "VerifyResult", "verify_greedy", "verify_speculative", "verify_tree",
-           "verify_tree_greedy"]
+__all__ = ["TreeVerifyResult", "Verifier", "VerifyResult", "verify_coupled", "verify_greedy", "verify_speculative",
+           "verify_tree", "verify_tree_coupled", "verify_tree_greedy"]
