@@ -62,6 +62,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--graceful-timeout", type=float, default=60.0,
                    help="on SIGTERM, seconds to let in-flight requests finish (default 60)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    r = parser.add_argument_group("replicas (Ray Serve; pip install 'specdecode[ray]'; docs/replicas.md)")
+    r.add_argument("--replicas", type=int, default=0,
+                   help="serve through Ray Serve with N replicas, each an engine + scheduler, requests routed by "
+                        "prompt prefix and load (default 0: this one process, no Ray)")
+    r.add_argument("--ray-address", default=None,
+                   help="the Ray cluster to run the replicas on ('auto', HOST:6379 or ray://HOST:10001; "
+                        "default: start a local one on this machine)")
+    r.add_argument("--replica-cpus", type=float, default=1.0,
+                   help="CPUs each replica reserves (default 1; Ray then gives torch one thread)")
+    r.add_argument("--replica-gpus", type=float, default=None,
+                   help="GPUs each replica reserves (default 1 when --device is cuda, or auto with CUDA present; else 0)")
 
 
 def check_arguments(args: argparse.Namespace) -> str | None:
@@ -70,6 +81,10 @@ def check_arguments(args: argparse.Namespace) -> str | None:
             return f"--{name.replace('_', '-')} must be >= 1"
     if not 0 <= args.port <= 65535:
         return f"--port must be in [0, 65535], got {args.port}"
+    if args.replicas < 0:
+        return "--replicas must be >= 0"
+    if args.replicas and args.port == 0:
+        return "--replicas needs a fixed --port (Ray Serve's proxy binds it on every node)"
     if args.max_connections is not None and args.max_connections < 1:
         return "--max-connections must be >= 1"
     for name in ("header_timeout", "body_timeout"):
@@ -129,6 +144,13 @@ def main(args: argparse.Namespace) -> int:
         logging.getLogger("specdecode.server").warning(
             "serving on %s without an API key: anyone who can reach it can use it%s", args.host,
             "" if args.allowed_hosts else "; only loopback Host headers are answered (--allowed-hosts adds more)")
+    if args.replicas:
+        try:
+            from specdecode.server import replicas
+        except ImportError as exc:
+            print(f"specdecode serve: --replicas needs Ray Serve (pip install 'specdecode[ray]'): {exc}", file=sys.stderr)
+            return 2
+        return replicas.main(args)
 
     from specdecode.build import PairError, build_engine, config_from_args
     from specdecode.server.app import create_app
