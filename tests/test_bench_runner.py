@@ -306,3 +306,16 @@ def test_memory_check_runs_a_speculative_request_and_reports_the_peak(models):
     assert result["k"] == 3 and result["new_tokens"] == 8 and result["prompt_tokens"] == 40
     assert result["draft"] == str(models["draft"]) and result["acceptance_rate"] is not None
     assert result["peak_rss_gib"] > 0 and result["weights_gib"] > 0
+
+
+def test_coupled_sampler_bench_runs_equal_target_only_and_the_report_says_so(models, tmp_path):
+    """With --sampler coupled a seeded run's tokens depend on (seed, target, prompt) alone: at T = 1 every
+    speculative run equals the target-only run of the same prompt and repeat, while drafting was exercised."""
+    out = tmp_path / "out"
+    assert cli.main(bench_args(models, out, "--sampling", "t1.0", "--baselines", "none", "--sampler", "coupled")) == 0
+    runs = [r for r in read_records(out) if r["type"] == "run"]
+    target = {(r["prompt_id"], r["repeat"]): r["token_ids"] for r in runs if r["config"] == "target"}
+    spec = [r for r in runs if r["config"] != "target"]
+    assert spec and all(r["token_ids"] == target[(r["prompt_id"], r["repeat"])] for r in spec)
+    assert sum(r["stats"]["drafted"] for r in spec) > 0 and sum(r["stats"]["accepted"] for r in spec) > 0
+    assert "- sampler: **coupled**" in (out / "report.md").read_text()

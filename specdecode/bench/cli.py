@@ -96,6 +96,7 @@ def _settings(args: argparse.Namespace) -> dict:
             "tree_shapes": args.tree_shapes, "draft_quantization": args.draft_quantization,
             "extra_drafts": args.extra_draft,
             "target_quantization": args.target_quantization, "acceptance": args.acceptance,
+            "sampler": getattr(args, "sampler", "rejection"),
             "typical": [args.typical_epsilon, args.typical_alpha] if args.acceptance == "typical" else None}
 
 

@@ -150,6 +150,9 @@ def _setup(meta: dict[str, Any], sessions: list[dict[str, Any]]) -> list[str]:
         + (f"; **LOSSY: {s['acceptance']} acceptance** (epsilon, alpha = {s.get('typical')}): sampled speculative "
            "outputs do not follow the target's law" if s.get("acceptance", "exact") != "exact" else ""),
         "- draft length of spec-k<k>: " + (s.get("draft_schedule") or "fixed k"),
+        "- sampler: " + ("**coupled** (`--sampler coupled`: each position's token is the target's exponential-race "
+                         "choice under noise keyed by (seed, position); a draft is accepted iff it equals it)"
+                         if s.get("sampler") == "coupled" else "rejection sampling (Leviathan et al.)"),
         f"- {s.get('max_new_tokens')} new tokens per prompt, "
         + ("EOS ignored (every run generates the full budget; fill-in-the-middle prompts still end at the "
            "model's FIM end tokens and their editor rule, within their own caps)" if s.get("ignore_eos") else "stop at EOS")
