@@ -265,12 +265,13 @@ class GrammarProcessor:
     roll back to their common ancestor). The state is unchanged afterwards.
 
     A *dead* prefix holds a drafted token the grammar forbids after the tokens before it (or an end
-    token): its row is returned **unmasked**. It never matters: the target's masked law gives that
+    token, or an id past the tokenizer's vocabulary): its row is returned **unmasked**. It never matters: the target's masked law gives that
     drafted token probability 0, so verification rejects it (greedy: it is not the masked argmax;
     sampled: ``u * p_draft < 0`` never holds; coupled: the target's choice is allowed) and no position
     after it is used. An all -inf row would make softmax NaN; the raw row keeps every law finite.
 
-    Not thread-safe: one request, one thread at a time (the engine's).
+    Prefixes and tokens may be any integers (Python, numpy or 0-d tensors). Not thread-safe: one
+    request, one thread at a time (the engine's).
     """
 
     def __init__(self, matcher: "llguidance.LLMatcher", vocab_size: int, end_ids: Iterable[int]):
@@ -302,8 +303,10 @@ class GrammarProcessor:
         return self.matcher.get_error()
 
     def _advance(self, tokens: Sequence[int]) -> int:
-        """Consume the longest allowed head of ``tokens`` (stopping before an end token); its length."""
-        n = next((i for i, t in enumerate(tokens) if t in self._end), len(tokens))
+        """Consume the longest allowed head of ``tokens`` (stopping before an end token or an id the
+        tokenizer does not have: the engine would enter its error state for good); its length."""
+        V = self.vocab_size
+        n = next((i for i, t in enumerate(tokens) if t in self._end or not 0 <= t < V), len(tokens))
         return self.matcher.try_consume_tokens(list(tokens[:n])) if n else 0
 
     def masks(self, prefixes: Prefixes) -> tuple[Tensor, list[bool], list[bool]]:
@@ -313,8 +316,9 @@ class GrammarProcessor:
         bits = torch.full((P, self._words), -1, dtype=torch.int32)
         live, complete = [False] * P, [False] * P
         path: list[int] = []  # tokens consumed past the committed state
-        for p in sorted(range(P), key=lambda p: tuple(prefixes[p])):
-            prefix = list(prefixes[p])
+        prefixes = [[int(t) for t in prefix] for prefix in prefixes]
+        for p in sorted(range(P), key=lambda p: prefixes[p]):
+            prefix = prefixes[p]
             common = 0
             while common < min(len(path), len(prefix)) and path[common] == prefix[common]:
                 common += 1
@@ -353,7 +357,7 @@ class GrammarProcessor:
         probability 0: a bug)."""
         if self.ended:
             return
-        tokens = list(tokens)
+        tokens = [int(t) for t in tokens]
         n = self._advance(tokens)
         if n < len(tokens) and tokens[n] in self._end and self.matcher.is_accepting():
             self.ended = True

@@ -280,12 +280,19 @@ def test_a_forbidden_drafted_token_leaves_the_positions_after_it_unmasked(compil
     proc = compiler.processor(GrammarSpec.json_schema(SCHEMA))
     ok = bpe.encode('{"name', add_special_tokens=False)
     bad = bpe.convert_tokens_to_ids("7")
-    prefixes = [(), tuple(ok), tuple(ok) + (bad,), tuple(ok) + (bad, bad), (bpe.eos_token_id,)]
+    beyond = len(bpe) + 3  # an id of the logits' padding, which the tokenizer does not have
+    prefixes = [(), tuple(ok), tuple(ok) + (bad,), tuple(ok) + (bad, bad), (bpe.eos_token_id,), (beyond,)]
     logits = torch.randn(len(prefixes), len(bpe) + 9)
+    before = proc.apply(logits[:2], prefixes[:2])
     out = proc.apply(logits, prefixes)
-    assert out[1, bad] == float("-inf")  # the drafted token is impossible where it was drafted
-    assert torch.equal(out[2], logits[2]) and torch.equal(out[3], logits[3]) and torch.equal(out[4], logits[4])
+    assert out[1, bad] == float("-inf") and out[0, beyond] == float("-inf")  # impossible where drafted
+    for p in (2, 3, 4, 5):
+        assert torch.equal(out[p], logits[p])
     assert torch.isfinite(out[0]).sum() < len(bpe) // 2 and torch.isfinite(out[1]).any()
+    assert torch.equal(proc.apply(logits[:2], prefixes[:2]), before) and not proc.error
+    with pytest.raises(RuntimeError, match="not allowed"):
+        proc.commit([beyond])
+    assert torch.equal(proc.apply(logits[:2], [torch.tensor(t) for t in prefixes[:2]]), before)
 
 
 def test_end_tokens_only_where_complete_and_alone_after(compiler, bpe):
