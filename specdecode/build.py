@@ -32,6 +32,7 @@ def backend_arg(name: str) -> str:
     return name
 POLICIES = ("fixed", "acceptance", "auto")
 KINDS_WITH_FILES = {"model", "medusa", "eagle"}  # drafter kinds whose argument names weights on disk
+CROSS_VOCABULARY = {"xvocab", "xvocab-tli"}  # drafter kinds whose model has its own tokenizer (drafters.cross_vocab)
 
 
 @dataclass
@@ -307,9 +308,12 @@ def load_pair(cfg: EngineConfig, backend: str) -> LoadedPair:
     else:
         target = target_backend.load(cfg.target, target_settings)
         draft = draft_backend.load(spec.arg, settings)
+    if spec.kind in CROSS_VOCABULARY:  # it reads text: any tokenizer drafts for any target
+        return LoadedPair(target, draft)
     problem = tokenizers_compatible(target.tokenizer, draft.tokenizer, target.token_rows, draft.token_rows)
     if problem:
-        raise PairError(f"draft {name!r} cannot draft for target {cfg.target!r}: {problem}")
+        raise PairError(f"draft {name!r} cannot draft for target {cfg.target!r}: {problem}; a draft with "
+                        f"another tokenizer drafts through --draft xvocab:{spec.arg} (or xvocab-tli:{spec.arg})")
     return LoadedPair(target, draft)
 
 
@@ -373,16 +377,17 @@ def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
         draft_model = pair.draft
         make_draft = ((lambda: draft_model.runner(batch_invariant=invariant, trees=trees, draft=True))
                       if draft_model is not None else None)
+        tokenizers = (pair.tokenizer, draft_model.tokenizer if draft_model is not None else None)
         if cfg.draft_policy == "auto":  # the selector and the drafters it routes among, built together
             from specdecode.drafters import unique_labels
             from specdecode.selector import auto_drafting
 
-            parts = {name: build_drafter(spec, DraftContext(target, cfg, make_draft))
+            parts = {name: build_drafter(spec, DraftContext(target, cfg, make_draft, *tokenizers))
                      for name, spec in zip(unique_labels(cfg.drafts), cfg.drafts)}
             drafter, selector = auto_drafting(parts, cost_model(target, parts, cfg, pair, max_context),
                                               max_k=cfg.max_draft_tokens, catch_up_tokens=cfg.catch_up_tokens)
         else:
-            drafter = build_drafter(cfg.draft, DraftContext(target, cfg, make_draft))
+            drafter = build_drafter(cfg.draft, DraftContext(target, cfg, make_draft, *tokenizers))
     policy = make_policy(cfg, selector)
     tree_nodes = cfg.tree_nodes if trees else 0
     verifier = None

