@@ -17,7 +17,7 @@ from specdecode.drafters import DraftContext, DraftSpecError, build_drafter, che
 from specdecode.drafters.cross_vocab import CrossVocabDrafter, TextState, Translator, Vocab, incomplete_tail
 from specdecode.engine import Engine
 from specdecode.models.hf import HFRunner
-from specdecode.sampling import SamplingParams, warp_tensors, warp
+from specdecode.sampling import SamplingParams, params_tensors, warp
 
 TEXT = ("the cat sat on the mat. the dog ate the hat. a café in köln serves crème brûlée. "
         "日本 is far. the cat ate the café cake. the dog sat on the hat.\n")
@@ -121,9 +121,9 @@ def two_token_law(model, prompt: list[int], sp: SamplingParams) -> np.ndarray:  
     """P(t1, t2) of the target alone, by direct forward passes (not through a runner)."""
     v = model.config.vocab_size
     with torch.no_grad():
-        first = warp(model(torch.tensor([prompt])).logits[:, -1], *warp_tensors([sp]))[0]  # [V]
+        first = warp(model(torch.tensor([prompt])).logits[:, -1], *params_tensors([sp]))[0]  # [V]
         second = warp(model(torch.tensor([prompt + [i] for i in range(v)])).logits[:, -1],
-                      *warp_tensors([sp] * v))  # [V, V]
+                      *params_tensors([sp] * v))  # [V, V]
     return (first[:, None] * second).flatten().double().numpy()
 
 
