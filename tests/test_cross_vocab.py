@@ -116,6 +116,41 @@ def test_greedy_equals_target_only(pair, mode):
         assert accepted / drafted > 0.2
 
 
+def test_greedy_equality_as_served(pair):
+    """The server's engine: prompts prefilled in chunks beside running streams, the first token from the
+    target alone, then the drafter started on whole prompts."""
+    from tiny import serving
+
+    target, t_tok = pair[0], pair[1]
+    prompts = [t_tok.encode(p) for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    base = engine(pair, None).generate(prompts, params)
+    d = drafter(pair, "slem")
+    assert d.prefill([0], [prompts[0][:2]], [0]) is False  # pieces of target ids never reach the draft's cache
+    spec = Engine(HFRunner(target), t_tok, d, 4, max_batch_size=4, max_context=160,
+                  **serving(max_num_batched_tokens=16)).generate(prompts, params)
+    assert [s.token_ids for s in spec] == [b.token_ids for b in base]
+    assert sum(s.stats.accepted for s in spec) > 0
+
+
+def test_greedy_equals_target_only_on_llamacpp(pair):
+    """Both models on llama.cpp (GGUF copies of the same weights): the draft's cache is llama.cpp's, rolled
+    back with ``llama_memory_seq_rm`` after each re-tokenization."""
+    pytest.importorskip("llama_cpp")
+    from tiny import runner_for
+
+    target, t_tok, draft, d_tok = pair
+    prompts = [t_tok.encode(p) for p in PROMPTS[:2]]
+    params = SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)
+    base = Engine(runner_for(target, "llamacpp"), t_tok, None, 0, max_batch_size=2, max_context=96).generate(prompts, params)
+    for mode in ("slem", "tli"):
+        d = CrossVocabDrafter(runner_for(draft, "llamacpp"), t_tok, d_tok, target.config.vocab_size, mode)
+        spec = Engine(runner_for(target, "llamacpp"), t_tok, d, 4, max_batch_size=2, max_context=96).generate(prompts,
+                                                                                                           params)
+        assert [s.token_ids for s in spec] == [b.token_ids for b in base], mode
+        assert sum(s.stats.accepted for s in spec) > 0, mode
+
+
 # -- the sampling law ----------------------------------------------------------------------------------
 def two_token_law(model, prompt: list[int], sp: SamplingParams) -> np.ndarray:  # [V * V]
     """P(t1, t2) of the target alone, by direct forward passes (not through a runner)."""

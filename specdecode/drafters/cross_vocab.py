@@ -70,6 +70,7 @@ Chains only (``--tree-topk 1``); ``--draft-confidence`` applies to SLEM's draft 
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 import re
 from dataclasses import dataclass, field
@@ -177,15 +178,12 @@ class Vocab:
                     ends.append(pos)
                 continue
             run_ids = self.encode_text(run)
-            lengths = [len(self.spell[i]) if self.spell[i] is not None else -10**9 for i in run_ids]
+            spells = [self.spell[i] for i in run_ids]
             size = len(run.encode())
-            spelled = sum(lengths) == size
-            at = pos
-            for length in lengths:
-                at += length
-                ends.append(at if spelled else -1)
-            if run_ids and not spelled:
-                ends[-1] = pos + size
+            if None not in spells and sum(map(len, spells)) == size:
+                ends.extend(pos + end for end in itertools.accumulate(map(len, spells)))
+            elif run_ids:
+                ends.extend([-1] * (len(run_ids) - 1) + [pos + size])
             ids.extend(run_ids)
             pos += size
         return ids, ends
@@ -330,12 +328,10 @@ class Translator:
         out: list[int] = []
         if cut > len(window):
             ids = self.target.encode_text(whole[:cut].decode())
-            ends, at = [], 0
-            for i in ids:
-                at += len(self.target.spell[i] or b"\0" * 10**6)
-                ends.append(at)
-            if at != cut:  # the target tokenizer does not spell its input back (a normalizer): no proposal
+            spells = [self.target.spell[i] for i in ids]
+            if None in spells or sum(map(len, spells)) != cut:  # not spelled back (a normalizer, a special): none
                 return []
+            ends = list(itertools.accumulate(map(len, spells)))
             first = next(i for i, end in enumerate(ends) if end > len(window))
             begin = ends[first - 1] if first else 0
             out = ids[first:] if begin == len(window) else \
@@ -421,6 +417,9 @@ class CrossVocabDrafter(DraftModelDrafter):
     def release(self, slot: int) -> None:
         super().release(slot)
         self._text.pop(slot, None)
+
+    def prefill(self, slots: list[int], pieces: list[list[int]], starts: list[int]) -> bool:
+        return False  # a prompt is read whole at ``start`` (pieces of target tokens are not whole text)
 
     def lag(self, seq: SequenceView) -> int:
         return 0
