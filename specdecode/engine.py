@@ -43,7 +43,8 @@ from specdecode.errors import UserError
 from specdecode.metrics import SpecStats
 from specdecode.models.base import Runner
 from specdecode.policy import DraftPolicy, FixedPolicy, SwitchPolicy
-from specdecode.sampling import SAMPLERS, SamplingParams, make_generator, params_tensors, race_noises, warp
+from specdecode.processors import LogitsProcessor, build_processors, chain_prefixes, tree_prefixes
+from specdecode.sampling import SAMPLERS, SamplingParams, make_generator, race_noises, warp, warp_tensors
 from specdecode.text import IncrementalText
 from specdecode.tree import tree_layout
 from specdecode.verify import Verifier
@@ -51,7 +52,12 @@ from specdecode.verify.tree import DETERMINISTIC, IID
 
 
 class RequestError(UserError, ValueError):
-    """A request the engine cannot serve (empty prompt, too long, bad token ids)."""
+    """A request the engine cannot serve (empty prompt, too long, bad token ids); ``param``: the
+    request field at fault (None: the prompt)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class PrefillError(RuntimeError):
@@ -79,6 +85,8 @@ class Sequence:
     prefill_ended: float | None = None
     cancelled: bool = False  # set from any thread: the client has gone; the engine skips its work at once
     error: BaseException | None = None  # why it failed alone (finish_reason "error"; see Engine.step)
+    # its logits processors (logit bias, penalties: specdecode.processors); () for plain requests
+    processors: tuple[LogitsProcessor, ...] = ()
 
     @property
     def in_prefill(self) -> bool:
@@ -232,6 +240,10 @@ class Engine:
         bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < self.target.vocab_size)]
         if bad:
             raise RequestError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.target.vocab_size})")
+        biased = [t for t, _ in params.logit_bias if t >= self.target.vocab_size]
+        if biased:
+            raise RequestError(f"logit_bias token id {biased[0]} is outside the vocabulary "
+                               f"[0, {self.target.vocab_size})", "logit_bias")
         if len(prompt_ids) + params.max_new_tokens > self.max_context:
             raise RequestError(
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
@@ -273,6 +285,7 @@ class Engine:
                 generator=make_generator(params.seed),
                 text=IncrementalText(self.tokenizer, params.stop, stop_dedent=params.stop_dedent),
                 token_ids=list(prompt_ids),
+                processors=build_processors(params, prompt_ids, self.target.vocab_size),
             )
             for i, (prompt_ids, params, request_id) in enumerate(requests)
         ]
@@ -432,6 +445,8 @@ class Engine:
         if path != list(range(a + 1)):  # a tree branch: move its K/V next to the prefix
             self.target.compact(seq.slot, [cached + q for q in path[1:]], cached + 1)
         new = self._append(seq, verified.tokens[b][: a + 1])
+        for proc in seq.processors:  # the emitted tokens advance each processor's state
+            proc.commit(new)
         # the target now holds the pending token and the accepted drafts; the rest is stale
         self.target.truncate(seq.slot, cached + a + 1)
         seq.stats.record_step(verified.depths[b], a, len(new), verified.nodes[b])
@@ -523,6 +538,8 @@ class Engine:
         positions = start[:, None] + torch.arange(k + 1, device=dev)[None, :]  # [B, k+1]
         out = self.target.forward(torch.arange(bsz, device=dev), ids, positions, layers=self.feature_layers)
         logits = self.target.logits(out.hidden)  # [B, k+1, V]
+        if any(s.processors for s in seqs):  # position j of row b follows drafts[b, :j]
+            logits = self.verifier.process(seqs, logits, [chain_prefixes(row, k + 1) for row in drafts.tolist()])
         faults: dict[int, BaseException] = {}
         if all(s.params.greedy for s in seqs):
             result = self.verifier.greedy(drafts, logits.argmax(-1), num_draft)
@@ -558,6 +575,10 @@ class Engine:
                                   write_positions=layout.write_positions, tree_mask=layout.mask,
                                   layers=self.feature_layers)
         logits = self.target.logits(out.hidden)  # [B, 1+K, V]
+        if any(s.processors for s in seqs):  # node i (query 1 + i) follows its root-to-node path
+            width = logits.shape[1]
+            logits = self.verifier.process(seqs, logits, [tree_prefixes(t, p, n, width) for t, p, n in zip(
+                drafts.tolist(), parents.tolist(), num_nodes.tolist())])
         faults: dict[int, BaseException] = {}
         if all(s.params.greedy for s in seqs):
             result = self.verifier.tree_greedy(drafts, parents, num_nodes, logits.argmax(-1))
@@ -594,8 +615,8 @@ class Engine:
         bsz, width = logits.shape[:2]
 
         def rows(params: list[SamplingParams], x: torch.Tensor) -> torch.Tensor:
-            temperature, top_k, top_p = (t.repeat_interleave(width) for t in params_tensors(params))
-            return warp(x.flatten(0, 1), temperature, top_k, top_p).view(len(params), width, -1)
+            return warp(x.flatten(0, 1), *(t.repeat_interleave(width) for t in warp_tensors(params))).view(
+                len(params), width, -1)
 
         try:
             return rows([s.params for s in seqs], logits), {}

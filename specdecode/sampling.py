@@ -3,7 +3,9 @@
 Draft and target distributions are both produced by :func:`warp`, so speculative sampling compares
 like with like: the output follows the *warped* target distribution exactly.
 
-Warping order (same as Hugging Face's logits warpers): temperature, then top-k, then top-p.
+Warping order (same as Hugging Face's logits warpers): temperature, then top-k, then top-p, then min-p.
+A request's logits processors (logit bias, penalties: :mod:`specdecode.processors`) change the raw
+logits before all of them.
 Greedy (``temperature == 0``) is represented as a one-hot distribution on the argmax (first index
 on ties), which makes greedy decoding a special case of the exact speculative rule. A temperature
 below :data:`GREEDY_TEMPERATURE` is greedy too (dividing logits by a subnormal number overflows to
@@ -25,7 +27,7 @@ import math
 import re
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -39,6 +41,8 @@ GREEDY_TEMPERATURE = 1e-5
 # huge integer (2**63) never overflows a tensor
 TOP_K_MAX = 2**31 - 1
 TOP_P_MIN = float(torch.finfo(torch.float32).tiny)  # ~1.2e-38; see params_tensors
+LOGIT_BIAS_MAX = 100.0  # OpenAI's range of a logit_bias value: [-100, 100]
+PENALTY_MAX = 2.0  # OpenAI's range of presence_penalty and frequency_penalty: [-2, 2]
 SAMPLERS = ("rejection", "coupled")  # --sampler; see the module docstring
 
 
@@ -67,6 +71,14 @@ class SamplingParams:
     stop_dedent: int | None = None
     # "rejection" | "coupled" (SAMPLERS); None: the engine's (--sampler). Greedy requests ignore it
     sampler: str | None = None
+    # keep a token iff its probability (after temperature, top-k and top-p) is >= min_p x the largest; 0 = off
+    min_p: float = 0.0
+    # (token id, bias) pairs added to the raw logits (OpenAI's logit_bias; a dict is accepted and sorted)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0  # OpenAI's: minus this for every token generated at least once
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times the token's count in the generated tokens
+    # vLLM / Hugging Face's: over prompt + generated tokens, a positive logit divided, a negative multiplied; 1 = off
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -99,6 +111,41 @@ class SamplingParams:
             raise SamplingError(f"stop_dedent must be an integer >= 0 or None, got {d!r}")
         if self.sampler is not None and self.sampler not in SAMPLERS:
             raise SamplingError(f"sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
+        self._check_processing()
+
+    def _check_processing(self) -> None:
+        """min_p, logit_bias and the penalties (OpenAI's ranges; the vocabulary is the engine's to check)."""
+        def number(name: str, ok) -> float:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
+                raise SamplingError(f"{name} must be {_RANGES[name]}, got {v!r}")
+            object.__setattr__(self, name, float(v))
+            return float(v)
+
+        number("min_p", lambda v: 0 <= v <= 1)
+        number("presence_penalty", lambda v: -PENALTY_MAX <= v <= PENALTY_MAX)
+        number("frequency_penalty", lambda v: -PENALTY_MAX <= v <= PENALTY_MAX)
+        number("repetition_penalty", lambda v: v > 0)
+        bias = self.logit_bias
+        pairs = sorted(bias.items()) if isinstance(bias, dict) else list(bias)
+        out = {}
+        for pair in pairs:
+            tok, value = pair if isinstance(pair, (tuple, list)) and len(pair) == 2 else (None, None)
+            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+                raise SamplingError(f"logit_bias keys must be token ids (integers >= 0), got {pair!r}")
+            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                    or abs(value) > LOGIT_BIAS_MAX):
+                raise SamplingError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {tok}")
+            if tok in out:
+                raise SamplingError(f"logit_bias names token {tok} twice")
+            out[tok] = float(value)
+        object.__setattr__(self, "logit_bias", tuple(sorted(out.items())))
+
+    @property
+    def processed(self) -> bool:
+        """Whether raw logits are changed before warping (logit bias, a penalty): :mod:`specdecode.processors`."""
+        return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0 \
+            or self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:
@@ -108,6 +155,10 @@ class SamplingParams:
     def coupled(self) -> bool:
         """Sampled by the coupled sampler (a greedy request is plain argmax whatever its sampler)."""
         return self.sampler == "coupled" and not self.greedy
+
+
+_RANGES = {"min_p": "a number in [0, 1] (0 = off)", "presence_penalty": "a number in [-2, 2]",
+           "frequency_penalty": "a number in [-2, 2]", "repetition_penalty": "a number > 0 (1 = off)"}
 
 
 @dataclass(frozen=True)
@@ -124,9 +175,10 @@ class SamplingSetting:
     top_k: int = 0
     top_p: float = 1.0
     label: str | None = None
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
-        self.params()  # validates temperature, top_k and top_p
+        self.params()  # validates temperature, top_k, top_p and min_p
         if self.label is not None and (not isinstance(self.label, str) or not self.label):
             raise SamplingError(f"label must be a non-empty string or None, got {self.label!r}")
 
@@ -145,24 +197,26 @@ class SamplingSetting:
             parts.append(f"top-k={self.top_k}")
         if self.top_p < 1:
             parts.append(f"top-p={self.top_p:g}")
+        if self.min_p > 0:
+            parts.append(f"min-p={self.min_p:g}")
         return " ".join(parts)
 
     def params(self, **kw) -> SamplingParams:
         """Per-request parameters under this law (``seed``, ``max_new_tokens``, ... from ``kw``)."""
-        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, **kw)
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, **kw)
 
 
-_BENCH_SPEC = re.compile(r"t(?P<t>\d+(?:\.\d+)?)(?:-p(?P<p>\d*\.?\d+))?")
+_BENCH_SPEC = re.compile(r"t(?P<t>\d+(?:\.\d+)?)(?:-p(?P<p>\d*\.?\d+))?(?:-minp(?P<m>\d*\.?\d+))?")
 
 
 def parse_setting(spec: str) -> SamplingSetting:
     """One sampling setting, in either spelling:
 
     * ``greedy``;
-    * ``t<T>[-p<top_p>]`` (bench style), e.g. ``t0.7-p0.95``, ``t1.0``: T > 0; the setting is named
-      by the spec itself;
-    * ``t=<T>,k=<top-k>,p=<top-p>`` (check style; any subset, in any order, t defaults to 1), e.g.
-      ``t=0.7,p=0.9``, ``k=20``: named from its fields (``T=0.7 top-p=0.9``).
+    * ``t<T>[-p<top_p>][-minp<min_p>]`` (bench style), e.g. ``t0.7-p0.95``, ``t1.0``, ``t1.0-minp0.05``:
+      T > 0; the setting is named by the spec itself;
+    * ``t=<T>,k=<top-k>,p=<top-p>,minp=<min-p>`` (check style; any subset, in any order, t defaults to
+      1), e.g. ``t=0.7,p=0.9``, ``k=20``: named from its fields (``T=0.7 top-p=0.9``).
 
     A spec with ``=`` is check style. Bad specs raise :class:`SamplingError` (a ``ValueError``).
     """
@@ -170,25 +224,27 @@ def parse_setting(spec: str) -> SamplingSetting:
     if spec.lower() == "greedy":
         return SamplingSetting(0.0)
     if "=" in spec:
-        kw = {"t": 1.0, "k": 0, "p": 1.0}
+        kw = {"t": 1.0, "k": 0, "p": 1.0, "minp": 0.0}
         for pair in spec.split(","):
             key, sep, value = pair.partition("=")
             key = key.strip().lower()
             if not sep or key not in kw:
-                raise SamplingError(f"bad setting {spec!r}: use 'greedy' or t=<temp>,k=<top-k>,p=<top-p>")
+                raise SamplingError(f"bad setting {spec!r}: use 'greedy' or t=<temp>,k=<top-k>,p=<top-p>,minp=<min-p>")
             try:
                 kw[key] = int(value) if key == "k" else float(value)
             except ValueError:
                 raise SamplingError(f"bad setting {spec!r}: {key}={value.strip()!r} is not a number") from None
-        return SamplingSetting(kw["t"], kw["k"], kw["p"])
+        return SamplingSetting(kw["t"], kw["k"], kw["p"], min_p=kw["minp"])
     m = _BENCH_SPEC.fullmatch(spec)
     if not m:
         raise SamplingError(f"unknown sampling setting {spec!r}: use 'greedy', t<T>[-p<top_p>] (e.g. t0.7-p0.95) "
                             "or t=<temp>,k=<top-k>,p=<top-p> (e.g. t=0.7,p=0.9)")
     t, p = float(m["t"]), float(m["p"]) if m["p"] else 1.0
-    if t <= 0 or not 0 < p <= 1:
-        raise SamplingError(f"sampling setting {spec!r}: need T > 0 (use 'greedy' for T = 0) and 0 < top_p <= 1")
-    return SamplingSetting(t, 0, p, label=spec)
+    min_p = float(m["m"]) if m["m"] else 0.0
+    if t <= 0 or not 0 < p <= 1 or not 0 <= min_p <= 1:
+        raise SamplingError(f"sampling setting {spec!r}: need T > 0 (use 'greedy' for T = 0), 0 < top_p <= 1 "
+                            "and 0 <= min_p <= 1")
+    return SamplingSetting(t, 0, p, label=spec, min_p=min_p)
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -209,6 +265,7 @@ def warp(
     temperature: torch.Tensor,  # [N] float, 0 = greedy
     top_k: torch.Tensor,  # [N] long, 0 = off
     top_p: torch.Tensor,  # [N] float, 1 = off
+    min_p: torch.Tensor | None = None,  # [N] float, 0 = off; None: off for every row
 ) -> torch.Tensor:  # [N, V] float32 probabilities, rows sum to 1
     logits = logits.float()
     temperature, top_k, top_p = (x.to(logits.device) for x in (temperature, top_k, top_p))
@@ -225,6 +282,14 @@ def warp(
     if rows.numel():
         sub = scaled[rows]
         scaled[rows] = sub.masked_fill(sub < top_p_threshold(sub, top_p[rows]), -math.inf)
+
+    if min_p is not None and bool((min_p > 0).any()):
+        # min-p last (Hugging Face's order): keep p >= min_p * p_max, i.e. a scaled logit >= the row's largest
+        # + log(min_p). The ratio p / p_max does not change when top-k or top-p drop other tokens (the
+        # largest is always kept), so min-p commutes with top-k; after top-p it is a plain intersection
+        min_p = min_p.to(logits.device)
+        floor = scaled.amax(-1, keepdim=True) + torch.log(min_p)[:, None]  # log(0) = -inf: off
+        scaled = scaled.masked_fill(scaled < floor, -math.inf)
 
     probs = scaled.softmax(-1)
     # NaN or infinite logits of a sampled row: never sample from them (a greedy row takes the argmax
@@ -284,8 +349,20 @@ def sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return idx.clamp(max=probs.shape[-1] - 1)
 
 
+def warp_tensors(params: list[SamplingParams]) -> tuple[torch.Tensor, ...]:
+    """Per-row (temperature [N], top_k [N], top_p [N][, min_p [N]]) tensors for :func:`warp`; ``min_p`` only
+    when a row has one (a law without min-p calls ``warp`` exactly as before it existed)."""
+    if not any(p.min_p for p in params):
+        return params_tensors(params)
+    return (*params_tensors([replace(p, min_p=0.0) for p in params]),
+            torch.tensor([p.min_p for p in params], dtype=torch.float32))
+
+
 def params_tensors(params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row (temperature [N], top_k [N], top_p [N]) tensors for :func:`warp`."""
+    """Per-row (temperature [N], top_k [N], top_p [N]) tensors for :func:`warp`, for laws without min-p
+    (refused here, never dropped silently: :func:`warp_tensors` carries it)."""
+    if any(p.min_p for p in params):
+        raise SamplingError("params_tensors has no min_p: use warp_tensors")
     return (
         torch.tensor([p.temperature for p in params], dtype=torch.float32),
         torch.tensor([min(p.top_k, TOP_K_MAX) for p in params], dtype=torch.long),

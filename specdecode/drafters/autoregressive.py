@@ -4,6 +4,10 @@ Each drafter keeps its own part: how it catches up on the sequence, what one dra
 token; EAGLE also a feature) and how its state is kept. It hands this module the logits after each
 row's pending token and a function that feeds one step; the loop does the rest, the same for both:
 
+A request's logits processors (:mod:`specdecode.processors`: logit bias, penalties) change the draft's
+logits at each drafted position exactly as the target's are changed there, with the drafted prefix so
+far (a chain's tokens before the position; a tree node's path), before anything is warped or ranked.
+
 * **chains** (:func:`propose_chain`): ``k`` steps; each step's logits are warped with the request's
   :class:`~specdecode.sampling.SamplingParams`, each row samples with its own generator (uniforms drawn
   up front, ``k`` per sampled row) or takes the argmax, and the tokens and the laws they were drawn from
@@ -34,7 +38,8 @@ import torch
 from specdecode.drafters.base import DrafterBase, Proposal, SequenceView
 from specdecode.drafters.dynamic_tree import GROWTH, GrownTree, grow_trees
 from specdecode.models.base import Runner
-from specdecode.sampling import coupled_choice, params_tensors, race_noise, sample, warp
+from specdecode.processors import process_batch, process_rows, processors_of
+from specdecode.sampling import coupled_choice, race_noise, sample, warp, warp_tensors
 from specdecode.verify.tree import DETERMINISTIC, WITHOUT_REPLACEMENT
 
 # feed(tokens [A], j) -> logits [A, V]: feed each row's j-th draft token, return the logits after it
@@ -91,7 +96,9 @@ def propose_chain(bsz: int, rows: list[int], active: Sequence[SequenceView], num
     starting from ``logits`` [A, V] after each pending token; ``feed`` steps the drafter."""
     ks = [num_tokens[b] for b in rows]
     params = [s.params for s in active]
-    temperature, top_k, top_p = params_tensors(params)
+    warp_args = warp_tensors(params)
+    processed = any(processors_of(s) for s in active)
+    drafted: list[list[int]] = [[] for _ in active]  # each row's tokens so far (with processors only)
     all_greedy = all(p.greedy for p in params)  # then no laws are formed: greedy verification needs none
     uniforms = torch.zeros(len(active), max(ks))
     coupled = [i for i, s in enumerate(active) if s.params.coupled]  # these draw nothing: the noise decides
@@ -103,10 +110,12 @@ def propose_chain(bsz: int, rows: list[int], active: Sequence[SequenceView], num
     j = 0
     while j < max(ks):
         law = None
+        if processed:
+            logits = process_rows(active, logits, drafted)
         if all_greedy:
             tok = logits.argmax(-1)
         else:
-            law = warp(logits, temperature, top_k, top_p)
+            law = warp(logits, *warp_args)
             tok = sample(law, uniforms[:, j])
             if coupled:  # the j-th draft token sits at position len(token_ids) + j
                 noise = torch.stack([race_noise(active[i].params.seed, len(active[i].token_ids) + j, law.shape[-1])
@@ -114,6 +123,9 @@ def propose_chain(bsz: int, rows: list[int], active: Sequence[SequenceView], num
                 tok[coupled] = coupled_choice(law[coupled], noise)
             laws.append(law)
         tokens[rows, j] = tok
+        if processed:
+            for row, t in zip(drafted, tok.tolist()):
+                row.append(t)
         if confidence > 0:
             ks = stop_unsure(ks, j, logits, law, tok, params, confidence)
         j += 1
@@ -173,13 +185,25 @@ def grow_tree(active: Sequence[SequenceView], depths: list[int], root_logits: to
 
     params = [s.params for s in active]
     coupled = [r for r, p in enumerate(params) if p.coupled]
-    level = expand
+    has_processors = any(processors_of(s) for s in active)
+    root_logits = process_rows(active, root_logits, [()] * len(active))
+
+    def processed(trees: list[GrownTree], chosen: list[list[int]]) -> torch.Tensor:  # [A, E, V]
+        logits = expand(trees, chosen)
+        if not has_processors:
+            return logits
+        # a node's children follow its root-to-node path
+        prefixes = [[tuple(t.tokens[a] for a in t.ancestors_or_self(i)) for i in pad_nodes(nodes, logits.shape[1])]
+                    if nodes else [()] * logits.shape[1] for t, nodes in zip(trees, chosen)]
+        return process_batch(active, logits, prefixes)
+
+    level = processed
     if coupled:  # grown as greedy rows over log(law / E): Gumbel top-k at each node's children's position
         root_logits = _perturb(root_logits.clone(), active, coupled, [[0] for _ in active])
         params = [replace(p, temperature=0.0) if p.coupled else p for p in params]
 
         def level(trees: list[GrownTree], chosen: list[list[int]]) -> torch.Tensor:  # [A, E, V]
-            logits = expand(trees, chosen)
+            logits = processed(trees, chosen)
             depths = [[t.depths[i] for i in pad_nodes(nodes, logits.shape[1])] if nodes else [0] * logits.shape[1]
                       for t, nodes in zip(trees, chosen)]
             return _perturb(logits, active, [r for r in coupled if chosen[r]], depths)
@@ -194,8 +218,7 @@ def _perturb(logits: torch.Tensor, active: Sequence[SequenceView], rows: list[in
     flat = logits if logits.dim() == 3 else logits[:, None]
     for r in rows:
         s = active[r]
-        t, k, p = (x.expand(flat.shape[1]) for x in params_tensors([s.params]))
-        law = warp(flat[r], t, k, p)  # [E, V]
+        law = warp(flat[r], *(x.expand(flat.shape[1]) for x in warp_tensors([s.params])))  # [E, V]
         noise = torch.stack([race_noise(s.params.seed, len(s.token_ids) + d, law.shape[-1])
                              for d in depths[r]]).to(law.device)
         flat[r] = (law / noise).log().to(flat.dtype)

@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from specdecode.sampling import SamplingParams, params_tensors, sample, warp
+from specdecode.sampling import SamplingParams, sample, warp, warp_tensors
 
 
 @dataclass
@@ -76,7 +76,7 @@ def grow_trees(
     expand: ExpandFn,
 ) -> list[GrownTree]:
     trees = [GrownTree() for _ in params]
-    temperature, top_k, top_p = params_tensors(params)
+    warp_args = warp_tensors(params)  # [A] each: temperature, top_k, top_p (, min_p)
     caps = [max_nodes * GROWTH if p.greedy else max_nodes for p in params]  # nodes a row may grow to
     # an all-greedy batch is verified without draft laws: skip the vocabulary-sized one-hot per child
     laws_needed = not all(p.greedy for p in params)
@@ -84,7 +84,7 @@ def grow_trees(
     def add_children(logits: torch.Tensor, parent_of: list[tuple[int, int]]) -> None:
         """``logits`` [n, V] after the listed (row, parent node) pairs; draw each one's children."""
         rows = [r for r, _ in parent_of]
-        laws = warp(logits, temperature[rows], top_k[rows], top_p[rows])  # [n, V]
+        laws = warp(logits, *(x[rows] for x in warp_args))  # [n, V]
         logp = torch.log_softmax(logits.float(), -1)
         for (r, parent), law, lp, raw in zip(parent_of, laws, logp, logits):
             tree = trees[r]

@@ -11,7 +11,10 @@ drafter proposes Medusa's *static* tree of ``--tree-nodes`` nodes (head ``j``'s 
 depth ``j + 1``, the nodes chosen once from the heads' held-out accuracy by rank).
 
 Exact: proposals are deterministic, so chains verify as point masses and trees by rule (c) —
-the output law is the target's. Typical acceptance (lossy, labelled) is a verifier choice
+the output law is the target's. A request's logits processors (logit bias, penalties:
+:mod:`specdecode.processors`) change head ``j``'s logits as the target's are changed at that position,
+with the prefix of the heads' processed top-1 tokens before it (a tree ranks each head's tokens after that
+same prefix: its other branches are proposals like any other, exact whatever they are). Typical acceptance (lossy, labelled) is a verifier choice
 (:mod:`specdecode.verify.typical`), not the drafter's.
 """
 
@@ -26,6 +29,7 @@ from specdecode.drafters.autoregressive import check_tree, draft_settings, invar
 from specdecode.drafters.base import DrafterBase, Proposal, SequenceView, TargetFeatures
 from specdecode.heads.medusa import HeadsError, MedusaHeads, check_model, check_sizes, static_tree
 from specdecode.models.base import FINAL, Runner
+from specdecode.processors import process_rows, processors_of
 from specdecode.verify.tree import DETERMINISTIC
 
 class MedusaDrafter(DrafterBase):
@@ -62,12 +66,29 @@ class MedusaDrafter(DrafterBase):
 
     # -- drafting -----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def _ranked(self, hidden: torch.Tensor, ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _ranked(self, hidden: torch.Tensor, ranks: int, views: Sequence[SequenceView]) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, H] -> ([B, num_heads, ranks] target ids best first, [B, num_heads] each head's top-1 probability)."""
         logits = self.heads(hidden.to(self.heads.out.weight.dtype)).float()
+        if any(processors_of(v) for v in views):
+            logits = self._processed(logits, views)  # over the target's vocabulary
+            ids = None
+        else:
+            ids = self.heads.id_map
         top = logits.topk(ranks, dim=-1)
         top1_prob = torch.exp(top.values[..., 0] - torch.logsumexp(logits, dim=-1))
-        return self.heads.id_map[top.indices].cpu(), top1_prob.cpu()
+        return (top.indices if ids is None else ids[top.indices]).cpu(), top1_prob.cpu()
+
+    def _processed(self, logits: torch.Tensor, views: Sequence[SequenceView]) -> torch.Tensor:
+        """[B, num_heads, draft_vocab] -> [B, num_heads, V]: head ``j`` through each row's processors after the
+        processed top-1 tokens of heads ``0 .. j-1``."""
+        full = logits.new_full((*logits.shape[:-1], self.heads.config.vocab_size), -float("inf"))
+        full[..., self.heads.id_map] = logits
+        chain: list[list[int]] = [[] for _ in views]
+        for j in range(full.shape[1]):
+            full[:, j] = process_rows(views, full[:, j], chain)
+            for row, tok in zip(chain, full[:, j].argmax(-1).tolist()):
+                row.append(tok)
+        return full
 
     def propose(self, seqs: Sequence[SequenceView], num_tokens: list[int]) -> Proposal:
         rows = []
@@ -78,7 +99,7 @@ class MedusaDrafter(DrafterBase):
         if not rows:
             return Proposal.empty(len(seqs))
         hidden = torch.stack([self.last[seqs[b].slot][1] for b in rows])
-        ranked, top1_prob = self._ranked(hidden, self.tree_topk)
+        ranked, top1_prob = self._ranked(hidden, self.tree_topk, [seqs[b] for b in rows])
         if self.tree is None:
             return self._chains(len(seqs), rows, ranked, top1_prob, num_tokens)
         return self._trees(len(seqs), rows, ranked, num_tokens)

@@ -3,6 +3,9 @@
 from dataclasses import dataclass
 from typing import Callable
 
+from torch import Tensor
+
+from specdecode.processors import process_batch
 from specdecode.verify.chain import VerifyResult, verify_greedy, verify_speculative
 from specdecode.verify.coupled import verify_coupled, verify_tree_coupled
 from specdecode.verify.tree import TreeVerifyResult, verify_tree, verify_tree_greedy
@@ -18,6 +21,9 @@ class Verifier:
     tree: Callable[..., TreeVerifyResult] = verify_tree
     coupled: Callable[..., VerifyResult] = verify_coupled  # --sampler coupled (verify/coupled.py)
     tree_coupled: Callable[..., TreeVerifyResult] = verify_tree_coupled
+    # (seqs, logits [B, Q, V], prefixes [B][Q]) -> the target's logits through each request's processors, each
+    # verified position with its drafted prefix (specdecode.processors)
+    process: Callable[..., Tensor] = process_batch
 
 
 __all__ = ["TreeVerifyResult", "Verifier", "VerifyResult", "verify_coupled", "verify_greedy", "verify_speculative",
