@@ -133,6 +133,28 @@ def test_greedy_equality_as_served(pair):
     assert sum(s.stats.accepted for s in spec) > 0
 
 
+def test_greedy_equality_beside_other_drafters(pair):
+    """Under a multi-drafter (``--draft-policy auto``'s) the cross-vocabulary part starts late, on the first
+    step a sequence is routed to it, and catches up after n-gram lookup drafted in between."""
+    from specdecode.drafters.multi import MultiDrafter
+    from specdecode.drafters.ngram import NgramDrafter
+
+    target, t_tok = pair[0], pair[1]
+    prompts = [t_tok.encode(p) for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)
+    base = engine(pair, None).generate(prompts, params)
+    for mode in ("slem", "tli"):
+        d = drafter(pair, mode)
+        proposed = []
+        propose = d.propose
+        d.propose = lambda seqs, ks: proposed.append(sum(ks)) or propose(seqs, ks)
+        multi = MultiDrafter({"xvocab": d, "ngram": NgramDrafter()},
+                             route=lambda s: "xvocab" if (len(s.token_ids) // 5) % 2 else "ngram")
+        spec = Engine(HFRunner(target), t_tok, multi, 4, max_batch_size=4, max_context=160).generate(prompts, params)
+        assert [s.token_ids for s in spec] == [b.token_ids for b in base], mode
+        assert sum(s.stats.accepted for s in spec) > 0 and sum(proposed) > 0, mode
+
+
 def test_greedy_equals_target_only_on_llamacpp(pair):
     """Both models on llama.cpp (GGUF copies of the same weights): the draft's cache is llama.cpp's, rolled
     back with ``llama_memory_seq_rm`` after each re-tokenization."""

@@ -363,7 +363,7 @@ class CrossVocabDrafter(DraftModelDrafter):
     sequence's text re-tokenized per slot; ``mode`` is ``"slem"`` or ``"tli"``."""
 
     name = "xvocab"
-    lazy_start = False  # its reading of the text starts with the sequence
+    lazy_start = True  # like the draft model: it can start late and catch up (drafters.multi)
 
     def __init__(self, runner: Runner, target_tokenizer, draft_tokenizer, target_vocab_size: int,
                  mode: str = "slem", confidence: float = 0.0, tokens_per_target: float = 2.0) -> None:
@@ -394,12 +394,11 @@ class CrossVocabDrafter(DraftModelDrafter):
         (The draft model's own rollback assumes a sequence only grows; re-tokenized text may change
         before its end, so the agreeing length is set here.)"""
         state = self._text[s.slot] = self.translator.read(self._text.get(s.slot, TextState()), s.token_ids)
-        cached = self._cached.get(s.slot, [])
+        cached = self._cached.get(s.slot, [])  # (a slot first seen here, by a late start, holds nothing)
         keep = min(common_prefix(cached, state.draft), max(0, len(state.draft) - 1))
         if keep < len(cached):
             self.runner.truncate(s.slot, keep)
-            self._cached[s.slot] = cached[:keep]
-        self._floor[s.slot] = keep
+        self._cached[s.slot], self._floor[s.slot] = cached[:keep], keep
         return DraftView(s.slot, state.draft, s.params, s.generator)
 
     def start(self, slots: list[int], prompts: list[list[int]]) -> None:
@@ -422,10 +421,14 @@ class CrossVocabDrafter(DraftModelDrafter):
         return False  # a prompt is read whole at ``start`` (pieces of target tokens are not whole text)
 
     def lag(self, seq: SequenceView) -> int:
-        return 0
+        """Draft tokens the next proposal must read beyond the usual one or two."""
+        view = self._view(seq)
+        return max(0, len(view.token_ids) - len(self._cached[seq.slot]) - 2)
 
     def read(self, seqs: Sequence[SequenceView], budget: int) -> int:
-        return 0
+        """Read up to ``budget`` draft tokens of the text the cache lacks, without drafting (a late start in
+        pieces: :meth:`DraftModelDrafter.read` over the sequences in draft tokens)."""
+        return super().read([self._view(s) for s in seqs], budget)
 
     @torch.inference_mode()
     def propose(self, seqs: Sequence[SequenceView], num_tokens: list[int]) -> Proposal:
