@@ -155,6 +155,21 @@ def test_greedy_equality_beside_other_drafters(pair):
         assert sum(s.stats.accepted for s in spec) > 0 and sum(proposed) > 0, mode
 
 
+def test_coupled_sampler_outputs_equal_target_only(pair):
+    """``--sampler coupled``: a seeded sample is the target-only sample of that seed, whatever was drafted
+    (TLI draws with the target's own noise; SLEM's point masses are accepted iff they are the target's choice)."""
+    target, t_tok = pair[0], pair[1]
+    prompts = [t_tok.encode(p) for p in PROMPTS]
+    params = [SamplingParams(temperature=1.0, seed=7 + i, max_new_tokens=30, ignore_eos=True) for i in range(4)]
+    base = Engine(HFRunner(target), t_tok, None, 0, max_batch_size=4, max_context=160,
+                  sampler="coupled").generate(prompts, params)
+    for mode in ("slem", "tli"):
+        spec = Engine(HFRunner(target), t_tok, drafter(pair, mode), 4, max_batch_size=4, max_context=160,
+                      sampler="coupled").generate(prompts, params)
+        assert [s.token_ids for s in spec] == [b.token_ids for b in base], mode
+        assert sum(s.stats.accepted for s in spec) > 0, mode
+
+
 def test_greedy_equals_target_only_on_llamacpp(pair):
     """Both models on llama.cpp (GGUF copies of the same weights): the draft's cache is llama.cpp's, rolled
     back with ``llama_memory_seq_rm`` after each re-tokenization."""
