@@ -33,8 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, quantization_sweep=True, target_required=False)  # not with --report-only
     p = parser.add_argument_group("prompts")
     p.add_argument("--prompts", action="append", default=None,
-                   help="'spec-bench', 'humaneval', 'fim', 'code_edit' (each with :dev / :test halves, e.g. "
-                        "humaneval:test, fim:dev; docs/workloads.md) or a .jsonl path; repeatable (default humaneval)")
+                   help="'spec-bench', 'humaneval', 'fim', 'code_edit', 'json_extract' (each with :dev / :test "
+                        "halves, e.g. humaneval:test, fim:dev; docs/workloads.md) or a .jsonl path; repeatable "
+                        "(default humaneval)")
     p.add_argument("--spec-bench-path", default=None, help="Spec-Bench question.jsonl (default: $SPECDECODE_SPEC_BENCH "
                    "or the shared data directory)")
     p.add_argument("--num-prompts", "-n", type=int, default=None,

@@ -1,11 +1,13 @@
 """Prompt sets for benchmarks and load generation: Spec-Bench, HumanEval, the code workloads (``fim``,
-``code_edit``) and user JSONL.
+``code_edit``), the structured-output workload (``json_extract``) and user JSONL.
 
 A :class:`Prompt` is either a *chat* prompt (a list of ``{"role", "content"}`` messages that goes
 through the model's chat template later) or a *completion* prompt (raw text continued as-is, as for
 HumanEval code completion). A completion prompt with a ``suffix`` is a fill-in-the-middle request:
 ``text`` is the prefix (the text before the cursor), ``suffix`` the text after it, and ``fim_stop`` the
 editor rule that ends its completion (:data:`specdecode.fim.FIM_STOPS`; ``None``: the consumer's default).
+A prompt with a ``response_format`` (OpenAI's object, e.g. ``{"type": "json_schema", ...}``) asks for
+structured output; it is carried as data (``specdecode.grammar.GrammarSpec.from_response_format`` reads it).
 
 Sampling is deterministic: each category is sorted by its ids first, then sampled with a
 ``random.Random`` seeded from ``(seed, category)``, so the chosen prompts depend neither on the
@@ -56,7 +58,8 @@ class Prompt:
     Exactly one of ``text`` (``kind == "completion"``) or ``messages`` (``kind == "chat"``) is set.
     ``max_new_tokens`` is a per-prompt output budget when the set defines one, else ``None``.
     ``suffix`` (completion prompts only) makes it a fill-in-the-middle request with ``text`` the prefix;
-    ``fim_stop`` (with a suffix only) is its editor stop rule.
+    ``fim_stop`` (with a suffix only) is its editor stop rule. ``response_format`` is OpenAI's
+    ``response_format`` object the request carries (None: free text).
     """
 
     id: str
@@ -67,6 +70,7 @@ class Prompt:
     max_new_tokens: int | None = None
     suffix: str | None = None
     fim_stop: str | None = None
+    response_format: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.kind == "completion" and (self.text is None or self.messages is not None):
@@ -79,6 +83,9 @@ class Prompt:
             raise ValueError(f"prompt {self.id!r}: only a completion prompt takes a suffix")
         if self.fim_stop is not None and (self.suffix is None or self.fim_stop not in FIM_STOPS):
             raise ValueError(f"prompt {self.id!r}: fim_stop needs a suffix and one of {', '.join(FIM_STOPS)}")
+        if self.response_format is not None and not (isinstance(self.response_format, dict)
+                                                     and isinstance(self.response_format.get("type"), str)):
+            raise ValueError(f"prompt {self.id!r}: response_format must be an object with a string 'type'")
 
     @property
     def is_fim(self) -> bool:
@@ -196,6 +203,38 @@ def load_code_workload(name: str, split: str | None = None, n: int | None = None
                       f"code workload {name}{'' if split is None else ':' + split} ({file})")
 
 
+STRUCTURED_WORKLOADS = ("json_extract",)
+STRUCTURED_DIR = Path(__file__).resolve().parents[1] / "data" / "structured"
+
+
+def load_structured_workload(name: str, split: str | None = None, n: int | None = None,
+                             seed: int = 0) -> list[Prompt]:
+    """A structured-output workload shipped in ``specdecode/data/structured`` (cut by
+    ``scripts/cut_structured.py`` from real PyPI package data; see its README): ``json_extract`` (chat
+    prompts that quote package metadata, a changelog section or tool settings and ask for JSON matching a
+    schema, each with its ``response_format`` and ``max_new_tokens``). ``split`` keeps its ``dev`` (tune)
+    or ``test`` (report) half; ``n`` samples that many in total."""
+    if name not in STRUCTURED_WORKLOADS:
+        raise PromptSetError(f"unknown structured workload {name!r}: use {', '.join(STRUCTURED_WORKLOADS)}")
+    if split is not None and split not in CODE_SPLITS:
+        raise PromptSetError(f"bad split {name}:{split}: use {name}:dev or {name}:test")
+    file = STRUCTURED_DIR / f"{name}.jsonl"
+    if not file.is_file():
+        raise PromptSetError(f"{file} is missing: reinstall specdecode or run scripts/cut_structured.py")
+    prompts = []
+    for lineno, row in read_jsonl(file):
+        if split is not None and row.get("split") != split:
+            continue
+        try:
+            prompts.append(Prompt(id=row["id"], category=row["category"], text=None, messages=row["messages"],
+                                  kind="chat", max_new_tokens=row.get("max_new_tokens"),
+                                  response_format=row["response_format"]))
+        except (KeyError, ValueError) as exc:
+            raise PromptSetError(f"{file}:{lineno}: bad row ({type(exc).__name__}: {exc})") from None
+    return _non_empty(_sample(prompts, n, seed, name if split is None else f"{name}:{split}"),
+                      f"structured workload {name}{'' if split is None else ':' + split} ({file})")
+
+
 def load_jsonl(path: str | os.PathLike[str]) -> list[Prompt]:
     """Load a user prompt file.
 
@@ -203,7 +242,8 @@ def load_jsonl(path: str | os.PathLike[str]) -> list[Prompt]:
     ``"messages"`` (a list of ``{"role", "content"}`` objects), and optionally ``"id"``,
     ``"category"`` (default ``"custom"``) and ``"max_new_tokens"`` (a positive integer). A ``"prompt"``
     with ``"suffix"`` (a string) is a fill-in-the-middle request (the prompt is the text before the
-    cursor), optionally with ``"fim_stop"`` (``none``, ``line`` or ``block``).
+    cursor), optionally with ``"fim_stop"`` (``none``, ``line`` or ``block``). ``"response_format"`` (an
+    object with a string ``"type"``, OpenAI's) is carried with the prompt.
     """
     file = Path(path)
     if not file.is_file():
@@ -221,7 +261,8 @@ def load_prompt_set(
 ) -> list[Prompt]:
     """Load a prompt set by name: ``"spec-bench"``, ``"humaneval"`` (``humaneval:dev`` = problems 0-99,
     ``humaneval:test`` = 100-163, ``humaneval:A-B``), ``"fim"`` or ``"code_edit"`` (``:dev`` or ``:test``
-    for one half; see :func:`load_code_workload`) or a path to a ``.jsonl``.
+    for one half; see :func:`load_code_workload`), ``"json_extract"`` (the same halves; see
+    :func:`load_structured_workload`) or a path to a ``.jsonl``.
 
     ``n`` is per category for Spec-Bench and in total otherwise. ``path`` overrides the
     Spec-Bench file location. ``categories`` filters Spec-Bench or a JSONL file's categories.
@@ -233,12 +274,13 @@ def load_prompt_set(
             raise PromptSetError("humaneval has no categories; drop the category filter")
         return load_humaneval(n, seed, _humaneval_range(spec))
     name, sep, split = spec.partition(":")
-    if name in CODE_WORKLOADS:
+    if name in CODE_WORKLOADS or name in STRUCTURED_WORKLOADS:
         if categories:
             raise PromptSetError(f"{name} has no categories; drop the category filter")
         if sep and split not in CODE_SPLITS:
             raise PromptSetError(f"bad split {spec!r}: use {name}, {name}:dev or {name}:test")
-        return load_code_workload(name, split if sep else None, n, seed)
+        load = load_code_workload if name in CODE_WORKLOADS else load_structured_workload
+        return load(name, split if sep else None, n, seed)
     if spec.endswith(".jsonl") or Path(spec).is_file():
         prompts = load_jsonl(spec)
         if categories:
@@ -247,8 +289,8 @@ def load_prompt_set(
             prompts = [p for p in prompts if p.category in wanted]
         return _non_empty(_sample(prompts, n, seed, spec), f"prompt file {spec}")
     raise PromptSetError(
-        f"unknown prompt set {spec!r}: use 'spec-bench', 'humaneval', 'fim', 'code_edit' (each of the last three "
-        "with :dev or :test for a half) or a path to a .jsonl file"
+        f"unknown prompt set {spec!r}: use 'spec-bench', 'humaneval', 'fim', 'code_edit', 'json_extract' (each of "
+        "the last four with :dev or :test for a half) or a path to a .jsonl file"
     )
 
 
@@ -324,6 +366,10 @@ def _jsonl_prompt(row: dict[str, Any], file: Path, lineno: int) -> Prompt:
     max_new = row.get("max_new_tokens")
     if max_new is not None and (type(max_new) is not int or max_new <= 0):
         raise PromptSetError(f"{where}: 'max_new_tokens' must be a positive integer")
+    response_format = row.get("response_format")
+    if response_format is not None and not (isinstance(response_format, dict)
+                                            and isinstance(response_format.get("type"), str)):
+        raise PromptSetError(f"{where}: 'response_format' must be an object with a string 'type'")
     return Prompt(
         id=str(row.get("id", f"{file.stem}/{lineno}")),
         category=str(row.get("category", "custom")),
@@ -333,6 +379,7 @@ def _jsonl_prompt(row: dict[str, Any], file: Path, lineno: int) -> Prompt:
         max_new_tokens=max_new,
         suffix=suffix,
         fim_stop=fim_stop,
+        response_format=response_format,
     )
 
 
