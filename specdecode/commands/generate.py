@@ -27,6 +27,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     s.add_argument("--top-k", type=int, default=0, help="0 = off")
     s.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    s.add_argument("--min-p", type=float, default=0.0,
+                   help="keep tokens at least this times as likely as the most likely one (after temperature); 0 = off")
+    s.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS (-100..100) to token ID's logit (repeatable)")
+    s.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="-2..2: subtracted from the logit of every token generated so far (default 0)")
+    s.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="-2..2: times a token's count among the generated tokens, subtracted from its logit (default 0)")
+    s.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 0: a prompt or generated token's logit divided by it if positive, else multiplied (1 = off)")
     s.add_argument("--seed", type=int, default=None, help="seed of the first sample (sample i uses seed+i)")
     s.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -40,6 +50,21 @@ def _parse_ids(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+
+
+def _logit_bias(items: list[str]) -> dict[int, float]:
+    out = {}
+    for item in items:
+        tok, sep, bias = item.partition("=")
+        try:
+            out[int(tok)] = float(bias)
+        except ValueError:
+            raise ValueError(f"--logit-bias takes ID=BIAS (a token id and a number), got {item!r}") from None
+        if not sep:
+            raise ValueError(f"--logit-bias takes ID=BIAS, got {item!r}")
+    if len(out) < len(items):
+        raise ValueError("--logit-bias names a token twice")
+    return out
 
 
 def _prompt_ids(args, tokenizer) -> list[int]:
@@ -113,7 +138,9 @@ def main(args: argparse.Namespace) -> int:
             stop = tuple(args.stop) + tuple(s for s in fim.pop("stop", ()) if s not in args.stop)
             return [SamplingParams(args.temperature, args.top_k, args.top_p,
                                    None if args.seed is None else args.seed + i, args.max_new_tokens, stop,
-                                   args.ignore_eos, **fim)
+                                   args.ignore_eos, min_p=args.min_p, logit_bias=_logit_bias(args.logit_bias),
+                                   presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                                   repetition_penalty=args.repetition_penalty, **fim)
                     for i in range(args.num_samples)]
 
         params({})  # the sampling flags are checked before anything loads

@@ -273,8 +273,8 @@ async def _generate(request: Request, req: P.SamplingFields, prompt_ids: list[in
     try:
         scheduler.engine.validate(prompt_ids, params)
     except RequestError as exc:  # an empty prompt, an id outside the vocabulary, or too long
-        too_long = len(prompt_ids) + params.max_new_tokens > scheduler.engine.max_context
-        raise P.bad_request(str(exc), None if too_long else "prompt",
+        too_long = exc.param is None and len(prompt_ids) + params.max_new_tokens > scheduler.engine.max_context
+        raise P.bad_request(str(exc), None if too_long else (exc.param or "prompt"),
                             "context_length_exceeded" if too_long else None) from None
     try:
         handle = scheduler.submit(prompt_ids, params, req.stream, req.speculation, fmt.new_id())

@@ -3,9 +3,14 @@
 Requests are validated strictly: unknown fields, wrong JSON types (``"1"`` or ``true`` for a
 number) and out-of-range values are rejected with a 400 naming the parameter, in OpenAI's error
 shape ``{"error": {"message", "type", "param", "code"}}``. Parameters we do not implement
-(``logprobs``, penalties, ``logit_bias``, ``n > 1``, ...) are accepted only at their neutral value.
+(``logprobs``, ``n > 1``, ...) are accepted only at their neutral value.
 
-Extensions beyond the OpenAI API: ``top_k`` (``0`` or ``-1`` = off; any value at or above the
+``logit_bias`` (token ids as strings -> [-100, 100]; an id outside the vocabulary is the engine's 400),
+``presence_penalty`` and ``frequency_penalty`` ([-2, 2], over the generated tokens) work as OpenAI's,
+under speculation too, exactly (:mod:`specdecode.processors`).
+
+Extensions beyond the OpenAI API (vLLM's names): ``min_p`` ([0, 1]; 0 = off), ``repetition_penalty``
+(> 0, over prompt + generated tokens; 1 = off), ``top_k`` (``0`` or ``-1`` = off; any value at or above the
 vocabulary size keeps every token, as off), ``ignore_eos``, ``speculation: false`` to decode this
 request without a draft, ``sampler`` (``rejection`` | ``coupled``: how this sampled request draws,
 by default the server's ``--sampler``; coupled makes a seeded request's tokens independent of the
@@ -25,7 +30,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from specdecode.sampling import SamplingError, SamplingParams
+from specdecode.sampling import LOGIT_BIAS_MAX, PENALTY_MAX, SamplingError, SamplingParams
 from specdecode.text import MAX_STOP_CHARS
 
 MAX_STOP_STRINGS = 16
@@ -86,7 +91,9 @@ class SamplingFields(_Strict):
     n: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, Any] | None = None
+    logit_bias: dict[str, Any] | None = None  # checked by logit_bias() for a clear message
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     user: str | None = None
     ignore_eos: bool = False
     speculation: bool = True
@@ -174,9 +181,6 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
 def _unsupported(req: SamplingFields) -> None:
     neutral = {
         "n": (req.n, (None, 1)),
-        "presence_penalty": (req.presence_penalty, (None, 0)),
-        "frequency_penalty": (req.frequency_penalty, (None, 0)),
-        "logit_bias": (req.logit_bias, (None, {})),
     }
     if isinstance(req, CompletionRequest):
         neutral |= {"echo": (req.echo, (None, False)), "best_of": (req.best_of, (None, 1)),
@@ -201,6 +205,33 @@ def stop_strings(stop: Any) -> tuple[str, ...]:
     if any(len(s) > MAX_STOP_CHARS for s in stops):
         raise bad_request(f"a stop string may have at most {MAX_STOP_CHARS} characters", "stop")
     return tuple(stops)
+
+
+def logit_bias(bias: dict[str, Any] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: token ids (as JSON object keys, strings) -> numbers in [-100, 100]."""
+    out = []
+    for key, value in (bias or {}).items():
+        try:
+            tok = int(key)
+        except ValueError:
+            tok = -1
+        if tok < 0 or str(tok) != key.strip():
+            raise bad_request(f"'logit_bias' keys must be token ids (integers >= 0 as strings), got {key!r}",
+                              "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or abs(value) > LOGIT_BIAS_MAX:
+            raise bad_request(f"'logit_bias' values must be numbers in [-100, 100], got {value!r} for token {key}",
+                              "logit_bias")
+        out.append((tok, float(value)))
+    return tuple(out)
+
+
+def _positive(value: float | None, name: str) -> float:
+    if value is None:
+        return 1.0
+    if not (math.isfinite(value) and value > 0):
+        raise bad_request(f"'{name}' must be a finite number > 0 (1 = off), got {value!r}", name)
+    return float(value)
 
 
 def _number(value: float | None, name: str, default: float, lo: float, hi: float, lo_open: bool) -> float:
@@ -228,6 +259,13 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, default_max_tok
         max_tokens = default_max_tokens
     elif max_tokens < 1:
         raise bad_request(f"'max_tokens' must be an integer >= 1, got {max_tokens}", "max_tokens")
+    processing = {
+        "min_p": _number(req.min_p, "min_p", 0.0, 0.0, 1.0, lo_open=False),
+        "presence_penalty": _number(req.presence_penalty, "presence_penalty", 0.0, -PENALTY_MAX, PENALTY_MAX, False),
+        "frequency_penalty": _number(req.frequency_penalty, "frequency_penalty", 0.0, -PENALTY_MAX, PENALTY_MAX, False),
+        "repetition_penalty": _positive(req.repetition_penalty, "repetition_penalty"),
+        "logit_bias": logit_bias(req.logit_bias),
+    }
     if req.seed is not None and not -(2**63) <= req.seed < 2**64:
         raise bad_request("'seed' must fit in 64 bits", "seed")
     fim = dict(fim or {})
@@ -235,7 +273,8 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, default_max_tok
     stop += tuple(s for s in fim.pop("stop", ()) if s not in stop)
     try:
         return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=req.seed,
-                              max_new_tokens=max_tokens, stop=stop, ignore_eos=req.ignore_eos, sampler=req.sampler, **fim)
+                              max_new_tokens=max_tokens, stop=stop, ignore_eos=req.ignore_eos, sampler=req.sampler,
+                              **processing, **fim)
     except SamplingError as exc:  # everything is checked above; this is a backstop
         raise bad_request(str(exc)) from None
 
