@@ -11,6 +11,7 @@ import sys
 from dataclasses import replace
 
 from specdecode.check.common import DEFAULT_E2E_SETTINGS, DEFAULT_LAW_SETTINGS, CheckConfig
+from specdecode.check.processors import SAMPLES as PROCESSOR_SAMPLES
 from specdecode.sampling import SamplingSetting
 
 # Short completion prompts (code and prose): cheap to prefill on a CPU, and they work for base and
@@ -38,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-prompts", type=int, default=4, help="prompts used, from whichever set (default 4)")
     g.add_argument("--max-prompt-tokens", type=int, default=64, help="keep the last N tokens of each prompt (default 64)")
     g.add_argument("--parts", default=None,
-                   help="parts to run, e.g. 1,3 (default 1-5, and 6 with --sampler coupled)")
+                   help="parts to run, e.g. 1,3 (default 1-5, and 6 with --sampler coupled; 7: logit bias, penalties "
+                        "and min-p under speculation)")
     g.add_argument("--alpha", type=float, default=_DEFAULTS.alpha,
                    help=f"false-alarm probability of the whole check, split over parts 1-2 (default {_DEFAULTS.alpha:g})")
     g.add_argument("--seed", type=int, default=0, help="seed of every random draw the check makes (default 0)")
@@ -73,6 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--coupled-setting", default="t=0.7", help="part 6: the sampling setting (default %(default)r)")
     b.add_argument("--coupled-samples", type=int, default=_DEFAULTS.coupled_samples,
                    help="part 6: seeds per context and setting of the law test (default %(default)s)")
+    b.add_argument("--processor-samples", type=int, default=PROCESSOR_SAMPLES,
+                   help="part 7: requests per prompt, setting and engine (default %(default)s)")
 
 
 def _names(settings: tuple[SamplingSetting, ...]) -> str:
@@ -91,8 +95,8 @@ def config_from_args(args: argparse.Namespace) -> CheckConfig:
         parts = tuple(sorted({int(p) for p in spec.split(",") if p.strip()}))
     except ValueError:
         parts = ()
-    if not parts or any(p not in range(1, 7) for p in parts):
-        raise ValueError(f"--parts must list numbers 1-6, got {spec!r}")
+    if not parts or any(p not in range(1, 8) for p in parts):
+        raise ValueError(f"--parts must list numbers 1-7, got {spec!r}")
     try:
         ks = tuple(int(k) for k in args.coupled_draft_lengths.split(",") if k.strip())
     except ValueError:
@@ -104,7 +108,7 @@ def config_from_args(args: argparse.Namespace) -> CheckConfig:
         raise ValueError("--coupled-setting must sample (T > 0): greedy decoding is part 3's")
     for name in ("law_contexts", "law_samples", "e2e_prompts", "e2e_samples", "e2e_tokens", "e2e_batch",
                  "greedy_tokens", "greedy_batch", "stop_tokens", "seed_tokens", "seed_batch", "num_prompts",
-                 "max_prompt_tokens", "coupled_tokens", "coupled_samples"):
+                 "max_prompt_tokens", "coupled_tokens", "coupled_samples", "processor_samples"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 < args.alpha < 1:
@@ -146,6 +150,28 @@ def load_prompts(spec: str | None, n: int, seed: int):
         return [Prompt(id=f"builtin/{i}", category="builtin", text=t, messages=None, kind="completion")
                 for i, t in enumerate(DEFAULT_PROMPTS[:n])]
     return load_prompt_set(spec, n=n, seed=seed)
+
+
+def _part7(factory, prompts: list[list[int]], cfg: CheckConfig, samples: int, progress):
+    """Part 7 (:mod:`specdecode.check.processors`) on the first ``--law-contexts`` prompts; an exception is
+    the part's ERROR, as in ``run_check``."""
+    import time
+    import traceback
+
+    from specdecode.check.common import EnginePool, NullProgress
+    from specdecode.check.processors import NAME, NUMBER, check_processors
+    from specdecode.check.report import ERROR, PartResult
+
+    t0 = time.perf_counter()
+    try:
+        result = check_processors(EnginePool(factory, cfg.num_draft_tokens), prompts[: cfg.law_contexts],
+                                  cfg.part_alpha(), progress or NullProgress(), samples, cfg.seed)
+    except Exception as exc:
+        result = PartResult(NUMBER, NAME, ERROR, f"{type(exc).__name__}: {exc}", {"traceback": traceback.format_exc()})
+    result.seconds = time.perf_counter() - t0
+    if progress is not None:
+        progress.close()
+    return result
 
 
 def main(args: argparse.Namespace) -> int:
@@ -195,6 +221,8 @@ def main(args: argparse.Namespace) -> int:
             "prompts": [{"id": p.id, "tokens": len(t)} for p, t in zip(prompts, ids)]}
     progress = None if args.no_progress else TqdmProgress()
     report = run_check(factory, ids, cfg, progress=progress, meta=meta)
+    if 7 in cfg.parts:  # (its own part: run beside run_check's, over engines of the same factory)
+        report.parts.append(_part7(factory, ids, cfg, args.processor_samples, progress))
     report.render()
     if args.json:
         report.write_json(args.json)
