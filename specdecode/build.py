@@ -285,7 +285,8 @@ def load_pair(cfg: EngineConfig, backend: str) -> LoadedPair:
     spec = parse_draft(name) if name else None  # a bad spec fails before anything loads
     target_backend = backends.get(backend)
     target_backend.spec_kind(cfg.target)  # a target that cannot be found fails before the draft's load
-    target_settings = Settings(cfg.device, cfg.dtype, cfg.threads, cfg.target_quantization, "target")
+    target_settings = Settings(cfg.device, cfg.dtype, cfg.threads, cfg.target_quantization, "target",
+                               batch_invariant=cfg.batch_invariant in (True, "on"))
     if spec is None or not spec.loads_model:
         return LoadedPair(target_backend.load(cfg.target, target_settings))
     mode = spec.quantization or cfg.draft_quantization

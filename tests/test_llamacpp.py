@@ -331,7 +331,6 @@ def test_generate_runs_on_llamacpp_and_says_so(tiny, capsys, monkeypatch, tmp_pa
 
 @pytest.mark.parametrize("extra, message", [
     (["--dtype", "bfloat16"], "--dtype"),
-    (["--batch-invariant", "on"], "--batch-invariant"),
     (["--draft-quantization", "int8"], "--draft-quantization"),
 ])
 def test_llamacpp_refuses_what_it_cannot_run_before_loading(tiny, capsys, extra, message):
@@ -495,3 +494,77 @@ def test_hidden_states_of_the_model_width_go_through_the_files_output_layer(tiny
     assert model_fingerprint(ll) == model_fingerprint(hf)
     with pytest.raises(BackendUnsupported, match="width"):
         ll.score_hidden(torch.zeros(2, target.config.hidden_size + 1))
+
+
+@pytest.fixture(scope="module")
+def invariant_target(tiny):
+    """The tiny target loaded for --batch-invariant on (no CPU repack), on two threads (so one-token decodes
+    and batches would take different thread counts without the mode)."""
+    return LlamaCppModel(tiny[4] / "t.gguf", threads=2, repack=False)
+
+
+def test_batch_invariant_rows_equal_one_token_decodes_bit_for_bit(invariant_target):
+    """Invariant mode: a row's logits are the same bits whatever shares its forward (its own earlier tokens,
+    other slots' rows, prefill chunking), and no llama_decode is wider than the probed width."""
+    r = LlamaCppRunner(invariant_target, 3, 64, invariant=True)
+    assert 1 <= r.decode_width <= 8 and "batch-invariant" in r.where
+    widths = []
+    submit = r._submit
+    r._submit = lambda tokens, *a: (widths.append(len(tokens)), submit(tokens, *a))[1]
+    seq = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2]
+    r.prefill([0], [seq[:4]])
+    one = torch.cat([_fwd(r, [0], [[t]], [[4 + j]])[0] for j, t in enumerate(seq[4:])])  # one token at a time
+    r.truncate(0, 0)
+    r.prefill([0, 1], [seq[:4], [7, 7, 7]])
+    together = _fwd(r, [0, 1], [seq[4:], [6] * len(seq[4:])], [list(range(4, len(seq))), list(range(3, 3 + len(seq[4:])))])
+    assert torch.equal(together[0], one)
+    r.truncate(0, 0)
+    r.prefill([0], [seq[:2]])
+    r.prefill([0], [seq[2:4]], starts=[2])  # another chunking of the prompt
+    assert torch.equal(_fwd(r, [0], [seq[4:]], [list(range(4, len(seq)))])[0], one)
+    assert max(widths) <= r.decode_width and widths.count(1) >= len(seq) - 4
+
+
+def test_batch_invariant_refuses_a_repacked_model_and_trees(tiny, invariant_target):
+    with pytest.raises(BackendUnsupported, match="without CPU repack"):
+        LlamaCppRunner(LlamaCppModel(tiny[4] / "t.gguf", threads=1), 1, 64, invariant=True)
+    with pytest.raises(BackendUnsupported, match="chains only"):
+        LlamaCppRunner(invariant_target, 1, 64, trees=True, invariant=True)
+
+
+def test_coupled_speculation_on_an_invariant_target_equals_target_only(tiny, invariant_target):
+    """--sampler coupled over the invariant runner: seeded outputs equal coupled target-only decoding token for
+    token, for a draft model at k = 2, 4, 8 and n-gram lookup, alone and batched (speculation exercised)."""
+    _, _, _, gguf_d, _ = tiny
+    tok = make_tokenizer(V)
+    prompts = [[1, 2, 3, 1, 2, 3], [4, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2]]
+    params = [SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=30, ignore_eos=True, seed=40 + i,
+                             sampler="coupled") for i in range(len(prompts))]
+
+    def run(drafter, k, batch):
+        eng = Engine(LlamaCppRunner(invariant_target, invariant=True), tok, drafter, k, max_batch_size=batch,
+                     max_context=64)
+        outs = [o for lo in range(0, len(prompts), batch)
+                for o in eng.generate(prompts[lo: lo + batch], params[lo: lo + batch])]
+        return [o.token_ids for o in outs], sum(o.stats.drafted for o in outs)
+
+    ref, _ = run(None, 0, 1)
+    for drafter, k, batch in ((DraftModelDrafter(LlamaCppRunner(gguf_d)), 2, 1), (DraftModelDrafter(LlamaCppRunner(gguf_d)), 4, 3),
+                              (DraftModelDrafter(LlamaCppRunner(gguf_d)), 8, 1), (NgramDrafter(), 4, 3)):
+        outs, drafted = run(drafter, k, batch)
+        assert drafted > 0
+        assert outs == ref, (type(drafter).__name__, k, batch)
+
+
+def test_generate_batch_invariant_on_llamacpp(tiny, capsys):
+    """``--batch-invariant on`` on llama.cpp (the target loaded without repack): the same greedy tokens, drafted."""
+    _, _, gt, gd, _ = tiny
+    base = ["generate", "--backend", "llamacpp", "--target", str(gt.path), "--draft", str(gd.path), "--prompt",
+            "xyxyx", "--max-new-tokens", "12", "--json"]
+    runs = []
+    for extra in ([], ["--batch-invariant", "on"]):
+        code, out, err = _cli(base + extra, capsys)
+        assert code == 0, err
+        runs.append(json.loads(out))
+    assert runs[0]["token_ids"] == runs[1]["token_ids"]
+    assert runs[1]["stats"]["drafted"] > 0, runs[1]

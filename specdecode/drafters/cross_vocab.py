@@ -82,12 +82,7 @@ from specdecode.drafters.autoregressive import draft_settings
 from specdecode.drafters.base import Proposal, SequenceView, common_prefix
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.models.base import Runner
-from specdecode.sampling import coupled_choice, race_noise, sample, warp
-
-try:  # the warp's per-row tensors, min-p included where the sampler has it
-    from specdecode.sampling import warp_tensors
-except ImportError:  # (a sampler without min-p)
-    from specdecode.sampling import params_tensors as warp_tensors
+from specdecode.sampling import coupled_choice, race_noise, sample, warp, warp_tensors
 
 MODES = ("slem", "tli")
 WINDOW = 8  # target tokens of committed text re-tokenized with a SLEM proposal

@@ -50,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work = parser.add_argument_group("workload")
     work.add_argument("--prompts", default="spec-bench",
                       help="spec-bench, humaneval[:dev|:test], fim[:dev|:test] (fill-in-the-middle: requests "
-                           "carry OpenAI's suffix), code_edit[:dev|:test] or a .jsonl file (default: spec-bench)")
+                           "carry OpenAI's suffix), code_edit[:dev|:test], json_extract[:dev|:test] (structured output: "
+                           "requests carry response_format) or a .jsonl file (default: spec-bench)")
     work.add_argument("--prompts-path", help="Spec-Bench question.jsonl location")
     work.add_argument("--categories", help="comma-separated categories to keep")
     work.add_argument("--output-len", type=_output_len, metavar="N|LO:HI",

@@ -26,6 +26,16 @@ How the interface maps onto llama.cpp:
   hands the branch's cells to the slot (:mod:`specdecode.models.llamacpp_tree`). Chains-only runners
   keep a stream per slot: a row attends to its own cache only, which costs less at large batches.
 
+Batch-invariant mode (``invariant=True``; ``--batch-invariant on``): a row's logits depend on how many tokens
+share its ``llama_decode`` in three places of llama.cpp's CPU backend, measured on Qwen2.5-Coder-1.5B Q4_K_M
+(docs/bench/coupled): the weight repack (interleaved blocks: a gemm for each 4 rows of a batch, a gemv for
+the rest), a second matmul path from 8 tokens on, and flash attention's split-KV path for a one-token
+decode over 512+ cached positions with several threads. The mode loads the model without repack
+(``LlamaCppModel(repack=False)``), decodes one-token batches on one thread (llama.cpp's ``n_threads``; wider
+batches keep ``n_threads_batch``), and cuts every forward — prefill chunks included — into decodes no wider
+than the widest whose rows equal one-token decodes bit for bit, probed once per model on this machine
+(:meth:`LlamaCppRunner.invariant_width`). Chains only (a tree's nodes are decoded together).
+
 Not served (a clear :class:`BackendUnsupported` error, before anything runs): hidden states of
 intermediate layers, and feeding input embeddings — so EAGLE drafters need ``--backend torch``.
 The draft model, n-gram and Medusa drafters work, as chains and as trees.
@@ -49,6 +59,7 @@ INSTALL_HINT = "install it with `scripts/install-llamacpp.sh` (builds llama-cpp-
 BATCH_TOKENS = 512  # tokens per llama_decode call (llama.cpp's n_batch = n_ubatch)
 OUTPUT_TOKENS = 256  # at most this many tokens per call when logits come back (its buffer: rows x vocab floats)
 KV_PAD = 256  # llama.cpp rounds each sequence's cache to a multiple of this
+PROBE_PREFIX, PROBE_WIDTH = 8, 8  # invariant mode: a probe's prompt, and the widest decode it tries
 
 
 class BackendMissing(UserError, ImportError):
@@ -134,7 +145,7 @@ def requantize(path: str | Path, mode: str, threads: int | None = None) -> Path:
 class LlamaCppModel:
     """A GGUF file loaded by llama.cpp (weights memory-mapped; every runner over it shares them)."""
 
-    def __init__(self, path: str | Path, threads: int | None = None) -> None:
+    def __init__(self, path: str | Path, threads: int | None = None, repack: bool = True) -> None:
         ll = lib()
         self.path = Path(path).resolve()
         if not self.path.is_file():
@@ -144,6 +155,11 @@ class LlamaCppModel:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
         params = ll.llama_model_default_params()
         params.n_gpu_layers = 0
+        # llama.cpp's CPU repack (weights in interleaved blocks, a gemm for each 4 rows of a batch and a gemv
+        # for the rest) makes a row's logits depend on the batch width; without it every row takes one path
+        params.use_extra_bufts = repack
+        self.repack = repack
+        self.invariant_widths: dict[int, int] = {}  # threads -> widest invariant decode (probed by a runner)
         self.ptr = ll.llama_model_load_from_file(str(self.path).encode(), params)
         if not self.ptr:
             raise ValueError(f"llama.cpp could not load {self.path} (not a GGUF model it supports?)")
@@ -196,10 +212,18 @@ class LlamaCppRunner(Runner):
     # batch layout and only once; a standalone replay of the same imports is exact): not promised
     kv_snapshots_exact = False
 
-    def __init__(self, model: LlamaCppModel, num_slots: int = 0, max_len: int = 0, trees: bool = False) -> None:
+    def __init__(self, model: LlamaCppModel, num_slots: int = 0, max_len: int = 0, trees: bool = False,
+                 invariant: bool = False) -> None:
+        if invariant and trees:
+            raise BackendUnsupported("batch-invariant llama.cpp verifies chains only (a tree's nodes share one decode)")
+        if invariant and model.repack:
+            raise BackendUnsupported(f"batch-invariant llama.cpp needs the model loaded without CPU repack "
+                                     f"(LlamaCppModel(repack=False); --batch-invariant on does it): {model.path}")
         self.ll = lib()
         self.model = model
-        self.trees = trees  # one KV stream for all slots and sequence ids per tree path (see the module docstring)
+        self.trees = trees
+        self.batch_invariant = invariant
+        self.decode_width = BATCH_TOKENS  # tokens per llama_decode at most (invariant mode: the probed width)  # one KV stream for all slots and sequence ids per tree path (see the module docstring)
         self._tree: NodeTable | None = None
         self.vocab_size = model.vocab_size
         self.hidden_size = model.hidden_size
@@ -219,7 +243,8 @@ class LlamaCppRunner(Runner):
 
     @property
     def where(self) -> str:
-        return f"llama.cpp {self.model.description}, {self.threads} threads"
+        mode = f", batch-invariant (decodes of <= {self.decode_width} tokens)" if self.batch_invariant else ""
+        return f"llama.cpp {self.model.description}, {self.threads} threads{mode}"
 
     # -- sizes ------------------------------------------------------------------------------------
     def ensure_capacity(self, num_slots: int, max_len: int) -> None:
@@ -236,6 +261,8 @@ class LlamaCppRunner(Runner):
         tree = NodeTable(num_slots) if self.trees else None  # (refuses too many slots before anything is made)
         params.n_seq_max = MAX_SEQ if self.trees else num_slots
         params.n_threads = params.n_threads_batch = self.model.threads
+        if self.batch_invariant:  # one-token decodes on one thread: no split-KV flash attention (see above)
+            params.n_threads = 1
         # chains: a stream per sequence, a row attends to its own cache only; trees: one stream, ids per path
         params.kv_unified = self.trees
         params.pooling_type = 0  # LLAMA_POOLING_TYPE_NONE: per-token embeddings when asked for
@@ -250,6 +277,37 @@ class LlamaCppRunner(Runner):
         self.num_slots, self.max_len = num_slots, max_len
         self._length = [0] * num_slots
         self._tree = tree
+        if self.batch_invariant:
+            self.decode_width = self.invariant_width()
+
+    def invariant_width(self) -> int:
+        """The widest ``llama_decode`` (at most PROBE_WIDTH tokens) whose every row's logits equal the same
+        row decoded one token at a time, bit for bit, on this model, machine and thread count: widths 2..
+        PROBE_WIDTH decode the tail of a seeded random sequence in chunks of that width after a shared
+        prefix. Probed once per model and thread count (slot 0 of a fresh context; it is emptied after)."""
+        known = self.model.invariant_widths.get(self.threads)
+        if known is not None:
+            return known
+        gen = np.random.default_rng(0)
+        toks = [int(t) for t in gen.integers(0, self.vocab_size, PROBE_PREFIX + PROBE_WIDTH)]
+
+        def rows(width: int) -> torch.Tensor:
+            self._forget_from(0, PROBE_PREFIX)
+            out: list[torch.Tensor] = []
+            for lo in range(PROBE_PREFIX, len(toks), width):
+                self._decode([(0, toks[lo: lo + width], lo)], True, False, out, [])
+            return torch.cat(out)
+
+        self._forget_from(0, 0)
+        self._decode([(0, toks[:PROBE_PREFIX], 0)], False, False, [], [])
+        ref, width = rows(1), 1
+        for w in range(2, PROBE_WIDTH + 1):
+            if not torch.equal(rows(w), ref):
+                break
+            width = w
+        self._forget_from(0, 0)
+        self.model.invariant_widths[self.threads] = width
+        return width
 
     def _free(self) -> None:
         if self._batch is not None:
@@ -342,7 +400,7 @@ class LlamaCppRunner(Runner):
             self._forget_from(slot, p0)
             if self._length[slot] != p0:
                 raise ValueError(f"slot {slot} holds {self._length[slot]} positions; a forward cannot start at {p0}")
-        limit = OUTPUT_TOKENS if outputs else BATCH_TOKENS
+        limit = min(OUTPUT_TOKENS if outputs else BATCH_TOKENS, self.decode_width)
         pieces = [(i, slot, toks[lo: lo + limit], p0 + lo) for i, (slot, toks, p0) in enumerate(rows)
                   for lo in range(0, len(toks), limit)]
         logits: list[list[torch.Tensor]] = [[] for _ in rows]

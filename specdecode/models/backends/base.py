@@ -78,6 +78,7 @@ class Settings:
     threads: int | None = None
     quantization: str = "none"  # the target's (LOSSY) or the draft's mode
     role: str = "target"  # target | draft
+    batch_invariant: bool = False  # --batch-invariant on: a backend may load the weights for it (llama.cpp: no repack)
 
 
 @dataclass

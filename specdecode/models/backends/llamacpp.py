@@ -3,7 +3,8 @@
 
 A draft on it runs beside a target on any backend: ``--draft-quantization gguf`` keeps the file's own
 types, ``q8_0``/``q4_0`` requantize it once into the cache. It exposes logits and the final hidden state
-only, so EAGLE drafters (intermediate layers, input embeddings) need another backend.
+only, so EAGLE drafters (intermediate layers, input embeddings) need another backend. ``--batch-invariant on``
+loads the target without llama.cpp's CPU repack and decodes in invariant widths (see the runner's docstring).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ class LlamaCppModelHandle(Model):
     def runner(self, *, batch_invariant: bool = False, trees: bool = False, draft: bool = False):
         from specdecode.models.llamacpp import LlamaCppRunner
 
-        return LlamaCppRunner(self.model, trees=trees)
+        # a draft's numerics never reach the output (greedy and coupled tokens are the target's): it stays fast
+        return LlamaCppRunner(self.model, trees=trees, invariant=batch_invariant and not draft)
 
     def check_tree(self, batch: int, width: int, what: str) -> None:
         from specdecode.models.llamacpp_tree import check_ids  # trees are sequence ids: a finite pool
@@ -38,7 +40,7 @@ class LlamaCppBackend(Backend):
     supports = Supports(
         opens=("gguf",), opens_text="a .gguf file", devices=("cpu",), dtypes=False,
         quantizes=("gguf", "q8_0", "q4_0"), draft_modes=("gguf", "q8_0", "q4_0"),
-        batch_invariant=False, trees=True, features=False, transformers=False)
+        batch_invariant=True, trees=True, features=False, transformers=False)
 
     def missing(self) -> str | None:
         from specdecode.models import llamacpp
@@ -59,7 +61,8 @@ class LlamaCppBackend(Backend):
             raise ModelNotFoundError(f"{spec!r} is a {resolved.describe()}; the llama.cpp backend runs .gguf files")
         mode = "gguf" if settings.quantization == "none" else settings.quantization
         path = resolved.path if mode == "gguf" else llamacpp.requantize(resolved.path, mode, settings.threads)
-        model = llamacpp.LlamaCppModel(path, settings.threads)
+        invariant = settings.batch_invariant and settings.role == "target"
+        model = llamacpp.LlamaCppModel(path, settings.threads, repack=not invariant)
         return LlamaCppModelHandle("llamacpp", load_gguf_tokenizer(resolved.path), model.context_length,
                                    model.vocab_size, mode if settings.role == "draft" else "none", model.threads,
                                    None, model, str(resolved.path))
