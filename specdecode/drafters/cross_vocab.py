@@ -380,6 +380,11 @@ class CrossVocabDrafter(DraftModelDrafter):
             if not len(shared):
                 raise ValueError("the two vocabularies share no token: token-level intersection cannot draft")
 
+    def runners(self) -> dict[str, Runner]:
+        # its own role name: the runner scores the draft's token ids, not the target's (``check`` ranks contexts
+        # with a same-vocabulary "draft" runner only)
+        return {"draft (own vocabulary)": self.runner}
+
     def reserve(self, num_slots: int, max_len: int) -> None:
         self.runner.ensure_capacity(num_slots, int(max_len * self.tokens_per_target) + 2 * EXTRA + 2)
 
