@@ -40,6 +40,7 @@ import torch
 from specdecode.drafters.base import Drafter, Proposal, TargetFeatures
 from specdecode.drafters.state import DraftState
 from specdecode.errors import UserError
+from specdecode.logprobs import TokenLogprob, token_logprobs
 from specdecode.metrics import SpecStats
 from specdecode.models.base import Runner
 from specdecode.policy import DraftPolicy, FixedPolicy, SwitchPolicy
@@ -87,6 +88,8 @@ class Sequence:
     error: BaseException | None = None  # why it failed alone (finish_reason "error"; see Engine.step)
     # its logits processors (logit bias, penalties: specdecode.processors); () for plain requests
     processors: tuple[LogitsProcessor, ...] = ()
+    # each generated token's log-probability (params.logprobs set; specdecode.logprobs), else None
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def in_prefill(self) -> bool:
@@ -124,6 +127,7 @@ class _Verified:
     input_ids: torch.Tensor  # [B, Q] the forward's queries
     features: dict  # layer -> [B, Q, H] (only what the drafter asked for)
     faults: dict[int, BaseException] = field(default_factory=dict)  # rows whose sampling failed
+    logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)  # rows that asked: per emitted token
 
 
 @dataclass
@@ -134,6 +138,7 @@ class Output:
     text: str  # cut before a stop string; special tokens skipped
     finish_reason: str
     stats: SpecStats
+    logprobs: list[TokenLogprob] | None = None  # one per generated id, when params.logprobs is set
 
 
 class Engine:
@@ -286,6 +291,7 @@ class Engine:
                 text=IncrementalText(self.tokenizer, params.stop, stop_dedent=params.stop_dedent),
                 token_ids=list(prompt_ids),
                 processors=build_processors(params, prompt_ids, self.target.vocab_size),
+                logprobs=None if params.logprobs is None else [],
             )
             for i, (prompt_ids, params, request_id) in enumerate(requests)
         ]
@@ -445,6 +451,8 @@ class Engine:
         if path != list(range(a + 1)):  # a tree branch: move its K/V next to the prefix
             self.target.compact(seq.slot, [cached + q for q in path[1:]], cached + 1)
         new = self._append(seq, verified.tokens[b][: a + 1])
+        if seq.logprobs is not None:
+            seq.logprobs.extend(verified.logprobs[b][: len(new)])
         for proc in seq.processors:  # the emitted tokens advance each processor's state
             proc.commit(new)
         # the target now holds the pending token and the accepted drafts; the rest is stale
@@ -559,8 +567,9 @@ class Engine:
 
             result = self._by_sampler(seqs, rejection, coupled)
         accepted, n = result.num_accepted.tolist(), num_draft.tolist()
-        return _Verified(result.tokens.tolist(), accepted, [list(range(a + 1)) for a in accepted], n, n, ids,
-                         out.features, faults)
+        tokens, paths = result.tokens.tolist(), [list(range(a + 1)) for a in accepted]
+        return _Verified(tokens, accepted, paths, n, n, ids, out.features, faults,
+                         self._logprobs(seqs, logits, tokens, paths, faults))
 
     def _verify_tree(self, seqs: list[Sequence], proposal: Proposal) -> "_Verified":
         bsz, dev = len(seqs), self.device
@@ -600,11 +609,26 @@ class Engine:
                 return self.verifier.tree_coupled(drafts[c], parents[c], num_nodes[c], target_probs[c], noise, depth)
 
             result = self._by_sampler(seqs, rejection, coupled)
-        accepted = result.num_accepted.tolist()
+        accepted, tokens = result.num_accepted.tolist(), result.tokens.tolist()
         paths = [row[: a + 1] for row, a in zip(result.path.tolist(), accepted)]
         depth = (layout.depth * (torch.arange(layout.depth.shape[1], device=dev)[None] <= num_nodes[:, None])).amax(1)
-        return _Verified(result.tokens.tolist(), accepted, paths, depth.tolist(), num_nodes.tolist(), layout.input_ids,
-                         out.features, faults)
+        return _Verified(tokens, accepted, paths, depth.tolist(), num_nodes.tolist(), layout.input_ids,
+                         out.features, faults, self._logprobs(seqs, logits, tokens, paths, faults))
+
+    @staticmethod
+    def _logprobs(seqs: list[Sequence], logits: torch.Tensor, tokens: list[list[int]], paths: list[list[int]],
+                  faults: dict[int, BaseException]) -> dict[int, list[TokenLogprob]]:
+        """Rows that asked for logprobs: each emitted token's, read from the target's processed logits
+        ``logits`` [B, Q, V] at the query it was emitted after (``paths[b][i]`` for the i-th emitted token:
+        the pending token, then each accepted draft), so no forward is added; other rows cost nothing."""
+        out: dict[int, list[TokenLogprob]] = {}
+        for b, s in enumerate(seqs):
+            if s.params.logprobs is None or b in faults:
+                continue
+            path = paths[b]
+            rows = logits[b, torch.tensor(path, device=logits.device)]  # [A+1, V]
+            out[b] = token_logprobs(rows, tokens[b][: len(path)], s.params.temperature, s.params.logprobs)
+        return out
 
     @staticmethod
     def _warp(seqs: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, dict[int, BaseException]]:
@@ -722,7 +746,8 @@ class Engine:
                 raise RuntimeError(f"request {ev.seq.request_id} failed") from ev.error
             if ev.finished:
                 s = ev.seq
-                done[s.request_id] = Output(s.request_id, s.prompt_ids, s.output_ids, s.text.finish(), s.finish_reason, s.stats)
+                done[s.request_id] = Output(s.request_id, s.prompt_ids, s.output_ids, s.text.finish(), s.finish_reason,
+                                            s.stats, s.logprobs)
         return [done[str(i)] for i in range(len(prompts))]
 
 

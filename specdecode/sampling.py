@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from specdecode.errors import UserError
+from specdecode.logprobs import LOGPROBS_MAX
 from specdecode.text import MAX_STOP_CHARS
 
 
@@ -79,6 +80,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI's: minus this times the token's count in the generated tokens
     # vLLM / Hugging Face's: over prompt + generated tokens, a positive logit divided, a negative multiplied; 1 = off
     repetition_penalty: float = 1.0
+    # report each emitted token's log-probability and this many top entries (0..20; specdecode.logprobs has
+    # the law); None: none computed (a request that asks for none costs nothing)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -112,6 +116,9 @@ class SamplingParams:
         if self.sampler is not None and self.sampler not in SAMPLERS:
             raise SamplingError(f"sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
         self._check_processing()
+        n = self.logprobs
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= LOGPROBS_MAX):
+            raise SamplingError(f"logprobs must be an integer in [0, {LOGPROBS_MAX}] or None, got {n!r}")
 
     def _check_processing(self) -> None:
         """min_p, logit_bias and the penalties (OpenAI's ranges; the vocabulary is the engine's to check)."""
