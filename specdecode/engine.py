@@ -33,7 +33,7 @@ import itertools
 import secrets
 import time
 from dataclasses import dataclass, field, replace
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
@@ -50,6 +50,9 @@ from specdecode.text import IncrementalText
 from specdecode.tree import tree_layout
 from specdecode.verify import Verifier
 from specdecode.verify.tree import DETERMINISTIC, IID
+
+if TYPE_CHECKING:
+    from specdecode.grammar import GrammarCompiler
 
 
 class RequestError(UserError, ValueError):
@@ -207,6 +210,15 @@ class Engine:
         self._ids = itertools.count()
 
     @property
+    def grammars(self) -> GrammarCompiler:
+        """The tokenizer's grammar compiler (structured outputs: ``SamplingParams.grammar``), built on first
+        use — seconds for a 150k-token vocabulary, so the server builds it at startup — and shared by every
+        engine over the same tokenizer object (:func:`specdecode.grammar.compiler_for`)."""
+        from specdecode.grammar import compiler_for
+
+        return compiler_for(self.tokenizer)
+
+    @property
     def backend(self) -> str:
         """The backend that runs the target (the runner says: ``torch``, ``llamacpp``, ...)."""
         return self.target.backend
@@ -254,6 +266,8 @@ class Engine:
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
                 f"exceeds the context length {self.max_context}"
             )
+        if params.grammar is not None:  # GrammarError with the engine's message, before admission (then cached)
+            self.grammars.compile(params.grammar)
 
     def free_slots(self) -> int:
         return self.max_batch_size - len(self.running) - len(self.prefilling)
@@ -290,7 +304,9 @@ class Engine:
                 generator=make_generator(params.seed),
                 text=IncrementalText(self.tokenizer, params.stop, stop_dedent=params.stop_dedent),
                 token_ids=list(prompt_ids),
-                processors=build_processors(params, prompt_ids, self.target.vocab_size),
+                processors=build_processors(params, prompt_ids, self.target.vocab_size,
+                                            self.grammars if params.grammar is not None else None,
+                                            self.eos_token_ids),
                 logprobs=None if params.logprobs is None else [],
             )
             for i, (prompt_ids, params, request_id) in enumerate(requests)
@@ -453,8 +469,6 @@ class Engine:
         new = self._append(seq, verified.tokens[b][: a + 1])
         if seq.logprobs is not None:
             seq.logprobs.extend(verified.logprobs[b][: len(new)])
-        for proc in seq.processors:  # the emitted tokens advance each processor's state
-            proc.commit(new)
         # the target now holds the pending token and the accepted drafts; the rest is stale
         self.target.truncate(seq.slot, cached + a + 1)
         seq.stats.record_step(verified.depths[b], a, len(new), verified.nodes[b])
@@ -694,14 +708,20 @@ class Engine:
 
     def _append(self, seq: Sequence, tokens: list[int]) -> list[int]:
         """Append verified tokens, cutting exactly at EOS (or a request's ``stop_token_ids``: kept in
-        ``token_ids``, never in the text), a stop string, the block rule or the length limit."""
+        ``token_ids``, never in the text), a stop string, the block rule, a complete grammar (nothing but an
+        end token could follow: the request ends without it, wherever the step boundaries fall) or the length
+        limit. Each appended token advances the request's processors."""
         new = []
         for tok in tokens:
             seq.token_ids.append(tok)
             new.append(tok)
+            for proc in seq.processors:
+                proc.commit([tok])
             if (tok in self.eos_token_ids and not seq.params.ignore_eos) or tok in seq.params.stop_token_ids:
                 seq.finish_reason = "stop"
             elif seq.text.add(tok):
+                seq.finish_reason = "stop"
+            elif seq.processors and any(getattr(p, "finished", False) for p in seq.processors):
                 seq.finish_reason = "stop"
             elif len(seq.output_ids) >= seq.params.max_new_tokens or len(seq.token_ids) >= self.max_context:
                 seq.finish_reason = "length"

@@ -26,7 +26,8 @@ accepted less often. ``specdecode check`` (part 7, :mod:`specdecode.check.proces
 controls that must fail: processors on the draft only, and the penalty state of the last committed
 token used at every drafted position.
 
-The protocol is made so that a stateful processor (a grammar) fits it: ``apply`` sees the drafted
+The protocol is made so that a stateful processor (a grammar: :class:`specdecode.grammar.GrammarProcessor`,
+built here for a request with ``SamplingParams.grammar``) fits it: ``apply`` sees the drafted
 prefix of each position and must leave its state as it was; ``commit`` advances it by the tokens a
 step emitted. Neutral parameters build no processor at all (:func:`build_processors` returns ``()``),
 and the engine and the drafters skip every call then: a plain request pays nothing.
@@ -34,12 +35,15 @@ and the engine and the drafters skip every call then: a plain request pays nothi
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Iterable, Protocol, Sequence
 
 import torch
 from torch import Tensor
 
 from specdecode.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from specdecode.grammar import GrammarCompiler
 
 Prefixes = Sequence[Sequence[int]]  # prefixes[p]: the drafted tokens between the committed ones and position p
 
@@ -132,9 +136,15 @@ class PresenceFrequencyPenalty(_OnDevice):
             self.counts.index_put_((index,), torch.ones(len(index), device=self.counts.device), accumulate=True)
 
 
-def build_processors(params: SamplingParams, prompt_ids: Sequence[int], vocab_size: int) -> tuple[LogitsProcessor, ...]:
+def build_processors(params: SamplingParams, prompt_ids: Sequence[int], vocab_size: int,
+                     grammars: GrammarCompiler | None = None, end_ids: Iterable[int] = ()) -> tuple[LogitsProcessor, ...]:
     """A request's processors, in the order they apply; ``()`` for neutral parameters. Token ids must be
-    inside the vocabulary (``Engine.validate`` refuses others first)."""
+    inside the vocabulary (``Engine.validate`` refuses others first).
+
+    A request with a ``grammar`` (:mod:`specdecode.grammar`) gets its :class:`GrammarProcessor` last, from
+    ``grammars`` (its tokenizer's compiler); ``end_ids`` (the engine's EOS ids) and the request's
+    ``stop_token_ids`` are allowed exactly where the output is complete. Raises GrammarError for a spec the
+    engine cannot compile (a cached compile: ``Engine.validate`` compiled it first)."""
     out: list[LogitsProcessor] = []
     if params.logit_bias:
         out.append(LogitBias(params.logit_bias, vocab_size))
@@ -142,6 +152,10 @@ def build_processors(params: SamplingParams, prompt_ids: Sequence[int], vocab_si
         out.append(RepetitionPenalty(params.repetition_penalty, prompt_ids, vocab_size))
     if params.presence_penalty or params.frequency_penalty:
         out.append(PresenceFrequencyPenalty(params.presence_penalty, params.frequency_penalty, vocab_size))
+    if params.grammar is not None:  # last: masked entries stay -inf whatever the others add (order is moot)
+        if grammars is None:
+            raise ValueError("a request with a grammar needs its tokenizer's GrammarCompiler")
+        out.append(grammars.processor(params.grammar, set(end_ids) | set(params.stop_token_ids)))
     return tuple(out)
 
 

@@ -28,12 +28,16 @@ import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from specdecode.errors import UserError
 from specdecode.logprobs import LOGPROBS_MAX
 from specdecode.text import MAX_STOP_CHARS
+
+if TYPE_CHECKING:
+    from specdecode.grammar import GrammarSpec
 
 
 # temperatures below this are greedy (vLLM's convention: its _SAMPLING_EPS); logits / 1e-40 are NaN
@@ -80,6 +84,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI's: minus this times the token's count in the generated tokens
     # vLLM / Hugging Face's: over prompt + generated tokens, a positive logit divided, a negative multiplied; 1 = off
     repetition_penalty: float = 1.0
+    # the output must match this JSON schema, regex or grammar (specdecode.grammar: the engine masks every
+    # position's law with it, the drafters' too); None = free text. Not with ignore_eos: the grammar says where
+    # the output ends
+    grammar: GrammarSpec | None = None
     # report each emitted token's log-probability and this many top entries (0..20; specdecode.logprobs has
     # the law); None: none computed (a request that asks for none costs nothing)
     logprobs: int | None = None
@@ -116,6 +124,7 @@ class SamplingParams:
         if self.sampler is not None and self.sampler not in SAMPLERS:
             raise SamplingError(f"sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
         self._check_processing()
+        self._check_grammar()
         n = self.logprobs
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= LOGPROBS_MAX):
             raise SamplingError(f"logprobs must be an integer in [0, {LOGPROBS_MAX}] or None, got {n!r}")
@@ -147,6 +156,17 @@ class SamplingParams:
                 raise SamplingError(f"logit_bias names token {tok} twice")
             out[tok] = float(value)
         object.__setattr__(self, "logit_bias", tuple(sorted(out.items())))
+
+    def _check_grammar(self) -> None:
+        if self.grammar is None:
+            return
+        from specdecode.grammar import GrammarSpec
+
+        if not isinstance(self.grammar, GrammarSpec):
+            raise SamplingError(f"grammar must be a GrammarSpec or None, got {type(self.grammar).__name__}")
+        if self.ignore_eos:  # the grammar allows an end token exactly where the output is complete
+            raise SamplingError("ignore_eos cannot be combined with a grammar (response_format, regex or grammar): "
+                                "a structured output ends where the grammar is complete")
 
     @property
     def processed(self) -> bool:
