@@ -16,7 +16,8 @@ import specdecode.engine as engine_module
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.engine import Engine
-from specdecode.logprobs import LOGPROBS_MAX, law_logprobs, token_logprobs
+from specdecode.logprobs import (LOGPROBS_MAX, REPORTED_FLOOR, TokenLogprob, TokenSpeller, law_logprobs, text_offsets,
+                                 token_logprobs)
 from specdecode.models.hf import HFRunner
 from specdecode.processors import build_processors
 from specdecode.sampling import SamplingError, SamplingParams
@@ -177,3 +178,46 @@ def test_token_logprobs_lists_only_finite_top_entries():
     (entry,) = token_logprobs(logits, [2], 0.0, 4)
     assert [i for i, _ in entry.top] == [2, 0]
     assert entry.logprob == pytest.approx(-torch.log1p(torch.exp(torch.tensor(-1.0))).item())
+
+
+# -- spelling tokens for responses -----------------------------------------------------------------
+def test_speller_on_the_tiny_vocabulary_and_text_offsets():
+    speller = TokenSpeller(TOK)
+    eos = speller.spell(V - 1)
+    assert (eos.token, eos.bytes, eos.text_bytes) == ("<eos>", b"<eos>", b"")  # the text skips it
+    entries = [speller.report(TokenLogprob(i, -0.5, ((i, -0.5),))) for i in (0, 1, V - 1, 2)]
+    first, decoder = text_offsets(entries[:2])
+    rest, _ = text_offsets(entries[2:], decoder)  # a stream's next chunk continues the count
+    assert first + rest == [0, 1, 2, 2]
+    assert speller.report(TokenLogprob(0, -float("inf"))).logprob == REPORTED_FLOOR
+
+
+def byte_level_tokenizer():
+    """A byte-level BPE vocabulary (as GPT-2's, Qwen's), trained in code on a few multilingual lines: some
+    of its tokens are parts of a UTF-8 character."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["héllo wörld 你好 世界 def f():\n\treturn 1", "naïve café ∮ 🙂 hello world"] * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>")
+
+
+def test_speller_gives_a_byte_level_vocabulary_its_exact_bytes():
+    tok = byte_level_tokenizer()
+    speller = TokenSpeller(tok)
+    text = "héllo wörld 你好 🙂 ∮ def f():\n\treturn 1"
+    ids = tok(text).input_ids + [tok.eos_token_id]
+    assert b"".join(speller.spell(i).text_bytes for i in ids).decode() == tok.decode(ids, skip_special_tokens=True)
+    # a token that is part of a UTF-8 character: its bytes, and vLLM's "bytes:" text
+    partial = next(i for i in range(len(tok)) if speller.spell(i).token.startswith("bytes:"))
+    s = speller.spell(partial)
+    assert s.token == "bytes:" + "".join(f"\\x{b:02x}" for b in s.bytes)
+    with pytest.raises(UnicodeDecodeError):
+        s.bytes.decode("utf-8")
+    offsets, _ = text_offsets([speller.report(TokenLogprob(i, 0.0)) for i in ids])
+    assert offsets[0] == 0 and offsets[-1] == len(text)

@@ -161,7 +161,7 @@ BAD = [  # (case, body, status, param)
     ("prompt + max_tokens over the context", _body(max_tokens=MAX_LEN - 2), 400, None),
     ("prompt longer than the context", _body(prompt=LONG, max_tokens=1), 400, None),
     ("n > 1", _body(n=2), 400, "n"),
-    ("logprobs", _body(logprobs=2), 400, "logprobs"),
+    ("logprobs above 5", _body(logprobs=6), 400, "logprobs"),
     ("echo", _body(echo=True), 400, "echo"),
     ("penalty", _body(presence_penalty=2.5), 400, "presence_penalty"),
     ("unknown field", _body(temprature=0.5), 400, "temprature"),
@@ -172,9 +172,9 @@ BAD_CHAT = [
     ("missing messages", '{"max_tokens": 3}', 400, "messages"),
     ("empty messages", '{"messages": []}', 400, "messages"),
     ("bad role", '{"messages": [{"role": "wizard", "content": "x"}]}', 400, "messages.0.role"),
-    ("chat logprobs", '{"messages": [{"role": "user", "content": "x"}], "logprobs": true}', 400, "logprobs"),
-    ("chat top_logprobs", '{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}', 400,
-     "top_logprobs"),
+    ("chat logprobs as a number", '{"messages": [{"role": "user", "content": "x"}], "logprobs": 1}', 400, "logprobs"),
+    ("chat top_logprobs without logprobs", '{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}',
+     400, "top_logprobs"),
 ]
 
 

@@ -264,3 +264,95 @@ def test_json_schema_speculation_equals_target_only_and_validates(json_pair):
     for o in out:
         assert o.finish_reason == "stop"
         jsonschema.validate(json.loads(o.text), schema)
+
+
+# -- the server --------------------------------------------------------------------------------------------
+RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
+PLAIN_SCHEMA = {k: v for k, v in SCHEMA.items() if k != "x-guidance"}
+
+
+@pytest.fixture(scope="module")
+def json_server(json_pair):
+    from test_server_harness import serve
+    from tiny import serving
+
+    tok, target, draft = json_pair
+    with serve(make_engine(target, tok, draft, k=3, num_slots=4, max_len=256, **serving())) as s:
+        yield s
+
+
+def test_server_json_schema_through_the_openai_client(json_server, json_pair):
+    """Chat and completions, streaming and not, batched (4 at once): parseable JSON valid against the schema,
+    equal to the constrained target-only output, with speculation on."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tok, target, _ = json_pair
+    client = json_server.openai()
+    questions = ["give me json", "red or green?", "n = 7", "ok"]
+
+    drafted = []
+
+    def chat(q: str, stream: bool) -> str:
+        kw = dict(model="tiny", messages=[{"role": "user", "content": q}], temperature=0, max_tokens=60,
+                  response_format=RESPONSE_FORMAT)
+        if not stream:
+            r = client.chat.completions.create(**kw)
+            assert r.choices[0].finish_reason == "stop"
+            drafted.append(r.model_extra["speculation"]["drafted"])
+            return r.choices[0].message.content
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    with ThreadPoolExecutor(4) as pool:
+        texts = list(pool.map(chat, questions * 2, [False] * 4 + [True] * 4))
+    assert texts[:4] == texts[4:]  # streaming = not
+    assert sum(drafted) > 0
+    reference = make_engine(target, tok)
+    for q, text in zip(questions, texts):
+        jsonschema.validate(json.loads(text), PLAIN_SCHEMA)
+        prompt = tok(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                             add_generation_prompt=True), add_special_tokens=False).input_ids
+        want = reference.generate([prompt], SamplingParams(max_new_tokens=60, grammar=GrammarSpec.json_schema(SCHEMA)))
+        assert text == want[0].text
+    r = client.completions.create(model="tiny", prompt='{"n": 1}', max_tokens=60, temperature=0,
+                                  extra_body={"response_format": RESPONSE_FORMAT})
+    jsonschema.validate(json.loads(r.choices[0].text), PLAIN_SCHEMA)
+    r = client.completions.create(model="tiny", prompt="x", max_tokens=30, temperature=0.8, seed=3,
+                                  extra_body={"regex": "(yes|no)(, (yes|no)){0,3}"})
+    assert regex.fullmatch("(yes|no)(, (yes|no)){0,3}", r.choices[0].text) and r.choices[0].finish_reason == "stop"
+    assert json_server.scheduler.engine.drafter is not None
+    json_server.wait_idle()
+
+
+BAD = [  # (extra fields, param)
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {
+        "type": "string", "minLength": 5, "maxLength": 2}}}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"response_format": "json"}, "response_format"),
+    ({"regex": "(ab"}, "regex"),
+    ({"regex": 5}, "regex"),
+    ({"grammar": "start: missing_rule"}, "grammar"),
+    ({"regex": "a+", "grammar": 'start: "a"'}, "grammar"),
+    ({"response_format": {"type": "json_object"}, "regex": "a+"}, "regex"),
+    ({"regex": "a+", "ignore_eos": True}, "ignore_eos"),
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_server_refuses_bad_structured_requests_with_400_naming_the_field(json_server, path):
+    body = {"prompt": "a"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "a"}]}
+    with json_server.http() as c:
+        for extra, param in BAD:
+            r = c.post(path, json=body | {"max_tokens": 4} | extra)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+        r = c.post(path, json=body | {"max_tokens": 4, "response_format": {"type": "text"}, "regex": "[a-z]+"})
+        assert r.status_code == 200, r.text
+        text = r.json()["choices"][0]["text" if path == "/v1/completions" else "message"]
+        text = text if isinstance(text, str) else text["content"]
+        assert regex.fullmatch("[a-z]+", text, partial=True), text
+    message = BAD[0]
+    with json_server.http() as c:
+        r = c.post(path, json=body | {"max_tokens": 4} | message[0])
+        assert "minLength" in r.json()["error"]["message"]  # llguidance's own words

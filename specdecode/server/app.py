@@ -33,6 +33,7 @@ from starlette.requests import ClientDisconnect
 
 from specdecode.engine import Engine, RequestError
 from specdecode.fim import FimTokens, FimUnsupported, fim_prompt, fim_tokens, stop_fields
+from specdecode.logprobs import ReportedToken, text_offsets
 from specdecode.server import protocol as P
 from specdecode.server.connections import BODY_TIMEOUT_S
 from specdecode.server.metrics import ServerMetrics
@@ -327,9 +328,9 @@ async def _stream(scheduler: Scheduler, handle: Handle, fmt, prompt_tokens: int,
                 yield _sse(update.error.body())
                 break
             if not update.final:
-                yield _sse(fmt.chunk(rid, update.text))
+                yield _sse(fmt.chunk(rid, update.text, logprobs=update.logprobs))
                 continue
-            last = fmt.chunk(rid, update.text, update.finish_reason)
+            last = fmt.chunk(rid, update.text, update.finish_reason, update.logprobs)
             if include_usage:
                 yield _sse(last)
                 last = fmt.chunk(rid, None) | {"usage": _usage(prompt_tokens, update)}
@@ -355,6 +356,7 @@ class _CompletionFormat:
 
     def __init__(self, model: str) -> None:
         self.model, self.created = model, int(time.time())
+        self._offsets = None  # the text offsets' running decoder (specdecode.logprobs.text_offsets)
 
     def new_id(self) -> str:
         return f"cmpl-{uuid.uuid4().hex}"
@@ -363,17 +365,29 @@ class _CompletionFormat:
         return {"id": rid, "object": self.object, "created": self.created, "model": self.model, "choices": choices}
 
     def response(self, rid: str, u: Update, prompt_tokens: int) -> dict[str, Any]:
-        choice = {"index": 0, "text": u.text, "logprobs": None, "finish_reason": u.finish_reason}
+        choice = {"index": 0, "text": u.text, "logprobs": self.logprobs(u.logprobs), "finish_reason": u.finish_reason}
         return self._envelope(rid, [choice]) | {"usage": _usage(prompt_tokens, u),
                                                 "speculation": u.speculation}
 
     def stream_start(self, rid: str) -> dict[str, Any] | None:
         return None
 
-    def chunk(self, rid: str, text: str | None, finish_reason: str | None = None) -> dict[str, Any]:
+    def chunk(self, rid: str, text: str | None, finish_reason: str | None = None,
+              logprobs: tuple[ReportedToken, ...] | None = None) -> dict[str, Any]:
         if text is None:  # the usage-only chunk
             return self._envelope(rid, [])
-        return self._envelope(rid, [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}])
+        return self._envelope(rid, [{"index": 0, "text": text, "logprobs": self.logprobs(logprobs),
+                                     "finish_reason": finish_reason}])
+
+    def logprobs(self, tokens: tuple[ReportedToken, ...] | None) -> dict[str, Any] | None:
+        """OpenAI's legacy completions object; ``text_offset``: characters of the completion's text before
+        each token, continued across a stream's chunks; ``top_logprobs`` holds the chosen token too."""
+        if tokens is None:
+            return None
+        offsets, self._offsets = text_offsets(list(tokens), self._offsets)
+        return {"tokens": [t.spelling.token for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [{s.token: v for s, v in t.top} | {t.spelling.token: t.logprob} for t in tokens],
+                "text_offset": offsets}
 
 
 class _ChatFormat(_CompletionFormat):
@@ -383,8 +397,8 @@ class _ChatFormat(_CompletionFormat):
         return f"chatcmpl-{uuid.uuid4().hex}"
 
     def response(self, rid: str, u: Update, prompt_tokens: int) -> dict[str, Any]:
-        choice = {"index": 0, "message": {"role": "assistant", "content": u.text}, "logprobs": None,
-                  "finish_reason": u.finish_reason}
+        choice = {"index": 0, "message": {"role": "assistant", "content": u.text},
+                  "logprobs": self.logprobs(u.logprobs), "finish_reason": u.finish_reason}
         return self._envelope(rid, [choice]) | {"usage": _usage(prompt_tokens, u),
                                                 "speculation": u.speculation}
 
@@ -396,12 +410,24 @@ class _ChatFormat(_CompletionFormat):
         return {"id": rid, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def chunk(self, rid: str, text: str | None, finish_reason: str | None = None) -> dict[str, Any]:
+    def chunk(self, rid: str, text: str | None, finish_reason: str | None = None,
+              logprobs: tuple[ReportedToken, ...] | None = None) -> dict[str, Any]:
         if text is None:
             return self._chunk_envelope(rid, [])
         delta = {"content": text} if text or finish_reason is None else {}
-        return self._chunk_envelope(rid, [{"index": 0, "delta": delta, "logprobs": None,
+        return self._chunk_envelope(rid, [{"index": 0, "delta": delta, "logprobs": self.logprobs(logprobs),
                                            "finish_reason": finish_reason}])
+
+    def logprobs(self, tokens: tuple[ReportedToken, ...] | None) -> dict[str, Any] | None:
+        """OpenAI's chat object: per token its text, value and UTF-8 bytes, and its ``top_logprobs``."""
+        if tokens is None:
+            return None
+
+        def entry(s, value: float) -> dict[str, Any]:
+            return {"token": s.token, "logprob": value, "bytes": list(s.bytes)}
+
+        return {"content": [entry(t.spelling, t.logprob) | {"top_logprobs": [entry(s, v) for s, v in t.top]}
+                            for t in tokens]}
 
 
 # -- health, auth, errors -----------------------------------------------------------------------

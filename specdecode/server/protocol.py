@@ -3,7 +3,10 @@
 Requests are validated strictly: unknown fields, wrong JSON types (``"1"`` or ``true`` for a
 number) and out-of-range values are rejected with a 400 naming the parameter, in OpenAI's error
 shape ``{"error": {"message", "type", "param", "code"}}``. Parameters we do not implement
-(``logprobs``, ``n > 1``, ...) are accepted only at their neutral value.
+(``n > 1``, ``echo``, ...) are accepted only at their neutral value.
+
+Log-probabilities as OpenAI's: completions ``logprobs`` (0..5), chat ``logprobs: true`` with ``top_logprobs``
+(0..20); the target's, under the law of :mod:`specdecode.logprobs`.
 
 ``logit_bias`` (token ids as strings -> [-100, 100]; an id outside the vocabulary is the engine's 400),
 ``presence_penalty`` and ``frequency_penalty`` ([-2, 2], over the generated tokens) work as OpenAI's,
@@ -30,6 +33,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from specdecode.logprobs import LOGPROBS_MAX
 from specdecode.sampling import LOGIT_BIAS_MAX, PENALTY_MAX, SamplingError, SamplingParams
 from specdecode.text import MAX_STOP_CHARS
 
@@ -183,10 +187,7 @@ def _unsupported(req: SamplingFields) -> None:
         "n": (req.n, (None, 1)),
     }
     if isinstance(req, CompletionRequest):
-        neutral |= {"echo": (req.echo, (None, False)), "best_of": (req.best_of, (None, 1)),
-                    "logprobs": (req.logprobs, (None,))}
-    else:
-        neutral |= {"logprobs": (req.logprobs, (None, False)), "top_logprobs": (req.top_logprobs, (None,))}
+        neutral |= {"echo": (req.echo, (None, False)), "best_of": (req.best_of, (None, 1))}
     for name, (value, allowed) in neutral.items():
         if value not in allowed:
             shown = " or ".join(repr(a) for a in allowed if a is not None) or "null"
@@ -265,6 +266,7 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, default_max_tok
         "frequency_penalty": _number(req.frequency_penalty, "frequency_penalty", 0.0, -PENALTY_MAX, PENALTY_MAX, False),
         "repetition_penalty": _positive(req.repetition_penalty, "repetition_penalty"),
         "logit_bias": logit_bias(req.logit_bias),
+        "logprobs": requested_logprobs(req),  # (what is reported, not a processor)
     }
     if req.seed is not None and not -(2**63) <= req.seed < 2**64:
         raise bad_request("'seed' must fit in 64 bits", "seed")
@@ -277,6 +279,27 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, default_max_tok
                               **processing, **fim)
     except SamplingError as exc:  # everything is checked above; this is a backstop
         raise bad_request(str(exc)) from None
+
+
+COMPLETIONS_MAX_LOGPROBS = 5  # OpenAI's legacy completions range; chat's top_logprobs goes to LOGPROBS_MAX (20)
+
+
+def requested_logprobs(req: SamplingFields) -> int | None:
+    """How many top entries to report per token (None: no logprobs): completions ``logprobs`` in [0, 5];
+    chat ``top_logprobs`` in [0, 20], which needs ``logprobs: true`` (OpenAI's rule)."""
+    if isinstance(req, CompletionRequest):
+        if req.logprobs is not None and not 0 <= req.logprobs <= COMPLETIONS_MAX_LOGPROBS:
+            raise bad_request(f"'logprobs' must be an integer in [0, {COMPLETIONS_MAX_LOGPROBS}], got {req.logprobs}",
+                              "logprobs")
+        return req.logprobs
+    top = req.top_logprobs
+    if top is not None and not 0 <= top <= LOGPROBS_MAX:
+        raise bad_request(f"'top_logprobs' must be an integer in [0, {LOGPROBS_MAX}], got {top}", "top_logprobs")
+    if not req.logprobs:
+        if top:  # (0 is accepted without it, as vLLM does)
+            raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return None
+    return top or 0
 
 
 def requested_max_tokens(req: SamplingFields) -> int | None:

@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 
 from specdecode.engine import Engine, PrefillError, RequestError, Sequence
+from specdecode.logprobs import ReportedToken, TokenSpeller
 from specdecode.sampling import SamplingParams
 from specdecode.server.metrics import ServerMetrics
 from specdecode.server.protocol import APIError
@@ -48,6 +49,8 @@ class Update:
     completion_tokens: int = 0
     speculation: dict | None = None
     timing: dict | None = None  # queue, prefill and first-token times of the request (final update)
+    # the request's tokens' logprobs not sent before, spelled (None: it asked for none; specdecode.logprobs)
+    logprobs: tuple[ReportedToken, ...] | None = None
     error: APIError | None = None
 
     @property
@@ -72,6 +75,7 @@ class Handle:
     # engine-thread state
     seq: Sequence | None = None
     first_token_at: float | None = None
+    logprobs_sent: int = 0  # entries of seq.logprobs already pushed
 
     def timing(self) -> dict[str, float | None]:
         """Seconds: queued from arrival until its prefill began, the prefill (first chunk's start to
@@ -134,6 +138,7 @@ class Scheduler:
         self._thread = threading.Thread(target=self._run, name="specdecode-engine", daemon=True)
         self.busy_since: float | None = None  # monotonic start of the engine call in progress
         self.dead: BaseException | None = None
+        self._speller: TokenSpeller | None = None  # built when a request first asks for logprobs
         metrics.bind_state(self)
 
     # -- asyncio side ---------------------------------------------------------------------------
@@ -306,8 +311,9 @@ class Scheduler:
                     self._finish(h, ev.seq.finish_reason)
                 elif h.stream:
                     text = ev.seq.text.delta()
-                    if text:
-                        h.push(Update(text=text))
+                    logprobs = self._new_logprobs(h)
+                    if text or logprobs:
+                        h.push(Update(text=text, logprobs=logprobs))
             except Exception:  # its text or its response: this request fails, the loop serves on
                 log.exception("request %s failed after its step", h.request_id)
                 self._drop(h, row_error())
@@ -324,7 +330,19 @@ class Scheduler:
         elif reason != "abort":
             text = seq.text.delta(final=True) if h.stream else seq.text.finish()
             h.push(Update(text, reason, len(seq.output_ids), speculation_summary(seq, self.engine.lossy),
-                          h.timing()))
+                          h.timing(), logprobs=self._new_logprobs(h)))
+
+    def _new_logprobs(self, h: Handle) -> tuple[ReportedToken, ...] | None:
+        """The request's token logprobs not pushed yet, spelled (each token id spelled once per server, in
+        this thread); None when it asked for none. A stream gets each step's tokens with that step's text
+        (text held back at a possible stop string follows later, its tokens' logprobs do not wait)."""
+        entries = h.seq.logprobs
+        if entries is None:
+            return None
+        if self._speller is None:
+            self._speller = TokenSpeller(self.engine.tokenizer)
+        new, h.logprobs_sent = entries[h.logprobs_sent:], len(entries)
+        return tuple(self._speller.report(e) for e in new)
 
     def _drop(self, h: Handle, error: APIError) -> None:
         """``_finish`` with ``error``; if even that raises, forget the request and still answer it."""
