@@ -21,6 +21,12 @@ drafter and the batch, see :mod:`specdecode.verify.coupled`), and on completions
 stop rule for a fill-in-the-middle request, see :mod:`specdecode.fim`). A ``temperature`` below
 ``sampling.GREEDY_TEMPERATURE`` (1e-5) is greedy.
 
+Structured outputs (:mod:`specdecode.grammar`, exact under speculation): OpenAI's ``response_format``
+(``{"type": "text"}``, ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {"name", "schema",
+"strict"}}``), or the extensions ``regex`` (the whole output matches it) and ``grammar`` (llguidance's Lark-like
+syntax or a llama.cpp GBNF grammar): at most one of them (a ``text`` response_format counts as none), not with
+``ignore_eos``. A spec the engine cannot compile is a 400 naming its field, with the engine's message.
+
 A completions request with a ``suffix`` (any string, ``""`` included: the cursor at the end of a
 file) is fill-in-the-middle: ``prompt`` is the text before the cursor (``""`` allowed: the start of a
 file), ``suffix`` the text after it; without ``suffix`` (or ``null``) it is a plain completion.
@@ -33,6 +39,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from specdecode.grammar import GrammarError, GrammarSpec
 from specdecode.logprobs import LOGPROBS_MAX
 from specdecode.sampling import LOGIT_BIAS_MAX, PENALTY_MAX, SamplingError, SamplingParams
 from specdecode.text import MAX_STOP_CHARS
@@ -102,6 +109,9 @@ class SamplingFields(_Strict):
     ignore_eos: bool = False
     speculation: bool = True
     sampler: Literal["rejection", "coupled"] | None = None  # None: the server's --sampler
+    response_format: Any = None  # OpenAI's object; checked by grammar_spec() for a clear message
+    regex: str | None = None  # extension: the output matches this regex
+    grammar: str | None = None  # extension: a Lark-like or GBNF grammar the output follows
 
     @property
     def include_usage(self) -> bool:
@@ -227,6 +237,38 @@ def logit_bias(bias: dict[str, Any] | None) -> tuple[tuple[int, float], ...]:
     return tuple(out)
 
 
+GRAMMAR_PARAMS = {"json_schema": "response_format", "regex": "regex", "grammar": "grammar"}  # GrammarSpec.kind -> field
+
+
+def grammar_spec(req: SamplingFields) -> GrammarSpec | None:
+    """The request's structured-output spec: ``response_format``, ``regex`` or ``grammar`` (at most one).
+    Shape errors are 400s here; compile errors are the engine's (:func:`grammar_param` names the field)."""
+    given = [name for name in ("response_format", "regex", "grammar") if getattr(req, name) is not None
+             and not (name == "response_format" and isinstance(req.response_format, dict)
+                      and req.response_format.get("type") == "text")]
+    if len(given) > 1:
+        raise bad_request(f"at most one of 'response_format', 'regex' and 'grammar' may be given, got "
+                          f"{' and '.join(repr(g) for g in given)}", given[-1])
+    if not given:
+        return None
+    name = given[0]
+    build = {"response_format": GrammarSpec.from_response_format, "regex": GrammarSpec.regex,
+             "grammar": GrammarSpec.grammar}[name]
+    try:
+        spec = build(getattr(req, name))
+    except GrammarError as exc:
+        raise bad_request(str(exc), name) from None
+    if req.ignore_eos:
+        raise bad_request("'ignore_eos' cannot be combined with a structured output (response_format, regex or "
+                          "grammar): the output ends where the grammar is complete", "ignore_eos")
+    return spec
+
+
+def grammar_param(spec: GrammarSpec) -> str:
+    """The request field a spec came from (``json_schema`` specs: ``response_format``)."""
+    return GRAMMAR_PARAMS[spec.kind]
+
+
 def _positive(value: float | None, name: str) -> float:
     if value is None:
         return 1.0
@@ -276,7 +318,7 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, default_max_tok
     try:
         return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=req.seed,
                               max_new_tokens=max_tokens, stop=stop, ignore_eos=req.ignore_eos, sampler=req.sampler,
-                              **processing, **fim)
+                              grammar=grammar_spec(req), **processing, **fim)
     except SamplingError as exc:  # everything is checked above; this is a backstop
         raise bad_request(str(exc)) from None
 
