@@ -248,7 +248,8 @@ SCHEMA = {  # compact JSON and bounded values: a tiny random model completes it 
 def json_pair():
     tok = json_tokenizer()
     assert len(tok) == 386 and tok.convert_tokens_to_ids("<|end|>") == 385
-    target = make_model(len(tok), seed=2)  # its EOS is the last id, <|end|>
+    target = make_model(392, seed=2)  # wider than the vocabulary, as Qwen's lm_head (a reload adds a token too)
+    target.config.eos_token_id = target.generation_config.eos_token_id = 385  # <|end|>: a second end id
     return tok, target, perturbed_copy(target, noise=0.1)
 
 
@@ -256,8 +257,10 @@ def test_json_schema_speculation_equals_target_only_and_validates(json_pair):
     tok, target, draft = json_pair
     prompts = [tok(p).input_ids for p in ('{"a": 1}', "name: red", "ok")]
     params = SamplingParams(max_new_tokens=60, grammar=GrammarSpec.json_schema(SCHEMA))
+    engine = make_engine(target, tok, draft, k=3)
+    assert {0, 385} <= engine.eos_token_ids  # the tokenizer's and the model's: both end the JSON
     ref = make_engine(target, tok).generate(prompts, params)
-    out = make_engine(target, tok, draft, k=3).generate(prompts, params)
+    out = engine.generate(prompts, params)
     assert [o.token_ids for o in out] == [r.token_ids for r in ref]
     assert sum(o.stats.accepted for o in out) > 0
     schema = {k: v for k, v in SCHEMA.items() if k != "x-guidance"}
@@ -356,3 +359,44 @@ def test_server_refuses_bad_structured_requests_with_400_naming_the_field(json_s
     with json_server.http() as c:
         r = c.post(path, json=body | {"max_tokens": 4} | message[0])
         assert "minLength" in r.json()["error"]["message"]  # llguidance's own words
+
+
+# -- generate ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def json_model_dirs(tmp_path_factory, json_pair):
+    tok, target, draft = json_pair
+    root = tmp_path_factory.mktemp("json-models")
+    for name, model in (("target", target), ("draft", draft)):
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    (root / "schema.json").write_text(json.dumps(SCHEMA))
+    (root / "bad.json").write_text('{"type": "string", "minLength": 5, "maxLength": 2}')
+    (root / "yes.lark").write_text('start: ("yes" | "no") ("," ("yes" | "no"))*\n')
+    return root
+
+
+def test_generate_structured_flags(json_model_dirs, capsys):
+    from specdecode.cli import main
+
+    root = json_model_dirs
+    common = ["generate", "--target", str(root / "target"), "--prompt", '{"n": 3', "--max-new-tokens", "60",
+              "--dtype", "float32", "--json"]
+    assert main(common + ["--json-schema", str(root / "schema.json")]) == 0
+    base = json.loads(capsys.readouterr().out)
+    assert main(common + ["--json-schema", str(root / "schema.json"), "--draft", str(root / "draft"), "-k", "3"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["token_ids"] == base["token_ids"] and spec["stats"]["drafted"] > 0
+    jsonschema.validate(json.loads(spec["text"]), PLAIN_SCHEMA)
+    assert main(common + ["--grammar", str(root / "yes.lark")]) == 0
+    assert regex.fullmatch("(yes|no)(,(yes|no))*", json.loads(capsys.readouterr().out)["text"], partial=True)
+    assert main(common + ["--regex", "[0-9]{3}"]) == 0
+    assert regex.fullmatch("[0-9]{3}", json.loads(capsys.readouterr().out)["text"])
+    for extra, message in ((["--json-schema", str(root / "bad.json")], "minLength"),
+                           (["--json-schema", str(root / "missing.json")], "cannot read"),
+                           (["--regex", "(ab"], "invalid regex"),
+                           (["--grammar", str(root / "schema.json")], "invalid grammar"),
+                           (["--regex", "a+", "--ignore-eos"], "ignore_eos")):
+        assert main(common + extra) == 2, extra
+        assert message in capsys.readouterr().err, extra
+    with pytest.raises(SystemExit):  # argparse: at most one of them
+        main(common + ["--regex", "a", "--json-object"])

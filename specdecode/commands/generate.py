@@ -41,6 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     s.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    g = parser.add_argument_group("structured output (one of; exact under speculation: docs/structured-outputs.md)")
+    g = g.add_mutually_exclusive_group()
+    g.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid against the JSON schema in FILE")
+    g.add_argument("--json-object", action="store_true", help="the output is a JSON object (any)")
+    g.add_argument("--regex", metavar="R", help="the whole output matches the regex R (Rust regex syntax)")
+    g.add_argument("--grammar", metavar="FILE",
+                   help="the output follows the grammar in FILE (llguidance's Lark-like syntax or llama.cpp GBNF)")
     parser.add_argument("--num-samples", type=int, default=1, help="independent samples, decoded as one batch")
     parser.add_argument("--json", action="store_true", help="print one JSON object per sample")
 
@@ -65,6 +72,29 @@ def _logit_bias(items: list[str]) -> dict[int, float]:
     if len(out) < len(items):
         raise ValueError("--logit-bias names a token twice")
     return out
+
+
+def _grammar(args):
+    """The structured-output spec of the flags (None: free text); GrammarError (a ValueError) if malformed."""
+    from pathlib import Path
+
+    from specdecode.grammar import GrammarError, GrammarSpec
+
+    def read(path: str, flag: str) -> str:
+        try:
+            return Path(path).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise GrammarError(f"{flag}: cannot read {path!r}: {exc}") from None
+
+    if args.json_object:
+        return GrammarSpec.json_object()
+    if args.json_schema is not None:
+        return GrammarSpec.json_schema(read(args.json_schema, "--json-schema"))
+    if args.regex is not None:
+        return GrammarSpec.regex(args.regex)
+    if args.grammar is not None:
+        return GrammarSpec.grammar(read(args.grammar, "--grammar"))
+    return None
 
 
 def _prompt_ids(args, tokenizer) -> list[int]:
@@ -133,6 +163,7 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         _validate(args)
+        grammar = _grammar(args)
 
         def params(fim: dict) -> list[SamplingParams]:  # fim: a FIM request's stop fields (specdecode.fim)
             stop = tuple(args.stop) + tuple(s for s in fim.pop("stop", ()) if s not in args.stop)
@@ -140,7 +171,7 @@ def main(args: argparse.Namespace) -> int:
                                    None if args.seed is None else args.seed + i, args.max_new_tokens, stop,
                                    args.ignore_eos, min_p=args.min_p, logit_bias=_logit_bias(args.logit_bias),
                                    presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                                   repetition_penalty=args.repetition_penalty, **fim)
+                                   repetition_penalty=args.repetition_penalty, grammar=grammar, **fim)
                     for i in range(args.num_samples)]
 
         params({})  # the sampling flags are checked before anything loads
