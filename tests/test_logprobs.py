@@ -221,3 +221,20 @@ def test_speller_gives_a_byte_level_vocabulary_its_exact_bytes():
         s.bytes.decode("utf-8")
     offsets, _ = text_offsets([speller.report(TokenLogprob(i, 0.0)) for i in ids])
     assert offsets[0] == 0 and offsets[-1] == len(text)
+
+
+def test_under_a_grammar_masked_tokens_are_never_listed(pair):
+    """A grammar's mask is a processor: a forbidden token's value is -inf, so the top entries hold only
+    tokens the grammar allows there; speculation reports target-only's values."""
+    from specdecode.grammar import GrammarSpec
+    from tiny import ALPHABET
+
+    target, draft = pair
+    params = SamplingParams(max_new_tokens=12, logprobs=6, grammar=GrammarSpec.regex("(ab|c[d-f]+)+g"))
+    base = make_engine(target, TOK, num_slots=2).generate(PROMPTS[:3], params)
+    spec = make_engine(target, TOK, draft, k=3, num_slots=3).generate(PROMPTS[:3], params)
+    assert sum(o.stats.accepted for o in spec) > 0
+    assert_logprobs_match(spec, base)
+    first = {ALPHABET.index(c) for c in "ac"}
+    assert all({i for i, _ in o.logprobs[0].top} == first for o in spec)  # 6 asked, 2 allowed
+    assert all(v > -float("inf") for o in spec for e in o.logprobs for _, v in e.top)

@@ -143,3 +143,18 @@ def test_out_of_range_logprobs_get_a_400_naming_the_parameter(srv, path, body, p
     with srv.http() as c:
         r = c.post(path, json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_a_stop_string_cuts_the_text_and_every_generated_token_is_still_listed(srv):
+    """Tokens of a stop string are generated (usage counts them) and listed; the text ends before them."""
+    with srv.http() as c:
+        full = c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 24, "temperature": 0,
+                                               "logprobs": 1}).json()["choices"][0]
+        stop = full["text"][5:7]  # a stop string that completes inside the run
+        cut = c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 24, "temperature": 0, "logprobs": 1,
+                                              "stop": stop}).json()
+    choice = cut["choices"][0]
+    assert choice["text"] == full["text"][: full["text"].index(stop)] and choice["finish_reason"] == "stop"
+    n = cut["usage"]["completion_tokens"]
+    assert len(choice["logprobs"]["tokens"]) == n
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(full["logprobs"]["token_logprobs"][:n], abs=ATOL)
