@@ -7,6 +7,7 @@ different widths differ by rounding only: up to ~1e-5 measured here once divided
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -21,6 +22,7 @@ from specdecode.logprobs import (LOGPROBS_MAX, REPORTED_FLOOR, TokenLogprob, Tok
 from specdecode.models.hf import HFRunner
 from specdecode.processors import build_processors
 from specdecode.sampling import SamplingError, SamplingParams
+from test_cli_generate import model_dirs  # noqa: F401 (fixture: tiny models saved to directories)
 from tiny import make_engine, make_model, make_tokenizer, perturbed_copy
 
 V = 32
@@ -238,3 +240,23 @@ def test_under_a_grammar_masked_tokens_are_never_listed(pair):
     first = {ALPHABET.index(c) for c in "ac"}
     assert all({i for i, _ in o.logprobs[0].top} == first for o in spec)  # 6 asked, 2 allowed
     assert all(v > -float("inf") for o in spec for e in o.logprobs for _, v in e.top)
+
+
+def test_generate_prints_logprobs_in_its_json_output(model_dirs, capsys):
+    from test_cli_generate import run
+
+    common = ["--target", model_dirs["target"], "--prompt-ids", "1,2,3", "--max-new-tokens", "12", "--ignore-eos",
+              "--dtype", "float32", "--json", "--logprobs", "2"]
+    code, base, _ = run(capsys, *common)
+    assert code == 0
+    code, spec, _ = run(capsys, *common, "--draft", model_dirs["draft"], "-k", "3")
+    assert code == 0
+    base, spec = json.loads(base), json.loads(spec)
+    assert spec["stats"]["drafted"] > 0 and spec["token_ids"] == base["token_ids"]
+    assert [e["token_id"] for e in spec["logprobs"]] == spec["token_ids"]
+    assert "".join(e["token"] for e in spec["logprobs"] if e["token"] != "<eos>") == spec["text"]  # (ignore_eos)
+    for e, f in zip(spec["logprobs"], base["logprobs"]):
+        assert e["logprob"] == pytest.approx(f["logprob"], abs=ATOL) and len(e["top"]) == 2
+        assert [t["token_id"] for t in e["top"]] == [t["token_id"] for t in f["top"]]
+    assert run(capsys, *[a for a in common if a != "--json"])[0] == 2  # printed with --json only
+    assert run(capsys, *common[:-1], "21")[0] == 2

@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the output follows the grammar in FILE (llguidance's Lark-like syntax or llama.cpp GBNF)")
     parser.add_argument("--num-samples", type=int, default=1, help="independent samples, decoded as one batch")
     parser.add_argument("--json", action="store_true", help="print one JSON object per sample")
+    parser.add_argument("--logprobs", type=int, default=None, metavar="N",
+                        help="with --json: each token's log-probability under the target (its law: docs/server.md) "
+                             "and the N (0-20) most likely tokens")
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -136,6 +139,18 @@ def _timing(start: float, first: float | None, end: float, tokens: int) -> dict:
             "decode_tok_s": round((tokens - 1) / decode, 3) if decode > 0 and tokens > 1 else 0.0}
 
 
+def _logprobs_json(entries, tokenizer) -> list[dict]:
+    """Each generated token's id, text and log-probability, and its top entries' (specdecode.logprobs)."""
+    from specdecode.logprobs import TokenSpeller, reported
+
+    speller = TokenSpeller(tokenizer)
+
+    def one(token_id: int, value: float) -> dict:
+        return {"token_id": token_id, "token": speller.spell(token_id).token, "logprob": reported(value)}
+
+    return [one(e.token_id, e.logprob) | {"top": [one(i, v) for i, v in e.top]} for e in entries]
+
+
 def _validate(args: argparse.Namespace) -> None:
     """What can be checked before any model loads (a user error costs no waiting)."""
     if args.num_samples < 1:
@@ -151,6 +166,8 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError("--fim-stop applies to fill-in-the-middle: give --suffix too ('' at the end of a file)")
     if args.prompt_ids is not None and not _parse_ids(args.prompt_ids):
         raise ValueError("--prompt-ids is empty")
+    if args.logprobs is not None and not args.json:
+        raise ValueError("--logprobs are printed in the --json output: add --json")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -171,7 +188,8 @@ def main(args: argparse.Namespace) -> int:
                                    None if args.seed is None else args.seed + i, args.max_new_tokens, stop,
                                    args.ignore_eos, min_p=args.min_p, logit_bias=_logit_bias(args.logit_bias),
                                    presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                                   repetition_penalty=args.repetition_penalty, grammar=grammar, **fim)
+                                   repetition_penalty=args.repetition_penalty, grammar=grammar,
+                                   logprobs=args.logprobs, **fim)
                     for i in range(args.num_samples)]
 
         params({})  # the sampling flags are checked before anything loads
@@ -207,7 +225,7 @@ def main(args: argparse.Namespace) -> int:
                     sys.stdout.flush()
             if ev.finished:
                 ended[seq.request_id] = (Output(seq.request_id, seq.prompt_ids, seq.output_ids, seq.text.finish(),
-                                                seq.finish_reason, seq.stats), time.perf_counter())
+                                                seq.finish_reason, seq.stats, seq.logprobs), time.perf_counter())
     except (SamplingError, RequestError, ValueError, ModelNotFoundError) as exc:
         print(f"specdecode generate: {exc}", file=sys.stderr)
         return 2
@@ -220,6 +238,7 @@ def main(args: argparse.Namespace) -> int:
                               "backend": engine.backend, "where": engine.where(),
                               "target_quantization": engine.target_quantization,
                               "lossy": bool(engine.lossy)}
+                             | ({"logprobs": _logprobs_json(out.logprobs, engine.tokenizer)} if out.logprobs is not None else {})
                              | ({"lossy_because": engine.lossy} if engine.lossy else {})))
             continue
         if live:
