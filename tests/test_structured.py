@@ -400,3 +400,31 @@ def test_generate_structured_flags(json_model_dirs, capsys):
         assert message in capsys.readouterr().err, extra
     with pytest.raises(SystemExit):  # argparse: at most one of them
         main(common + ["--regex", "a", "--json-object"])
+
+
+# -- the load generator ------------------------------------------------------------------------------------
+def test_load_sends_each_prompts_response_format(json_server):
+    from specdecode.bench.prompts import Prompt, load_structured_workload
+    from specdecode.load.client import Target, request_body
+    from specdecode.load.runner import LoadConfig, run_sweep
+    from test_server_harness import KEY
+
+    shipped = load_structured_workload("json_extract", n=1)[0]
+    assert shipped.response_format["type"] == "json_schema"
+    _, body = request_body(Target("A", "http://x"), shipped, 64)
+    assert body["response_format"] == shipped.response_format
+    _, body = request_body(Target("A", "http://x", response_format=False), shipped, 64)
+    assert "response_format" not in body
+    prompts = [Prompt(id=f"j{i}", category="json", text=None, messages=[{"role": "user", "content": q}], kind="chat",
+                      max_new_tokens=60, response_format=RESPONSE_FORMAT) for i, q in enumerate(["a", "bb", "n=3"])]
+    config = LoadConfig(targets=[Target("json", json_server.url, extra_body={"temperature": 0}),
+                                 Target("free", json_server.url, extra_body={"temperature": 0, "ignore_eos": True},
+                                        response_format=False)],
+                        prompts=prompts, levels=[2], num_requests=3, output_len=(60, 60), duration_s=600,
+                        time_limit_s=3600, api_key=KEY)
+    result = run_sweep(config)
+    json_server.wait_idle()
+    constrained, free = result.levels
+    assert all(r.error is None for run in result.levels for r in run.records)
+    assert all(r.output_tokens < 60 for r in constrained.records)  # the JSON ends itself
+    assert all(r.output_tokens == 60 for r in free.records)  # sent without it (ignore_eos would be a 400 with it)

@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="send a fill-in-the-middle prompt's editor rule as specdecode's fim_stop field "
                              "(exact; other servers may refuse it); default: as OpenAI's stop ['\\n'] for the "
                              "line rule, nothing for the block rule")
+    target.add_argument("--no-response-format", dest="response_format", action="store_false",
+                        help="do not send a prompt's response_format (json_extract's JSON schema): unconstrained "
+                             "decoding of the same prompts; by default it is sent (not with ignore_eos on our server)")
     target.add_argument("--request-timeout", type=float, default=300.0, metavar="S")
     work = parser.add_argument_group("workload")
     work.add_argument("--prompts", default="spec-bench",
@@ -133,7 +136,8 @@ def _targets(args: argparse.Namespace) -> list[Any]:
                              f"{[lbl for lbl, _ in specs]}")
         bodies[label] = _json_object(text)
     return [Target(label=label, url=url, model=args.model,
-                   extra_body={**args.extra_body, **bodies.get(label, {})}, fim_stop=args.send_fim_stop)
+                   extra_body={**args.extra_body, **bodies.get(label, {})}, fim_stop=args.send_fim_stop,
+                   response_format=args.response_format)
             for label, url in specs]
 
 

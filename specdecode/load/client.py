@@ -33,13 +33,15 @@ class LoadError(RuntimeError):
 @dataclass(frozen=True)
 class Target:
     """One endpoint configuration: where to send, which model, what extra request fields; ``fim_stop``:
-    send a FIM prompt's editor rule as specdecode's ``fim_stop`` field (else as OpenAI's ``stop``)."""
+    send a FIM prompt's editor rule as specdecode's ``fim_stop`` field (else as OpenAI's ``stop``);
+    ``response_format``: send a prompt's ``response_format`` (structured output, e.g. ``json_extract``)."""
 
     label: str
     url: str
     model: str | None = None
     extra_body: dict[str, Any] = field(default_factory=dict)
     fim_stop: bool = False
+    response_format: bool = True
 
 
 def base_url(url: str) -> str:
@@ -85,6 +87,8 @@ def request_body(target: Target, prompt: Prompt, max_tokens: int) -> tuple[str, 
             body["fim_stop"] = prompt.fim_stop
         elif not target.fim_stop and prompt.fim_stop == "line":
             body["stop"] = ["\n"]
+    if prompt.response_format is not None and target.response_format:
+        body["response_format"] = prompt.response_format
     body.update(target.extra_body)
     body["stream"] = True
     return path, body
