@@ -428,3 +428,50 @@ def test_load_sends_each_prompts_response_format(json_server):
     assert all(r.error is None for run in result.levels for r in run.records)
     assert all(r.output_tokens < 60 for r in constrained.records)  # the JSON ends itself
     assert all(r.output_tokens == 60 for r in free.records)  # sent without it (ignore_eos would be a 400 with it)
+
+
+# -- bench -------------------------------------------------------------------------------------------------
+def test_bench_applies_each_prompts_grammar_and_reports_valid_json(json_model_dirs, tmp_path, capsys):
+    """Engine configs enforce the prompt's response_format (outputs valid, speculation equal to target-only);
+    the transformers baseline is not compared with them; --no-grammar runs the same prompts unconstrained; the
+    report says how many outputs parsed and validated; a resume with the other setting is refused."""
+    import argparse
+
+    from specdecode.bench import cli
+
+    root = json_model_dirs
+    rows = [{"id": f"j{i}", "category": "json", "prompt": p, "max_new_tokens": 40, "response_format": RESPONSE_FORMAT}
+            for i, p in enumerate(['{"n": 3', "ok: "])]
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def bench(out, *extra):
+        parser = argparse.ArgumentParser()
+        cli.add_arguments(parser)
+        return cli.main(parser.parse_args([
+            "--target", str(root / "target"), "--draft", str(root / "draft"), "--dtype", "float32",
+            "--prompts", str(root / "prompts.jsonl"), "--draft-lengths", "3", "--baselines", "hf",
+            "--no-progress", "--warmup-tokens", "2", "--threads", "1", "--out", str(out), *extra]))
+
+    def runs(out):
+        return [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+
+    on, off = tmp_path / "on", tmp_path / "off"
+    assert bench(on) == 0
+    recs = runs(on)
+    engine_runs = [r for r in recs if r["type"] == "run" and r["config"] != "hf"]
+    assert len(engine_runs) == 4 and all(r["grammar"] and r["json_valid"] for r in engine_runs)
+    assert all(r["finish_reason"] == "stop" for r in engine_runs)
+    assert sum(r["stats"]["drafted"] for r in engine_runs) > 0
+    checks = [r for r in recs if r["type"] == "check"]
+    assert [c["config"] for c in checks] == ["spec-k3"] * 2 and all(c["match"] for c in checks)
+    hf = [r for r in recs if r["type"] == "run" and r["config"] == "hf"]
+    assert len(hf) == 2 and not any(r["grammar"] for r in hf)
+    report = (on / "report.md").read_text()
+    assert "## Structured outputs" in report and "| greedy | spec-k3 | on | 2 | 2 (100%) | 2 (100%) |" in report
+    assert bench(off, "--no-grammar") == 0
+    free = [r for r in runs(off) if r["type"] == "run" and r["config"] != "hf"]
+    assert len(free) == 4 and not any(r["grammar"] for r in free) and "json_valid" in free[0]
+    assert [r["token_ids"] for r in free] != [r["token_ids"] for r in engine_runs]
+    capsys.readouterr()
+    assert bench(on, "--no-grammar") == 2
+    assert "grammar" in capsys.readouterr().err

@@ -14,8 +14,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-SETTINGS_KEYS = ("target", "draft", "dtype", "max_new_tokens", "ignore_eos", "seed", "draft_schedule", "backend")
-OLD_DEFAULTS = {"backend": "torch"}  # what runs recorded before a setting existed used
+SETTINGS_KEYS = ("target", "draft", "dtype", "max_new_tokens", "ignore_eos", "seed", "draft_schedule", "backend",
+                 "grammar")
+OLD_DEFAULTS = {"backend": "torch", "grammar": False}  # what runs recorded before a setting existed used
 
 
 def _csv(kind):
@@ -43,6 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--categories", type=_csv(str), default=None, help="comma-separated categories to keep")
     p.add_argument("--seed", type=int, default=0, help="prompt sampling and generation seed (default 0)")
     p.add_argument("--skip-too-long", action="store_true", help="leave out prompts that do not fit the context")
+    p.add_argument("--no-grammar", dest="grammar", action="store_false",
+                   help="decode structured prompts (json_extract) unconstrained; by default the engine configs "
+                        "enforce each prompt's response_format (docs/structured-outputs.md). Either way every "
+                        "output is checked: parsed as JSON, valid against the schema (report's structured section)")
     r = parser.add_argument_group("runs")
     r.add_argument("--draft-lengths", type=_csv(int), default=None,
                    help="comma-separated draft lengths to sweep (default: --num-draft-tokens)")
@@ -92,6 +97,7 @@ def _settings(args: argparse.Namespace) -> dict:
     return {"target": args.target, "draft": args.draft, "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
             "backend": choice.name,  # resolved: a registered backend (specdecode.models.backends)
             "ignore_eos": not args.stop_at_eos, "seed": args.seed, "repeats": args.repeats,
+            "grammar": getattr(args, "grammar", True),  # structured prompts constrained (--no-grammar: not)
             "sampling": args.sampling, "draft_lengths": args.draft_lengths or [args.num_draft_tokens],
             "baselines": args.baselines, "threads": args.threads, "draft_schedule": draft_schedule(args),
             "tree_shapes": args.tree_shapes, "draft_quantization": args.draft_quantization,
@@ -219,7 +225,8 @@ def _prepare(args: argparse.Namespace, meta: dict, configs: list, samplings: lis
     limit = args.max_context or min(model_ctx, 4096)
     if limit > model_ctx:
         raise BenchInputError(f"--max-context {limit} exceeds the model's context of {model_ctx}")
-    bench_prompts, skipped = tokenize_prompts(prompts, pair.tokenizer, args.max_new_tokens, limit, args.skip_too_long)
+    bench_prompts, skipped = tokenize_prompts(prompts, pair.tokenizer, args.max_new_tokens, limit, args.skip_too_long,
+                                              grammar=args.grammar)
     if skipped:
         print(f"skipped {len(skipped)} prompt(s) too long for {limit} tokens: {', '.join(skipped)}", file=sys.stderr)
     meta["prompt_summary"] = _prompt_summary(bench_prompts, args, skipped)
@@ -322,7 +329,8 @@ def make_backend(pair, args: argparse.Namespace, max_context: int):
         return pair.target.next_token_logits(ids, target_only.target)
 
     eps = target_only.target.logit_eps or torch.finfo(target_only.target.dtype).eps
-    return Backend(engine_for, hf_for, target_logits, sorted(target_only.eos_token_ids), eps)
+    return Backend(engine_for, hf_for, target_logits, sorted(target_only.eos_token_ids), eps,
+                   decode=lambda ids: pair.tokenizer.decode(ids, skip_special_tokens=True))
 
 
 def _meta(out: Path, settings: dict, env) -> dict:

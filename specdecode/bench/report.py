@@ -77,7 +77,8 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], meta: dict[str, A
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
-    choices = _choices_section(records)
+    choices, structured = _choices_section(records), structured_section(records)
+    choices += ([""] if choices and structured else []) + structured
     (out_dir / "report.md").write_text(markdown(summary, meta, sessions) + ("\n" + "\n".join(choices) + "\n" if choices else ""),
                                        encoding="utf-8")
     plot(summary, out_dir)
@@ -108,6 +109,30 @@ def markdown(summary: Summary, meta: dict[str, Any], sessions: list[dict[str, An
     lines += ["", "## Plots", ""] + [f"![{p[:-4]}]({p})" for p in PLOTS]
     lines += ["", "## Definitions", "", A.DEFINITIONS, ""]
     return "\n".join(lines)
+
+
+def structured_section(records: list[dict[str, Any]]) -> list[str]:
+    """Structured prompts (a ``response_format``, e.g. json_extract): per sampling setting and config, whether
+    the grammar was on and how many outputs (cut at the first end token) parsed as JSON and were valid against
+    the schema. Empty when no run had one."""
+    runs = [r for r in records if r.get("type") == "run" and "json_parsed" in r]
+    if not runs:
+        return []
+    lines = ["## Structured outputs", "",
+             "Prompts with a response_format: outputs (up to the first end token) that parse as JSON, and that are "
+             "valid against the prompt's schema (jsonschema). With the grammar on (the default; bench --no-grammar "
+             "turns it off) the engine's outputs follow the schema by construction, cut only by max_new_tokens; the "
+             "transformers baselines never apply it.", "",
+             "| sampling | config | grammar | outputs | parsed JSON | valid |", "|---" * 6 + "|"]
+    groups: dict[tuple[str, str, bool], list[dict[str, Any]]] = defaultdict(list)
+    for r in runs:
+        groups[(r["sampling"], r["config"], bool(r.get("grammar")))].append(r)
+    for (sampling, config, grammar), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], A._config_order(kv[0][1]))):
+        parsed = sum(1 for r in rs if r["json_parsed"])
+        valid = sum(1 for r in rs if r.get("json_valid"))
+        lines.append(f"| {sampling} | {config} | {'on' if grammar else 'off'} | {len(rs)} | {parsed} "
+                     f"({parsed / len(rs):.0%}) | {valid} ({valid / len(rs):.0%}) |")
+    return lines
 
 
 def _choices_section(records: list[dict[str, Any]]) -> list[str]:

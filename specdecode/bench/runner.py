@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from specdecode.bench.analysis import TARGET, first_difference, is_near_tie
 from specdecode.drafters import draft_label
 from specdecode.errors import UserError
+from specdecode.grammar import GrammarError, GrammarSpec
 
 if TYPE_CHECKING:
     from specdecode.sampling import SamplingSetting
@@ -164,12 +165,16 @@ class BenchPrompt:
     # (specdecode.fim.stop_fields); empty otherwise
     stops: dict[str, Any] = field(default_factory=dict)
     fim_stop: str | None = None  # a FIM prompt's editor rule (recorded with its runs)
+    response_format: dict[str, Any] | None = None  # a structured prompt's (json_extract): its outputs are checked
+    grammar: GrammarSpec | None = None  # what the engine configs enforce (None: unconstrained, bench --no-grammar)
 
 
 def tokenize_prompts(prompts, tokenizer, max_new_tokens: int, max_context: int,
-                     skip_too_long: bool = False) -> tuple[list[BenchPrompt], list[str]]:
+                     skip_too_long: bool = False, grammar: bool = True) -> tuple[list[BenchPrompt], list[str]]:
     """Chat prompts through the chat template, completion prompts raw, FIM prompts (with a suffix) in
-    the model's FIM format; check they fit the context.
+    the model's FIM format; check they fit the context. A prompt's ``response_format`` becomes the grammar
+    its engine runs enforce (unless ``grammar`` is False: bench ``--no-grammar``); its outputs are checked
+    against it either way.
 
     Returns the prompts and the ids of those skipped as too long (only with ``skip_too_long``).
     """
@@ -197,7 +202,13 @@ def tokenize_prompts(prompts, tokenizer, max_new_tokens: int, max_context: int,
         if len(ids) + new > max_context:
             too_long.append(f"{p.id} ({len(ids)} + {new} tokens)")
             continue
-        out.append(BenchPrompt(p.id, p.category, p.kind, ids, new, stops, rule))
+        spec = None
+        if grammar and p.response_format is not None:
+            try:
+                spec = GrammarSpec.from_response_format(p.response_format)
+            except GrammarError as exc:
+                raise BenchInputError(f"prompt {p.id!r}: {exc}") from None
+        out.append(BenchPrompt(p.id, p.category, p.kind, ids, new, stops, rule, p.response_format, spec))
     if too_long and not skip_too_long:
         raise BenchInputError(
             f"{len(too_long)} prompt(s) do not fit the context of {max_context} tokens (prompt + max new tokens): "
@@ -253,6 +264,31 @@ class RecordStore:
         return None
 
 
+def check_structured(text: str, response_format: dict[str, Any]) -> dict[str, Any]:
+    """Whether an output is what a ``response_format`` asks: ``json_parsed`` (it is one JSON value, after
+    stripping surrounding whitespace) and ``json_valid`` (a JSON object for ``json_object``; valid against the
+    schema for ``json_schema``, by ``jsonschema``; None when the schema cannot be checked)."""
+    import jsonschema
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {"json_parsed": False, "json_valid": False}
+    kind = response_format.get("type")
+    if kind == "json_object":
+        return {"json_parsed": True, "json_valid": isinstance(value, dict)}
+    schema = (response_format.get("json_schema") or {}).get("schema") if kind == "json_schema" else None
+    if schema is None:
+        return {"json_parsed": True, "json_valid": None}
+    try:
+        jsonschema.validate(value, schema)
+    except jsonschema.ValidationError:
+        return {"json_parsed": True, "json_valid": False}
+    except jsonschema.SchemaError:
+        return {"json_parsed": True, "json_valid": None}
+    return {"json_parsed": True, "json_valid": True}
+
+
 # -- one run -------------------------------------------------------------------------------------------
 def run_engine(engine, prompt_ids: list[int], params) -> dict[str, Any]:
     """Drive ``engine.add/step`` for one request, timing every step.
@@ -291,6 +327,7 @@ class Backend:
     target_logits: Callable[[list[int]], Any]  # token ids -> [V] float logits after the last id
     eos_token_ids: list[int]
     logit_eps: float  # machine epsilon of the target's dtype, for near-tie calls
+    decode: Callable[[list[int]], str] | None = None  # output ids -> text (structured prompts' outputs are checked)
 
 
 def rotated(items: list, offset: int) -> list:
@@ -360,9 +397,9 @@ class BenchRunner:
         end_ids = list(prompt.stops.get("stop_token_ids", ()))  # a FIM prompt's end tokens stop every config
         if end_ids:
             eos = sorted(set(eos or ()) | set(end_ids))
-        if config.kind == "engine":
-            params = sampling.params(seed=seed, max_new_tokens=prompt.max_new_tokens, ignore_eos=self.ignore_eos,
-                                     **prompt.stops)
+        if config.kind == "engine":  # a grammar says where its output ends: no ignore_eos with one
+            params = sampling.params(seed=seed, max_new_tokens=prompt.max_new_tokens, grammar=prompt.grammar,
+                                     ignore_eos=self.ignore_eos and prompt.grammar is None, **prompt.stops)
             out = run_engine(self.backend.engine_for(config), prompt.ids, params)
         else:
             hf = self.backend.hf_for(config.assisted).generate(
@@ -370,8 +407,15 @@ class BenchRunner:
             out = {"token_ids": hf.token_ids, "wall_s": hf.wall_s, "prefill_s": None, "finish_reason": None,
                    "stats": None, "steps": None}
         fim = {"fim_stop": prompt.fim_stop} if prompt.fim_stop else {}
+        structured = {}  # a structured prompt's: whether its grammar was on, whether the output is what it asks
+        if prompt.response_format is not None and self.backend.decode is not None:
+            ids = out["token_ids"]  # up to the first end token (an unconstrained run may go on past it)
+            ids = ids[: next((i for i, t in enumerate(ids) if t in self.backend.eos_token_ids), len(ids))]
+            structured = {"grammar": prompt.grammar is not None and config.kind == "engine"} | check_structured(
+                self.backend.decode(ids), prompt.response_format)
         return {"type": "run", "prompt_id": prompt.id, "category": prompt.category, "prompt_kind": prompt.kind,
-                **fim, "sampling": sampling.name, "config": config.name, "k": config.k, "repeat": repeat, "seed": seed,
+                **fim, **structured, "sampling": sampling.name, "config": config.name, "k": config.k,
+                "repeat": repeat, "seed": seed,
                 "prompt_tokens": len(prompt.ids), "new_tokens": len(out["token_ids"]), **out,
                 "finished_at": time.time()}
 
@@ -389,6 +433,8 @@ class BenchRunner:
                     run = self.store.find("run", prompt.id, s.name, c.name, r)
                     if c.name == TARGET or run is None or self.store.has("check", prompt.id, s.name, c.name, r):
                         continue
+                    if prompt.grammar is not None and c.kind != "engine":
+                        continue  # the transformers baselines cannot apply the grammar: nothing to compare
                     self.store.append(self.compare(prompt, s.name, c.name, r, base["token_ids"], run["token_ids"]))
 
     def compare(self, prompt: BenchPrompt, sampling: str, config: str, repeat: int,
