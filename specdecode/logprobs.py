@@ -5,8 +5,8 @@ The law. The log-probability reported for a token emitted at a position whose hi
 
     log_softmax(process(logits_target(h), h) / T)[token]
 
-where ``process`` is the request's logits processors (logit bias, penalties: :mod:`specdecode.processors`)
-and ``T`` its temperature (``T = 1`` for greedy, ``temperature == 0``): the distribution the request
+where ``process`` is the request's logits processors (logit bias, penalties, a grammar's mask:
+:mod:`specdecode.processors`) and ``T`` its temperature (``T = 1`` for greedy, ``temperature == 0``): the distribution the request
 samples from *before truncation* (top-k, top-p, min-p). With no truncation it is exactly the law the
 token was sampled from; with truncation it is the law the truncation is applied to, so a token outside
 the kept set still has a finite value (OpenAI never reports ``-inf``). A token masked by a processor
