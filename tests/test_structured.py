@@ -124,6 +124,24 @@ def test_seeded_coupled_samples_under_a_grammar_equal_target_only(pair, drafter)
     assert all(matches(REGEX, o.text, o.finish_reason == "stop") for o in out)
 
 
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+@pytest.mark.parametrize("topk,nodes", [(1, 0), (3, 8)], ids=["chain", "tree"])
+def test_greedy_under_a_grammar_with_medusa_and_eagle_equals_target_only(kind, topk, nodes):
+    """The heads drafters mask their laws through the same processors: still token for token target-only."""
+    from test_eagle import eagle_engine, tiny_eagle
+    from test_medusa import medusa_engine, tiny_heads
+
+    target = make_model(V, seed=3, hidden=32)
+    params = SamplingParams(max_new_tokens=20, grammar=SPECS["regex"])
+    ref = make_engine(target, TOK).generate(PROMPTS, params)
+    engine = (medusa_engine(target, tiny_heads(target), k=3, topk=topk, nodes=nodes) if kind == "medusa"
+              else eagle_engine(target, tiny_eagle(target), k=3, topk=topk, nodes=nodes))
+    out = engine.generate(PROMPTS, params)
+    assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+    assert sum(o.stats.drafted for o in out) > 0 and sum(o.stats.accepted for o in out) > 0
+    assert all(matches(REGEX, o.text, o.finish_reason == "stop") for o in out)
+
+
 # -- the law -----------------------------------------------------------------------------------------------
 VS = 12
 LAW_REGEX = "a[ab]*"  # position 0 allows only "a"; every later one "a", "b" or the end
