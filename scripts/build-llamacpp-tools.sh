@@ -3,6 +3,7 @@
 # installed llama-cpp-python was built from, with the same flags as scripts/install-llamacpp.sh, so a
 # benchmark compares our engine with llama.cpp's on identical kernels. Output: $DEST/bin (default
 # ~/.cache/specdecode/llama.cpp-tools/bin). Targets may be named as arguments (default: all three).
+# The source gets the same patch as the installed library (scripts/patch_llamacpp.py).
 set -euo pipefail
 DEST="${DEST:-$HOME/.cache/specdecode/llama.cpp-tools}"
 TARGETS=("$@")
@@ -13,6 +14,7 @@ if [ ! -d "$DEST/src/llama_cpp_python-$VERSION" ]; then
   python3 -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$DEST/src"
   tar -xzf "$DEST/src/llama_cpp_python-$VERSION.tar.gz" -C "$DEST/src"
 fi
+python3 "$(dirname "$0")/patch_llamacpp.py" "$DEST/src/llama_cpp_python-$VERSION"
 SRC="$DEST/src/llama_cpp_python-$VERSION/vendor/llama.cpp"
 cmake -S "$SRC" -B "$DEST/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON >/dev/null
