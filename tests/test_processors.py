@@ -184,13 +184,38 @@ def test_check_part_7_passes_and_its_negative_controls_fail():
     pool = EnginePool(lambda k, b: make_engine(target, tok, draft if k else None, k=k, num_slots=b, max_len=32), 1)
     result = check_processors(pool, [[1, 2, 3]], 1e-3, NullProgress(), samples=1000)
     assert result.status == "PASS", result.summary
-    for rec in result.details["records"]:
+    records = {rec["setting"]: rec for rec in result.details["records"]}
+    assert set(records) == {"logit bias", "min-p", "penalised", "grammar"}
+    for rec in records.values():
         runs = rec["runs"]
         assert not runs["engine"]["rejected"] and not runs["draft unprocessed"]["rejected"]
         assert runs["engine"]["accepted"] > 100 and runs["draft unprocessed"]["accepted"] > 0
         assert runs["control: target unprocessed"]["rejected"], rec["setting"]
-        if rec["setting"] == "penalised":
-            assert runs["control: stale penalty state"]["rejected"]
+    assert records["penalised"]["runs"]["control: stale penalty state"]["rejected"]
+    grammar = records["grammar"]
+    assert grammar["runs"]["control: stale grammar state"]["rejected"]
+    assert grammar["regex"].startswith("(") and grammar["regex"].endswith(")[ -;=?-~]*")
+    assert len(grammar["runs"]["engine"]["tests"]) == 4  # the first token, and the second after each of three
+
+
+def test_the_grammar_reference_mask_is_regex_matching_of_token_texts():
+    """The reference check part 7 holds llguidance's masks against: each token's text keeps the output a prefix of
+    a match; end ids only on a whole match; added tokens never; SentencePiece pieces read with their spaces."""
+    from specdecode.check.processors import TokenTexts, _piece_text, grammar_pattern, reference_mask
+
+    tok = make_tokenizer(VS)
+    texts = TokenTexts(tok, VS + 2)  # logits wider than the vocabulary, as Qwen's
+    assert texts.texts[:3] == ["a", "b", "c"] and texts.texts[VS - 1:] == [None, None, None]  # <eos>, past it
+    end = [VS - 1]
+    before = reference_mask("(ab|c)[ -;=?-~]*", texts, "", end)
+    assert before.nonzero().flatten().tolist() == [0, 2]  # a (a prefix of ab) and c; no end yet
+    after_a = reference_mask("(ab|c)[ -;=?-~]*", texts, "a", end)
+    assert after_a.nonzero().flatten().tolist() == [1]
+    after_c = reference_mask("(ab|c)[ -;=?-~]*", texts, "c", end)
+    assert after_c[: VS - 1].all() and after_c[VS - 1] and not after_c[VS:].any()
+    logits = torch.arange(VS + 2, dtype=torch.float32).flip(0)  # a most likely, then b, c, d
+    assert grammar_pattern(logits, texts) == "(b|c|d)[ -;=?-~]*"  # the most likely token is left out
+    assert _piece_text("\u2581def") == " def" and _piece_text("<0x41>") == "A" and _piece_text("<0xC3>") is None
 
 
 # -- server and generate ----------------------------------------------------------------------------------

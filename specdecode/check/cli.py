@@ -39,8 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-prompts", type=int, default=4, help="prompts used, from whichever set (default 4)")
     g.add_argument("--max-prompt-tokens", type=int, default=64, help="keep the last N tokens of each prompt (default 64)")
     g.add_argument("--parts", default=None,
-                   help="parts to run, e.g. 1,3 (default 1-5, and 6 with --sampler coupled; 7: logit bias, penalties "
-                        "and min-p under speculation)")
+                   help="parts to run, e.g. 1,3 (default 1-5, and 6 with --sampler coupled; 7: logit bias, penalties, "
+                        "min-p and a regex grammar under speculation)")
     g.add_argument("--alpha", type=float, default=_DEFAULTS.alpha,
                    help=f"false-alarm probability of the whole check, split over parts 1-2 (default {_DEFAULTS.alpha:g})")
     g.add_argument("--seed", type=int, default=0, help="seed of every random draw the check makes (default 0)")
