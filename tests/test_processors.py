@@ -240,6 +240,38 @@ def test_server_accepts_the_fields_and_answers_400_for_bad_values():
         s.wait_idle()
 
 
+def test_the_openai_client_sends_the_fields_unchanged_and_speculation_equals_target_only():
+    """The official client's own parameters (logit_bias, presence/frequency penalties; repetition_penalty and
+    min_p through extra_body), completions and chat, streamed or not: greedy text equal to target-only under the
+    same processors, with tokens drafted; the bias visibly changes the output."""
+    from test_server_harness import MODEL, engine, reference, serve, tokenizer
+
+    tok = tokenizer()
+    prompt = "abcab"
+    fields = dict(logit_bias={"3": 5, "7": -100}, presence_penalty=0.5, frequency_penalty=1.0)
+    extra = {"repetition_penalty": 1.2, "min_p": 0.1}
+    params = dict(max_new_tokens=12, logit_bias=((3, 5.0), (7, -100.0)), presence_penalty=0.5, frequency_penalty=1.0,
+                  repetition_penalty=1.2, min_p=0.1)
+    with serve(engine()) as s:
+        client = s.openai()
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body=extra,
+                                      **fields)
+        text, finish, _ = reference(tok(prompt).input_ids, **params)
+        assert (r.choices[0].text, r.choices[0].finish_reason) == (text, finish)
+        assert r.model_extra["speculation"]["drafted"] > 0
+        assert text != reference(tok(prompt).input_ids, max_new_tokens=12)[0]  # the fields changed the output
+        streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                             extra_body=extra, **fields)
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == text
+        messages = [{"role": "user", "content": "ab"}]
+        chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                              extra_body=extra, **fields)
+        chat_ids = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                       add_special_tokens=False).input_ids
+        assert chat.choices[0].message.content == reference(chat_ids, **params)[0]
+        s.wait_idle()
+
+
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
