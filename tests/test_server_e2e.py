@@ -112,6 +112,50 @@ def test_streaming_chat_and_done_marker(srv):
     assert events[-1] == "[DONE]" and all("error" not in json.loads(e) for e in events[:-1])
 
 
+def test_n_choices_are_the_seeded_requests_seed_plus_i(srv):
+    """n = 3 at T = 1 with a seed: choice i is the request with seed + i run alone (each reproducible), streamed
+    or not; usage counts the prompt once and every choice's tokens; speculation counts are the choices' sums."""
+    client = srv.openai()
+    kw = dict(model=MODEL, prompt="hello", max_tokens=8, temperature=1.0, seed=41)
+    r = client.completions.create(n=3, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    alone = [client.completions.create(**(kw | {"seed": 41 + i})) for i in range(3)]
+    assert [c.text for c in r.choices] == [a.choices[0].text for a in alone]
+    assert len({c.text for c in r.choices}) > 1  # independent samples
+    assert r.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert r.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    spec = r.model_extra["speculation"]
+    assert spec["drafted"] == sum(a.model_extra["speculation"]["drafted"] for a in alone) and spec["drafted"] > 0
+    chunks = list(client.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **kw))
+    texts, finished = ["", "", ""], set()
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.text
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert texts == [c.text for c in r.choices] and finished == {0, 1, 2}
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_n_greedy_chat_choices_are_identical_and_stream_per_index(srv):
+    client = srv.openai()
+    messages = [{"role": "user", "content": "abc"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0, n=2)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.choices[0].message.content == r.choices[1].message.content == reference(chat_ids(messages),
+                                                                                      max_new_tokens=10)[0]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0, n=2,
+                                                 stream=True))
+    roles = [c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.role == "assistant"]
+    assert sorted(roles) == [0, 1]  # each choice opens with its role
+    texts = ["", ""]
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == [r.choices[0].message.content] * 2
+    srv.wait_idle()
+
+
 def test_models_route_and_unknown_model(srv):
     client = srv.openai()
     assert [m.id for m in client.models.list().data] == [MODEL]
@@ -160,7 +204,8 @@ BAD = [  # (case, body, status, param)
     ("max_tokens huge", _body(max_tokens=10**30), 400, None),
     ("prompt + max_tokens over the context", _body(max_tokens=MAX_LEN - 2), 400, None),
     ("prompt longer than the context", _body(prompt=LONG, max_tokens=1), 400, None),
-    ("n > 1", _body(n=2), 400, "n"),
+    ("n above the cap", _body(n=17), 400, "n"),
+    ("n zero", _body(n=0), 400, "n"),
     ("logprobs above 5", _body(logprobs=6), 400, "logprobs"),
     ("echo", _body(echo=True), 400, "echo"),
     ("penalty", _body(presence_penalty=2.5), 400, "presence_penalty"),

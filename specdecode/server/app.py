@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import hmac
 import ipaddress
 import json
@@ -289,6 +290,7 @@ def _apply_chat_template(tokenizer, messages: list[dict[str, str]]) -> list[int]
 async def _generate(request: Request, req: P.SamplingFields, prompt_ids: list[int], params, fmt) -> Response:
     scheduler: Scheduler = request.app.state.scheduler
     config: ServerConfig = request.app.state.config
+    n = P.choices(req)
     if params.grammar is not None:  # compiled off the event loop (then cached: validate's compile is a copy)
         await _off_loop(request, _compile_grammar, scheduler.engine, params.grammar)
     try:
@@ -297,34 +299,59 @@ async def _generate(request: Request, req: P.SamplingFields, prompt_ids: list[in
         too_long = exc.param is None and len(prompt_ids) + params.max_new_tokens > scheduler.engine.max_context
         raise P.bad_request(str(exc), None if too_long else (exc.param or "prompt"),
                             "context_length_exceeded" if too_long else None) from None
-    try:
-        handle = scheduler.submit(prompt_ids, params, req.stream, req.speculation, fmt.new_id())
+    rid = fmt.new_id()
+    handles: list[Handle] = []
+    try:  # n choices: n requests of their own (ids rid/1, rid/2, ... inside; the response says rid)
+        for i, choice_params in enumerate(P.choice_params(params, n)):
+            handles.append(scheduler.submit(prompt_ids, choice_params, req.stream, req.speculation,
+                                            rid if i == 0 else f"{rid}/{i}"))
     except QueueFull:
+        for h in handles:
+            scheduler.cancel(h)
         request.app.state.metrics.rejected.labels("queue_full").inc()
         raise APIError(429, "the server is at capacity (request queue full); retry later", "rate_limit_error",
                        code="queue_full", headers={"Retry-After": str(config.retry_after_s)}) from None
+    except BaseException:
+        for h in handles:
+            scheduler.cancel(h)
+        raise
     if req.stream:
-        return StreamingResponse(_stream(scheduler, handle, fmt, len(prompt_ids), req.include_usage),
+        return StreamingResponse(_stream(scheduler, handles, rid, fmt, len(prompt_ids), req.include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    update = await _final_update(request, scheduler, handle)
-    if update is None:
+    updates = await _final_updates(request, scheduler, handles)
+    if updates is None:
         return Response(status_code=CLIENT_CLOSED)  # nobody reads it; keeps the 5xx count honest
-    if update.error is not None:
-        raise update.error
-    return JSONResponse(fmt.response(handle.request_id, update, len(prompt_ids)))
+    for update in updates:
+        if update.error is not None:
+            raise update.error
+    return JSONResponse(fmt.response(rid, updates, len(prompt_ids)))
 
 
-async def _final_update(request: Request, scheduler: Scheduler, handle: Handle) -> Update | None:
-    """Wait for the result; ``None`` (and the request cancelled) if the client disconnects first."""
-    waiter = asyncio.ensure_future(handle.updates.get())
+async def _final_updates(request: Request, scheduler: Scheduler, handles: list[Handle]) -> list[Update] | None:
+    """Wait for every choice's result; ``None`` (and every choice cancelled) if the client disconnects first,
+    and the others cancelled as soon as one fails."""
+    waiters = [asyncio.ensure_future(h.updates.get()) for h in handles]
     gone = asyncio.ensure_future(_disconnected(request))
     try:
-        await asyncio.wait({waiter, gone}, return_when=asyncio.FIRST_COMPLETED)
-        return waiter.result() if waiter.done() else None
+        pending = set(waiters)
+        while pending:
+            done, _ = await asyncio.wait(pending | {gone}, return_when=asyncio.FIRST_COMPLETED)
+            if gone in done:
+                return None
+            pending -= done
+            if any(w.result().error is not None for w in done):
+                break
+        return [w.result() if w.done() else Update(error=_sibling_failed()) for w in waiters]
     finally:
-        waiter.cancel()
+        for w in waiters:
+            w.cancel()
         gone.cancel()
-        scheduler.cancel(handle)  # no-op once finished
+        for h in handles:
+            scheduler.cancel(h)  # no-op once finished
+
+
+def _sibling_failed() -> APIError:
+    return APIError(500, "another choice of this request failed", "server_error", code="internal_error")
 
 
 async def _disconnected(request: Request) -> None:
@@ -336,39 +363,82 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-async def _stream(scheduler: Scheduler, handle: Handle, fmt, prompt_tokens: int, include_usage: bool):
-    """SSE events; Starlette cancels this generator when the client disconnects."""
-    rid = handle.request_id
-    try:
-        if (first := fmt.stream_start(rid)) is not None:
-            yield _sse(first)
+async def _stream(scheduler: Scheduler, handles: list[Handle], rid: str, fmt, prompt_tokens: int,
+                  include_usage: bool):
+    """SSE events, every choice's chunks as they come (each carries its ``index``); Starlette cancels this
+    generator when the client disconnects. An error in any choice ends the stream (the others cancelled)."""
+    fmts = [fmt.for_choice(i) for i in range(len(handles))]
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def forward(i: int, handle: Handle) -> None:
         while True:
             update = await handle.updates.get()
+            await merged.put((i, update))
+            if update.final:
+                return
+
+    tasks = [asyncio.ensure_future(forward(i, h)) for i, h in enumerate(handles)]
+    finals: dict[int, Update] = {}
+    try:
+        for f in fmts:
+            if (first := f.stream_start(rid)) is not None:
+                yield _sse(first)
+        while len(finals) < len(handles):
+            i, update = await merged.get()
             if update.error is not None:
                 yield _sse(update.error.body())
                 break
             if not update.final:
-                yield _sse(fmt.chunk(rid, update.text, logprobs=update.logprobs))
+                yield _sse(fmts[i].chunk(rid, update.text, logprobs=update.logprobs))
                 continue
-            last = fmt.chunk(rid, update.text, update.finish_reason, update.logprobs)
+            finals[i] = update
+            last = fmts[i].chunk(rid, update.text, update.finish_reason, update.logprobs)
+            if len(finals) < len(handles):
+                yield _sse(last)
+                continue
+            ordered = [finals[k] for k in range(len(handles))]
             if include_usage:
                 yield _sse(last)
-                last = fmt.chunk(rid, None) | {"usage": _usage(prompt_tokens, update)}
-            yield _sse(last | {"speculation": update.speculation})
-            break
+                last = fmt.chunk(rid, None) | {"usage": _usage(prompt_tokens, ordered)}
+            yield _sse(last | {"speculation": _speculation(ordered)})
     except Exception:  # a bug here must still end the stream properly
         log.exception("streaming failed for request %s", rid)
         yield _sse(APIError(500, "internal error while streaming", "server_error", code="internal_error").body())
     finally:
-        scheduler.cancel(handle)
+        for t in tasks:
+            t.cancel()
+        for h in handles:
+            scheduler.cancel(h)
     yield "data: [DONE]\n\n"
 
 
-def _usage(prompt_tokens: int, update: Update) -> dict:
-    """OpenAI's token counts, extended with the request's server-side times (seconds from arrival:
-    ``queue_time_s``, ``prefill_time_s``, ``time_to_first_token_s``)."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": update.completion_tokens,
-            "total_tokens": prompt_tokens + update.completion_tokens, **(update.timing or {})}
+def _usage(prompt_tokens: int, updates: list[Update]) -> dict:
+    """OpenAI's token counts (the prompt once, every choice's completion tokens), extended with the
+    request's server-side times (seconds from arrival, of choice 0: ``queue_time_s``, ``prefill_time_s``,
+    ``time_to_first_token_s``)."""
+    completion = sum(u.completion_tokens for u in updates)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion, **(updates[0].timing or {})}
+
+
+def _speculation(updates: list[Update]) -> dict | None:
+    """The response's ``speculation`` object: a choice's own, or the choices' counts summed (rates of the sums)."""
+    if len(updates) == 1 or any(u.speculation is None for u in updates):
+        return updates[0].speculation
+    specs = [u.speculation for u in updates]
+    out = dict(specs[0])
+    for key in ("drafted", "accepted", "target_steps", "nodes"):
+        out[key] = sum(sp.get(key) or 0 for sp in specs)
+    out["acceptance_rate"] = out["accepted"] / out["drafted"] if out["drafted"] else None
+    emitted = sum(u.completion_tokens for u in updates)
+    out["tokens_per_step"] = emitted / out["target_steps"] if out["target_steps"] else None
+    if any("choices" in sp for sp in specs):
+        counts: dict = {}
+        for sp in specs:
+            for name, steps in (sp.get("choices") or {}).items():
+                counts[name] = counts.get(name, 0) + steps
+        out["choices"] = counts
+    return out
 
 
 class _CompletionFormat:
@@ -381,13 +451,24 @@ class _CompletionFormat:
     def new_id(self) -> str:
         return f"cmpl-{uuid.uuid4().hex}"
 
+    index = 0  # the choice this format's chunks belong to (for_choice)
+
+    def for_choice(self, index: int) -> "_CompletionFormat":
+        """This format for choice ``index`` of a request (its own running state: text offsets)."""
+        other = copy.copy(self)
+        other.index, other._offsets = index, None
+        return other
+
     def _envelope(self, rid: str, choices: list) -> dict[str, Any]:
         return {"id": rid, "object": self.object, "created": self.created, "model": self.model, "choices": choices}
 
-    def response(self, rid: str, u: Update, prompt_tokens: int) -> dict[str, Any]:
-        choice = {"index": 0, "text": u.text, "logprobs": self.logprobs(u.logprobs), "finish_reason": u.finish_reason}
-        return self._envelope(rid, [choice]) | {"usage": _usage(prompt_tokens, u),
-                                                "speculation": u.speculation}
+    def _choice(self, index: int, u: Update) -> dict[str, Any]:
+        return {"index": index, "text": u.text, "logprobs": self.for_choice(index).logprobs(u.logprobs),
+                "finish_reason": u.finish_reason}
+
+    def response(self, rid: str, updates: list[Update], prompt_tokens: int) -> dict[str, Any]:
+        return self._envelope(rid, [self._choice(i, u) for i, u in enumerate(updates)]) | {
+            "usage": _usage(prompt_tokens, updates), "speculation": _speculation(updates)}
 
     def stream_start(self, rid: str) -> dict[str, Any] | None:
         return None
@@ -396,7 +477,7 @@ class _CompletionFormat:
               logprobs: tuple[ReportedToken, ...] | None = None) -> dict[str, Any]:
         if text is None:  # the usage-only chunk
             return self._envelope(rid, [])
-        return self._envelope(rid, [{"index": 0, "text": text, "logprobs": self.logprobs(logprobs),
+        return self._envelope(rid, [{"index": self.index, "text": text, "logprobs": self.logprobs(logprobs),
                                      "finish_reason": finish_reason}])
 
     def logprobs(self, tokens: tuple[ReportedToken, ...] | None) -> dict[str, Any] | None:
@@ -416,14 +497,12 @@ class _ChatFormat(_CompletionFormat):
     def new_id(self) -> str:
         return f"chatcmpl-{uuid.uuid4().hex}"
 
-    def response(self, rid: str, u: Update, prompt_tokens: int) -> dict[str, Any]:
-        choice = {"index": 0, "message": {"role": "assistant", "content": u.text},
-                  "logprobs": self.logprobs(u.logprobs), "finish_reason": u.finish_reason}
-        return self._envelope(rid, [choice]) | {"usage": _usage(prompt_tokens, u),
-                                                "speculation": u.speculation}
+    def _choice(self, index: int, u: Update) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": u.text},
+                "logprobs": self.logprobs(u.logprobs), "finish_reason": u.finish_reason}
 
     def stream_start(self, rid: str) -> dict[str, Any]:
-        return self._chunk_envelope(rid, [{"index": 0, "delta": {"role": "assistant", "content": ""},
+        return self._chunk_envelope(rid, [{"index": self.index, "delta": {"role": "assistant", "content": ""},
                                            "logprobs": None, "finish_reason": None}])
 
     def _chunk_envelope(self, rid: str, choices: list) -> dict[str, Any]:
@@ -435,7 +514,7 @@ class _ChatFormat(_CompletionFormat):
         if text is None:
             return self._chunk_envelope(rid, [])
         delta = {"content": text} if text or finish_reason is None else {}
-        return self._chunk_envelope(rid, [{"index": 0, "delta": delta, "logprobs": self.logprobs(logprobs),
+        return self._chunk_envelope(rid, [{"index": self.index, "delta": delta, "logprobs": self.logprobs(logprobs),
                                            "finish_reason": finish_reason}])
 
     def logprobs(self, tokens: tuple[ReportedToken, ...] | None) -> dict[str, Any] | None:

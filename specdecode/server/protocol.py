@@ -3,7 +3,11 @@
 Requests are validated strictly: unknown fields, wrong JSON types (``"1"`` or ``true`` for a
 number) and out-of-range values are rejected with a 400 naming the parameter, in OpenAI's error
 shape ``{"error": {"message", "type", "param", "code"}}``. Parameters we do not implement
-(``n > 1``, ``echo``, ...) are accepted only at their neutral value.
+(``echo``, ``best_of``) are accepted only at their neutral value.
+
+``n`` (1..``MAX_CHOICES``): that many independent samples of the prompt, as that many requests to the
+scheduler (each prefills the prompt: no prefill is shared yet); with a ``seed``, choice ``i`` draws with
+``seed + i``, so the choices differ and each is reproducible alone. Greedy choices are identical.
 
 Log-probabilities as OpenAI's: completions ``logprobs`` (0..5), chat ``logprobs: true`` with ``top_logprobs``
 (0..20); the target's, under the law of :mod:`specdecode.logprobs`.
@@ -35,6 +39,7 @@ file), ``suffix`` the text after it; without ``suffix`` (or ``null``) it is a pl
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -45,6 +50,7 @@ from specdecode.sampling import LOGIT_BIAS_MAX, PENALTY_MAX, SamplingError, Samp
 from specdecode.text import MAX_STOP_CHARS
 
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 16  # n: every choice is a request of its own in the scheduler
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # as OpenAI's legacy completions endpoint
 
 
@@ -193,9 +199,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
 
 # -- sampling -----------------------------------------------------------------------------------
 def _unsupported(req: SamplingFields) -> None:
-    neutral = {
-        "n": (req.n, (None, 1)),
-    }
+    neutral = {}
     if isinstance(req, CompletionRequest):
         neutral |= {"echo": (req.echo, (None, False)), "best_of": (req.best_of, (None, 1))}
     for name, (value, allowed) in neutral.items():
@@ -285,6 +289,24 @@ def _number(value: float | None, name: str, default: float, lo: float, hi: float
         interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
         raise bad_request(f"'{name}' must be a number in {interval}, got {value!r}", name)
     return float(value)
+
+
+def choices(req: SamplingFields) -> int:
+    """``n``, checked: how many choices the request asks for."""
+    if req.n is None:
+        return 1
+    if isinstance(req.n, bool) or not 1 <= req.n <= MAX_CHOICES:
+        raise bad_request(f"'n' must be an integer in [1, {MAX_CHOICES}], got {req.n!r}", "n")
+    return req.n
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The parameters of each of ``n`` choices: choice ``i`` of a seeded request draws with ``seed + i``
+    (wrapped into the 64-bit range), an unseeded one with fresh entropy each."""
+    if params.seed is None:
+        return [params] * n
+    return [replace(params, seed=params.seed + i if params.seed + i < 2**64 else params.seed + i - 2**64)
+            for i in range(n)]
 
 
 def sampling_params(req: SamplingFields, max_tokens: int | None, default_max_tokens: int,
