@@ -172,35 +172,46 @@ CODE_WORKLOADS_DIR = Path(__file__).resolve().parents[1] / "data" / "code_worklo
 CODE_SPLITS = ("dev", "test")
 
 
+def _load_shipped(kind: str, name: str, names: tuple[str, ...], folder: Path, script: str, split: str | None,
+                  n: int | None, seed: int, make) -> list[Prompt]:
+    """Prompts of a workload file shipped in ``folder`` (``<name>.jsonl``, rows with ``id``, ``category``,
+    ``split``; ``make(row)`` builds each Prompt), ``split``'s half only, ``n`` sampled in total."""
+    if name not in names:
+        raise PromptSetError(f"unknown {kind} {name!r}: use {', '.join(names)}")
+    if split is not None and split not in CODE_SPLITS:
+        raise PromptSetError(f"bad split {name}:{split}: use {name}:dev or {name}:test")
+    file = folder / f"{name}.jsonl"
+    if not file.is_file():
+        raise PromptSetError(f"{file} is missing: reinstall specdecode or run {script}")
+    prompts = []
+    for lineno, row in read_jsonl(file):
+        if split is not None and row.get("split") != split:
+            continue
+        try:
+            prompts.append(make(row))
+        except (KeyError, ValueError) as exc:
+            raise PromptSetError(f"{file}:{lineno}: bad row ({type(exc).__name__}: {exc})") from None
+    label = name if split is None else f"{name}:{split}"
+    return _non_empty(_sample(prompts, n, seed, label), f"{kind} {label} ({file})")
+
+
 def load_code_workload(name: str, split: str | None = None, n: int | None = None, seed: int = 0) -> list[Prompt]:
     """A code workload shipped in ``specdecode/data/code_workloads`` (cut by ``scripts/cut_workloads.py``
     from real PyPI sources; see its README): ``fim`` (fill-in-the-middle completion prompts: ``text`` the
     prefix, with ``suffix``, ``fim_stop`` and ``max_new_tokens`` from the file) or ``code_edit`` (chat
     prompts: rewrite a function with one change). ``split`` keeps its ``dev`` (tune) or ``test``
     (report) half; ``n`` samples that many in total."""
-    if name not in CODE_WORKLOADS:
-        raise PromptSetError(f"unknown code workload {name!r}: use {', '.join(CODE_WORKLOADS)}")
-    if split is not None and split not in CODE_SPLITS:
-        raise PromptSetError(f"bad split {name}:{split}: use {name}:dev or {name}:test")
-    file = CODE_WORKLOADS_DIR / f"{name}.jsonl"
-    if not file.is_file():
-        raise PromptSetError(f"{file} is missing: reinstall specdecode or run scripts/cut_workloads.py")
-    prompts = []
-    for lineno, row in read_jsonl(file):
-        if split is not None and row.get("split") != split:
-            continue
-        try:
-            if name == "fim":
-                prompts.append(Prompt(id=row["id"], category=row["category"], text=row["prefix"], messages=None,
-                                      kind="completion", max_new_tokens=row.get("max_new_tokens"),
-                                      suffix=row["suffix"], fim_stop=row.get("fim_stop")))
-            else:
-                prompts.append(Prompt(id=row["id"], category=row["category"], text=None, messages=row["messages"],
-                                      kind="chat", max_new_tokens=row.get("max_new_tokens")))
-        except (KeyError, ValueError) as exc:
-            raise PromptSetError(f"{file}:{lineno}: bad row ({type(exc).__name__}: {exc})") from None
-    return _non_empty(_sample(prompts, n, seed, name if split is None else f"{name}:{split}"),
-                      f"code workload {name}{'' if split is None else ':' + split} ({file})")
+
+    def make(row: dict) -> Prompt:
+        if name == "fim":
+            return Prompt(id=row["id"], category=row["category"], text=row["prefix"], messages=None,
+                          kind="completion", max_new_tokens=row.get("max_new_tokens"),
+                          suffix=row["suffix"], fim_stop=row.get("fim_stop"))
+        return Prompt(id=row["id"], category=row["category"], text=None, messages=row["messages"],
+                      kind="chat", max_new_tokens=row.get("max_new_tokens"))
+
+    return _load_shipped("code workload", name, CODE_WORKLOADS, CODE_WORKLOADS_DIR, "scripts/cut_workloads.py",
+                         split, n, seed, make)
 
 
 STRUCTURED_WORKLOADS = ("json_extract",)
@@ -214,25 +225,13 @@ def load_structured_workload(name: str, split: str | None = None, n: int | None 
     prompts that quote package metadata, a changelog section or tool settings and ask for JSON matching a
     schema, each with its ``response_format`` and ``max_new_tokens``). ``split`` keeps its ``dev`` (tune)
     or ``test`` (report) half; ``n`` samples that many in total."""
-    if name not in STRUCTURED_WORKLOADS:
-        raise PromptSetError(f"unknown structured workload {name!r}: use {', '.join(STRUCTURED_WORKLOADS)}")
-    if split is not None and split not in CODE_SPLITS:
-        raise PromptSetError(f"bad split {name}:{split}: use {name}:dev or {name}:test")
-    file = STRUCTURED_DIR / f"{name}.jsonl"
-    if not file.is_file():
-        raise PromptSetError(f"{file} is missing: reinstall specdecode or run scripts/cut_structured.py")
-    prompts = []
-    for lineno, row in read_jsonl(file):
-        if split is not None and row.get("split") != split:
-            continue
-        try:
-            prompts.append(Prompt(id=row["id"], category=row["category"], text=None, messages=row["messages"],
-                                  kind="chat", max_new_tokens=row.get("max_new_tokens"),
-                                  response_format=row["response_format"]))
-        except (KeyError, ValueError) as exc:
-            raise PromptSetError(f"{file}:{lineno}: bad row ({type(exc).__name__}: {exc})") from None
-    return _non_empty(_sample(prompts, n, seed, name if split is None else f"{name}:{split}"),
-                      f"structured workload {name}{'' if split is None else ':' + split} ({file})")
+
+    def make(row: dict) -> Prompt:
+        return Prompt(id=row["id"], category=row["category"], text=None, messages=row["messages"], kind="chat",
+                      max_new_tokens=row.get("max_new_tokens"), response_format=row["response_format"])
+
+    return _load_shipped("structured workload", name, STRUCTURED_WORKLOADS, STRUCTURED_DIR,
+                         "scripts/cut_structured.py", split, n, seed, make)
 
 
 def load_jsonl(path: str | os.PathLike[str]) -> list[Prompt]:
