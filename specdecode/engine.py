@@ -328,7 +328,11 @@ class Engine:
     def prefill(self, budget: int | None = None) -> list[Sequence]:
         """Prefill the target on waiting prompts in admission order, at most ``budget`` tokens in all
         (None: all of them), in one batched pass; a prompt may stop mid-way and continue at the next
-        call. Those whose prompt is complete join the running batch (returned).
+        call. Those whose prompt is complete join the running batch (returned). A prompt equal to an earlier
+        one in the queue, and as far along, is not computed again: its cache is copied from that one's
+        (``copy_slot``; the choices of an ``n > 1`` request, or equal prompts admitted together), costing no
+        budget; the drafter still prefills each. Prompts keep their queue order: a copy that is complete waits
+        in ``prefilling`` until those before it are.
 
         The drafter prefills the same prompts right after, unless ``first_token_from_target``: then a
         new sequence's first step drafts nothing, so its first token comes from the target alone,
@@ -336,37 +340,60 @@ class Engine:
         the start of the sequence's second step (target features it wants are kept until then), so
         speculation never delays the first token."""
         chunks: list[tuple[Sequence, int]] = []  # (sequence, tokens this call)
-        left = budget
+        leaders: dict[tuple[int, ...], tuple[Sequence, int]] = {}  # prompt -> its first sequence and chunk
+        followers: list[tuple[Sequence, Sequence, int]] = []  # (sequence, the one it copies, tokens it gains)
+        left, exhausted = budget, False
         for s in self.prefilling:
             n = len(s.prompt_ids) - 1 - s.prefilled
+            if n > 0 and (lead := leaders.get(tuple(s.prompt_ids))) is not None:
+                gain = lead[0].prefilled + lead[1] - s.prefilled  # (an earlier equal prompt is at least as far)
+                # copy the earlier one's cache; with target features for the drafter only from the same point
+                if gain > 0 and (not self.feature_layers or s.prefilled == lead[0].prefilled):
+                    followers.append((s, lead[0], gain))
+                    chunks.append((s, gain))
+                    continue
+            if exhausted:
+                continue  # waits for the next call (an equal prompt later in the queue may still copy)
             if left is not None:
                 if left <= 0 and n > 0:
-                    break
+                    exhausted = True
+                    continue
                 n = min(n, left)
                 left -= n
             chunks.append((s, n))
+            if n > 0:
+                leaders.setdefault(tuple(s.prompt_ids), (s, n))
         if not chunks:
             return []
         t0 = time.perf_counter()
         for s, _ in chunks:
             if s.prefill_began is None:
                 s.prefill_began = t0
-        work = [(s, n) for s, n in chunks if n > 0]
+        work = [(s, n) for s, n in chunks if n > 0 and not any(s is f for f, _, _ in followers)]
         if work:
             pieces = [s.prompt_ids[s.prefilled: s.prefilled + n] for s, n in work]
             try:
                 feats = self.target.prefill([s.slot for s, _ in work], pieces, self.feature_layers,
                                             starts=[s.prefilled for s, _ in work])
             except Exception as exc:
-                for s, _ in work:
+                failed = [s for s, _ in work] + [f for f, _, _ in followers]
+                for s in failed:
                     self.abort(s)
-                raise PrefillError([s for s, _ in work]) from exc
+                raise PrefillError(failed) from exc
             for (s, n), piece, f in zip(work, pieces, feats):
                 if self.feature_layers:
                     s.draft.early_features.append(TargetFeatures(s.prefilled, piece, f))
                 s.prefilled += n
+        for s, lead, n in followers:  # (n choices of one request, or equal prompts admitted together)
+            self.target.copy_slot(lead.slot, s.slot, lead.prefilled)
+            if self.feature_layers:
+                s.draft.early_features.append(lead.draft.early_features[-1])
+            s.prefilled += n
+            s.stats.prefill_copied += n
         t1 = time.perf_counter()
         for s, _ in work:
+            s.stats.prefill_s += t1 - t0
+        for s, _, _ in followers:
             s.stats.prefill_s += t1 - t0
         done = list(itertools.takewhile(lambda s: s.prefilled == len(s.prompt_ids) - 1, self.prefilling))
         for s in done:  # the first ones in admission order: their slots follow the running block already

@@ -36,6 +36,7 @@ class SpecStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     prefill_s: float = 0.0
+    prefill_copied: int = 0  # prompt tokens whose cache was copied from an equal prompt's (Engine.prefill)
     choices: dict[str, int] = field(default_factory=dict)  # --draft-policy auto: steps per choice ("ngram:k4", "off")
 
     def record_choice(self, label: str) -> None:
@@ -57,7 +58,8 @@ class SpecStats:
             self.accepted_at[j] += 1
 
     def merge(self, other: SpecStats) -> None:
-        for name in ("target_steps", "drafted", "accepted", "emitted", "nodes", "draft_s", "verify_s", "prefill_s"):
+        for name in ("target_steps", "drafted", "accepted", "emitted", "nodes", "draft_s", "verify_s", "prefill_s",
+                     "prefill_copied"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         n = max(len(self.drafted_at), len(other.drafted_at))
         pad = lambda xs: xs + [0] * (n - len(xs))  # noqa: E731

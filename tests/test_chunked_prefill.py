@@ -311,3 +311,68 @@ def test_engine_refuses_a_budget_below_one(pair):
     target, _ = pair
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         Engine(HFRunner(target), TOK, None, 0, max_batch_size=1, max_context=64, max_num_batched_tokens=0)
+
+
+@pytest.mark.parametrize("budget", [None, 7])
+def test_equal_prompts_admitted_together_share_one_prefill(pair, budget):
+    """Three copies of one prompt and another prompt in one batch (the choices of an n > 1 request), served
+    (first token from the target): the target prefills each distinct prompt once (whole or in chunks) and copies
+    its cache to the copies, which cost no budget; every output equals its request run alone at the same budget
+    (greedy and seeded: a copy's drafter starts when it would alone), with tokens drafted."""
+    a, b = PROMPTS[2], PROMPTS[5]
+    prompts = [a, a, b, a]
+    params = [SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_new_tokens=10, temperature=1.0, seed=7, ignore_eos=True),
+              SamplingParams(max_new_tokens=10, temperature=1.0, seed=8, ignore_eos=True),
+              SamplingParams(max_new_tokens=10, temperature=1.0, seed=9, ignore_eos=True)]
+    alone = [_engine(pair, budget=budget, slots=1, first_token_from_target=True).generate([p], [q])[0]
+             for p, q in zip(prompts, params)]
+    eng = _engine(pair, budget=budget, slots=4, first_token_from_target=True)
+    calls = _record_prefills(eng)
+    outs = eng.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in alone]
+    assert sum(o.stats.drafted for o in outs) > 0
+    computed = sum(sum(lengths) for _, lengths, _ in calls)
+    assert computed == (len(a) - 1) + (len(b) - 1)  # each distinct prompt once
+    assert [o.stats.prefill_copied for o in outs] == [0, len(a) - 1, 0, len(a) - 1]
+    if budget is not None:
+        assert all(sum(lengths) <= budget for _, lengths, _ in calls)
+
+
+def test_a_shared_prefill_that_fails_aborts_its_copies_too(pair):
+    eng = _engine(pair, slots=3)
+    real = eng.target.prefill
+
+    def broken(slots, prompts, layers=(), starts=None):
+        raise RuntimeError("injected")
+
+    eng.target.prefill = broken
+    seqs = eng.admit([(PROMPTS[0], SamplingParams(max_new_tokens=3), None)] * 2)
+    with pytest.raises(PrefillError) as err:
+        eng.prefill()
+    assert set(map(id, err.value.seqs)) == set(map(id, seqs)) and not eng.prefilling
+    eng.target.prefill = real
+    assert eng.generate([PROMPTS[1]], SamplingParams(max_new_tokens=3, ignore_eos=True))[0].token_ids
+
+
+def test_equal_prompts_share_the_prefill_with_feature_drafters_too():
+    """EAGLE and Medusa read the target's prompt features: a copy takes its leader's features of the same
+    chunk, so its drafts (and outputs) are those it would make alone; budget 6 (chunks) and whole."""
+    from test_eagle import eagle_engine, tiny_eagle
+    from test_medusa import medusa_engine, tiny_heads
+
+    target = make_model(V, seed=3, hidden=32)
+    prompts = [PROMPTS[2], PROMPTS[2], PROMPTS[0], PROMPTS[2]]
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    for build in (lambda: medusa_engine(target, tiny_heads(target), k=3),
+                  lambda: eagle_engine(target, tiny_eagle(target, layers=("layer1", "layer2")), k=3)):
+        for budget in (None, 6):
+            eng = build()
+            eng.max_num_batched_tokens, eng.first_token_from_target = budget, True
+            alone = [eng.generate([p], params)[0] for p in prompts]
+            eng = build()
+            eng.max_num_batched_tokens, eng.first_token_from_target = budget, True
+            outs = eng.generate(prompts, params)
+            assert [o.token_ids for o in outs] == [o.token_ids for o in alone]
+            assert [o.stats.accepted for o in outs] == [o.stats.accepted for o in alone]
+            assert sum(o.stats.prefill_copied for o in outs) == 2 * (len(PROMPTS[2]) - 1)

@@ -6,8 +6,9 @@ shape ``{"error": {"message", "type", "param", "code"}}``. Parameters we do not 
 (``echo``, ``best_of``) are accepted only at their neutral value.
 
 ``n`` (1..``MAX_CHOICES``): that many independent samples of the prompt, as that many requests to the
-scheduler (each prefills the prompt: no prefill is shared yet); with a ``seed``, choice ``i`` draws with
-``seed + i``, so the choices differ and each is reproducible alone. Greedy choices are identical.
+scheduler (admitted together, the target prefills the prompt once and copies its cache to the others:
+:meth:`Engine.prefill`); with a ``seed``, choice ``i`` draws with ``seed + i``, so the choices differ and
+each is reproducible alone. Greedy choices are identical.
 
 Log-probabilities as OpenAI's: completions ``logprobs`` (0..5), chat ``logprobs: true`` with ``top_logprobs``
 (0..20); the target's, under the law of :mod:`specdecode.logprobs`.
