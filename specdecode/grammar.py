@@ -26,6 +26,8 @@ text, which is exact for tokenizers whose decoder concatenates tokens.
 
 from __future__ import annotations
 
+import time
+
 import copy
 import json
 import threading
@@ -286,6 +288,8 @@ class GrammarProcessor:
         self._end_bytes = (torch.tensor(list(by_byte), dtype=torch.long),
                            torch.tensor(list(by_byte.values()), dtype=torch.uint8))  # distinct bytes, their end bits
         self.ended = False  # an end token was committed
+        self.mask_s = 0.0  # time spent in apply (the masks of target and draft rows), and the rows it masked
+        self.mask_rows = 0
 
     @property
     def accepting(self) -> bool:
@@ -338,6 +342,7 @@ class GrammarProcessor:
 
     def apply(self, logits: Tensor, prefixes: Prefixes) -> Tensor:
         """``logits`` [P, W] raw logits of one request -> masked copy [P, W]; the input is not written."""
+        t0 = time.perf_counter()
         bits, live, complete = self.masks(prefixes)
         packed = bits.view(torch.uint8)  # [P, 4 * words]: token t is bit t % 8 of byte t // 8
         cols, flags = self._end_bytes
@@ -349,6 +354,8 @@ class GrammarProcessor:
         dead = [p for p in range(len(prefixes)) if not live[p]]
         if dead:  # never used (class docstring): raw rows keep every law finite
             out[dead] = logits[dead]
+        self.mask_s += time.perf_counter() - t0
+        self.mask_rows += len(prefixes)
         return out
 
     def commit(self, tokens: Sequence[int]) -> None:

@@ -509,10 +509,14 @@ def test_bench_applies_each_prompts_grammar_and_reports_valid_json(json_model_di
     hf = [r for r in recs if r["type"] == "run" and r["config"] == "hf"]
     assert len(hf) == 2 and not any(r["grammar"] for r in hf)
     report = (on / "report.md").read_text()
-    assert "## Structured outputs" in report and "| greedy | spec-k3 | on | 2 | 2 (100%) | 2 (100%) |" in report
+    assert "## Structured outputs" in report and "| greedy | spec-k3 | on | 2 | 2 (100%) | 2 (100%) | " in report
+    assert all(r["mask_rows"] >= r["new_tokens"] and r["mask_s"] > 0 for r in engine_runs)  # target + draft rows
+    line = next(x for x in report.splitlines() if x.startswith("| greedy | spec-k3 | on |"))
+    assert line.count("|") == 10 and line.rstrip(" |").endswith("%")  # mask ms / token, ms / row, share of wall
     assert bench(off, "--no-grammar") == 0
     free = [r for r in runs(off) if r["type"] == "run" and r["config"] != "hf"]
     assert len(free) == 4 and not any(r["grammar"] for r in free) and "json_valid" in free[0]
+    assert not any("mask_s" in r for r in free)
     assert [r["token_ids"] for r in free] != [r["token_ids"] for r in engine_runs]
     capsys.readouterr()
     assert bench(on, "--no-grammar") == 2

@@ -123,15 +123,25 @@ def structured_section(records: list[dict[str, Any]]) -> list[str]:
              "valid against the prompt's schema (jsonschema). With the grammar on (the default; bench --no-grammar "
              "turns it off) the engine's outputs follow the schema by construction, cut only by max_new_tokens; the "
              "transformers baselines never apply it.", "",
-             "| sampling | config | grammar | outputs | parsed JSON | valid |", "|---" * 6 + "|"]
+             "Mask time: the grammar engine's time computing and applying the masks (target and draft rows), per "
+             "generated token and as a share of the runs' wall time.", "",
+             "| sampling | config | grammar | outputs | parsed JSON | valid | mask ms / token | mask ms / row | "
+             "mask share of wall |", "|---" * 9 + "|"]
     groups: dict[tuple[str, str, bool], list[dict[str, Any]]] = defaultdict(list)
     for r in runs:
         groups[(r["sampling"], r["config"], bool(r.get("grammar")))].append(r)
     for (sampling, config, grammar), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], A._config_order(kv[0][1]))):
         parsed = sum(1 for r in rs if r["json_parsed"])
         valid = sum(1 for r in rs if r.get("json_valid"))
+        timed = [r for r in rs if "mask_s" in r]
+        mask = "– | – | –"
+        if timed:
+            mask_s, rows = sum(r["mask_s"] for r in timed), sum(r["mask_rows"] for r in timed)
+            tokens, wall = sum(r["new_tokens"] for r in timed), sum(r["wall_s"] for r in timed)
+            mask = (f"{1e3 * mask_s / max(tokens, 1):.2f} | {1e3 * mask_s / max(rows, 1):.2f} | "
+                    f"{mask_s / wall:.1%}" if wall else "– | – | –")
         lines.append(f"| {sampling} | {config} | {'on' if grammar else 'off'} | {len(rs)} | {parsed} "
-                     f"({parsed / len(rs):.0%}) | {valid} ({valid / len(rs):.0%}) |")
+                     f"({parsed / len(rs):.0%}) | {valid} ({valid / len(rs):.0%}) | {mask} |")
     return lines
 
 
