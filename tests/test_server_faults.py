@@ -112,6 +112,28 @@ def test_prefill_failure_fails_only_that_request():
         s.wait_idle()
 
 
+def test_a_failed_prefill_of_an_n_choice_request_fails_it_once_with_its_own_error():
+    """n = 3 shares one prefill: its failure aborts every choice; the answer is the prefill's 500 (not a
+    sibling's), streamed or not, and the next n = 3 request is served whole."""
+    with serve(engine(k=3)) as s:
+        arm = one_shot_failure(s.scheduler.engine.target, "prefill")
+        body = {"prompt": "abcab", "max_tokens": 5, "n": 3, "temperature": 0}
+        with s.http() as c:
+            arm()
+            r = c.post("/v1/completions", json=body)
+            err = _error_of(r.text)
+            assert r.status_code == 500 and err["code"] == "internal_error"
+            assert "another choice" not in err["message"]
+            arm()
+            with c.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
+                events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]" and _error_of(events[-2])["code"] == "internal_error"
+            r = c.post("/v1/completions", json=body)
+            texts = [ch["text"] for ch in r.json()["choices"]]
+            assert r.status_code == 200 and texts == [reference(ids("abcab"), max_new_tokens=5)[0]] * 3
+        s.wait_idle()
+
+
 def test_health_reports_a_wedged_engine():
     with serve(engine(k=3), wedge_timeout_s=0.3) as s:
         runner, release, entered = s.scheduler.engine.target, threading.Event(), threading.Event()

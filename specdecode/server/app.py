@@ -321,9 +321,9 @@ async def _generate(request: Request, req: P.SamplingFields, prompt_ids: list[in
     updates = await _final_updates(request, scheduler, handles)
     if updates is None:
         return Response(status_code=CLIENT_CLOSED)  # nobody reads it; keeps the 5xx count honest
-    for update in updates:
-        if update.error is not None:
-            raise update.error
+    errors = [u.error for u in updates if u.error is not None]
+    if errors:  # the choice's own error first (the others were cancelled because of it)
+        raise next((e for e in errors if e.message != SIBLING_FAILED), errors[0])
     return JSONResponse(fmt.response(rid, updates, len(prompt_ids)))
 
 
@@ -350,8 +350,11 @@ async def _final_updates(request: Request, scheduler: Scheduler, handles: list[H
             scheduler.cancel(h)  # no-op once finished
 
 
+SIBLING_FAILED = "another choice of this request failed"
+
+
 def _sibling_failed() -> APIError:
-    return APIError(500, "another choice of this request failed", "server_error", code="internal_error")
+    return APIError(500, SIBLING_FAILED, "server_error", code="internal_error")
 
 
 async def _disconnected(request: Request) -> None:
