@@ -761,6 +761,24 @@ def test_greedy_auto_over_a_model_and_ngram_equals_target_only():
     assert set(choices) >= {"model", "ngram"}  # both were used in this run
 
 
+def test_greedy_auto_under_a_grammar_equals_constrained_target_only():
+    """The selector over a draft model and n-gram lookup, every request under a regex grammar (issue 40): token
+    for token what constrained target-only decoding emits, tokens drafted and accepted, every output in the
+    grammar."""
+    import regex
+
+    from specdecode.grammar import GrammarSpec
+
+    target = make_model(V, seed=0)
+    params = SamplingParams(max_new_tokens=20, grammar=GrammarSpec.regex("[a-f]+( [a-f]+)*"))
+    reference = Engine(HFRunner(target), TOK, None, 0, max_batch_size=2, max_context=80).generate(PROMPTS, params)
+    _, engine = auto_engine(target, perturbed_copy(target, 0.2), slots=2)
+    outs = engine.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    assert sum(o.stats.drafted for o in outs) > 0 and sum(o.stats.accepted for o in outs) > 0
+    assert all(regex.fullmatch("[a-f]+( [a-f]+)*", o.text, partial=o.finish_reason != "stop") for o in outs)
+
+
 @pytest.mark.parametrize("sp", [SamplingParams(1.0), SamplingParams(0.7, top_p=0.9)], ids=["T1", "T0.7-p0.9"])
 def test_auto_over_mixed_drafters_keeps_the_target_law(sp):
     """4000 samples of the first two tokens, the selector choosing between a draft model and n-gram
