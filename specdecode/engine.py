@@ -369,7 +369,8 @@ class Engine:
         for s, _ in chunks:
             if s.prefill_began is None:
                 s.prefill_began = t0
-        work = [(s, n) for s, n in chunks if n > 0 and not any(s is f for f, _, _ in followers)]
+        copies = {id(f) for f, _, _ in followers}
+        work = [(s, n) for s, n in chunks if n > 0 and id(s) not in copies]
         if work:
             pieces = [s.prompt_ids[s.prefilled: s.prefilled + n] for s, n in work]
             try:

@@ -26,11 +26,10 @@ text, which is exact for tokenizers whose decoder concatenates tokens.
 
 from __future__ import annotations
 
-import time
-
 import copy
 import json
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass

@@ -212,10 +212,12 @@ def engines(spec: Engine, params: SamplingParams) -> dict[str, tuple[Engine, Sam
            "draft unprocessed": (engine(DraftSees(spec.drafter, NEUTRAL, vocab)), params),
            "control: target unprocessed": (engine(DraftSees(spec.drafter, processed, vocab, grammars, ends)),
                                            replace(params, **NEUTRAL))}
-    if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1:
-        out["control: stale penalty state"] = (engine(verifier=replace(spec.verifier, process=stale_process)), params)
-    if params.grammar is not None:
-        out["control: stale grammar state"] = (engine(verifier=replace(spec.verifier, process=stale_process)), params)
+    stateful = ("grammar" if params.grammar is not None else
+                "penalty" if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1
+                else None)
+    if stateful is not None:  # the state a drafted prefix moves: evaluated at the last committed token instead
+        out[f"control: stale {stateful} state"] = (engine(verifier=replace(spec.verifier, process=stale_process)),
+                                                    params)
     return out
 
 

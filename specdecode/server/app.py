@@ -321,15 +321,16 @@ async def _generate(request: Request, req: P.SamplingFields, prompt_ids: list[in
     updates = await _final_updates(request, scheduler, handles)
     if updates is None:
         return Response(status_code=CLIENT_CLOSED)  # nobody reads it; keeps the 5xx count honest
-    errors = [u.error for u in updates if u.error is not None]
-    if errors:  # the choice's own error first (the others were cancelled because of it)
-        raise next((e for e in errors if e.message != SIBLING_FAILED), errors[0])
+    errors = [u.error for u in updates if u is not None and u.error is not None]
+    if errors:  # a failed choice's own error (the unfinished ones were cancelled because of it)
+        raise errors[0]
     return JSONResponse(fmt.response(rid, updates, len(prompt_ids)))
 
 
-async def _final_updates(request: Request, scheduler: Scheduler, handles: list[Handle]) -> list[Update] | None:
-    """Wait for every choice's result; ``None`` (and every choice cancelled) if the client disconnects first,
-    and the others cancelled as soon as one fails."""
+async def _final_updates(request: Request, scheduler: Scheduler,
+                         handles: list[Handle]) -> list[Update | None] | None:
+    """Wait for every choice's result; ``None`` (and every choice cancelled) if the client disconnects first.
+    As soon as one fails the others are cancelled and stand as ``None`` in the list."""
     waiters = [asyncio.ensure_future(h.updates.get()) for h in handles]
     gone = asyncio.ensure_future(_disconnected(request))
     try:
@@ -341,20 +342,13 @@ async def _final_updates(request: Request, scheduler: Scheduler, handles: list[H
             pending -= done
             if any(w.result().error is not None for w in done):
                 break
-        return [w.result() if w.done() else Update(error=_sibling_failed()) for w in waiters]
+        return [w.result() if w.done() else None for w in waiters]
     finally:
         for w in waiters:
             w.cancel()
         gone.cancel()
         for h in handles:
             scheduler.cancel(h)  # no-op once finished
-
-
-SIBLING_FAILED = "another choice of this request failed"
-
-
-def _sibling_failed() -> APIError:
-    return APIError(500, SIBLING_FAILED, "server_error", code="internal_error")
 
 
 async def _disconnected(request: Request) -> None:
