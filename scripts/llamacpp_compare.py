@@ -108,7 +108,7 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     target_path, draft_path = resolve(args.target).path, resolve(args.draft).path
-    pair = load_pair(args.target, args.draft, backend="llamacpp", threads=args.threads)
+    pair = load_pair(EngineConfig(args.target, args.draft, backend="llamacpp", threads=args.threads), "llamacpp")
     prompts = load_prompt_set(args.prompts, None, 0)
     temps = [float(t) for t in args.temperatures.split(",")]
     configs = [c.format(k=args.k) for c in args.configs.split(",")]

@@ -4,7 +4,8 @@ serve) turn their ``--target/--draft`` flags into models, runners and a drafter.
 from __future__ import annotations
 
 import argparse
-from dataclasses import KW_ONLY, dataclass, fields
+import os
+from dataclasses import KW_ONLY, dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from specdecode.errors import UserError
@@ -31,7 +32,7 @@ def backend_arg(name: str) -> str:
         raise argparse.ArgumentTypeError(f"must be auto or one of {', '.join(backends.names())}, got {name!r}")
     return name
 POLICIES = ("fixed", "acceptance", "auto")
-KINDS_WITH_FILES = {"model", "medusa", "eagle"}  # drafter kinds whose argument names weights on disk
+KINDS_WITH_FILES = {"model", "medusa", "eagle", "xvocab", "xvocab-tli"}  # drafter kinds whose argument names weights
 CROSS_VOCABULARY = {"xvocab", "xvocab-tli"}  # drafter kinds whose model has its own tokenizer (drafters.cross_vocab)
 
 
@@ -98,10 +99,15 @@ class DraftAction(argparse.Action):
 
 @dataclass
 class LoadedPair:
-    """The target and, when a drafter needs one, the draft model: loaded once, runners made per engine."""
+    """The target and, when drafters need them, the draft models: loaded once, runners made per engine.
+
+    ``draft`` is the first draft model; ``extra`` the others (``--draft-policy auto`` may choose among
+    several, e.g. a same-vocabulary draft and a cross-vocabulary one), keyed by their ``--draft`` spec."""
 
     target: Model
     draft: Model | None = None
+    draft_spec: str | None = None  # the --draft spec that loaded ``draft``
+    extra: dict = field(default_factory=dict)  # spec -> Model: the other draft models
 
     @property
     def tokenizer(self):
@@ -113,11 +119,26 @@ class LoadedPair:
 
     @property
     def draft_quantization(self) -> str:
-        return self.draft.quantization if self.draft is not None else "none"
+        modes = [m.quantization for m in self.draft_models().values()]
+        return ",".join(dict.fromkeys(modes)) if modes else "none"
 
     @property
     def target_quantization(self) -> str:  # not "none": not the model the user named (LOSSY)
         return self.target.quantization
+
+    def draft_models(self) -> dict:
+        """Every loaded draft model by its spec, the first one first."""
+        first = {self.draft_spec or "": self.draft} if self.draft is not None else {}
+        return {**first, **self.extra}
+
+    def draft_for(self, spec: str) -> "Model | None":
+        """The draft model a ``--draft`` spec loaded (a pair built by hand, without specs: its one draft)."""
+        if spec in self.extra:
+            return self.extra[spec]
+        if self.draft_spec is None or spec == self.draft_spec:
+            return self.draft
+        raise ConfigError(f"--draft {spec!r} names no draft model this pair loaded "
+                          f"({', '.join(self.draft_models())}); load the pair with it")
 
 
 def _quantizations(text: str) -> list[str]:
@@ -139,7 +160,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, draft_required: bool = 
                         "lookup, 'suffix' (or suffix:depth=64,history=32768,prob=0.1,factor=1.0) for suffix-tree "
                         "lookup over the sequence and earlier outputs, or medusa:DIR / eagle:DIR for trained heads "
                         "(`specdecode heads train`); repeat it with --draft-policy auto to let the selector choose "
-                        "among several (at most one model)"
+                        "among several (models included: a same-vocabulary draft beside an xvocab: one)"
                         + ("" if draft_required else "; omit for target-only"))
     parser.set_defaults(extra_drafts=[])
     g.add_argument("--num-draft-tokens", "-k", type=int, default=DEFAULTS.num_draft_tokens,
@@ -277,20 +298,44 @@ def announce(cfg: EngineConfig, choice: Choice) -> None:
 
 
 def load_pair(cfg: EngineConfig, backend: str) -> LoadedPair:
-    """Load the target on ``backend`` (a name :func:`choose_backend` gave) and, when a drafter spec names
-    a model, the draft model: on the backend that applies its quantization (``--draft-quantization``
-    or the spec's ``@mode``), else beside the target on the target's backend when that opens it."""
+    """Load the target on ``backend`` (a name :func:`choose_backend` gave) and every draft model a drafter
+    spec names: each on the backend that applies its quantization (``--draft-quantization`` or the
+    spec's ``@mode``), else beside the target on the target's backend when that opens it."""
     from specdecode.drafters import parse_draft
     from specdecode.models.loading import tokenizers_compatible
 
-    name = model_draft(cfg)
-    spec = parse_draft(name) if name else None  # a bad spec fails before anything loads
+    names = model_drafts(cfg)
+    specs = [parse_draft(name) for name in names]  # a bad spec fails before anything loads
     target_backend = backends.get(backend)
-    target_backend.spec_kind(cfg.target)  # a target that cannot be found fails before the draft's load
+    target_backend.spec_kind(cfg.target)  # a target that cannot be found fails before the drafts' load
     target_settings = Settings(cfg.device, cfg.dtype, cfg.threads, cfg.target_quantization, "target",
                                batch_invariant=cfg.batch_invariant in (True, "on"))
-    if spec is None or not spec.loads_model:
+    if not specs:
         return LoadedPair(target_backend.load(cfg.target, target_settings))
+    plans = [_draft_plan(cfg, spec, backend) for spec in specs]  # every draft's backend checked before any load
+    loaded: dict[str, Model] = {}
+    for name, (where, settings, quantized) in zip(names, plans):  # quantized drafts first: their
+        if quantized:  # unquantized weights are gone before the target's load
+            loaded[name] = backends.get(where).load(parse_draft(name).arg, settings)
+    target = target_backend.load(cfg.target, target_settings)
+    for name, (where, settings, quantized) in zip(names, plans):
+        if not quantized:
+            loaded[name] = backends.get(where).load(parse_draft(name).arg, settings)
+    for name, spec in zip(names, specs):
+        if spec.kind in CROSS_VOCABULARY:  # it reads text: any tokenizer drafts for any target
+            continue
+        draft = loaded[name]
+        problem = tokenizers_compatible(target.tokenizer, draft.tokenizer, target.token_rows, draft.token_rows)
+        if problem:
+            raise PairError(f"draft {name!r} cannot draft for target {cfg.target!r}: {problem}; a draft with "
+                            f"another tokenizer drafts through --draft xvocab:{spec.arg} (or xvocab-tli:{spec.arg})")
+    first = names[0]
+    return LoadedPair(target, loaded[first], first, {n: loaded[n] for n in names[1:]})
+
+
+def _draft_plan(cfg: EngineConfig, spec, backend: str) -> tuple[str, Settings, bool]:
+    """Where one draft model runs, with which settings, and whether it is quantized (raises, before
+    any load, when that backend cannot open it or is not installed)."""
     mode = spec.quantization or cfg.draft_quantization
     where = backends.draft_backend(mode, backend, spec.arg)
     draft_backend = backends.get(where)
@@ -305,19 +350,7 @@ def load_pair(cfg: EngineConfig, backend: str) -> LoadedPair:
             raise BackendRefused(f"--draft-quantization {mode} runs the draft on {where}: {missing}")
     settings = (Settings(cfg.device, cfg.dtype, cfg.threads, mode, "draft") if where == backend
                 else Settings("cpu", "float32", cfg.threads, mode, "draft"))  # beside a target elsewhere
-    if mode != "none":  # a quantized draft first, so its unquantized weights are gone before the target's load
-        draft = draft_backend.load(spec.arg, settings)
-        target = target_backend.load(cfg.target, target_settings)
-    else:
-        target = target_backend.load(cfg.target, target_settings)
-        draft = draft_backend.load(spec.arg, settings)
-    if spec.kind in CROSS_VOCABULARY:  # it reads text: any tokenizer drafts for any target
-        return LoadedPair(target, draft)
-    problem = tokenizers_compatible(target.tokenizer, draft.tokenizer, target.token_rows, draft.token_rows)
-    if problem:
-        raise PairError(f"draft {name!r} cannot draft for target {cfg.target!r}: {problem}; a draft with "
-                        f"another tokenizer drafts through --draft xvocab:{spec.arg} (or xvocab-tli:{spec.arg})")
-    return LoadedPair(target, draft)
+    return where, settings, mode != "none"
 
 
 def check_policy(cfg: EngineConfig) -> None:
@@ -359,7 +392,7 @@ def make_policy(cfg: EngineConfig, selector=None):
 
 
 def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
-    from specdecode.drafters import DraftContext, build_drafter
+    from specdecode.drafters import DraftContext, build_drafter, parse_draft
     from specdecode.engine import Engine
 
     check_policy(cfg)
@@ -371,26 +404,27 @@ def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
     trees = bool(cfg.draft) and cfg.tree_topk > 1
     if trees:  # a backend may have a finite pool for trees (llama.cpp's sequence ids): refuse what could run out
         pair.target.check_tree(cfg.max_batch_size, cfg.tree_nodes, "the target's tree verify")
-        if pair.draft is not None:
-            pair.draft.check_tree(cfg.max_batch_size, cfg.tree_topk * cfg.num_draft_tokens + 1,
+        for draft_model in {id(m): m for m in map(pair.draft_for, model_drafts(cfg))}.values():  # the ones it uses
+            draft_model.check_tree(cfg.max_batch_size, cfg.tree_topk * cfg.num_draft_tokens + 1,
                                   "the draft model's tree growth")
     target = pair.target.runner(batch_invariant=invariant, trees=trees)  # the engine sizes its cache
     drafter, selector = None, None
     if cfg.draft:
-        draft_model = pair.draft
-        make_draft = ((lambda: draft_model.runner(batch_invariant=invariant, trees=trees, draft=True))
-                      if draft_model is not None else None)
-        tokenizers = (pair.tokenizer, draft_model.tokenizer if draft_model is not None else None)
+        def context(spec: str) -> DraftContext:  # what the drafter of one spec may use: its own draft model
+            model = pair.draft_for(spec) if parse_draft(spec).loads_model else None
+            make = ((lambda: model.runner(batch_invariant=invariant, trees=trees, draft=True))
+                    if model is not None else None)
+            return DraftContext(target, cfg, make, pair.tokenizer, model.tokenizer if model is not None else None)
+
         if cfg.draft_policy == "auto":  # the selector and the drafters it routes among, built together
             from specdecode.drafters import unique_labels
             from specdecode.selector import auto_drafting
 
-            parts = {name: build_drafter(spec, DraftContext(target, cfg, make_draft, *tokenizers))
-                     for name, spec in zip(unique_labels(cfg.drafts), cfg.drafts)}
+            parts = {name: build_drafter(spec, context(spec)) for name, spec in zip(unique_labels(cfg.drafts), cfg.drafts)}
             drafter, selector = auto_drafting(parts, cost_model(target, parts, cfg, pair, max_context),
                                               max_k=cfg.max_draft_tokens, catch_up_tokens=cfg.catch_up_tokens)
         else:
-            drafter = build_drafter(cfg.draft, DraftContext(target, cfg, make_draft, *tokenizers))
+            drafter = build_drafter(cfg.draft, context(cfg.draft))
     policy = make_policy(cfg, selector)
     tree_nodes = cfg.tree_nodes if trees else 0
     verifier = None
@@ -422,7 +456,7 @@ def cost_model(target: "Runner", parts: dict, cfg: EngineConfig, pair: LoadedPai
 
     batch, window = cfg.max_batch_size, cfg.max_draft_tokens + 1  # Engine.window for chains of max_k
     key = "|".join([
-        "cost-model v4", _fingerprint(cfg.target), *(f"{n}={_fingerprint(d)}" for n, d in zip(parts, cfg.drafts)),
+        "cost-model v4", _fingerprint(cfg.target), *(f"{n}={_fingerprint(d)}{_quantized(pair, d)}" for n, d in zip(parts, cfg.drafts)),
         f"draft quantization {pair.draft_quantization}", f"target quantization {pair.target_quantization}",
         f"device {target.device}", f"dtype {target.dtype}", f"backend {target.backend}",
         f"threads {cfg.threads or torch.get_num_threads()}", f"torch {torch.__version__}",
@@ -437,6 +471,13 @@ def cost_model(target: "Runner", parts: dict, cfg: EngineConfig, pair: LoadedPai
         return costmodel.calibrate(target, parts, batch, window, window - 1, max_context)
 
     return costmodel.cached(key, measure, cache_dir, cfg.recalibrate)
+
+
+def _quantized(pair: LoadedPair, spec: str) -> str:
+    """``@mode`` of the draft model a spec loaded (each model's own mode, for the cost model's key)."""
+    from specdecode.drafters import parse_draft
+
+    return f"@{pair.draft_for(spec).quantization}" if parse_draft(spec).loads_model and pair.draft_models() else ""
 
 
 def _fingerprint(name: str) -> str:
@@ -454,7 +495,7 @@ def _fingerprint(name: str) -> str:
     if spec.kind not in KINDS_WITH_FILES or not spec.arg:
         return name
     path = Path(spec.arg).expanduser()
-    if spec.kind == "model" and not path.exists():
+    if spec.loads_model and not path.exists():  # an alias (`specdecode models fetch`)
         try:
             from specdecode.models.loading import resolve
 
@@ -495,8 +536,13 @@ def validate_config(cfg: EngineConfig) -> None:
 
     check_policy(cfg)
     specs = [check_draft(d) for d in cfg.drafts]
-    if sum(spec.loads_model for spec in specs) > 1:
-        raise ConfigError(f"at most one --draft may be a draft model; got {', '.join(cfg.drafts)}")
+    seen: dict[tuple, str] = {}
+    for text, spec in zip(cfg.drafts, specs):  # several draft models (auto chooses), each once
+        if spec.loads_model:
+            key = (spec.kind, os.path.normpath(spec.arg), spec.quantization or cfg.draft_quantization)
+            if key in seen:
+                raise ConfigError(f"--draft {text!r} names the same draft model as --draft {seen[key]!r}")
+            seen[key] = text
     if cfg.acceptance not in ("exact", "typical"):
         raise ConfigError(f"unknown acceptance {cfg.acceptance!r}: exact or typical")
     if cfg.sampler not in ("rejection", "coupled"):
@@ -543,8 +589,8 @@ def without_idle_draft(cfg: EngineConfig) -> EngineConfig:
     return cfg
 
 
-def model_draft(cfg: EngineConfig) -> str | None:
-    """The drafter spec whose model :func:`load_pair` loads: the one that names a model, else ``draft``."""
+def model_drafts(cfg: EngineConfig) -> list[str]:
+    """The drafter specs whose models :func:`load_pair` loads, in ``--draft`` order."""
     from specdecode.drafters import parse_draft
 
-    return next((d for d in cfg.drafts if parse_draft(d).loads_model), cfg.draft)
+    return list(dict.fromkeys(d for d in cfg.drafts if parse_draft(d).loads_model))

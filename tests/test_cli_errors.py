@@ -28,7 +28,7 @@ def table(tmp):
         (["generate", "--target", good, "--prompt", "a", "--draft", "ngram", "--draft", "ngram:4"], "--draft-policy auto"),
         (["generate", "--target", good, "--prompt", "a", "--draft-policy", "auto"], "at least one --draft"),
         (["generate", "--target", good, "--prompt", "a", "--draft", good, "--draft", good + "/",
-          "--draft-policy", "auto"], "at most one --draft may be a draft model"),
+          "--draft-policy", "auto"], "names the same draft model"),
         (["generate", "--target", good, "--prompt", "a", "--draft", "ngram", "--draft", "ngram",
           "--draft-policy", "auto"], "given twice"),
         (["generate", "--target", good, "--prompt", "a", "--draft", "ngram", "--draft-policy", "auto",

@@ -155,6 +155,101 @@ def test_greedy_equality_beside_other_drafters(pair):
         assert sum(s.stats.accepted for s in spec) > 0 and sum(proposed) > 0, mode
 
 
+@pytest.fixture(scope="module")
+def saved(pair, tmp_path_factory):
+    """The pair on disk beside a same-vocabulary draft (the target a little perturbed): what a user names."""
+    target, t_tok, draft, d_tok = pair
+    root = tmp_path_factory.mktemp("xvocab-pair")
+    same = type(target)(target.config)
+    same.load_state_dict(target.state_dict())
+    with torch.no_grad():  # the same vocabulary, a little off the target: accepted often, not always
+        for p in same.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    for name, model, tok in (("target", target, t_tok), ("same", same, t_tok), ("other", draft, d_tok)):
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    return root
+
+
+def test_auto_chooses_among_two_draft_models_with_two_tokenizers(pair, saved, monkeypatch):
+    """``--draft SAME --draft xvocab:OTHER --draft ngram --draft-policy auto`` through build_engine: both
+    draft models load (each its own tokenizer), each drafts for some sequences, outputs equal target-only;
+    a same-vocabulary spec naming the other tokenizer's model is still refused."""
+    from specdecode.build import EngineConfig, PairError, build_engine
+    from specdecode.drafters.multi import MultiDrafter
+
+    t_tok, tmp_path = pair[1], saved
+    import specdecode.build as build
+    from specdecode.costmodel import CostModel
+
+    class Scripted(CostModel):  # drafts cheap beside the verify, whatever this machine measures (no clock)
+        def record(self, *args): pass
+
+        def record_catch_up(self, *args): pass
+
+    def scripted(target, parts, *args, **kwargs):
+        verify = {b: {w: 1.0 + 0.01 * w for w in (1, 2, 3, 5)} for b in (1, 2, 4)}
+        return Scripted(verify, {n: {r: {k: 0.02 * k for k in (1, 2, 4)} for r in (1, 2, 4)} for n in parts},
+                        {n: 0.001 for n in parts})
+
+    monkeypatch.setattr(build, "cost_model", scripted)
+    cfg = EngineConfig(str(tmp_path / "target"), str(tmp_path / "same"), extra_drafts=(f"xvocab:{tmp_path / 'other'}",
+                       "ngram"), draft_policy="auto", max_draft_tokens=4, max_context=160, max_batch_size=4,
+                       backend="torch", dtype="float32", device="cpu")
+    eng = build_engine(cfg)
+    assert isinstance(eng.drafter, MultiDrafter) and len(eng.drafter.parts) == 3
+    proposed = {}
+    for name, part in eng.drafter.parts.items():  # count what each part proposes
+        def counting(seqs, ks, _propose=part.propose, _name=name):
+            proposed[_name] = proposed.get(_name, 0) + sum(ks)
+            return _propose(seqs, ks)
+        part.propose = counting
+    from dataclasses import replace
+
+    auto = eng.policy.inner
+    auto.settings = replace(auto.settings, explore_every=2, explore_cost=1.0)  # every drafter tried here
+    prompts = [t_tok.encode(p) for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    base = engine(pair, None).generate(prompts, params)
+    spec = eng.generate(prompts, params)
+    assert [s.token_ids for s in spec] == [b.token_ids for b in base]
+    models = [n for n in eng.drafter.parts if n != "ngram"]
+    assert len(models) == 2 and all(proposed.get(n, 0) > 0 for n in models), proposed
+    assert sum(s.stats.accepted for s in spec) > 0
+    with pytest.raises(PairError, match="xvocab"):  # the other tokenizer's model as a same-vocabulary draft
+        build_engine(EngineConfig(str(tmp_path / "target"), str(tmp_path / "same"), extra_drafts=(
+            str(tmp_path / "other"),), draft_policy="auto", max_context=160, backend="torch", dtype="float32"))
+
+
+def test_bench_runs_a_same_vocabulary_and_a_cross_vocabulary_draft_side_by_side(pair, saved, tmp_path, monkeypatch):
+    """``specdecode bench --draft SAME --draft xvocab:OTHER --draft-policy auto``: one run, a config per
+    draft model and ``auto`` over both; every speculative output equals the target-only one."""
+    import argparse
+    import json
+
+    from specdecode.bench import cli as bench_cli
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("the cat", "a café in")))
+    parser = argparse.ArgumentParser()
+    bench_cli.add_arguments(parser)
+    out = tmp_path / "bench"
+    args = parser.parse_args(["--backend", "torch", "--dtype", "float32", "--target", str(saved / "target"),
+                              "--draft", str(saved / "same"), "--draft", f"xvocab:{saved / 'other'}",
+                              "--draft-policy", "auto", "--max-draft-tokens", "4", "--prompts", str(prompts),
+                              "--draft-lengths", "3", "--max-new-tokens", "12", "--baselines", "none",
+                              "--no-progress", "--warmup-tokens", "2", "--threads", "1", "--out", str(out)])
+    assert bench_cli.main(args) == 0
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    runs = [r for r in records if r["type"] == "run"]
+    assert {r["config"] for r in runs} == {"target", "spec-k3", "spec-k3[xvocab]", "auto"}
+    for config in ("spec-k3", "spec-k3[xvocab]"):
+        assert sum(r["stats"]["drafted"] for r in runs if r["config"] == config) > 0, config
+    checks = [r for r in records if r["type"] == "check"]
+    assert checks and all(c["match"] for c in checks)
+
+
 def test_coupled_sampler_outputs_equal_target_only(pair):
     """``--sampler coupled``: a seeded sample is the target-only sample of that seed, whatever was drafted
     (TLI draws with the target's own noise; SLEM's point masses are accepted iff they are the target's choice)."""

@@ -7,7 +7,7 @@ the same ``main`` the ``specdecode`` script calls. What cannot run here is repla
 * ``specdecode models fetch qwen2.5-coder`` downloads ~1.5 GB: instead the aliases it registers
   (``qwen2.5-coder-1.5b``, ``qwen2.5-coder-0.5b``) name tiny GGUF files written here;
 * the placeholders ``T`` (target), ``D`` / ``D.gguf`` (draft), ``F`` (features), ``H`` / ``E`` (trained
-  heads) name files in a temporary directory;
+  heads), ``SMALL`` (a draft read through its own tokenizer) name files in a temporary directory;
 * ``serve`` answers on a free port in a thread rather than forever on 8000, and the ``load`` line after
   it is pointed at that port;
 * ``--device cuda`` on a machine without CUDA must fail the way a user sees it: one line, exit 2.
@@ -63,7 +63,8 @@ def world(tmp_path_factory):
     fetch.register_model("qwen2.5-coder-0.5b", draft)
     fetch.register_pair("qwen2.5-coder", draft="qwen2.5-coder-0.5b", target="qwen2.5-coder-1.5b")
     names = {"T": str(target), "D": str(draft), "D.gguf": str(draft), "F": str(root / "features"),
-             "H": str(root / "medusa"), "E": str(root / "eagle")}
+             "H": str(root / "medusa"), "E": str(root / "eagle"),
+             "SMALL": str(draft)}  # xvocab:SMALL reads text: any tokenizer, this one included
     yield names
     mp.undo()
 

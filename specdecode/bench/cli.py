@@ -185,10 +185,13 @@ def _prepare(args: argparse.Namespace, meta: dict, configs: list, samplings: lis
 
     from specdecode.drafters import parse_draft
 
-    for spec in (text.split("|")[0] for text in args.extra_draft):
-        if parse_draft(spec).loads_model:
-            raise BenchInputError(f"--extra-draft {spec!r}: extra drafters must need no second model (ngram, "
-                                  "medusa:DIR, eagle:DIR); give a draft model as --draft")
+    extra_models = tuple(dict.fromkeys(spec for spec in (text.split("|")[0] for text in args.extra_draft)
+                                       if parse_draft(spec).loads_model))
+    if extra_models and not args.draft:
+        raise BenchInputError(f"--extra-draft {extra_models[0]!r}: give the first draft model as --draft")
+    if extra_models and not parse_draft(args.draft).loads_model:
+        raise BenchInputError(f"--extra-draft {extra_models[0]!r}: give a draft model as the first --draft "
+                              f"(not {args.draft!r}); the others may follow it")
     if args.draft and parse_draft(args.draft).quantization:
         raise BenchInputError(f"--draft {args.draft!r}: in bench, give the draft unquantized and compare modes with "
                               "--draft-quantization none,int8,...")
@@ -218,7 +221,7 @@ def _prepare(args: argparse.Namespace, meta: dict, configs: list, samplings: lis
         raise BenchInputError(f"--draft-quantization {','.join(m for m in modes if m not in supports.draft_modes)} "
                               f"cannot pair with a target on {backend} (it pairs {', '.join(supports.draft_modes)})")
     try:  # the draft unquantized: make_backend makes a quantized copy per mode
-        pair = load_pair(replace(config_from_args(args), draft_quantization="none", extra_drafts=()), backend)
+        pair = load_pair(replace(config_from_args(args), draft_quantization="none", extra_drafts=extra_models), backend)
     except ConfigError as exc:
         raise BenchInputError(str(exc)) from exc
     model_ctx = pair.target.max_position
