@@ -536,13 +536,7 @@ def validate_config(cfg: EngineConfig) -> None:
 
     check_policy(cfg)
     specs = [check_draft(d) for d in cfg.drafts]
-    seen: dict[tuple, str] = {}
-    for text, spec in zip(cfg.drafts, specs):  # several draft models (auto chooses), each once
-        if spec.loads_model:
-            key = (spec.kind, os.path.normpath(spec.arg), spec.quantization or cfg.draft_quantization)
-            if key in seen:
-                raise ConfigError(f"--draft {text!r} names the same draft model as --draft {seen[key]!r}")
-            seen[key] = text
+    same_draft_model(cfg.drafts, cfg.draft_quantization, ConfigError)
     if cfg.acceptance not in ("exact", "typical"):
         raise ConfigError(f"unknown acceptance {cfg.acceptance!r}: exact or typical")
     if cfg.sampler not in ("rejection", "coupled"):
@@ -587,6 +581,21 @@ def without_idle_draft(cfg: EngineConfig) -> EngineConfig:
         print(f"note: -k 0 decodes target-only; --draft {', '.join(cfg.drafts)} is not loaded", file=sys.stderr)
         return replace(cfg, draft=None, extra_drafts=())
     return cfg
+
+
+def same_draft_model(drafts, draft_quantization: str, error=ConfigError) -> None:
+    """Refuse a draft model named twice (the same kind, path and quantization): several draft models
+    may share an engine (``auto`` chooses among them), each once."""
+    from specdecode.drafters import parse_draft
+
+    seen: dict[tuple, str] = {}
+    for text in drafts:
+        spec = parse_draft(text)
+        if spec.loads_model:
+            key = (spec.kind, os.path.normpath(os.path.expanduser(spec.arg)), spec.quantization or draft_quantization)
+            if key in seen:
+                raise error(f"--draft {text!r} names the same draft model as --draft {seen[key]!r}")
+            seen[key] = text
 
 
 def model_drafts(cfg: EngineConfig) -> list[str]:

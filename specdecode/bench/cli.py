@@ -57,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--extra-draft", action="append", default=[], metavar="SPEC",
                    help="also run this drafter in the same interleaved run, at every draft length and tree shape "
                         "(configs spec-k<k>[<label>]), or at its own: SPEC|k=2,4|trees=4x16 (trees=none: chains "
-                        "only); repeatable; drafters that need no second model: ngram, medusa:DIR, eagle:DIR")
+                        "only); repeatable; ngram, suffix, medusa:DIR, eagle:DIR, or another draft model (a same-vocabulary "
+                        "one, xvocab:M) beside a --draft model")
     r.add_argument("--sampling", type=_csv(str), default=["greedy"],
                    help="comma-separated settings: greedy, t<T>[-p<top_p>] (e.g. greedy,t0.7-p0.95,t1.0)")
     r.add_argument("--baselines", type=_csv(str), default=["hf", "hf-assisted"],
@@ -181,8 +182,7 @@ def _load_prompts(args: argparse.Namespace) -> list:
 def _prepare(args: argparse.Namespace, meta: dict, configs: list, samplings: list, prompts: list, store):
     """Load the pair, tokenize and check the prompts, and build the runner (nothing is written before)."""
     from specdecode.bench.runner import BenchInputError, BenchRunner, tokenize_prompts
-    from specdecode.build import load_pair
-
+    from specdecode.build import load_pair, same_draft_model
     from specdecode.drafters import parse_draft
 
     extra_models = tuple(dict.fromkeys(spec for spec in (text.split("|")[0] for text in args.extra_draft)
@@ -192,6 +192,7 @@ def _prepare(args: argparse.Namespace, meta: dict, configs: list, samplings: lis
     if extra_models and not parse_draft(args.draft).loads_model:
         raise BenchInputError(f"--extra-draft {extra_models[0]!r}: give a draft model as the first --draft "
                               f"(not {args.draft!r}); the others may follow it")
+    same_draft_model([args.draft, *extra_models] if args.draft else [], "none", BenchInputError)
     if args.draft and parse_draft(args.draft).quantization:
         raise BenchInputError(f"--draft {args.draft!r}: in bench, give the draft unquantized and compare modes with "
                               "--draft-quantization none,int8,...")
