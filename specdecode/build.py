@@ -592,10 +592,21 @@ def same_draft_model(drafts, draft_quantization: str, error=ConfigError) -> None
     for text in drafts:
         spec = parse_draft(text)
         if spec.loads_model:
-            key = (spec.kind, os.path.normpath(os.path.expanduser(spec.arg)), spec.quantization or draft_quantization)
+            key = (spec.kind, _model_identity(spec.arg), spec.quantization or draft_quantization)
             if key in seen:
                 raise error(f"--draft {text!r} names the same draft model as --draft {seen[key]!r}")
             seen[key] = text
+
+
+def _model_identity(name: str) -> str:
+    """What a model name points at on disk (an alias and its file are the same model), else the name."""
+    from specdecode.models.loading import resolve
+
+    try:
+        path = resolve(name).path
+    except Exception:  # not fetched, a hub id, a typo: load_pair says so with its own error
+        path = None
+    return str(path) if path is not None else os.path.normpath(os.path.expanduser(name))
 
 
 def model_drafts(cfg: EngineConfig) -> list[str]:

@@ -138,6 +138,19 @@ def test_default_conversion_runs_in_a_child_process_in_bfloat16(tmp_path, monkey
     assert torch.equal(model.state_dict()["model.embed_tokens.weight"], embed)
 
 
+def test_an_alias_and_its_file_are_the_same_draft_model(converted, cache_root):
+    from specdecode.build import ConfigError, same_draft_model
+
+    gguf = converted[0]
+    fetch.register_model("tiny-draft-alias", gguf)
+    for twice in (["tiny-draft-alias", str(gguf)], [f"xvocab:{gguf}", "xvocab:tiny-draft-alias"]):
+        with pytest.raises(ConfigError, match="names the same draft model"):
+            same_draft_model(twice, "none")
+    same_draft_model(["tiny-draft-alias", "tiny-draft-alias@int8"], "none")  # another quantization: two models
+    same_draft_model(["tiny-draft-alias", "xvocab:tiny-draft-alias", "ngram"], "none")  # two kinds
+    same_draft_model(["not-fetched-anywhere", str(gguf)], "none")  # an unknown name is load_pair's to refuse
+
+
 # ---------------------------------------------------------------------------------------------------
 # resolve
 
