@@ -69,6 +69,9 @@ class EngineConfig:
     # a registered backend (specdecode.models.backends) or auto: the first that can run these settings
     backend: str = "auto"
     threads: int | None = None  # llama.cpp backend: CPU threads (default: every core this process may use)
+    # where CPU weights live: resident (copied into the process's memory: never dropped and read back from
+    # disk in the middle of a request) or mapped (file-backed pages, shared between processes, evictable)
+    weights: str = "resident"
     recalibrate: bool = False  # auto policy: measure the cost model again instead of reading its cache
     # streamed output (generate, serve): a sequence's first token comes from the target alone, so the drafter
     # never delays it (Engine.add_batch)
@@ -245,6 +248,12 @@ def add_model_arguments(parser: argparse.ArgumentParser, draft_required: bool = 
     g.add_argument("--threads", type=int, default=DEFAULTS.threads, metavar="N",
                    help="CPU threads: llama.cpp's (default: every core this process may use) and torch's "
                         "(default: torch's choice; 1 is steadier on a shared machine)")
+    g.add_argument("--weights", choices=("resident", "mapped"), default=DEFAULTS.weights,
+                   help="where a CPU model's weights live. resident (default): read into this process's memory, "
+                        "so the kernel never drops them and reads them back from disk in the middle of a request "
+                        "(a mapped 1.5B float32 model stalled a decode step for 75 s on a shared VM: "
+                        "docs/benchmarks.md); mapped: file-backed pages (torch's safetensors mmap, llama.cpp's "
+                        "mmap), shared between processes on one machine (--replicas), and evictable")
     g.add_argument("--verify-budget", type=int, default=DEFAULTS.verify_budget, metavar="N",
                    help="load-aware draft length: verify at most N tokens per step across the batch, so each of "
                         "B sequences drafts at most N // B - 1 (target-only once B >= N); 0 = no cap (default)")
@@ -309,7 +318,7 @@ def load_pair(cfg: EngineConfig, backend: str) -> LoadedPair:
     target_backend = backends.get(backend)
     target_backend.spec_kind(cfg.target)  # a target that cannot be found fails before the drafts' load
     target_settings = Settings(cfg.device, cfg.dtype, cfg.threads, cfg.target_quantization, "target",
-                               batch_invariant=cfg.batch_invariant in (True, "on"))
+                               batch_invariant=cfg.batch_invariant in (True, "on"), weights=cfg.weights)
     if not specs:
         return LoadedPair(target_backend.load(cfg.target, target_settings))
     plans = [_draft_plan(cfg, spec, backend) for spec in specs]  # every draft's backend checked before any load
@@ -348,8 +357,8 @@ def _draft_plan(cfg: EngineConfig, spec, backend: str) -> tuple[str, Settings, b
         missing = draft_backend.missing()
         if missing:
             raise BackendRefused(f"--draft-quantization {mode} runs the draft on {where}: {missing}")
-    settings = (Settings(cfg.device, cfg.dtype, cfg.threads, mode, "draft") if where == backend
-                else Settings("cpu", "float32", cfg.threads, mode, "draft"))  # beside a target elsewhere
+    settings = (Settings(cfg.device, cfg.dtype, cfg.threads, mode, "draft", weights=cfg.weights) if where == backend
+                else Settings("cpu", "float32", cfg.threads, mode, "draft", weights=cfg.weights))  # beside a target elsewhere
     return where, settings, mode != "none"
 
 

@@ -51,6 +51,20 @@ def test_a_backend_registered_at_run_time_is_one_line(capsys, monkeypatch):
     assert exit_.value.code == 2 and "toy2" in capsys.readouterr().err  # the flag lists what is registered now
 
 
+@pytest.mark.parametrize("flag, expected", [([], "resident"), (["--weights", "mapped"], "mapped")])
+def test_the_weights_flag_reaches_every_model_load(capsys, monkeypatch, flag, expected):
+    from specdecode.models.backends import toy
+
+    seen = []
+    load = toy.BACKEND.load
+    monkeypatch.setattr(toy.BACKEND, "load", lambda spec, settings: seen.append((settings.role, settings.weights))
+                        or load(spec, settings))
+    code, out, err = run(capsys, "generate", "--backend", "toy", "--target", "toy:3", "--draft", "toy:3:0.2", *flag,
+                         *GREEDY)
+    assert code == 0, err
+    assert seen == [("target", expected), ("draft", expected)]
+
+
 def test_check_passes_on_the_toy_backend(capsys, tmp_path):
     code, out, err = run(capsys, "check", "--backend", "toy", "--target", "toy:2", "--draft", "toy:2:0.3", "-k", "3",
                          "--num-prompts", "2", "--law-samples", "2000", "--law-contexts", "2", "--e2e-samples", "200",

@@ -56,6 +56,20 @@ def test_logits_equal_the_torch_runner_on_the_same_weights(tiny):
     assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
+def test_resident_and_mapped_weights_give_the_same_logits(tiny):
+    """--weights resident has llama.cpp read the file into its own buffers (use_mmap off), mapped maps it;
+    the values are the same, so the logits are too."""
+    path = tiny[4] / "t.gguf"
+    resident, mapped = LlamaCppModel(path, threads=1, mmap=False), LlamaCppModel(path, threads=1)
+    assert (resident.mmap, mapped.mmap) == (False, True)
+    out = []
+    for model in (resident, mapped):
+        r = LlamaCppRunner(model, 1, 64)
+        r.prefill([0], [[1, 2, 3, 4, 5]])
+        out.append(_fwd(r, [0], [[6, 7, 8]], [[5, 6, 7]]))
+    assert torch.equal(out[0], out[1])
+
+
 def test_rollback_then_continue_equals_a_fresh_prefill(tiny):
     _, _, gguf, _, _ = tiny
     r = LlamaCppRunner(gguf, 2, 64)

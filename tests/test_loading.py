@@ -6,6 +6,7 @@ No network and no real model: the GGUF comes from tests/gguf_util.py (2 layers, 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -43,6 +44,37 @@ def converted(tmp_path_factory):
 def cache_root(converted, monkeypatch):
     monkeypatch.setenv("SPECDECODE_CACHE", str(converted[3]))
     return converted[3]
+
+
+def _mapped_files() -> set[str]:
+    """The safetensors files this process maps (Linux: /proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        return {line.split()[-1] for line in f if line.rstrip().endswith(".safetensors")}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps (Linux)")
+def test_weights_are_resident_by_default_and_mapped_on_request(converted, cache_root):
+    """--weights resident (the default) copies the weights out of the safetensors memory map, which the
+    kernel could drop and read back from disk mid-request; mapped keeps the map. Same weights, same logits."""
+    import gc
+
+    gguf = converted[0]
+    cache = str(cache_dir_for(gguf, torch.float32))
+    gc.collect()
+    before = {f for f in _mapped_files() if f.startswith(cache)}
+    mapped, _ = load_model(str(gguf), dtype=torch.float32, resident=False)
+    assert {f for f in _mapped_files() if f.startswith(cache)} - before, "mapped weights should map the file"
+    del mapped
+    gc.collect()
+    resident, _ = load_model(str(gguf), dtype=torch.float32)
+    gc.collect()
+    assert not {f for f in _mapped_files() if f.startswith(cache)}, "resident weights still map the file"
+    mapped, _ = load_model(str(gguf), dtype=torch.float32, resident=False)
+    ids = torch.tensor([[5, 260, 32, 270, 100, 3, 281]])
+    with torch.no_grad():
+        assert torch.equal(resident(ids).logits, mapped(ids).logits)
+    for name, t in resident.state_dict().items():
+        assert torch.equal(t, mapped.state_dict()[name]), name
 
 
 def _no_conversion(*args, **kwargs):

@@ -79,6 +79,7 @@ class Settings:
     quantization: str = "none"  # the target's (LOSSY) or the draft's mode
     role: str = "target"  # target | draft
     batch_invariant: bool = False  # --batch-invariant on: a backend may load the weights for it (llama.cpp: no repack)
+    weights: str = "resident"  # resident: in the process's memory; mapped: file-backed pages (--weights)
 
 
 @dataclass

@@ -62,7 +62,7 @@ class LlamaCppBackend(Backend):
         mode = "gguf" if settings.quantization == "none" else settings.quantization
         path = resolved.path if mode == "gguf" else llamacpp.requantize(resolved.path, mode, settings.threads)
         invariant = settings.batch_invariant and settings.role == "target"
-        model = llamacpp.LlamaCppModel(path, settings.threads, repack=not invariant)
+        model = llamacpp.LlamaCppModel(path, settings.threads, repack=not invariant, mmap=settings.weights == "mapped")
         return LlamaCppModelHandle("llamacpp", load_gguf_tokenizer(resolved.path), model.context_length,
                                    model.vocab_size, mode if settings.role == "draft" else "none", model.threads,
                                    None, model, str(resolved.path))

@@ -83,7 +83,8 @@ class TorchBackend(Backend):
         from specdecode.models.loading import load_model
 
         device = resolve_device(settings.device)
-        module, tokenizer = load_model(spec, resolve_dtype(settings.dtype, device), device)
+        module, tokenizer = load_model(spec, resolve_dtype(settings.dtype, device), device,
+                                       resident=settings.weights == "resident")
         mode = settings.quantization
         if settings.role == "target" and mode != "none":  # LOSSY, labelled: see specdecode.models.quantize
             from specdecode.models.quantize import quantize_model
