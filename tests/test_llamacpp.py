@@ -56,11 +56,23 @@ def test_logits_equal_the_torch_runner_on_the_same_weights(tiny):
     assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
-def test_resident_and_mapped_weights_give_the_same_logits(tiny):
-    """--weights resident has llama.cpp read the file into its own buffers (use_mmap off), mapped maps it;
+def test_resident_and_mapped_weights_give_the_same_logits(tiny, tmp_path):
+    """--weights resident has llama.cpp read the file into its own buffers (load mode NONE), mapped maps it;
     the values are the same, so the logits are too."""
-    path = tiny[4] / "t.gguf"
-    resident, mapped = LlamaCppModel(path, threads=1, mmap=False), LlamaCppModel(path, threads=1)
+    import shutil
+
+    path = tmp_path / "copy.gguf"  # a file no other model in this process maps
+    shutil.copyfile(tiny[4] / "t.gguf", path)
+    def maps_it() -> bool:
+        with open("/proc/self/maps") as f:
+            return any(line.rstrip().endswith(str(path.resolve())) for line in f)
+
+    resident = LlamaCppModel(path, threads=1, mmap=False)
+    if os.path.exists("/proc/self/maps"):
+        assert not maps_it(), "llama.cpp mapped the file with mmap=False"
+    mapped = LlamaCppModel(path, threads=1)
+    if os.path.exists("/proc/self/maps"):
+        assert maps_it(), "llama.cpp did not map the file with mmap=True"
     assert (resident.mmap, mapped.mmap) == (False, True)
     out = []
     for model in (resident, mapped):

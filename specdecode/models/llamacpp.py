@@ -145,7 +145,7 @@ def requantize(path: str | Path, mode: str, threads: int | None = None) -> Path:
 class LlamaCppModel:
     """A GGUF file loaded by llama.cpp (every runner over it shares its weights). ``mmap=False`` (``--weights
     resident``, the default of the commands) has llama.cpp read the file into its own buffers instead of
-    mapping it, so the kernel cannot drop the pages and read them back mid-request (see
+    mapping it (``load_mode`` NONE), so the kernel cannot drop the pages and read them back mid-request (see
     :func:`specdecode.models.loading.make_resident`); repacked weights are llama.cpp's own copies either way."""
 
     def __init__(self, path: str | Path, threads: int | None = None, repack: bool = True, mmap: bool = True) -> None:
@@ -161,7 +161,8 @@ class LlamaCppModel:
         # llama.cpp's CPU repack (weights in interleaved blocks, a gemm for each 4 rows of a batch and a gemv
         # for the rest) makes a row's logits depend on the batch width; without it every row takes one path
         params.use_extra_bufts = repack
-        params.use_mmap = mmap
+        # NONE: read into its own buffers; AUTO (its default): on a CPU, a memory map
+        params.load_mode = ll.LLAMA_LOAD_MODE_AUTO if mmap else ll.LLAMA_LOAD_MODE_NONE
         self.repack, self.mmap = repack, mmap
         self.invariant_widths: dict[int, int] = {}  # threads -> widest invariant decode (probed by a runner)
         self.ptr = ll.llama_model_load_from_file(str(self.path).encode(), params)
