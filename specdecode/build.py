@@ -251,8 +251,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, draft_required: bool = 
     g.add_argument("--weights", choices=("resident", "mapped"), default=DEFAULTS.weights,
                    help="where a CPU model's weights live. resident (default): read into this process's memory, "
                         "so the kernel never drops them and reads them back from disk in the middle of a request "
-                        "(a mapped 1.5B float32 model stalled a decode step for 75 s on a shared VM: "
-                        "docs/benchmarks.md); mapped: file-backed pages (torch's safetensors mmap, llama.cpp's "
+                        "(a page-out makes the next step of a mapped 0.5B take 6x as long: docs/benchmarks.md); mapped: file-backed pages (torch's safetensors mmap, llama.cpp's "
                         "mmap), shared between processes on one machine (--replicas), and evictable")
     g.add_argument("--verify-budget", type=int, default=DEFAULTS.verify_budget, metavar="N",
                    help="load-aware draft length: verify at most N tokens per step across the batch, so each of "
@@ -357,9 +356,8 @@ def _draft_plan(cfg: EngineConfig, spec, backend: str) -> tuple[str, Settings, b
         missing = draft_backend.missing()
         if missing:
             raise BackendRefused(f"--draft-quantization {mode} runs the draft on {where}: {missing}")
-    settings = (Settings(cfg.device, cfg.dtype, cfg.threads, mode, "draft", weights=cfg.weights) if where == backend
-                else Settings("cpu", "float32", cfg.threads, mode, "draft", weights=cfg.weights))  # beside a target elsewhere
-    return where, settings, mode != "none"
+    device, dtype = (cfg.device, cfg.dtype) if where == backend else ("cpu", "float32")  # beside a target elsewhere
+    return where, Settings(device, dtype, cfg.threads, mode, "draft", weights=cfg.weights), mode != "none"
 
 
 def check_policy(cfg: EngineConfig) -> None:
@@ -505,12 +503,7 @@ def _fingerprint(name: str) -> str:
         return name
     path = Path(spec.arg).expanduser()
     if spec.loads_model and not path.exists():  # an alias (`specdecode models fetch`)
-        try:
-            from specdecode.models.loading import resolve
-
-            path = resolve(spec.arg).path
-        except Exception:
-            path = None
+        path = _model_path(spec.arg)
         if path is None:  # a hub id: its name is all we know
             return name
     files = [path] if path.is_file() else sorted(p for p in path.glob("*") if p.is_file()) if path.is_dir() else []
@@ -607,14 +600,20 @@ def same_draft_model(drafts, draft_quantization: str, error=ConfigError) -> None
             seen[key] = text
 
 
-def _model_identity(name: str) -> str:
-    """What a model name points at on disk (an alias and its file are the same model), else the name."""
-    from specdecode.models.loading import resolve
+def _model_path(name: str) -> "Path | None":
+    """The file or folder a model name points at (a path, or a fetched alias's file); None for a hub id
+    or a name nothing answers to (load_pair then says what is wrong with it)."""
+    from specdecode.models.loading import ModelNotFoundError, resolve
 
     try:
-        path = resolve(name).path
-    except Exception:  # not fetched, a hub id, a typo: load_pair says so with its own error
-        path = None
+        return resolve(name).path
+    except (ModelNotFoundError, ValueError):
+        return None
+
+
+def _model_identity(name: str) -> str:
+    """What a model name points at on disk (an alias and its file are the same model), else the name."""
+    path = _model_path(name)
     return str(path) if path is not None else os.path.normpath(os.path.expanduser(name))
 
 

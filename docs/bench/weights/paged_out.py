@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     rows = []
-    for weights in ("mapped", "resident", "mapped", "resident")[: 2 * args.repeats]:
+    for weights in ("mapped", "resident") * args.repeats:
         model, _ = load_model(args.model, torch.float32, resident=weights == "resident")
         warm = forwards(model, 4)[1:]
         mapped_mb = file_backed_mb()
