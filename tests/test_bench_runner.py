@@ -298,6 +298,23 @@ def test_auto_policy_runs_beside_every_fixed_configuration_it_chooses_from(model
     assert "| auto | 4 |" in report and "## What --draft-policy auto chose" in report
 
 
+def test_only_runs_the_named_configurations_beside_target(models, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "only"
+    auto = ("--draft-lengths", "3", "--baselines", "none", "--draft", "ngram", "--draft-policy", "auto",
+            "--max-draft-tokens", "4", "--max-new-tokens", "16")
+    assert cli.main(bench_args(models, out, *auto, "--only", "auto")) == 0
+    runs = [r for r in read_records(out) if r["type"] == "run"]
+    assert {r["config"] for r in runs} == {"target", "auto"}  # the fixed ones auto chooses from: not run
+    assert sum(r["stats"]["drafted"] for r in runs if r["config"] == "auto") > 0  # auto drafted
+    checks = [r for r in read_records(out) if r["type"] == "check" and r["config"] == "auto"]
+    assert len(checks) == 4 and all(c["match"] for c in checks)
+    before = (out / "records.jsonl").read_text()
+    _fails(capsys, bench_args(models, out, *auto, "--only", "auto,spec-k9"), "--only spec-k9",
+           "target, spec-k3, spec-k3[ngram], auto")
+    assert (out / "records.jsonl").read_text() == before
+
+
 def test_memory_check_runs_a_speculative_request_and_reports_the_peak(models):
     """`bench --memory-check`: one batch-1 request at the asked context, with the draft at k."""
     from specdecode.bench.memory import measure

@@ -63,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="comma-separated settings: greedy, t<T>[-p<top_p>] (e.g. greedy,t0.7-p0.95,t1.0)")
     r.add_argument("--baselines", type=_csv(str), default=["hf", "hf-assisted"],
                    help="transformers baselines: hf, hf-assisted, or 'none' (default both)")
+    r.add_argument("--only", type=_csv(str), default=None, metavar="CONFIG,...",
+                   help="run only these configurations, by the names the report gives them (spec-k4, spec-k4[ngram], "
+                        "auto, hf, ...); target always runs: every ratio is against it")
     r.add_argument("--repeats", type=int, default=1, help="runs per (prompt, config); medians are reported")
     r.add_argument("--max-new-tokens", type=int, default=128)
     r.add_argument("--stop-at-eos", action="store_true",
@@ -162,6 +165,14 @@ def _configs(args: argparse.Namespace) -> tuple[list, list]:
 
     if not args.draft or not parse_draft(args.draft).loads_model:  # HF's assistant_model needs a model
         configs = [c for c in configs if not c.assisted]
+    if args.only:
+        from specdecode.bench.runner import TARGET, BenchInputError
+
+        names = [c.name for c in configs]
+        if unknown := [n for n in args.only if n not in names]:
+            raise BenchInputError(f"--only {','.join(unknown)}: not a configuration of this run; "
+                                  f"its configurations: {', '.join(names)}")
+        configs = [c for c in configs if c.name == TARGET or c.name in args.only]
     return configs, samplings
 
 

@@ -67,6 +67,9 @@ def main() -> None:
     ap.add_argument("--baseline", action="store_true",
                     help="with --batch-invariant on: also run target-only and draft k=4 on the target loaded as usual "
                          "(what invariance costs)")
+    ap.add_argument("--only", action="append", default=[], metavar="CONFIG",
+                    help="run only this configuration (its label, e.g. 'draft k=2'; repeat the flag for several): "
+                         "two processes can share a long run, each on its own --out, merged afterwards")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
 
@@ -100,8 +103,13 @@ def main() -> None:
         results = json.loads(saved.read_text())["results"]
         reference = json.loads(ref_file.read_text())
         print(f"resuming: {[r['config'] for r in results]} kept", flush=True)
+    known = {c[0] for c in configs}
+    if unknown := [c for c in args.only if c not in known]:
+        ap.error(f"--only {unknown}: not a configuration of this run; choose from {sorted(known)}")
     for label, draft, k, batch, sampler, *other in configs:
         if any(r["config"] == label for r in results):
+            continue
+        if args.only and label not in args.only and label != "target-only":  # the reference always runs first
             continue
         which, config = other if other else (pair, base)
         cfg = replace(config, draft=draft, num_draft_tokens=k, sampler=sampler, max_batch_size=batch)
