@@ -38,7 +38,7 @@ def main() -> None:
     ap.add_argument("--no-ngram", action="store_true", help="leave out n-gram lookup")
     args = ap.parse_args()
 
-    pair = load_pair(args.target, args.draft, args.dtype)
+    pair = load_pair(EngineConfig(args.target, args.draft, dtype=args.dtype, backend="torch"), "torch")
     prompts, _ = tokenize_prompts(load_humaneval(problems=range(0, args.num_prompts)), pair.tokenizer,
                                   args.max_new_tokens, 4096)
     greedy = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0, ignore_eos=True)
@@ -50,11 +50,11 @@ def main() -> None:
     for rep in range(args.repeats):
         for mode in ("off", "on"):
             if mode == "on":  # what engine_from_pair does with --batch-invariant
-                batch_invariant.enable(pair.target)
-                batch_invariant.enable(pair.draft, batch_invariant.DRAFT_WORKLOAD)
+                batch_invariant.enable(pair.target.module)
+                batch_invariant.enable(pair.draft.module, batch_invariant.DRAFT_WORKLOAD)
             else:
-                batch_invariant.disable(pair.target)
-                batch_invariant.disable(pair.draft)
+                batch_invariant.disable(pair.target.module)
+                batch_invariant.disable(pair.draft.module)
             for name, draft in configs.items():
                 cfg = EngineConfig(args.target, draft, num_draft_tokens=args.k, dtype=args.dtype, batch_invariant=mode)
                 engine = engine_from_pair(pair, cfg)
