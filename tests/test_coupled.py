@@ -1,8 +1,8 @@
 """The coupled sampler (``--sampler coupled``, specdecode/verify/coupled.py) on tiny models.
 
 * Seeded equality: coupled speculative output equals coupled target-only output token for token, for a
-  draft model (chains and trees), n-gram lookup (chains and trees), k in {2, 4, 8}, batch 1 and a batch
-  of mixed requests, float32 and bf16 in batch-invariant mode. An equality, not a statistical test;
+  draft model (chains and trees), n-gram lookup and the suffix drafter (chains and trees), Medusa heads
+  and an EAGLE layer (chains and trees), k in {2, 4, 8}, batch 1 and a batch of mixed requests, float32 and bf16 in batch-invariant mode. An equality, not a statistical test;
   each case asserts that drafts were made, accepted and rejected.
 * Law: chi-square of the first two tokens over 4000 seeds against the target's warped law, at
   ALPHA = 1e-4 per test (a correct engine fails with at most that probability), with two negative
@@ -21,6 +21,7 @@ from scipy.stats import chisquare
 
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.ngram import NgramDrafter
+from specdecode.drafters.suffix import SuffixDrafter
 from specdecode.engine import Engine
 from specdecode.models.hf import HFRunner
 from specdecode.sampling import SamplingParams, coupled_choice, coupling_key, race_noise, race_noises
@@ -128,6 +129,47 @@ def test_ngram_trees_equal_target_only(pair):
     engine = Engine(HFRunner(target), TOK, NgramDrafter(tree_topk=3, tree_nodes=8), 4, max_batch_size=2,
                     max_context=128, max_tree_nodes=8)
     assert_equal_and_exercised(engine.generate(prompts, params), reference(target, prompts, params))
+
+
+@pytest.mark.parametrize("topk,nodes", [(1, 0), (2, 6)], ids=["chain", "tree"])
+def test_suffix_drafts_equal_target_only(pair, topk, nodes):
+    """The suffix drafter proposes point masses (no law): coupling accepts what the target's noise picks."""
+    target, _ = pair
+    prompts = [p * 3 for p in PROMPTS]
+    params = [coupled(60 + i, 30, 0.5) for i in range(len(prompts))]
+    engine = Engine(HFRunner(target), TOK, SuffixDrafter(tree_topk=topk, tree_nodes=nodes), 4, max_batch_size=3,
+                    max_context=128, max_tree_nodes=nodes)
+    outs = engine.generate(prompts, params)
+    assert_equal_and_exercised(outs, reference(target, prompts, params))
+    assert (sum(o.stats.nodes for o in outs) > sum(o.stats.drafted for o in outs)) == (nodes > 0)  # trees when asked
+
+
+@pytest.fixture(scope="module")
+def head_target():
+    return make_model(V, seed=3, hidden=32)  # the heads' tests' target (hidden state the heads read)
+
+
+@pytest.mark.parametrize("topk,nodes", [(1, 0), (3, 8)], ids=["chain", "tree"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_heads_equal_target_only(head_target, kind, topk, nodes):
+    """Medusa heads and an EAGLE layer draft from the target's own features; the text stays target-only's."""
+    from test_eagle import tiny_eagle
+    from test_medusa import tiny_heads
+
+    from specdecode.drafters.eagle import EagleDrafter
+    from specdecode.drafters.medusa import MedusaDrafter
+
+    if kind == "medusa":
+        drafter = MedusaDrafter(tiny_heads(head_target), tree_topk=topk, tree_nodes=nodes)
+    else:
+        drafter = EagleDrafter(tiny_eagle(head_target), HFRunner(head_target), tree_topk=topk, tree_nodes=nodes)
+    params = [coupled(80 + i, 24, 0.6) for i in range(len(PROMPTS))] + [coupled(90, 20, 0.9, top_k=6)]
+    prompts = PROMPTS + [[5, 6, 7]]
+    engine = Engine(HFRunner(head_target), TOK, drafter, 3, max_batch_size=3, max_context=128,
+                    max_tree_nodes=nodes)
+    outs = engine.generate(prompts, params)
+    assert_equal_and_exercised(outs, reference(head_target, prompts, params))
+    assert (sum(o.stats.nodes for o in outs) > sum(o.stats.drafted for o in outs)) == (nodes > 0)  # trees when asked
 
 
 def test_bf16_batch_invariant_chains_equal_target_only_bit_for_bit():
