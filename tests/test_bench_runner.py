@@ -336,3 +336,17 @@ def test_coupled_sampler_bench_runs_equal_target_only_and_the_report_says_so(mod
     assert spec and all(r["token_ids"] == target[(r["prompt_id"], r["repeat"])] for r in spec)
     assert sum(r["stats"]["drafted"] for r in spec) > 0 and sum(r["stats"]["accepted"] for r in spec) > 0
     assert "- sampler: **coupled**" in (out / "report.md").read_text()
+
+
+def test_command_line_names_the_script_or_the_cli(monkeypatch):
+    """A benchmark script's results name ``python <script> ...`` (relative to the repository), the CLI's
+    ``specdecode ...``: the command a reader reruns."""
+    from pathlib import Path
+
+    from specdecode.bench import env
+
+    root = Path(env.__file__).resolve().parents[2]
+    monkeypatch.setattr("sys.argv", [str(root / "docs/bench/coupled/sampler_cost.py"), "--prompts", "2"])
+    assert env.command_line() == "python docs/bench/coupled/sampler_cost.py --prompts 2"
+    monkeypatch.setattr("sys.argv", ["/usr/bin/specdecode", "bench", "--out", "a b"])
+    assert env.command_line() == "specdecode bench --out 'a b'"

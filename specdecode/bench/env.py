@@ -16,7 +16,16 @@ SHARED_NOTE = "shared with other processes (no isolation); interleaving and medi
 
 
 def command_line() -> str:
-    return "specdecode " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else "?"
+    """The command that is running: ``specdecode ...``, or ``python <script> ...`` for a benchmark script
+    (its path relative to the repository when it lies inside it)."""
+    if not sys.argv:
+        return "?"
+    head = "specdecode"
+    if sys.argv[0].endswith(".py"):
+        script = Path(sys.argv[0]).resolve()
+        root = Path(__file__).resolve().parents[2]
+        head = "python " + shlex.quote(str(script.relative_to(root) if script.is_relative_to(root) else script))
+    return " ".join([head] + [shlex.quote(a) for a in sys.argv[1:]])
 
 
 def commit() -> str:
