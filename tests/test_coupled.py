@@ -1,9 +1,9 @@
 """The coupled sampler (``--sampler coupled``, specdecode/verify/coupled.py) on tiny models.
 
 * Seeded equality: coupled speculative output equals coupled target-only output token for token, for a
-  draft model (chains and trees), n-gram lookup and the suffix drafter (chains and trees), Medusa heads
-  and an EAGLE layer (chains and trees), k in {2, 4, 8}, batch 1 and a batch of mixed requests, float32 and bf16 in batch-invariant mode. An equality, not a statistical test;
-  each case asserts that drafts were made, accepted and rejected.
+  draft model, n-gram lookup, the suffix drafter, Medusa heads and an EAGLE layer (chains and trees),
+  k in {2, 4, 8}, batch 1 and a batch of mixed requests, float32 and bf16 in batch-invariant mode. An
+  equality, not a statistical test; each case asserts that drafts were made, accepted and rejected.
 * Law: chi-square of the first two tokens over 4000 seeds against the target's warped law, at
   ALPHA = 1e-4 per test (a correct engine fails with at most that probability), with two negative
   controls that must fail: a verifier accepting every draft token, and noise not keyed by the seed.
@@ -20,13 +20,17 @@ import torch
 from scipy.stats import chisquare
 
 from specdecode.drafters.draft_model import DraftModelDrafter
+from specdecode.drafters.eagle import EagleDrafter
+from specdecode.drafters.medusa import MedusaDrafter
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.drafters.suffix import SuffixDrafter
 from specdecode.engine import Engine
 from specdecode.models.hf import HFRunner
 from specdecode.sampling import SamplingParams, coupled_choice, coupling_key, race_noise, race_noises
 from specdecode.verify import Verifier, verify_coupled, verify_tree_coupled
+from test_eagle import tiny_eagle
 from test_engine import ALPHA, VS, chi_square_p, exact_two_token_law, sample_pairs
+from test_medusa import tiny_heads
 from tiny import make_engine, make_model, make_tokenizer, perturbed_copy
 
 V = 32
@@ -53,6 +57,11 @@ def reference(target, prompts, params) -> list[list[int]]:
     """Each request alone through coupled target-only decoding."""
     engine = make_engine(target, TOK, num_slots=1)
     return [engine.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
+
+
+def assert_trees_when_asked(outs, nodes: int):
+    """A tree step verifies more nodes than its depth; a chain verifies exactly its draft."""
+    assert (sum(o.stats.nodes for o in outs) > sum(o.stats.drafted for o in outs)) == (nodes > 0)
 
 
 def assert_equal_and_exercised(outs, ref):
@@ -119,7 +128,7 @@ def test_draft_model_trees_equal_target_only(pair, topk, nodes):
     engine = Engine(HFRunner(target), TOK, drafter, 4, max_batch_size=3, max_context=128, max_tree_nodes=nodes)
     outs = engine.generate(PROMPTS, MIXED)
     assert_equal_and_exercised(outs, reference(target, PROMPTS, MIXED))
-    assert sum(o.stats.nodes for o in outs) > sum(o.stats.drafted for o in outs)  # real trees
+    assert_trees_when_asked(outs, nodes)
 
 
 def test_ngram_trees_equal_target_only(pair):
@@ -141,7 +150,7 @@ def test_suffix_drafts_equal_target_only(pair, topk, nodes):
                     max_context=128, max_tree_nodes=nodes)
     outs = engine.generate(prompts, params)
     assert_equal_and_exercised(outs, reference(target, prompts, params))
-    assert (sum(o.stats.nodes for o in outs) > sum(o.stats.drafted for o in outs)) == (nodes > 0)  # trees when asked
+    assert_trees_when_asked(outs, nodes)
 
 
 @pytest.fixture(scope="module")
@@ -153,12 +162,6 @@ def head_target():
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
 def test_heads_equal_target_only(head_target, kind, topk, nodes):
     """Medusa heads and an EAGLE layer draft from the target's own features; the text stays target-only's."""
-    from test_eagle import tiny_eagle
-    from test_medusa import tiny_heads
-
-    from specdecode.drafters.eagle import EagleDrafter
-    from specdecode.drafters.medusa import MedusaDrafter
-
     if kind == "medusa":
         drafter = MedusaDrafter(tiny_heads(head_target), tree_topk=topk, tree_nodes=nodes)
     else:
@@ -169,7 +172,7 @@ def test_heads_equal_target_only(head_target, kind, topk, nodes):
                     max_tree_nodes=nodes)
     outs = engine.generate(prompts, params)
     assert_equal_and_exercised(outs, reference(head_target, prompts, params))
-    assert (sum(o.stats.nodes for o in outs) > sum(o.stats.drafted for o in outs)) == (nodes > 0)  # trees when asked
+    assert_trees_when_asked(outs, nodes)
 
 
 def test_bf16_batch_invariant_chains_equal_target_only_bit_for_bit():
