@@ -414,6 +414,16 @@ class Engine:
             self.prefilling.remove(seq)
             self._pack_prefilling()
 
+    def forget_outputs(self) -> None:
+        """The drafter drops what it keeps of finished requests' outputs (see Drafter.forget_outputs)."""
+        if self.drafter is not None:
+            self.drafter.forget_outputs()
+
+    def remember(self, output: list[int]) -> None:
+        """The drafter keeps ``output`` as a finished request's (see Drafter.remember)."""
+        if self.drafter is not None:
+            self.drafter.remember(list(output))
+
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[StepEvent]:
         """One step: a chunk of waiting prompts' prefill (all of them when ``max_num_batched_tokens`` is
@@ -455,7 +465,7 @@ class Engine:
                 s.stats.record_choice(label)
 
         t0 = time.perf_counter()
-        proposal = self.drafter.propose(seqs, ks) if self.drafter is not None and any(ks) else Proposal.empty(bsz)
+        proposal = self.drafter.propose(seqs, ks).trimmed() if self.drafter is not None and any(ks) else Proposal.empty(bsz)
         t1 = time.perf_counter()
         verified = self._verify_tree(seqs, proposal) if proposal.parents is not None else self._verify_chain(seqs, proposal)
         t2 = time.perf_counter()

@@ -59,6 +59,35 @@ def test_ngram_drafter_greedy_equality_and_acceptance(pair):
     assert sum(s.stats.accepted for s in spec) > 0  # tiny models repeat themselves: lookup hits
 
 
+def test_a_step_verifies_no_padding_when_the_lookup_finds_nothing(pair):
+    """A fixed-k lookup drafter without a match proposes nothing: the target verifies the pending token
+    and what was found, never the padding up to k (on a CPU each verified position costs about a step)."""
+    target, _ = pair
+    drafter = NgramDrafter()
+    engine = Engine(HFRunner(target, 2, 300), TOK, drafter, 4, max_context=290)
+    steps: list[tuple[int, int]] = []  # per step that asked the drafter: (longest row found, draft width verified)
+    asked: list[int] = []
+    propose, verify = drafter.propose, engine._verify_chain
+
+    def proposing(seqs, ks):
+        p = propose(seqs, ks)
+        assert p.tokens.shape[1] == max(ks)  # the drafter pads to what it was asked (the engine trims)
+        asked.append(int(p.num_tokens.max()))
+        return p
+
+    def verifying(seqs, proposal):
+        if asked:
+            steps.append((asked.pop(), proposal.tokens.shape[1]))
+        return verify(seqs, proposal)
+
+    drafter.propose, engine._verify_chain = proposing, verifying
+    spec = engine.generate(PROMPTS, greedy(40))
+    base = make_engine(target, TOK, num_slots=2).generate(PROMPTS, greedy(40))
+    assert [s.token_ids for s in spec] == [b.token_ids for b in base]
+    assert all(width == found for found, width in steps)
+    assert {found for found, _ in steps} >= {0, 4}  # steps that found nothing, and steps that drafted all 4
+
+
 def test_identical_draft_accepts_everything(pair):
     target, _ = pair
     spec = make_engine(target, TOK, perturbed_copy(target, 0.0), k=4).generate(PROMPTS[:2], greedy(20))

@@ -18,6 +18,7 @@ Each drafter lives in one file with a ``build(arg, ctx)`` factory, listed in
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
@@ -47,6 +48,16 @@ class Proposal:
     @staticmethod
     def empty(batch: int) -> "Proposal":
         return Proposal(torch.zeros(batch, 0, dtype=torch.long), None, torch.zeros(batch, dtype=torch.long))
+
+    def trimmed(self) -> "Proposal":
+        """A chain proposal cut to its longest row: a drafter that found fewer tokens than it was asked for
+        (a lookup without a match) would otherwise have the target verify its padding, and on a CPU each
+        verified position costs about as much as a drafted one. Trees are returned as they are."""
+        width = int(self.num_tokens.max()) if self.num_tokens.numel() else 0
+        if self.parents is not None or width >= self.tokens.shape[1]:
+            return self
+        return dataclasses.replace(self, tokens=self.tokens[:, :width],
+                                   probs=None if self.probs is None else self.probs[:, :width])
 
 
 @dataclass
@@ -108,6 +119,15 @@ class Drafter(Protocol):
     def release(self, slot: int) -> None:
         """The sequence in ``slot`` has finished."""
 
+    def forget_outputs(self) -> None:
+        """Drop what it keeps of finished requests' outputs (a cross-request history), so the next
+        request drafts as if none had run: a benchmark's repeat must not draft from its own earlier
+        output. A drafter that keeps nothing across requests does nothing."""
+
+    def remember(self, output: list[int]) -> None:
+        """Keep ``output`` as the output of a finished request, as ``release`` would have kept it: a
+        resumed benchmark replays the runs it skips, so what follows drafts as in an unbroken run."""
+
     def held_slots(self) -> set[int] | None:
         """The slots it holds state for, where it keeps count (a fault-isolating wrapper drops the slots of
         rows that failed); None: every sequence it was started on."""
@@ -158,6 +178,12 @@ class DrafterBase:
         pass
 
     def release(self, slot: int) -> None:
+        pass
+
+    def forget_outputs(self) -> None:
+        pass
+
+    def remember(self, output: list[int]) -> None:
         pass
 
     def held_slots(self) -> set[int] | None:
