@@ -350,3 +350,66 @@ def test_command_line_names_the_script_or_the_cli(monkeypatch):
     assert env.command_line() == "python docs/bench/coupled/sampler_cost.py --prompts 2"
     monkeypatch.setattr("sys.argv", ["/usr/bin/specdecode", "bench", "--out", "a b"])
     assert env.command_line() == "specdecode bench --out 'a b'"
+
+
+def _suffix_args(models, out: Path, *extra: str) -> argparse.Namespace:
+    """Repetitive prompts the suffix drafter drafts from, two repeats: what a cross-request history changes."""
+    rows = [{"id": f"r{i}", "category": "code", "prompt": "abcabcabc"[i:] + "abcd" * (i + 1)} for i in range(3)]
+    prompts = out.parent / f"{out.name}-prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return parser.parse_args([
+        "--target", str(models["target"]), "--draft", "suffix", "--dtype", "float32", "--prompts", str(prompts),
+        "--draft-lengths", "4", "--max-new-tokens", "24", "--baselines", "none", "--repeats", "2",
+        "--no-progress", "--warmup-tokens", "2", "--threads", "1", "--out", str(out), *extra])
+
+
+def _drafting(out: Path) -> dict[tuple[str, int], tuple[int, int, int]]:
+    return {(r["prompt_id"], r["repeat"]): (r["stats"]["target_steps"], r["stats"]["drafted"], r["stats"]["accepted"])
+            for r in read_records(out) if r["type"] == "run" and r["config"] == "spec-k4"}
+
+
+def test_repeats_are_replicates_a_history_never_drafts_from_its_own_earlier_output(models, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    assert cli.main(_suffix_args(models, out)) == 0
+    runs = _drafting(out)
+    assert all(runs[(p, 0)][1] > 0 for p in ("r0", "r1", "r2"))  # the suffix drafter drafted
+    assert all(runs[(p, 1)] == runs[(p, 0)] for p in ("r0", "r1", "r2"))  # each repeat drafted as the first did
+    assert all(c["match"] for c in read_records(out) if c["type"] == "check")
+
+    # negative control: an engine that keeps outputs across passes drafts a repeat from its own earlier output
+    from specdecode.engine import Engine
+    monkeypatch.setattr(Engine, "forget_outputs", lambda self: None)
+    leaky = tmp_path / "leaky"
+    assert cli.main(_suffix_args(models, leaky)) == 0
+    runs = _drafting(leaky)
+    assert any(runs[(p, 1)][2] > runs[(p, 0)][2] for p in ("r0", "r1", "r2"))  # more accepted: it read the answer
+
+
+def test_a_resumed_run_replays_the_outputs_it_skips(models, tmp_path, monkeypatch):
+    whole = tmp_path / "whole"
+    assert cli.main(_suffix_args(models, whole)) == 0
+    real = R.BenchRunner.run_one
+    calls: list[tuple] = []
+
+    def interrupted(self, prompt, repeat, sampling, config):
+        calls.append((prompt.id, config.name, repeat))
+        if len(calls) == 11:  # 2 warm-ups, pass 0 (3 prompts x 2 configs), then pass 1's r0: stop at its r1
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, prompt, repeat, sampling, config)
+
+    def resumed(out: Path) -> dict:
+        calls.clear()
+        monkeypatch.setattr(R.BenchRunner, "run_one", interrupted)
+        assert cli.main(_suffix_args(models, out)) == 130
+        assert {(p, r) for p, _, r in calls[2:10]} == {("r0", 0), ("r1", 0), ("r2", 0), ("r0", 1)}
+        monkeypatch.setattr(R.BenchRunner, "run_one", real)
+        assert cli.main(_suffix_args(models, out)) == 0
+        return _drafting(out)
+
+    assert resumed(tmp_path / "out") == _drafting(whole)
+    # negative control: without the replay, the rest of pass 1 drafts without r0's output in its history
+    from specdecode.engine import Engine
+    monkeypatch.setattr(Engine, "remember", lambda self, output: None)
+    assert resumed(tmp_path / "forgetful") != _drafting(whole)

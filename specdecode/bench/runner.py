@@ -1,11 +1,18 @@
 """The interleaved benchmark loop, its records on disk, and the greedy exactness check.
 
-For each prompt and each repeat, every (sampling setting, configuration) pair runs once, in an order
-rotated from one (prompt, repeat) to the next, so drift of a shared machine hits every configuration
-alike. Each finished run is appended to ``records.jsonl`` at once; a rerun with the same output
-directory skips every (prompt, sampling, config, repeat) already there, so an interrupted run loses
-at most the run in progress. Warm-up runs (each configuration once, on a short prompt) are never
-recorded.
+Each repeat is a pass over every prompt; for each prompt every (sampling setting, configuration)
+pair runs once, in an order rotated from one (prompt, repeat) to the next, so drift of a shared machine
+hits every configuration alike. Each finished run is appended to ``records.jsonl`` at once; a rerun with
+the same output directory skips every (prompt, sampling, config, repeat) already there, so an interrupted
+run loses at most the run in progress. Warm-up runs (each configuration once, on a short prompt) are
+never recorded.
+
+Repeats are replicates: a drafter with a cross-request history (the suffix drafter keeps finished
+outputs) would otherwise draft a repeat from the same prompt's earlier output. Before each pass every
+engine forgets those outputs (:meth:`specdecode.engine.Engine.forget_outputs`), so each pass sees the
+history of the prompts before it in that pass, as the first did; a resumed run replays the outputs of
+the runs it skips (:meth:`~specdecode.engine.Engine.remember`), so it drafts as an unbroken one would.
+The selector's acceptance rates per drafter (numbers, not text) carry over from pass to pass.
 
 Configurations: ``target`` (this engine, target only), ``spec-k<k>`` (this engine drafting k tokens),
 ``hf`` (``transformers`` ``generate``, target only) and ``hf-assisted`` (``generate`` with
@@ -352,9 +359,10 @@ class BenchRunner:
         self.runs_done = 0
 
     def plan(self) -> Iterator[tuple[int, BenchPrompt, int, SamplingSetting, RunConfig]]:
+        """(prompt index, prompt, repeat, sampling, config): repeat by repeat, each a pass over the prompts."""
         combos = [(s, c) for s in self.samplings for c in self.configs]
-        for i, prompt in enumerate(self.prompts):
-            for r in range(self.repeats):
+        for r in range(self.repeats):
+            for i, prompt in enumerate(self.prompts):
                 for s, c in rotated(combos, i * self.repeats + r):
                     yield i, prompt, r, s, c
 
@@ -370,9 +378,27 @@ class BenchRunner:
             self.warmup()
         bar = tqdm(total=len(plan), initial=len(plan) - len(todo), desc="bench", unit="run", mininterval=2.0,
                    disable=not self.progress, dynamic_ncols=True)
+        engines = {cfg.name for cfg in self.configs if cfg.kind == "engine"}
+        backlog: dict[str, list[list[int]]] = {}  # config -> skipped outputs its engine has yet to remember
+        live: set[str] = set()  # configs whose engine has started this pass (forgotten, backlog remembered)
         try:
             for n, (i, prompt, r, s, c) in enumerate(plan):
-                if not self.store.has("run", prompt.id, s.name, c.name, r):
+                if n == 0 or plan[n - 1][2] != r:  # a new pass: every engine starts it with no outputs kept
+                    backlog, live = {name: [] for name in engines}, set()
+                if self.store.has("run", prompt.id, s.name, c.name, r):
+                    if c.name in engines:  # skipped: its output joins the history as if it had run
+                        output = self.store.find("run", prompt.id, s.name, c.name, r)["token_ids"]
+                        if c.name in live:
+                            self.backend.engine_for(c).remember(output)
+                        else:
+                            backlog[c.name].append(output)
+                else:
+                    if c.name in engines and c.name not in live:
+                        engine = self.backend.engine_for(c)
+                        engine.forget_outputs()
+                        for output in backlog.pop(c.name):
+                            engine.remember(output)
+                        live.add(c.name)
                     bar.set_postfix_str(f"{prompt.id} {s.name} {c.name}", refresh=False)
                     rec = self.run_one(prompt, r, s, c)
                     self.store.append(rec)
@@ -380,7 +406,7 @@ class BenchRunner:
                     if self.on_run:
                         self.on_run(rec)
                     bar.update(1)
-                if n + 1 == len(plan) or plan[n + 1][0] != i:  # the prompt's last run: check it
+                if n + 1 == len(plan) or plan[n + 1][0] != i:  # the prompt's last run of the pass: check it
                     self.check_prompt(prompt)
         finally:
             bar.close()

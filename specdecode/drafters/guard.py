@@ -143,6 +143,12 @@ class GuardedDrafter(DrafterBase):
         except Exception:
             log.exception("drafter failed to release slot %d", slot)
 
+    def forget_outputs(self) -> None:
+        self.inner.forget_outputs()
+
+    def remember(self, output: list[int]) -> None:
+        self.inner.remember(output)
+
 
 def _rng_state(seq: SequenceView):
     generator = getattr(seq, "generator", None)

@@ -102,6 +102,14 @@ class Parts(Mapping[str, Drafter]):
             else:
                 d.release(slot)
 
+    def forget_outputs(self) -> None:
+        for d in self._drafters.values():
+            d.forget_outputs()
+
+    def remember(self, output: list[int]) -> None:
+        for d in self._drafters.values():
+            d.remember(output)
+
     def lag(self, seq: SequenceView, name: str) -> int:
         """Tokens part ``name`` must read for ``seq`` before it can draft, beyond the one or two a
         proposal always feeds: the whole history when it has not started on ``seq``."""
@@ -208,6 +216,12 @@ class MultiDrafter(DrafterBase):
 
     def release(self, slot: int) -> None:
         self.parts.release(slot)
+
+    def forget_outputs(self) -> None:
+        self.parts.forget_outputs()
+
+    def remember(self, output: list[int]) -> None:
+        self.parts.remember(output)
 
 
 def merge(batch: int, parts: list[tuple[list[int], Proposal]]) -> Proposal:

@@ -386,6 +386,12 @@ class SuffixDrafter(DrafterBase):
         if state.max_new is None or len(output) <= state.max_new:
             self.history.add(output)
 
+    def forget_outputs(self) -> None:
+        self.history = History(self.depth, self.history.budget)
+
+    def remember(self, output: list[int]) -> None:
+        self.history.add(output)
+
     def _state(self, seq: SequenceView) -> _Slot:
         """The slot's index in step with ``seq.token_ids`` (a slot never started begins here, with
         what it has as its prompt)."""
