@@ -190,3 +190,17 @@ def test_latency_cells_per_group_with_ratios_to_target_on_the_same_prompts():
     assert cells[("spec-k2", "chat")].p50_ratio == pytest.approx(0.8)  # p3 has no spec run: left out of the ratio
     assert cells[("spec-k2", "overall")].p99_ratio == pytest.approx(0.8)
     assert cells[("target", "overall")].p99_s == pytest.approx(1.0 + 3.0 * 0.98)  # interpolated toward p3's 4 s
+
+
+def test_latency_after_prefill_leaves_the_prefill_out_and_runs_that_time_none():
+    recs = _records()
+    for r in recs:
+        if r.get("type") == "run":
+            r["prefill_s"] = 0.5 if r["config"] == "target" else 0.6  # spec-k2: 0.8 s in all, 0.2 s after prefill
+    recs.append(run_rec("p1", "hf", 0, 9.0, [[10, 1, 0, 0, 0.1]]) | {"prefill_s": None})
+    cells = {(c.config, c.group): c for c in A.latency_cells(recs, after_prefill=True)}
+    assert {config for config, _ in cells} == {"target", "spec-k2"}  # hf times no prefill
+    assert cells[("target", "overall")].p50_s == pytest.approx(0.5)
+    assert cells[("spec-k2", "overall")].p50_s == pytest.approx(0.2)
+    assert cells[("spec-k2", "overall")].p99_ratio == pytest.approx(0.4)
+    assert {(c.config, c.group): c for c in A.latency_cells(recs)}[("spec-k2", "overall")].p50_ratio == pytest.approx(0.8)

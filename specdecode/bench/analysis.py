@@ -32,6 +32,10 @@ Definitions (also written into every report):
 * **latency** of a request = its wall time, prefill included: the time to the last token (a short
   completion's latency is what an editor waits for). p50 / p99 over every run of a group (all
   repeats); the ratio is to target-only's over the runs of the same prompts.
+* **latency after prefill** = the same less the prompt's prefill (target's, and a draft model's that
+  reads the prompt up front): the time from the end of prefill to the last token, what a request costs
+  when its prompt is already cached (an editor resending its context to a prompt-caching server). A
+  drafter that reads the prompt later (`auto`'s draft model, catching up) pays that reading inside it.
 * **context length** of a step = prompt + tokens generated before the step; per-bucket tok/s is
   emitted tokens / decode step time (prefill excluded).
 """
@@ -398,12 +402,17 @@ class LatencyCell:
     p99_ratio: float | None = None
 
 
-def latency_cells(records: list[dict[str, Any]], group_by_category: bool = True) -> list[LatencyCell]:
-    """p50 / p99 request latency for every (sampling, config) over each category and over all prompts."""
+def latency_cells(records: list[dict[str, Any]], group_by_category: bool = True,
+                  after_prefill: bool = False) -> list[LatencyCell]:
+    """p50 / p99 request latency for every (sampling, config) over each category and over all prompts;
+    ``after_prefill``: the latency after prefill (runs that time no prefill, the ``hf`` baselines, left out)."""
     walls: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     categories: dict[str, str] = {}
     for r in runs_of(records):
-        walls[(r["sampling"], r["config"])][r["prompt_id"]].append(r["wall_s"])
+        if after_prefill and r.get("prefill_s") is None:
+            continue
+        wall = r["wall_s"] - r["prefill_s"] if after_prefill else r["wall_s"]
+        walls[(r["sampling"], r["config"])][r["prompt_id"]].append(wall)
         categories[r["prompt_id"]] = r["category"]
     groups: dict[str, set[str]] = {"overall": set(categories)}
     if group_by_category and len(set(categories.values())) > 1:

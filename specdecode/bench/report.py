@@ -23,6 +23,7 @@ class Summary:
     break_even_categories: list[str]  # categories with speculative runs
     prompts: list[dict[str, Any]]
     latency: list[A.LatencyCell] = dataclasses.field(default_factory=list)
+    latency_after_prefill: list[A.LatencyCell] = dataclasses.field(default_factory=list)
 
     def cell(self, sampling: str, config: str, group: str = "overall") -> A.Cell | None:
         return next((c for c in self.cells if (c.sampling, c.config, c.group) == (sampling, config, group)), None)
@@ -54,6 +55,7 @@ def summarize(records: list[dict[str, Any]]) -> Summary:
         break_even_categories=categories,
         prompts=A.prompt_rows(records),
         latency=A.latency_cells(records),
+        latency_after_prefill=A.latency_cells(records, after_prefill=True),
     )
 
 
@@ -70,6 +72,7 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], meta: dict[str, A
             "break_even": {cat: [dataclasses.asdict(r) | {"below": r.below, "pays": r.pays} for r in rows]
                            for cat, rows in summary.break_even.items()},
             "latency": [dataclasses.asdict(c) for c in summary.latency],
+            "latency_after_prefill": [dataclasses.asdict(c) for c in summary.latency_after_prefill],
             "checks": summary.checks,
             "prompts": summary.prompts,
         },
@@ -102,7 +105,8 @@ def markdown(summary: Summary, meta: dict[str, Any], sessions: list[dict[str, An
         lines += ["", *_category_table(summary, sampling)]
         lines += ["", *_position_table(summary, sampling)]
         lines += ["", *_context_table(summary, sampling)]
-        lines += ["", *_latency_table(summary, sampling)]
+        lines += ["", *_latency_table(summary.latency, sampling)]
+        lines += ["", *_latency_table(summary.latency_after_prefill, sampling, after_prefill=True)]
     for cat in summary.break_even_categories:
         lines += ["", *_break_even_section(summary, cat)]
     lines += ["", *_peer_section(summary), "", *_checks_section(summary), "", *_prompt_table(summary)]
@@ -191,7 +195,10 @@ def _setup(meta: dict[str, Any], sessions: list[dict[str, Any]]) -> list[str]:
         f"- {s.get('max_new_tokens')} new tokens per prompt, "
         + ("EOS ignored (every run generates the full budget; fill-in-the-middle prompts still end at the "
            "model's FIM end tokens and their editor rule, within their own caps)" if s.get("ignore_eos") else "stop at EOS")
-        + f"; {s.get('repeats')} repeat(s) per (prompt, config), medians; warm-up excluded; seed {s.get('seed')}",
+        + f"; {s.get('repeats')} repeat(s) per (prompt, config), medians"
+        + ("; each repeat a pass over the prompts, before which every drafter forgets the outputs it kept "
+           "(a repeat never drafts from its own earlier output)" if (s.get("repeats") or 1) > 1 else "")
+        + f"; warm-up excluded; seed {s.get('seed')}",
         f"- prompts: {meta.get('prompt_summary', '')}",
     ]
     for sess in sessions:
@@ -275,15 +282,17 @@ def _context_table(summary: Summary, sampling: str) -> list[str]:
     return lines
 
 
-def _latency_table(summary: Summary, sampling: str) -> list[str]:
-    cells = [c for c in summary.latency if c.sampling == sampling]
+def _latency_table(latency: list[A.LatencyCell], sampling: str, after_prefill: bool = False) -> list[str]:
+    cells = [c for c in latency if c.sampling == sampling]
     if not cells:
         return []
     groups = list(dict.fromkeys(c.group for c in cells))
     groups = [g for g in groups if g != "overall"] + ["overall"]
     configs = list(dict.fromkeys(c.config for c in cells))
-    lines = ["Latency: time to the last token of a request (prefill included), p50 / p99 seconds over every run "
-             "(ratio to target-only's on the same prompts: p50× / p99×).", "",
+    what = ("Latency after prefill: time from the end of the prompt's prefill to the last token (a request whose "
+            "prompt is already cached; a drafter reading the prompt late pays that inside)" if after_prefill else
+            "Latency: time to the last token of a request (prefill included)")
+    lines = [f"{what}, p50 / p99 seconds over every run (ratio to target-only's on the same prompts: p50× / p99×).", "",
              "| config | " + " | ".join(groups) + " |", "|---" * (len(groups) + 1) + "|"]
     for name in configs:
         row = [name]
