@@ -12,7 +12,7 @@ cannot say whether `auto` is slower. This pairs each run with target-only's run 
 * the pooled p50 / p99 ratios (as in the report) of latency and of latency after prefill;
 * how many pairs were slower than target-only after prefill, and by how much at most.
 
-    python docs/bench/code-workloads/paired_latency.py docs/bench/code-workloads/avx2-llamacpp-fim-auto-repeat-2
+    python docs/bench/code-workloads/paired_latency.py docs/bench/code-workloads/avx2-llamacpp-fim-replicates
 """
 
 from __future__ import annotations
