@@ -465,7 +465,9 @@ class Engine:
                 s.stats.record_choice(label)
 
         t0 = time.perf_counter()
-        proposal = self.drafter.propose(seqs, ks).trimmed() if self.drafter is not None and any(ks) else Proposal.empty(bsz)
+        # (trimmed: a drafter that found less than it was asked for must not have its padding verified)
+        proposal = (self.drafter.propose(seqs, ks).trimmed() if self.drafter is not None and any(ks)
+                    else Proposal.empty(bsz))
         t1 = time.perf_counter()
         verified = self._verify_tree(seqs, proposal) if proposal.parents is not None else self._verify_chain(seqs, proposal)
         t2 = time.perf_counter()

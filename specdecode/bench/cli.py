@@ -66,9 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--only", type=_csv(str), default=None, metavar="CONFIG,...",
                    help="run only these configurations, by the names the report gives them (spec-k4, spec-k4[ngram], "
                         "auto, hf, ...); target always runs: every ratio is against it")
-    r.add_argument("--repeats", type=int, default=1, help="runs per (prompt, config), each a pass over the prompts; before each pass every "
-                   "drafter forgets the outputs it kept (the suffix drafter's history), so a repeat never drafts "
-                   "from its own earlier output; medians are reported")
+    r.add_argument("--repeats", type=int, default=1,
+                   help="runs per (prompt, config), each a pass over the prompts; before each pass every drafter "
+                        "forgets the outputs it kept (the suffix drafter's history), so a repeat never drafts "
+                        "from its own earlier output; medians are reported")
     r.add_argument("--max-new-tokens", type=int, default=128)
     r.add_argument("--stop-at-eos", action="store_true",
                    help="stop at EOS (default: ignore EOS so every configuration generates the same number of tokens)")

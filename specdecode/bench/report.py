@@ -292,7 +292,8 @@ def _latency_table(latency: list[A.LatencyCell], sampling: str, after_prefill: b
     what = ("Latency after prefill: time from the end of the prompt's prefill to the last token (a request whose "
             "prompt is already cached; a drafter reading the prompt late pays that inside)" if after_prefill else
             "Latency: time to the last token of a request (prefill included)")
-    lines = [f"{what}, p50 / p99 seconds over every run (ratio to target-only's on the same prompts: p50× / p99×).", "",
+    lines = [f"{what}, p50 / p99 seconds over every run (ratio to target-only's on the same prompts: "
+             "p50× / p99×).", "",
              "| config | " + " | ".join(groups) + " |", "|---" * (len(groups) + 1) + "|"]
     for name in configs:
         row = [name]
