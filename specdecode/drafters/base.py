@@ -53,8 +53,10 @@ class Proposal:
         """A chain proposal cut to its longest row: a drafter that found fewer tokens than it was asked for
         (a lookup without a match) would otherwise have the target verify its padding, and on a CPU each
         verified position costs about as much as a drafted one. Trees are returned as they are."""
-        width = int(self.num_tokens.max()) if self.num_tokens.numel() else 0
-        if self.parents is not None or width >= self.tokens.shape[1]:
+        if self.parents is not None:
+            return self
+        width = int(self.num_tokens.max()) if self.num_tokens.numel() else 0  # (chain lengths: host tensors)
+        if width >= self.tokens.shape[1]:
             return self
         return dataclasses.replace(self, tokens=self.tokens[:, :width],
                                    probs=None if self.probs is None else self.probs[:, :width])
