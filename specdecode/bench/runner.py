@@ -248,27 +248,26 @@ class RecordStore:
                     self.records.append(json.loads(line))
                 except json.JSONDecodeError:  # a line cut by a hard kill: that run is simply redone
                     self.dropped_lines += 1
-        self._keys = {self.key(r) for r in self.records}
+        self._by_key: dict[tuple, dict[str, Any]] = {}  # key -> its first record
+        for r in self.records:
+            self._by_key.setdefault(self.key(r), r)
 
     @staticmethod
     def key(rec: dict[str, Any]) -> tuple:
         return (rec.get("type"), rec.get("prompt_id"), rec.get("sampling"), rec.get("config"), rec.get("repeat"))
 
     def has(self, kind: str, prompt_id: str, sampling: str, config: str, repeat: int) -> bool:
-        return (kind, prompt_id, sampling, config, repeat) in self._keys
+        return (kind, prompt_id, sampling, config, repeat) in self._by_key
 
     def append(self, rec: dict[str, Any]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a", encoding="utf-8") as fh:
             fh.write(json.dumps(rec) + "\n")
         self.records.append(rec)
-        self._keys.add(self.key(rec))
+        self._by_key.setdefault(self.key(rec), rec)
 
     def find(self, kind: str, prompt_id: str, sampling: str, config: str, repeat: int) -> dict[str, Any] | None:
-        for r in self.records:
-            if self.key(r) == (kind, prompt_id, sampling, config, repeat):
-                return r
-        return None
+        return self._by_key.get((kind, prompt_id, sampling, config, repeat))
 
 
 def check_structured(text: str, response_format: dict[str, Any]) -> dict[str, Any]:
