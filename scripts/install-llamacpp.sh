@@ -18,7 +18,7 @@ KEY="$(cat scripts/patch_llamacpp.py <(echo "$CMAKE_ARGS") <(uname -m) <(grep -m
        | sha256sum | cut -c1-12)"
 WHEELS="$CACHE/wheels/llama-cpp-python-$VERSION-$KEY"
 if ! ls "$WHEELS"/llama_cpp_python-*.whl >/dev/null 2>&1; then
-  echo "installing the llama.cpp backend: llama-cpp-python $VERSION built from source, about 10 minutes on 2 cores" \
+  echo "installing the llama.cpp backend: llama-cpp-python $VERSION built from source once, 10–20 minutes on 2 cores" \
        "(later runs reuse the wheel in $WHEELS)" >&2
   work="$(mktemp -d)"
   heartbeat=""

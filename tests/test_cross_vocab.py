@@ -265,6 +265,7 @@ def test_coupled_sampler_outputs_equal_target_only(pair):
         assert sum(s.stats.accepted for s in spec) > 0, mode
 
 
+@pytest.mark.llamacpp
 def test_greedy_equals_target_only_on_llamacpp(pair):
     """Both models on llama.cpp (GGUF copies of the same weights): the draft's cache is llama.cpp's, rolled
     back with ``llama_memory_seq_rm`` after each re-tokenization."""

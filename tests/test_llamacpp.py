@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.llamacpp
 pytest.importorskip("llama_cpp", reason="the llama.cpp backend is not installed (scripts/install-llamacpp.sh)")
 
 from gguf_util import tiny_llamacpp_pair, write_gguf_like  # noqa: E402

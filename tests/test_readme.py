@@ -10,7 +10,11 @@ the same ``main`` the ``specdecode`` script calls. What cannot run here is repla
   heads), ``SMALL`` (a draft read through its own tokenizer) name files in a temporary directory;
 * ``serve`` answers on a free port in a thread rather than forever on 8000, and the ``load`` line after
   it is pointed at that port;
-* ``--device cuda`` on a machine without CUDA must fail the way a user sees it: one line, exit 2.
+* ``--device cuda`` on a machine without CUDA must fail the way a user sees it: one line, exit 2;
+* the lines that need the llama.cpp backend (:func:`needs_llamacpp`) run in their own test, marked
+  ``llamacpp`` and skipped with the reason where llama-cpp-python is not installed (the README's test
+  command on a fresh checkout); there, each of them must fail the way a user sees it: one line naming
+  ``scripts/install-llamacpp.sh``, exit 2.
 """
 
 from __future__ import annotations
@@ -29,6 +33,19 @@ from specdecode.cli import main
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 SKIPPED = ("pip install", "scripts/install-llamacpp.sh", "python -m pytest", "specdecode models fetch")
+
+
+def needs_llamacpp(command: str) -> bool:
+    """A README line that runs a model on llama.cpp whatever else is installed: ``--backend llamacpp``, or a
+    ``.gguf`` draft kept in its quantization (``@gguf|@q8_0|@q4_0``, ``--draft-quantization gguf``)."""
+    return ("--backend llamacpp" in command or re.search(r"@(gguf|q8_0|q4_0)\b", command) is not None
+            or "--draft-quantization gguf" in command)
+
+
+def llamacpp_installed() -> bool:
+    from specdecode.models import llamacpp
+
+    return llamacpp.available()
 
 
 def readme_commands() -> list[str]:
@@ -97,7 +114,9 @@ def _quick(argv: list[str]) -> list[str]:
     return argv
 
 
-def test_every_readme_command_runs_as_written(world, capsys, monkeypatch):
+def _run_readme(world, capsys, monkeypatch, selected) -> tuple[list[str], list[str], int]:
+    """Run the README's commands that ``selected(command)`` picks: (commands run, failures, servers started).
+    A command that ``expect_missing_llamacpp`` picks must fail as a user without llama.cpp sees it."""
     from specdecode.server import cli as server_cli
     from specdecode.server.connections import DrainingServer, uvicorn_config
 
@@ -117,9 +136,10 @@ def test_every_readme_command_runs_as_written(world, capsys, monkeypatch):
 
     monkeypatch.setattr(server_cli, "run_server", serve_in_a_thread)
     failures, ran = [], []
+    missing = not llamacpp_installed()
     try:
         for command in readme_commands():
-            if command.startswith(SKIPPED) or not command.startswith("specdecode"):
+            if command.startswith(SKIPPED) or not command.startswith("specdecode") or not selected(command):
                 continue
             ran.append(command)
             argv = _quick(_argv(command, world))
@@ -135,6 +155,11 @@ def test_every_readme_command_runs_as_written(world, capsys, monkeypatch):
                 if code != 2 or len(out.err.strip().splitlines()) != 1 or "Traceback" in out.err:
                     failures.append(f"{command}: without CUDA expected one line and exit 2, got {code}: {out.err}")
                 continue
+            if missing and needs_llamacpp(command):
+                if code != 2 or "scripts/install-llamacpp.sh" not in out.err or "Traceback" in out.err:
+                    failures.append(f"{command}: without llama.cpp expected exit 2 naming scripts/install-llamacpp.sh,"
+                                    f" got {code}: {out.err[-2000:]}")
+                continue
             if code != 0:
                 failures.append(f"{command}: exit {code}: {out.err[-2000:]}")
     finally:
@@ -142,5 +167,31 @@ def test_every_readme_command_runs_as_written(world, capsys, monkeypatch):
             server.should_exit = True
             thread.join(30)
             sock.close()
+    return ran, failures, len(servers)
+
+
+def test_every_readme_command_runs_as_written(world, capsys, monkeypatch):
+    """Every line that runs without llama.cpp; where it is not installed, the lines that need it fail
+    the way a user sees it (one line naming the install script, exit 2)."""
+    missing = not llamacpp_installed()
+    ran, failures, servers = _run_readme(world, capsys, monkeypatch,
+                                         lambda c: missing or not needs_llamacpp(c))
     assert not failures, "\n\n".join(failures)
     assert len(ran) >= 20 and any(c.startswith("specdecode load") for c in ran) and servers, ran
+
+
+@pytest.mark.llamacpp
+def test_readme_llamacpp_commands_run_as_written(world, capsys, monkeypatch):
+    """The README lines that need the llama.cpp backend, run on it."""
+    pytest.importorskip("llama_cpp", reason="the llama.cpp backend is not installed (scripts/install-llamacpp.sh)")
+    ran, failures, _ = _run_readme(world, capsys, monkeypatch, needs_llamacpp)
+    assert not failures, "\n\n".join(failures)
+    assert len(ran) >= 2, ran
+
+
+def test_the_readme_lines_that_need_llamacpp_are_the_ones_named():
+    """The split above is by what the lines say: the install line's generate, and the GGUF draft kept quantized."""
+    named = [c for c in readme_commands() if needs_llamacpp(c)]
+    assert any("--backend llamacpp" in c for c in named) and any("@q4_0" in c for c in named), named
+    assert not any(c.startswith("specdecode generate --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b "
+                                "--num-draft-tokens") for c in named)  # the main job runs anywhere

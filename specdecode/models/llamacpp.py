@@ -55,7 +55,7 @@ from specdecode.errors import UserError
 from specdecode.models.base import FINAL, Features, ForwardOutput, Runner
 from specdecode.models.llamacpp_tree import MAX_SEQ, NodeTable
 
-INSTALL_HINT = "install it with `scripts/install-llamacpp.sh` (builds llama-cpp-python from source, a few minutes)"
+INSTALL_HINT = "install it with `scripts/install-llamacpp.sh` (builds llama-cpp-python from source once: 10–20 minutes on 2 cores)"
 BATCH_TOKENS = 512  # tokens per llama_decode call (llama.cpp's n_batch = n_ubatch)
 OUTPUT_TOKENS = 256  # at most this many tokens per call when logits come back (its buffer: rows x vocab floats)
 KV_PAD = 256  # llama.cpp rounds each sequence's cache to a multiple of this
