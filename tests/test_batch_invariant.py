@@ -253,3 +253,34 @@ def test_auto_is_on_for_bf16_and_fp16_on_a_cpu_and_off_in_float32_or_with_trees(
 
 def test_no_rows_is_no_rows():
     assert bi.linear(torch.zeros(0, 8), torch.randn(4, 8), None).shape == (0, 4)
+
+
+def test_prepare_probes_every_shape_a_model_uses_once_under_one_progress_bar(tmp_path, monkeypatch, capsys):
+    """The runner chooses every plan when it is built (one progress bar, ``prepare``), so prefill,
+    decode and verify forwards afterwards probe nothing (the lazy path would print one line per shape);
+    a second runner over the same shapes probes nothing at all. Negative control: without ``prepare`` the
+    same forwards do probe."""
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    monkeypatch.setattr(bi, "_DISK", None)
+    monkeypatch.setattr(bi, "_PLANS", {})
+    vocab = 64
+    target = make_model(vocab, seed=7, layers=2, hidden=128, dtype=torch.bfloat16)
+    engine = make_engine(bi.enable(target), make_tokenizer(vocab), perturbed_copy(target, noise=0.2), k=3,
+                         num_slots=2, max_len=256)
+    err = capsys.readouterr().err
+    assert "batch-invariant mode: probing" in err and "%" in err  # the progress bar
+    chosen = dict(bi._PLANS)
+    assert any(k[0] == "bmm" for k in chosen) and any(k[2] == "bulk" for k in chosen)
+    out = engine.generate([PROMPTS[0], PROMPTS[2]], SamplingParams(max_new_tokens=12, temperature=0.0,
+                                                                   ignore_eos=True))
+    assert sum(o.stats.drafted for o in out) > 0  # verify steps of k + 1 rows ran
+    assert "probing" not in capsys.readouterr().err and bi._PLANS == chosen
+    assert bi.prepare(target) == 0
+
+    monkeypatch.setattr(bi, "_DISK", {})  # negative control: nothing prepared, nothing cached
+    monkeypatch.setattr(bi, "_PLANS", {})
+    monkeypatch.setattr(bi, "_remember", lambda key, plan: None)
+    runner = HFRunner(target, num_slots=1, max_len=64)
+    monkeypatch.setattr(bi, "_PLANS", {})
+    runner.prefill([0], [PROMPTS[0]])
+    assert "probing linear" in capsys.readouterr().err

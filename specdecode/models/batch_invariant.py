@@ -205,31 +205,129 @@ def _remember(key: str, plan: RowPlan) -> None:
         pass
 
 
-def _plan(kind: str, shape: tuple, dtype: torch.dtype, device: torch.device, workload: tuple[int, ...],
-          run: Callable[[torch.Tensor], torch.Tensor], lead: tuple[int, ...], width: int) -> RowPlan:
-    mode = "bulk" if _BULK.get() else "step"
-    if mode == "bulk":
-        workload = BULK_WORKLOAD
-    key = (kind, shape, mode, dtype, str(device), torch.get_num_threads(), workload)
-    plan = _PLANS.get(key)
-    if plan is None:
-        disk_key = "|".join(map(str, (PLAN_FORMAT, kind, shape, mode, dtype, device, torch.get_num_threads(),
-                                      hash_workload(workload), torch.__version__, _processor())))
-        if disk_key in _disk():
-            plan = RowPlan(tuple(_disk()[disk_key]))
-        else:
-            sizes = BULK_SIZES if mode == "bulk" else STEP_SIZES
-            print(f"batch-invariant mode: probing {kind} {shape} {str(dtype).removeprefix('torch.')} rows on this "
-                  f"machine ({mode}; once, a few seconds: cached in {_cache_file()})", file=sys.stderr, flush=True)
-            classes = probe(run, lead, width, sizes, dtype, device)
-            if not classes:
-                raise InvarianceError(f"batch-invariant mode: {kind} {shape} in {dtype} on {device}: no row count "
-                                      "gives position-independent rows")
-            plan = choose(classes, workload, timings(run, lead, width, tuple(m for c in classes for m in c), dtype,
-                                                     device))
-            _remember(disk_key, plan)
-        _PLANS[key] = plan
+@dataclass(frozen=True)
+class _Need:
+    """One operation shape whose row plan a forward will ask for (see :func:`_plan`)."""
+
+    kind: str
+    shape: tuple
+    dtype: torch.dtype
+    device: torch.device
+    workload: tuple[int, ...]
+    run: Callable[[torch.Tensor], torch.Tensor]
+    lead: tuple[int, ...]
+    width: int
+    mode: str  # step | bulk
+
+    @property
+    def key(self) -> tuple:
+        workload = BULK_WORKLOAD if self.mode == "bulk" else self.workload
+        return (self.kind, self.shape, self.mode, self.dtype, str(self.device), torch.get_num_threads(), workload)
+
+    @property
+    def disk_key(self) -> str:
+        workload = BULK_WORKLOAD if self.mode == "bulk" else self.workload
+        return "|".join(map(str, (PLAN_FORMAT, self.kind, self.shape, self.mode, self.dtype, self.device,
+                                  torch.get_num_threads(), hash_workload(workload), torch.__version__, _processor())))
+
+    def known(self) -> RowPlan | None:
+        plan = _PLANS.get(self.key)
+        if plan is None and self.disk_key in _disk():
+            plan = _PLANS[self.key] = RowPlan(tuple(_disk()[self.disk_key]))
+        return plan
+
+    def measure(self) -> RowPlan:
+        sizes = BULK_SIZES if self.mode == "bulk" else STEP_SIZES
+        classes = probe(self.run, self.lead, self.width, sizes, self.dtype, self.device)
+        if not classes:
+            raise InvarianceError(f"batch-invariant mode: {self.kind} {self.shape} in {self.dtype} on {self.device}: "
+                                  "no row count gives position-independent rows")
+        plan = choose(classes, BULK_WORKLOAD if self.mode == "bulk" else self.workload,
+                      timings(self.run, self.lead, self.width, tuple(m for c in classes for m in c), self.dtype,
+                              self.device))
+        _remember(self.disk_key, plan)
+        _PLANS[self.key] = plan
+        return plan
+
+    def cost(self) -> float:
+        """A relative guess of what probing it takes (for the progress bar's ETA)."""
+        return float(math.prod(self.shape[0]) if self.kind == "linear" else math.prod(self.shape)) * (
+            sum(BULK_SIZES) if self.mode == "bulk" else sum(STEP_SIZES))
+
+
+def _plan(need: _Need) -> RowPlan:
+    plan = need.known()
+    if plan is None:  # a shape :func:`prepare` did not foresee: probed on first use
+        print(f"batch-invariant mode: probing {need.kind} {need.shape} {str(need.dtype).removeprefix('torch.')} "
+              f"rows on this machine ({need.mode}; once: cached in {_cache_file()})", file=sys.stderr, flush=True)
+        plan = need.measure()
     return plan
+
+
+def _mode() -> str:
+    return "bulk" if _BULK.get() else "step"
+
+
+def _linear_need(weight: torch.Tensor, bias: torch.Tensor | None, workload: tuple[int, ...], mode: str,
+                 dtype: torch.dtype | None = None) -> _Need:
+    def run(rows: torch.Tensor) -> torch.Tensor:
+        return F.linear(rows, weight, bias)
+
+    return _Need("linear", (tuple(weight.shape), bias is not None), dtype or weight.dtype, weight.device, workload,
+                 run, (), weight.shape[-1], mode)
+
+
+def _bmm_need(shape: tuple[int, int], device: torch.device, workload: tuple[int, ...], mode: str,
+              dtype: torch.dtype = torch.float32) -> _Need:
+    """``[G, M, K] @ [G, K, N]`` with ``shape = (K, N)`` (attention computes it in float32), probed against
+    random right-hand sides."""
+    def probe_run(rows: torch.Tensor) -> torch.Tensor:
+        other = torch.randn(rows.shape[0], *shape, generator=torch.Generator().manual_seed(1))
+        return torch.bmm(rows, other.to(rows.device, rows.dtype))
+
+    return _Need("bmm", tuple(shape), dtype, device, workload, probe_run, (3,), shape[0], mode)
+
+
+def needs(model: torch.nn.Module) -> list[_Need]:
+    """Every plan an enabled ``model``'s forwards ask for: each linear layer's shape in decode/verify
+    steps and in prefill (the output layer only in steps: prefill keeps hidden states, not logits), and
+    the attention products per head size."""
+    out: dict[tuple, _Need] = {}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for m in model.modules():
+        if isinstance(m, InvariantLinear):
+            for mode in ("step",) if m is head else ("step", "bulk"):
+                need = _linear_need(m.weight, m.bias, m.workload, mode)
+                out.setdefault(need.key, need)
+        workload = getattr(m, "_specdecode_workload", None)
+        config = getattr(m, "config", None)
+        if workload is not None and config is not None and getattr(config, "num_attention_heads", None):
+            d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            device = next(m.parameters()).device
+            for shape in ((d, BLOCK), (BLOCK, d)):
+                for mode in ("step", "bulk"):
+                    need = _bmm_need(shape, device, workload, mode)
+                    out.setdefault(need.key, need)
+    return list(out.values())
+
+
+def prepare(model: torch.nn.Module, progress: bool = True) -> int:
+    """Choose now, under one progress bar with an ETA, every row plan ``model``'s forwards will ask for
+    that this machine has not chosen before (instead of one probe at a time at first use, mid-request).
+    Returns how many were probed (0 once cached)."""
+    from tqdm import tqdm
+
+    todo = [n for n in needs(model) if n.known() is None]
+    if not todo:
+        return 0
+    with tqdm(total=sum(n.cost() for n in todo), disable=not progress, file=sys.stderr, mininterval=1.0,
+              desc=f"batch-invariant mode: probing {len(todo)} kernel shapes on this machine (once; cached in "
+                   f"{_cache_file().parent})",
+              bar_format="{desc}: {percentage:3.0f}%|{bar:20}| {elapsed}<{remaining}") as bar:
+        for need in todo:
+            need.measure()
+            bar.update(need.cost())
+    return len(todo)
 
 
 def hash_workload(workload: tuple[int, ...]) -> str:
@@ -266,13 +364,9 @@ def _by_plan(rows: torch.Tensor, plan: RowPlan, run: Callable[[torch.Tensor], to
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            workload: tuple[int, ...] = TARGET_WORKLOAD) -> torch.Tensor:
-    def run(rows: torch.Tensor) -> torch.Tensor:
-        return F.linear(rows, weight, bias)
-
     rows = x.reshape(-1, x.shape[-1])
-    plan = _plan("linear", (tuple(weight.shape), bias is not None), x.dtype, x.device, workload, run, (),
-                 x.shape[-1])
-    return _by_plan(rows, plan, run).reshape(*x.shape[:-1], weight.shape[0])
+    need = _linear_need(weight, bias, workload, _mode(), x.dtype)
+    return _by_plan(rows, _plan(need), need.run).reshape(*x.shape[:-1], weight.shape[0])
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor, workload: tuple[int, ...] = TARGET_WORKLOAD) -> torch.Tensor:
@@ -282,12 +376,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor, workload: tuple[int, ...] = TARGET_WOR
     def run(rows: torch.Tensor) -> torch.Tensor:
         return torch.bmm(rows, b[: rows.shape[0]])
 
-    def probe_run(rows: torch.Tensor) -> torch.Tensor:
-        other = torch.randn(rows.shape[0], b.shape[1], b.shape[2], generator=torch.Generator().manual_seed(1))
-        return torch.bmm(rows, other.to(b.device, b.dtype))
-
-    plan = _plan("bmm", tuple(b.shape[1:]), a.dtype, a.device, workload, probe_run, (3,), a.shape[-1])
-    return _by_plan(a, plan, run)
+    return _by_plan(a, _plan(_bmm_need(tuple(b.shape[1:]), a.device, workload, _mode(), a.dtype)), run)
 
 
 class InvariantLinear(torch.nn.Linear):

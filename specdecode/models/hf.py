@@ -48,6 +48,8 @@ class HFRunner(Runner):
         if batch_invariant and not batch_invariant_mode.is_enabled(model):  # rows alike whatever the batch
             batch_invariant_mode.enable(model)
         self.batch_invariant = batch_invariant_mode.is_enabled(model)
+        if self.batch_invariant:  # every kernel shape probed now, under one progress bar, not mid-request
+            batch_invariant_mode.prepare(model)
         self.model = model
         self.base = model.base_model
         self.lm_head = model.get_output_embeddings()
