@@ -11,6 +11,12 @@ on ties), which makes greedy decoding a special case of the exact speculative ru
 below :data:`GREEDY_TEMPERATURE` is greedy too (dividing logits by a subnormal number overflows to
 NaN probabilities). No NaN reaches sampling: :func:`warp` raises instead.
 
+Finite by range. Every numeric parameter has a closed range (:data:`_RANGES`; docs/server.md's limits table),
+checked here once for the library, the command line and the server (a :class:`SamplingError` names the field).
+Inside the ranges a processed, scaled logit is at most ``(2 (|x| + 100) + 2 (n + 1)) / 1e-5`` in magnitude for
+a model logit ``x`` after ``n`` generated tokens (bias, repetition ratio, penalties, temperature): finite in
+float32 for any ``|x|`` below 1e33, so a model's logits never become NaN probabilities or non-finite logprobs.
+
 Two samplers (``SamplingParams.sampler``, ``--sampler``): ``rejection`` (the default) draws each
 request's randomness from its generator, in the order the engine consumes it, so a seeded request's
 tokens depend on what was drafted; ``coupled`` samples every position by the Gumbel-max trick, in
@@ -46,13 +52,23 @@ GREEDY_TEMPERATURE = 1e-5
 # huge integer (2**63) never overflows a tensor
 TOP_K_MAX = 2**31 - 1
 TOP_P_MIN = float(torch.finfo(torch.float32).tiny)  # ~1.2e-38; see params_tensors
+TEMPERATURE_MAX = 2.0  # OpenAI's range of temperature: [0, 2]
 LOGIT_BIAS_MAX = 100.0  # OpenAI's range of a logit_bias value: [-100, 100]
 PENALTY_MAX = 2.0  # OpenAI's range of presence_penalty and frequency_penalty: [-2, 2]
+# repetition_penalty divides or multiplies a seen token's logit by at most a factor of 2 either way: 2 is the
+# largest penalty, 1/2 its mirror image (rewarding repetition as strongly). A ratio near 0 is what turned finite
+# logits into inf (x / 1e-39 overflows float32): no ratio in range can (see "Finite by range" below)
+REPETITION_PENALTY_MIN, REPETITION_PENALTY_MAX = 0.5, 2.0
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
 SAMPLERS = ("rejection", "coupled")  # --sampler; see the module docstring
 
 
 class SamplingError(UserError, ValueError):
-    """Impossible sampling arguments."""
+    """Impossible sampling arguments; ``param`` names the field (the server's 400 names it too)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class NonFiniteProbabilities(RuntimeError):
@@ -93,67 +109,66 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise SamplingError(f"temperature must be a finite number >= 0, got {t!r}")
-        if t < GREEDY_TEMPERATURE:
+        if self._number("temperature", lambda v: 0 <= v <= TEMPERATURE_MAX) < GREEDY_TEMPERATURE:
             object.__setattr__(self, "temperature", 0.0)
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise SamplingError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0 < p <= 1):
-            raise SamplingError(f"top_p must be in (0, 1], got {p!r}")
+            raise SamplingError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}", "top_k")
+        self._number("top_p", lambda v: 0 < v <= 1)
         m = self.max_new_tokens
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-            raise SamplingError(f"max_new_tokens must be an integer >= 1, got {m!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise SamplingError(f"seed must be an integer, got {self.seed!r}")
+            raise SamplingError(f"max_new_tokens must be an integer >= 1, got {m!r}", "max_new_tokens")
+        seed = self.seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                                 or not SEED_MIN <= seed <= SEED_MAX):
+            raise SamplingError(f"seed must be an integer that fits in 64 bits, got {seed!r}", "seed")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in stop):
-            raise SamplingError("stop strings must be non-empty strings")
+            raise SamplingError("stop strings must be non-empty strings", "stop")
         if any(len(s) > MAX_STOP_CHARS for s in stop):
-            raise SamplingError(f"stop strings may have at most {MAX_STOP_CHARS} characters")
+            raise SamplingError(f"stop strings may have at most {MAX_STOP_CHARS} characters", "stop")
         object.__setattr__(self, "stop", stop)
         ids = tuple(self.stop_token_ids)
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
-            raise SamplingError(f"stop_token_ids must be integers >= 0, got {self.stop_token_ids!r}")
+            raise SamplingError(f"stop_token_ids must be integers >= 0, got {self.stop_token_ids!r}", "stop_token_ids")
         object.__setattr__(self, "stop_token_ids", ids)
         d = self.stop_dedent
         if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 0):
-            raise SamplingError(f"stop_dedent must be an integer >= 0 or None, got {d!r}")
+            raise SamplingError(f"stop_dedent must be an integer >= 0 or None, got {d!r}", "stop_dedent")
         if self.sampler is not None and self.sampler not in SAMPLERS:
-            raise SamplingError(f"sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
+            raise SamplingError(f"sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}", "sampler")
         self._check_processing()
         self._check_grammar()
         n = self.logprobs
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= LOGPROBS_MAX):
-            raise SamplingError(f"logprobs must be an integer in [0, {LOGPROBS_MAX}] or None, got {n!r}")
+            raise SamplingError(f"logprobs must be an integer in [0, {LOGPROBS_MAX}] or None, got {n!r}", "logprobs")
+
+    def _number(self, name: str, ok) -> float:
+        """The field ``name`` as a float, refused (naming the field and its range) unless a finite number ``ok``."""
+        v = getattr(self, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
+            raise SamplingError(f"{name} must be {_RANGES[name]}, got {v!r}", name)
+        object.__setattr__(self, name, float(v))
+        return float(v)
 
     def _check_processing(self) -> None:
-        """min_p, logit_bias and the penalties (OpenAI's ranges; the vocabulary is the engine's to check)."""
-        def number(name: str, ok) -> float:
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
-                raise SamplingError(f"{name} must be {_RANGES[name]}, got {v!r}")
-            object.__setattr__(self, name, float(v))
-            return float(v)
-
-        number("min_p", lambda v: 0 <= v <= 1)
-        number("presence_penalty", lambda v: -PENALTY_MAX <= v <= PENALTY_MAX)
-        number("frequency_penalty", lambda v: -PENALTY_MAX <= v <= PENALTY_MAX)
-        number("repetition_penalty", lambda v: v > 0)
+        """min_p, logit_bias and the penalties (:data:`_RANGES`; the vocabulary is the engine's to check)."""
+        self._number("min_p", lambda v: 0 <= v <= 1)
+        self._number("presence_penalty", lambda v: -PENALTY_MAX <= v <= PENALTY_MAX)
+        self._number("frequency_penalty", lambda v: -PENALTY_MAX <= v <= PENALTY_MAX)
+        self._number("repetition_penalty", lambda v: REPETITION_PENALTY_MIN <= v <= REPETITION_PENALTY_MAX)
         bias = self.logit_bias
         pairs = sorted(bias.items()) if isinstance(bias, dict) else list(bias)
         out = {}
         for pair in pairs:
             tok, value = pair if isinstance(pair, (tuple, list)) and len(pair) == 2 else (None, None)
             if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
-                raise SamplingError(f"logit_bias keys must be token ids (integers >= 0), got {pair!r}")
+                raise SamplingError(f"logit_bias keys must be token ids (integers >= 0), got {pair!r}", "logit_bias")
             if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
                     or abs(value) > LOGIT_BIAS_MAX):
-                raise SamplingError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {tok}")
+                raise SamplingError(f"logit_bias values must be {_RANGES['logit_bias']}, got {value!r} for token {tok}",
+                                    "logit_bias")
             if tok in out:
-                raise SamplingError(f"logit_bias names token {tok} twice")
+                raise SamplingError(f"logit_bias names token {tok} twice", "logit_bias")
             out[tok] = float(value)
         object.__setattr__(self, "logit_bias", tuple(sorted(out.items())))
 
@@ -163,10 +178,10 @@ class SamplingParams:
         from specdecode.grammar import GrammarSpec
 
         if not isinstance(self.grammar, GrammarSpec):
-            raise SamplingError(f"grammar must be a GrammarSpec or None, got {type(self.grammar).__name__}")
+            raise SamplingError(f"grammar must be a GrammarSpec or None, got {type(self.grammar).__name__}", "grammar")
         if self.ignore_eos:  # the grammar allows an end token exactly where the output is complete
             raise SamplingError("ignore_eos cannot be combined with a grammar (response_format, regex or grammar): "
-                                "a structured output ends where the grammar is complete")
+                                "a structured output ends where the grammar is complete", "ignore_eos")
 
     @property
     def processed(self) -> bool:
@@ -184,8 +199,13 @@ class SamplingParams:
         return self.sampler == "coupled" and not self.greedy
 
 
-_RANGES = {"min_p": "a number in [0, 1] (0 = off)", "presence_penalty": "a number in [-2, 2]",
-           "frequency_penalty": "a number in [-2, 2]", "repetition_penalty": "a number > 0 (1 = off)"}
+# each numeric field's range, as its error message says it (docs/server.md's limits table lists the same)
+_RANGES = {"temperature": f"a number in [0, {TEMPERATURE_MAX:g}] (0 = greedy)", "top_p": "a number in (0, 1] (1 = off)",
+           "min_p": "a number in [0, 1] (0 = off)",
+           "presence_penalty": f"a number in [-{PENALTY_MAX:g}, {PENALTY_MAX:g}]",
+           "frequency_penalty": f"a number in [-{PENALTY_MAX:g}, {PENALTY_MAX:g}]",
+           "repetition_penalty": f"a number in [{REPETITION_PENALTY_MIN:g}, {REPETITION_PENALTY_MAX:g}] (1 = off)",
+           "logit_bias": f"numbers in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}]"}
 
 
 @dataclass(frozen=True)

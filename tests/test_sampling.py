@@ -191,9 +191,10 @@ def test_both_spellings_of_one_law_give_the_same_params(bench, check):
         ("t=0.7,p", "bad setting 't=0.7,p'"),
         ("k=2.5", "bad setting 'k=2.5': k='2.5' is not a number"),
         ("t=hot", "bad setting 't=hot': t='hot' is not a number"),
-        ("t=-1", "temperature must be a finite number >= 0"),
-        ("t=nan", "temperature must be a finite number >= 0"),
-        ("p=0", "top_p must be in (0, 1]"),
+        ("t=-1", "temperature must be a number in [0, 2]"),
+        ("t=nan", "temperature must be a number in [0, 2]"),
+        ("t=2.5", "temperature must be a number in [0, 2]"),
+        ("p=0", "top_p must be a number in (0, 1]"),
         ("k=-1", "top_k must be an integer >= 0"),
     ],
 )

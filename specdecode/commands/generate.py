@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--frequency-penalty", type=float, default=0.0,
                    help="-2..2: times a token's count among the generated tokens, subtracted from its logit (default 0)")
     s.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="> 0: a prompt or generated token's logit divided by it if positive, else multiplied (1 = off)")
+                   help="0.5..2: a prompt or generated token's logit divided by it if positive, else multiplied (1 = off)")
     s.add_argument("--seed", type=int, default=None, help="seed of the first sample (sample i uses seed+i)")
     s.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")

@@ -18,7 +18,7 @@ Log-probabilities as OpenAI's: completions ``logprobs`` (0..5), chat ``logprobs:
 under speculation too, exactly (:mod:`specdecode.processors`).
 
 Extensions beyond the OpenAI API (vLLM's names): ``min_p`` ([0, 1]; 0 = off), ``repetition_penalty``
-(> 0, over prompt + generated tokens; 1 = off), ``top_k`` (``0`` or ``-1`` = off; any value at or above the
+([0.5, 2], over prompt + generated tokens; 1 = off), ``top_k`` (``0`` or ``-1`` = off; any value at or above the
 vocabulary size keeps every token, as off), ``ignore_eos``, ``speculation: false`` to decode this
 request without a draft, ``sampler`` (``rejection`` | ``coupled``: how this sampled request draws,
 by default the server's ``--sampler``; coupled makes a seeded request's tokens independent of the
@@ -39,7 +39,6 @@ file), ``suffix`` the text after it; without ``suffix`` (or ``null``) it is a pl
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -47,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from specdecode.grammar import GrammarError, GrammarSpec
 from specdecode.logprobs import LOGPROBS_MAX
-from specdecode.sampling import LOGIT_BIAS_MAX, PENALTY_MAX, SamplingError, SamplingParams
+from specdecode.sampling import SamplingError, SamplingParams
 from specdecode.text import MAX_STOP_CHARS
 
 MAX_STOP_STRINGS = 16
@@ -223,8 +222,9 @@ def stop_strings(stop: Any) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def logit_bias(bias: dict[str, Any] | None) -> tuple[tuple[int, float], ...]:
-    """OpenAI's ``logit_bias``: token ids (as JSON object keys, strings) -> numbers in [-100, 100]."""
+def logit_bias(bias: dict[str, Any] | None) -> tuple[tuple[int, Any], ...]:
+    """OpenAI's ``logit_bias``: token ids (as JSON object keys, strings) -> values, checked by SamplingParams
+    ([-100, 100])."""
     out = []
     for key, value in (bias or {}).items():
         try:
@@ -234,11 +234,7 @@ def logit_bias(bias: dict[str, Any] | None) -> tuple[tuple[int, float], ...]:
         if tok < 0 or str(tok) != key.strip():
             raise bad_request(f"'logit_bias' keys must be token ids (integers >= 0 as strings), got {key!r}",
                               "logit_bias")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                or abs(value) > LOGIT_BIAS_MAX:
-            raise bad_request(f"'logit_bias' values must be numbers in [-100, 100], got {value!r} for token {key}",
-                              "logit_bias")
-        out.append((tok, float(value)))
+        out.append((tok, value))
     return tuple(out)
 
 
@@ -274,24 +270,6 @@ def grammar_param(spec: GrammarSpec) -> str:
     return GRAMMAR_PARAMS[spec.kind]
 
 
-def _positive(value: float | None, name: str) -> float:
-    if value is None:
-        return 1.0
-    if not (math.isfinite(value) and value > 0):
-        raise bad_request(f"'{name}' must be a finite number > 0 (1 = off), got {value!r}", name)
-    return float(value)
-
-
-def _number(value: float | None, name: str, default: float, lo: float, hi: float, lo_open: bool) -> float:
-    if value is None:
-        return default
-    ok = math.isfinite(value) and (lo < value if lo_open else lo <= value) and value <= hi
-    if not ok:
-        interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
-        raise bad_request(f"'{name}' must be a number in {interval}, got {value!r}", name)
-    return float(value)
-
-
 def choices(req: SamplingFields) -> int:
     """``n``, checked: how many choices the request asks for."""
     if req.n is None:
@@ -316,8 +294,6 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, default_max_tok
     ``fim``: a fill-in-the-middle request's stop fields (:func:`specdecode.fim.stop_fields`), whose
     stop strings join the request's."""
     _unsupported(req)
-    temperature = _number(req.temperature, "temperature", 1.0, 0.0, 2.0, lo_open=False)
-    top_p = _number(req.top_p, "top_p", 1.0, 0.0, 1.0, lo_open=True)
     top_k = 0 if req.top_k in (None, -1) else req.top_k
     if top_k < 0:
         raise bad_request(f"'top_k' must be an integer >= 0 (0 or -1 = off), got {req.top_k}", "top_k")
@@ -325,25 +301,28 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, default_max_tok
         max_tokens = default_max_tokens
     elif max_tokens < 1:
         raise bad_request(f"'max_tokens' must be an integer >= 1, got {max_tokens}", "max_tokens")
+    # the numbers' ranges are SamplingParams' (one validator for the library, the CLI and the server): an
+    # absent field is its default (temperature 1, as OpenAI), a present one is passed as sent
+    given = {name: getattr(req, name) for name in _SAMPLING_NUMBERS if getattr(req, name) is not None}
     processing = {
-        "min_p": _number(req.min_p, "min_p", 0.0, 0.0, 1.0, lo_open=False),
-        "presence_penalty": _number(req.presence_penalty, "presence_penalty", 0.0, -PENALTY_MAX, PENALTY_MAX, False),
-        "frequency_penalty": _number(req.frequency_penalty, "frequency_penalty", 0.0, -PENALTY_MAX, PENALTY_MAX, False),
-        "repetition_penalty": _positive(req.repetition_penalty, "repetition_penalty"),
         "logit_bias": logit_bias(req.logit_bias),
         "logprobs": requested_logprobs(req),  # (what is reported, not a processor)
     }
-    if req.seed is not None and not -(2**63) <= req.seed < 2**64:
-        raise bad_request("'seed' must fit in 64 bits", "seed")
     fim = dict(fim or {})
     stop = stop_strings(req.stop)
     stop += tuple(s for s in fim.pop("stop", ()) if s not in stop)
+    grammar = grammar_spec(req)
     try:
-        return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=req.seed,
-                              max_new_tokens=max_tokens, stop=stop, ignore_eos=req.ignore_eos, sampler=req.sampler,
-                              grammar=grammar_spec(req), **processing, **fim)
-    except SamplingError as exc:  # everything is checked above; this is a backstop
-        raise bad_request(str(exc)) from None
+        return SamplingParams(**({"temperature": 1.0} | given), top_k=top_k, seed=req.seed, max_new_tokens=max_tokens,
+                              stop=stop, ignore_eos=req.ignore_eos, sampler=req.sampler, grammar=grammar,
+                              **processing, **fim)
+    except SamplingError as exc:  # a 400 naming the request's field
+        raise bad_request(str(exc), _SAMPLING_PARAM.get(exc.param, exc.param)) from None
+
+
+# request fields passed to SamplingParams as sent (its validator checks them), and its field names that differ
+_SAMPLING_NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_SAMPLING_PARAM = {"max_new_tokens": "max_tokens", "stop_token_ids": "suffix", "stop_dedent": "fim_stop"}
 
 
 COMPLETIONS_MAX_LOGPROBS = 5  # OpenAI's legacy completions range; chat's top_logprobs goes to LOGPROBS_MAX (20)
