@@ -294,6 +294,7 @@ def needs(model: torch.nn.Module) -> list[_Need]:
     the attention products per head size."""
     out: dict[tuple, _Need] = {}
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    device = next(model.parameters()).device
     for m in model.modules():
         if isinstance(m, InvariantLinear):
             for mode in ("step",) if m is head else ("step", "bulk"):
@@ -303,7 +304,6 @@ def needs(model: torch.nn.Module) -> list[_Need]:
         config = getattr(m, "config", None)
         if workload is not None and config is not None and getattr(config, "num_attention_heads", None):
             d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-            device = next(m.parameters()).device
             for shape in ((d, BLOCK), (BLOCK, d)):
                 for mode in ("step", "bulk"):
                     need = _bmm_need(shape, device, workload, mode)
