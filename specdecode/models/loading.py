@@ -296,10 +296,15 @@ def make_resident(model: torch.nn.Module) -> None:
     out, against 0.4 s). Copies cannot be dropped (without swap), and the map is released once no
     tensor views it. Tied weights stay tied (one ``Parameter`` object, copied once). Costs a copy of the
     weights at load, and processes on one machine no longer share them (``--weights mapped`` does)."""
-    with torch.no_grad():
-        for t in [*model.parameters(), *model.buffers()]:
-            if t.device.type == "cpu":
-                t.data = t.data.clone()
+    from tqdm import tqdm
+
+    tensors = [t for t in [*model.parameters(), *model.buffers()] if t.device.type == "cpu"]
+    with torch.no_grad(), tqdm(total=sum(t.numel() * t.element_size() for t in tensors), unit="B", unit_scale=True,
+                               desc="Reading weights into memory", file=sys.stderr, mininterval=1.0,
+                               disable=len(tensors) < 2) as bar:  # the copy reads the file: a silent while otherwise
+        for t in tensors:
+            t.data = t.data.clone()
+            bar.update(t.numel() * t.element_size())
 
 
 def load_gguf_tokenizer(gguf: str | Path) -> PreTrainedTokenizerBase:
