@@ -304,7 +304,7 @@ async def _generate(request: Request, req: P.SamplingFields, prompt_ids: list[in
     try:  # n choices: n requests of their own (ids rid/1, rid/2, ... inside; the response says rid)
         for i, choice_params in enumerate(P.choice_params(params, n)):
             handles.append(scheduler.submit(prompt_ids, choice_params, req.stream, req.speculation,
-                                            rid if i == 0 else f"{rid}/{i}"))
+                                            rid if i == 0 else f"{rid}/{i}", group=rid))
     except QueueFull:
         for h in handles:
             scheduler.cancel(h)

@@ -2,8 +2,12 @@
 
 Each loop iteration, between two batched steps:
 
-1. queued requests are admitted, first come first served, into free slots (nothing is computed:
-   their prompts wait in the engine's ``prefilling`` list, in arrival order);
+1. queued requests are admitted into free slots, a fair share per request (nothing is computed: their
+   prompts wait in the engine's ``prefilling`` list, in admission order). The ``n`` choices of one request
+   are one *group* and count against one request's share: a free slot goes to the oldest queued choice of
+   the group holding the fewest slots (:func:`fair_pick`; plain requests are groups of one, so they are
+   first come, first served), and a group never holds more than ``max_batch_size - 1`` slots, so a request
+   arriving while an ``n = 16`` request runs is admitted at the next step instead of after every choice;
 2. requests whose client went away (while queued, while their prompt is prefilled, or while decoding)
    are dropped from the queue or aborted, so their slot and KV are free before the next step;
 3. one engine step: a chunk of the waiting prompts' prefill — at most ``max_num_batched_tokens``
@@ -68,6 +72,7 @@ class Handle:
     stream: bool
     speculate: bool
     loop: asyncio.AbstractEventLoop
+    group: str = ""  # the request an n > 1 choice belongs to (its share is that request's); "": its own
     updates: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
@@ -106,6 +111,26 @@ def speculation_summary(seq: Sequence, lossy_labels: dict | None = None) -> dict
 
 class QueueFull(Exception):
     pass
+
+
+def group_cap(max_batch_size: int) -> int:
+    """The most slots one request's choices hold at once: all but one (while there are two), so a later
+    request always finds a slot within one step of arriving."""
+    return max(1, max_batch_size - 1)
+
+
+def fair_pick(queued: list[str], held: dict[str, int], cap: int) -> int | None:
+    """The index in ``queued`` (the groups of the queued choices, oldest first) of the one a free slot goes
+    to: of the groups holding fewer than ``cap`` slots (``held``), the one holding fewest, its oldest choice;
+    None when every queued group is at its cap."""
+    best: tuple[int, int] | None = None  # (slots held, index)
+    for i, group in enumerate(queued):
+        n = held.get(group, 0)
+        if n < cap and (best is None or n < best[0]):
+            best = (n, i)
+            if n == 0:
+                break
+    return None if best is None else best[1]
 
 
 def row_error() -> APIError:
@@ -153,8 +178,11 @@ class Scheduler:
         return self._thread.is_alive() and self.dead is None
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, stream: bool, speculate: bool,
-               request_id: str) -> Handle:
-        handle = Handle(request_id, prompt_ids, params, stream, speculate, asyncio.get_running_loop())
+               request_id: str, group: str | None = None) -> Handle:
+        """Queue one request (429 past ``max_queue``); the choices of an ``n > 1`` request share a ``group``
+        (their request's id), whose share of the slots is one request's."""
+        handle = Handle(request_id, prompt_ids, params, stream, speculate, asyncio.get_running_loop(),
+                        group=group or request_id)
         with self._cond:
             if (e := self._expired) is not None:  # (a fresh exception per request: each gets raised)
                 raise APIError(e.status, e.message, e.type, e.param, e.code, e.headers)
@@ -243,18 +271,26 @@ class Scheduler:
             self._finish(h, "abort")
 
     def _admit(self) -> None:
-        """Give queued requests free slots, in arrival order; their prompts are prefilled by the
-        following steps, a chunk at a time."""
+        """Give queued requests free slots, a fair share per request (:func:`fair_pick`); their prompts are
+        prefilled by the following steps, a chunk at a time."""
         batch: list[Handle] = []
+        held = collections.Counter(h.group or h.request_id for h in self._running.values())
+        cap = group_cap(self.engine.max_batch_size)
         with self._cond:
-            while self._queue and len(batch) < self.engine.free_slots():
-                h = self._queue.popleft()
+            free = self.engine.free_slots()
+            while self._queue and len(batch) < free:
+                i = fair_pick([h.group or h.request_id for h in self._queue], held, cap)
+                if i is None:
+                    break
+                h = self._queue[i]
+                del self._queue[i]
                 if h.cancelled:
                     self.metrics.finished(h, "abort")
                     continue
                 try:
                     self.engine.validate(h.prompt_ids, h.params)  # checked on arrival too; fail only this one
                     batch.append(h)
+                    held[h.group or h.request_id] += 1
                 except RequestError as exc:
                     self._fail(h, APIError(400, str(exc)))
         if not batch:
