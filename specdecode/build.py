@@ -463,21 +463,22 @@ def cost_model(target: "Runner", parts: dict, cfg: EngineConfig, pair: LoadedPai
 
     batch, window = cfg.max_batch_size, cfg.max_draft_tokens + 1  # Engine.window for chains of max_k
     key = "|".join([
-        "cost-model v4", _fingerprint(cfg.target), *(f"{n}={_fingerprint(d)}{_quantized(pair, d)}" for n, d in zip(parts, cfg.drafts)),
+        "cost-model v5", _fingerprint(cfg.target), *(f"{n}={_fingerprint(d)}{_quantized(pair, d)}" for n, d in zip(parts, cfg.drafts)),
         f"draft quantization {pair.draft_quantization}", f"target quantization {pair.target_quantization}",
         f"device {target.device}", f"dtype {target.dtype}", f"backend {target.backend}",
         f"threads {cfg.threads or torch.get_num_threads()}", f"torch {torch.__version__}",
         f"batch {batch}", f"window {window}", f"confidence {cfg.draft_confidence}"])
 
     def measure():
-        print(f"calibrating step costs for --draft-policy auto (batch <= {batch}, draft <= {window - 1}; cached "
-              "for the next run) ...", file=sys.stderr, flush=True)
+        print(f"calibrating step costs for --draft-policy auto (batch <= {batch}, draft <= {window - 1}; once: "
+              "cached for the next run when the machine is quiet)", file=sys.stderr, flush=True)
         target.ensure_capacity(batch, max_context + window)
         for part in parts.values():
             part.reserve(batch, max_context + window)
-        return costmodel.calibrate(target, parts, batch, window, window - 1, max_context)
+        return costmodel.calibrate(target, parts, batch, window, window - 1, max_context, progress=True)
 
-    return costmodel.cached(key, measure, cache_dir, cfg.recalibrate)
+    return costmodel.cached(key, measure, cache_dir, cfg.recalibrate,
+                            say=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def _quantized(pair: LoadedPair, spec: str) -> str:

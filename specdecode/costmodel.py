@@ -12,9 +12,19 @@ measures again), and interpolated linearly between grid points (extrapolated pas
 
 Running conditions drift from the calibration (longer contexts, another process on the CPU), so
 the model also hears every step's measured times (:meth:`CostModel.record`) and keeps, per part
-(``verify`` and each drafter), a correction factor: an exponential moving average of
-observed / predicted in log space. The selector (:mod:`specdecode.selector`) compares plans by
-ratios of these costs; the correction keeps those ratios honest as the machine changes.
+(``verify`` and each drafter) and per width or draft length it has seen, a correction factor: an
+exponential moving average of observed / predicted in log space. A part not yet seen in this run
+takes the target's correction (what slowed the target since the calibration slowed the machine),
+so a calibration taken on a busy machine is a prior that the first plain steps already correct.
+The selector (:mod:`specdecode.selector`) compares plans by ratios of these costs; the correction
+keeps those ratios honest as the machine changes.
+
+A calibration is only as good as the machine was quiet while it ran: :func:`calibrate` records how
+much CPU other processes used meanwhile and how far its repeats spread (:class:`Noise`). A busy one
+is used for the run that measured it but never cached (the next start measures again), and while it
+is the prior the selector explores each drafter once whatever that prior says it costs. A cached
+calibration that the run's own steps contradict (:data:`DISAGREE`) is dropped from the cache, so the
+next start measures again.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ import hashlib
 import itertools
 import json
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +44,12 @@ import torch
 Grid = dict[int, dict[int, float]]  # outer (batch or rows) -> inner (width or k) -> seconds
 
 CORRECTION_WEIGHT = 0.1  # weight of each new observation in the correction's moving average
-CORRECTION_RANGE = (0.2, 5.0)  # a correction never moves a prediction by more than this factor
+BUSY_WEIGHT = 0.3  # ... while the calibration is a busy machine's (learn the real costs faster)
+CORRECTION_RANGE = (0.1, 10.0)  # a correction never moves a prediction by more than this factor
+QUIET_OTHERS = 0.15  # a calibration is trusted when other processes used at most this share of the CPUs ...
+QUIET_SPREAD = 1.15  # ... and the median repeat of a grid point took at most this times the fastest
+DISAGREE = (1 / 1.5, 1.5)  # a cached calibration the run's steps put outside this factor is measured again
+DISAGREE_AFTER = 16  # ... once a part has this many observations
 
 
 def _interp1(points: dict[int, float], x: float) -> float:
@@ -52,6 +68,21 @@ def _interp2(grid: Grid, outer: float, inner: float) -> float:
     return _interp1({o: _interp1(row, inner) for o, row in grid.items()}, outer)
 
 
+@dataclass(frozen=True)
+class Noise:
+    """How quiet the machine was while a calibration ran."""
+
+    others_cpu: float = 0.0  # share of all CPUs that other processes used meanwhile
+    spread: float = 1.0  # median over grid points of (median repeat / fastest repeat)
+
+    @property
+    def quiet(self) -> bool:
+        return self.others_cpu <= QUIET_OTHERS and self.spread <= QUIET_SPREAD
+
+    def describe(self) -> str:
+        return f"other processes used {self.others_cpu:.0%} of the CPUs; repeats spread {self.spread:.2f}x"
+
+
 @dataclass
 class CostModel:
     verify: Grid  # batch -> width (queries per row) -> seconds of the target's verify step
@@ -59,15 +90,30 @@ class CostModel:
     catch_up: dict[str, float] = field(default_factory=dict)  # drafter name -> seconds per token read late
     key: str = ""  # what was measured (models, device, dtype, ...): the cache is keyed by it
     calibration_s: float = 0.0  # how long measuring took
+    noise: Noise = field(default_factory=Noise)  # how quiet the machine was meanwhile
     correction: dict[str, float] = field(default_factory=dict)  # part -> log(observed / predicted), EMA
+    cells: dict[str, dict[int, float]] = field(default_factory=dict)  # part -> width or k -> the same, per cell
+    seen: dict[str, int] = field(default_factory=dict)  # part -> observations in this run
+    # called once when the run's steps contradict a cached calibration (part, observed / predicted)
+    on_disagree: Callable[[str, float], None] | None = field(default=None, repr=False)
+    disagreed: str | None = None
+
+    @property
+    def trusted(self) -> bool:
+        """Measured on a quiet machine (else a prior that the run corrects, never cached)."""
+        return self.noise.quiet
+
+    def measured(self, part: str) -> bool:
+        """Has this run timed ``part`` (``verify``, a drafter's name, ``<name>/catch-up``)?"""
+        return self.seen.get(part, 0) > 0
 
     def verify_s(self, batch: int, width: int) -> float:
-        return _interp2(self.verify, batch, width) * self._factor("verify")
+        return _interp2(self.verify, batch, width) * self._factor("verify", width)
 
     def draft_s(self, name: str, rows: int, k: int) -> float:
         if rows <= 0 or k <= 0:
             return 0.0
-        return _interp2(self.draft[name], rows, k) * self._factor(name)
+        return _interp2(self.draft[name], rows, k) * self._factor(name, k)
 
     def catch_up_s(self, name: str, tokens: int) -> float:
         """Seconds for drafter ``name`` to read ``tokens`` tokens it has not seen (0 for a drafter
@@ -76,8 +122,16 @@ class CostModel:
             return 0.0
         return tokens * self.catch_up.get(name, 0.0) * self._factor(f"{name}/catch-up")
 
-    def _factor(self, part: str) -> float:
-        return math.exp(self.correction.get(part, 0.0))
+    def _factor(self, part: str, inner: int | None = None) -> float:
+        """observed / predicted for ``part`` at width or draft length ``inner``: that cell's correction
+        once seen, else the part's; a part this run has not timed takes its drafter's (a catch-up) or
+        else the target's: the machine's drift since the calibration."""
+        if not self.measured(part):
+            base = part.split("/")[0]
+            return self._factor(base) if base != part else (
+                self._factor("verify") if part != "verify" and self.measured("verify") else 1.0)
+        cell = self.cells.get(part, {}).get(inner) if inner is not None else None
+        return math.exp(cell if cell is not None else self.correction.get(part, 0.0))
 
     def record(self, part: str, outer: int, inner: int, seconds: float) -> None:
         """A measured step: ``part`` is ``verify`` (outer = batch, inner = width) or a drafter's name
@@ -88,7 +142,7 @@ class CostModel:
         predicted = _interp2(grid, outer, inner)
         if predicted <= 0:
             return
-        self._correct(part, seconds / predicted)
+        self._correct(part, seconds / predicted, inner)
 
     def record_catch_up(self, name: str, tokens: int, seconds: float) -> None:
         """A measured catch-up (a late prompt prefill) of ``tokens`` tokens by drafter ``name``."""
@@ -97,14 +151,30 @@ class CostModel:
             return
         self._correct(f"{name}/catch-up", seconds / (tokens * per_token))
 
-    def _correct(self, part: str, ratio: float) -> None:
+    def _correct(self, part: str, ratio: float, inner: int | None = None) -> None:
         lo, hi = (math.log(x) for x in CORRECTION_RANGE)
-        old = self.correction.get(part, 0.0)
-        new = old + CORRECTION_WEIGHT * (math.log(ratio) - old)
-        self.correction[part] = min(hi, max(lo, new))
+        weight = CORRECTION_WEIGHT if self.trusted else BUSY_WEIGHT
+        observed = min(hi, max(lo, math.log(ratio)))
+
+        def ema(old: float) -> float:
+            return old + weight * (observed - old)
+
+        if not self.measured(part):  # start from what it borrowed (see _factor)
+            self.correction[part] = math.log(self._factor(part))
+        self.correction[part] = ema(self.correction[part])
+        if inner is not None:  # a cell starts from its part's correction
+            cells = self.cells.setdefault(part, {})
+            cells[inner] = ema(cells.get(inner, self.correction[part]))
+        self.seen[part] = self.seen.get(part, 0) + 1
+        if (self.disagreed is None and self.seen[part] >= DISAGREE_AFTER
+                and not DISAGREE[0] <= math.exp(self.correction[part]) <= DISAGREE[1]):
+            self.disagreed = part
+            if self.on_disagree is not None:
+                self.on_disagree(part, math.exp(self.correction[part]))
 
     def to_json(self) -> dict:
         return {"key": self.key, "calibration_s": self.calibration_s, "catch_up": dict(self.catch_up),
+                "noise": {"others_cpu": self.noise.others_cpu, "spread": self.noise.spread},
                 "verify": {str(b): {str(w): s for w, s in row.items()} for b, row in self.verify.items()},
                 "draft": {name: {str(r): {str(k): s for k, s in row.items()} for r, row in grid.items()}
                           for name, grid in self.draft.items()}}
@@ -114,7 +184,7 @@ class CostModel:
         grid = lambda g: {int(o): {int(i): float(s) for i, s in row.items()} for o, row in g.items()}  # noqa: E731
         return CostModel(grid(data["verify"]), {n: grid(g) for n, g in data["draft"].items()},
                          {n: float(c) for n, c in data.get("catch_up", {}).items()}, data.get("key", ""),
-                         data.get("calibration_s", 0.0))
+                         data.get("calibration_s", 0.0), Noise(**data.get("noise", {})))
 
 
 def isotonic(values: list[float]) -> list[float]:
@@ -154,7 +224,8 @@ class _View:  # a SequenceView for calibration proposals
 
 
 def _best(fn: Callable[[], object], reps: int, sync: Callable[[], None],
-          prepare: Callable[[], None] = lambda: None) -> float:
+          prepare: Callable[[], None] = lambda: None, spreads: list[float] | None = None) -> float:
+    """The fastest of ``reps`` timed calls; ``spreads`` gets median / fastest."""
     times = []
     for _ in range(reps):
         prepare()
@@ -163,20 +234,62 @@ def _best(fn: Callable[[], object], reps: int, sync: Callable[[], None],
         fn()
         sync()
         times.append(time.perf_counter() - t0)
+    if spreads is not None and min(times) > 0:
+        spreads.append(statistics.median(times) / min(times))
     return min(times)
+
+
+def judge(cpu: "CpuShare", spreads: list[float]) -> Noise:
+    """How quiet the machine was over a calibration: what other processes used, how far repeats spread."""
+    return Noise(cpu.others(), statistics.median(spreads) if spreads else 1.0)
+
+
+class CpuShare:
+    """The share of all CPUs that processes other than this one used between construction and
+    :meth:`others` (from /proc/stat through psutil; 0 where it cannot be read)."""
+
+    def __init__(self) -> None:
+        self._start = self._read()
+
+    @staticmethod
+    def _read() -> tuple[float, float, float] | None:
+        try:
+            import psutil
+
+            total = psutil.cpu_times()
+            busy = sum(total) - total.idle - getattr(total, "iowait", 0.0)
+            own = psutil.Process().cpu_times()
+            return time.monotonic(), busy, own.user + own.system
+        except Exception:  # noqa: BLE001 - no /proc, no psutil: nothing to judge by
+            return None
+
+    def others(self) -> float:
+        end = self._read()
+        if self._start is None or end is None or end[0] <= self._start[0]:
+            return 0.0
+        import os
+
+        wall, busy, own = (e - s for e, s in zip(end, self._start))
+        return max(0.0, (busy - own) / (wall * (os.cpu_count() or 1)))
 
 
 @torch.inference_mode()
 def calibrate(target, drafters: dict, max_batch: int, max_width: int, max_k: int, max_context: int,
-              reps: int = 3, prompt_len: int = PROMPT_LEN) -> CostModel:
+              reps: int = 3, prompt_len: int = PROMPT_LEN, progress: bool = False) -> CostModel:
     """Measure ``v(batch, width)`` of ``target`` and ``draft(name, rows, k)`` of each drafter in
     ``drafters`` (name -> drafter) on a synthetic prompt in slots ``0 .. max_batch - 1`` with room for
-    ``max_context`` tokens. The runner and drafters must hold no sequences (the engine calls this
-    before admitting any)."""
+    ``max_context`` tokens, and how quiet the machine was meanwhile. The runner and drafters must hold
+    no sequences (the engine calls this before admitting any). ``progress``: one progress bar with an
+    ETA on stderr."""
+    import sys
+
+    from tqdm import tqdm
+
     from specdecode.drafters.base import TargetFeatures
     from specdecode.sampling import SamplingParams
 
     t_start = time.perf_counter()
+    cpu, spreads = CpuShare(), []
     prompt_len = max(2, min(prompt_len, max_context // 2))
     dev = target.device
     sync = torch.cuda.synchronize if getattr(dev, "type", str(dev)) == "cuda" else (lambda: None)
@@ -186,6 +299,12 @@ def calibrate(target, drafters: dict, max_batch: int, max_width: int, max_k: int
     widths = grid_points(max_width, WIDTHS)
     slots = list(range(max_batch))
     layers = tuple(sorted({layer for d in drafters.values() for layer in d.feature_layers}))
+    ks = grid_points(max_k, DRAFT_LENGTHS)
+    # the bar counts tokens computed per grid point (a guess of the work: the ETA's unit)
+    work = len(batches) * sum(widths) * 2 + sum(len(batches) * sum(ks) + (CATCH_UP_LEN if d.lazy_start else 0)
+                                                 for d in drafters.values())
+    bar = tqdm(total=work, disable=not progress, file=sys.stderr, mininterval=1.0, desc="calibrating step costs",
+               bar_format="{desc}: {percentage:3.0f}%|{bar:20}| {elapsed}<{remaining}")
     feats = target.prefill(slots, [prompt[:-1]] * max_batch, layers)
 
     verify: Grid = {}
@@ -202,7 +321,8 @@ def calibrate(target, drafters: dict, max_batch: int, max_width: int, max_k: int
                     target.truncate(slot, prompt_len - 1)
 
             step() if not verify[b] else None  # warm-up: the first call of a shape pays for allocation
-            verify[b][w] = _best(step, reps, sync)
+            verify[b][w] = _best(step, reps, sync, spreads=spreads)
+            bar.update(2 * w)
 
     draft: dict[str, Grid] = {}
     catch_up: dict[str, float] = {}
@@ -252,46 +372,69 @@ def calibrate(target, drafters: dict, max_batch: int, max_width: int, max_k: int
             release = lambda: drafter.release(slots[0])  # noqa: E731
             release()
             drafter.start(slots[:1], [history])  # warm-up
-            catch_up[name] = _best(lambda: drafter.start(slots[:1], [history]), reps, sync, release) / (n - 1)
+            catch_up[name] = _best(lambda: drafter.start(slots[:1], [history]), reps, sync, release,
+                                   spreads) / (n - 1)
             release()
+            bar.update(CATCH_UP_LEN)
         restart()
         grid: Grid = {}
         for r in batches:
             grid[r] = {}
-            for k in grid_points(max_k, DRAFT_LENGTHS):
+            for k in ks:
                 if not grid[r]:
                     grow()
                     call(r, k)
-                grid[r][k] = _best(lambda r=r, k=k: call(r, k), reps, sync, grow)
+                grid[r][k] = _best(lambda r=r, k=k: call(r, k), reps, sync, grow, spreads)
+                bar.update(k)
         for s in slots:
             drafter.release(s)
         draft[name] = grid
     for s in slots:
         target.truncate(s, 0)
+    bar.close()
+    noise = judge(cpu, spreads)
     return CostModel(_monotone(verify), {name: _monotone(g) for name, g in draft.items()}, catch_up,
-                     calibration_s=time.perf_counter() - t_start)
+                     calibration_s=time.perf_counter() - t_start, noise=noise)
 
 
 def cached(key: str, measure: Callable[[], CostModel], cache_dir: Path | None = None,
-           recalibrate: bool = False) -> CostModel:
-    """The cost model stored under ``key`` in ``<cache>/calibration``, else ``measure()``'s (stored)."""
+           recalibrate: bool = False, say: Callable[[str], None] = lambda line: None) -> CostModel:
+    """The cost model stored under ``key`` in ``<cache>/calibration``, else ``measure()``'s, stored only
+    when the machine was quiet while it was measured. A stored one that the run's steps contradict
+    (:data:`DISAGREE`) is removed, so the next start measures again. ``say``: one line for the user
+    on each of these events."""
     from specdecode.fsutil import make_readable
     from specdecode.models.fetch import cache_root
 
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     path = (cache_dir or cache_root()) / "calibration" / f"cost-{digest}.json"
+
+    def forget(part: str, ratio: float) -> None:
+        path.unlink(missing_ok=True)
+        say(f"auto: this run's {part} steps take {ratio:.2f}x what the cached calibration says; it adapts "
+            "now and measures again at the next start")
+
     if path.is_file() and not recalibrate:
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
             if data.get("key") == key:
-                return CostModel.from_json(data)
-        except (OSError, ValueError, KeyError):
+                model = CostModel.from_json(data)
+                if model.trusted:
+                    model.on_disagree = forget
+                    return model
+        except (OSError, ValueError, KeyError, TypeError):
             pass  # unreadable: measure again
     model = measure()
     model.key = key
+    if not model.trusted:
+        path.unlink(missing_ok=True)
+        say(f"auto: the machine was busy while calibrating ({model.noise.describe()}): these costs are a prior "
+            "that this run corrects from its own steps; not cached, measured again at the next start")
+        return model
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(model.to_json(), indent=1) + "\n", encoding="utf-8")
     tmp.replace(path)
     make_readable(path)
+    model.on_disagree = forget
     return model

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Collection, Mapping, Protocol, Sequence
 
 from specdecode.costmodel import CostModel
 
@@ -345,22 +345,26 @@ def due_for_exploration(drafters: Sequence[str], tried: set[str], last_used: Map
 
 def exploration(due: Sequence[str], o: Outlook, choice: Choice, lengths: Mapping[str, int], rows: Rows,
                 allowance: float, cost: CostModel, batch: int, tried: Sequence[int], explore_k: int,
-                settings: SelectorSettings) -> tuple[Choice | None, list[str]]:
+                settings: SelectorSettings, first: Collection[str] = (),
+                unproven: Collection[str] = ()) -> tuple[Choice | None, list[str]]:
     """The first of ``due`` worth exploring for a sequence planned at ``choice`` (None: none), and the
     drafters passed over as unable to pay or be afforded at this load (look again later). A drafter
     whose catch-up waits while the sequence is watched stays due. ``tried``: the lengths the plan
-    tries; ``explore_k``: the length explored at where the plan gives the drafter none."""
+    tries; ``explore_k``: the length explored at where the plan gives the drafter none. A drafter in
+    ``first`` (never tried anywhere) is explored whatever the allowance: one step, once, learns what
+    it is worth for the rest of the run; one in ``unproven`` (its cost known only from a busy machine's
+    calibration, never timed in this run) whether or not that cost says it could pay."""
     passed = []
     for d in due:
         k = lengths[d] or explore_k
         if o.looking and o.catch_up[d] > 0:
             continue
-        if (could_pay(cost, d, batch, tried, settings.margin)
+        if ((d in unproven or could_pay(cost, d, batch, tried, settings.margin))
                 and pays_back(o.catch_up[d], o.remaining, o.ready,
                               seconds_per_token(cost, d, (0.999, 1.0), batch, tried) if o.catch_up[d] > 0 else 0.0,
                               batch, settings.catch_up_margin, o.delay[d])
-                and step_seconds(cost, batch, moved(rows, choice, (d, k))) - step_seconds(cost, batch, rows)
-                <= allowance):
+                and (d in first or step_seconds(cost, batch, moved(rows, choice, (d, k)))
+                     - step_seconds(cost, batch, rows) <= allowance)):
             return (d, k), passed
         passed.append(d)
     return None, passed
@@ -461,13 +465,15 @@ class AutoPolicy:
         allowance = exploration_allowance(step_seconds(self.cost, batch_size, rows), batch_size, s.explore_cost,
                                           s.explore_every)
         reading = {d: [seqs[i] for i in rows_of] for d, rows_of in plan.reading.items()}
+        first = [d for d in self.drafters if d not in self.tried]
+        unproven = [] if self.cost.trusted else [d for d in self.drafters if not self.cost.measured(d)]
         out = []
         for seq, o, choice in zip(seqs, outlooks, plan.choices):
             state = self._state(seq)
             state.steps += 1
             due = due_for_exploration(self.drafters, self.tried, state.last_used, state.steps, s.explore_every)
             explore, passed = exploration(due, o, choice, plan.lengths, rows, allowance, self.cost, batch_size,
-                                          self.lengths, self.explore_k, s)
+                                          self.lengths, self.explore_k, s, first, unproven)
             for d in passed:  # cannot pay, or cannot be afforded, at this load: look again later
                 state.last_used[d] = state.steps
             if explore is not None and chunk is not None and o.lag[explore[0]] > chunk:
