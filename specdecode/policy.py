@@ -36,6 +36,9 @@ class DraftPolicy(Protocol):
 
     def label(self, seq, k: int) -> str | None: ...
 
+    def explain(self) -> dict | None:
+        """What the policy's choices rest on, for reports (None: nothing beyond its settings)."""
+
 
 class PerSequence:
     """Defaults for policies that decide each sequence on its own."""
@@ -50,6 +53,9 @@ class PerSequence:
         pass
 
     def label(self, seq, k: int) -> str | None:
+        return None
+
+    def explain(self) -> dict | None:
         return None
 
 
@@ -141,6 +147,9 @@ class BudgetPolicy(PerSequence):
     def label(self, seq, k: int) -> str | None:
         return self.inner.label(seq, k)
 
+    def explain(self) -> dict | None:
+        return self.inner.explain()
+
     def forget(self, seq) -> None:
         self.inner.forget(seq)
 
@@ -184,6 +193,9 @@ class SwitchPolicy:
 
     def label(self, seq, k: int) -> str | None:
         return self.inner.label(seq, k)
+
+    def explain(self) -> dict | None:
+        return self.inner.explain()
 
     def forget(self, seq) -> None:
         self._opted_out.discard(getattr(seq, "request_id", None))

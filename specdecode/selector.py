@@ -518,6 +518,26 @@ class AutoPolicy:
     def num_draft(self, seq, batch_size: int) -> int:
         return self.plan([seq], batch_size)[0]
 
+    def explain(self, batch: int = 1) -> dict:
+        """What the plans rest on now, at ``batch``: the costs (and whether their calibration was a quiet
+        machine's) and, per drafter, its acceptance over all sequences so far and the speed it would give
+        a sequence against plain decoding at its best length (drafting needs ``1 + margin``)."""
+        cost, plain = self.cost, self.cost.verify_s(batch, 1)
+        drafters = {}
+        for d in self.drafters:
+            h = self.history[d]
+            est = estimate(Counts(), h, self.settings.prior_weight)
+            per_token = {k: (cost.verify_s(batch, k + 1) + cost.draft_s(d, 1, k)) / expected_tokens(*est, k)
+                         for k in self.lengths}
+            best = min(per_token, key=per_token.get)
+            drafters[d] = {"tried": d in self.tried, "alpha": round(est[0], 4), "fill": round(est[1], 4),
+                           "tokens_judged": round(h.accepted + h.rejected, 1),
+                           "draft_token_s": cost.draft_s(d, 1, 1), "best_k": best,
+                           "speed_vs_plain": round(plain / per_token[best], 4)}
+        return {"calibration": "quiet" if cost.trusted else "busy", "noise": cost.noise.describe(),
+                "step_s": plain, "verify_s": {w: cost.verify_s(batch, w) for w in (2, 5, 9)},
+                "margin": self.settings.margin, "drafters": drafters}
+
     def route(self, seq) -> str | None:
         """The drafter chosen for ``seq`` at the last plan (None: it does not draft)."""
         state = self._seqs.get(id(seq))

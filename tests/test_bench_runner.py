@@ -296,6 +296,33 @@ def test_auto_policy_runs_beside_every_fixed_configuration_it_chooses_from(model
     assert len(checks) == 4 and all(c["match"] for c in checks)
     report = (out / "report.md").read_text()
     assert "| auto | 4 |" in report and "## What --draft-policy auto chose" in report
+    why = auto[-1]["policy"]  # what its choices rested on: the costs and each drafter's acceptance
+    assert why["calibration"] in ("quiet", "busy") and set(why["drafters"]) == {"spec", "ngram"} or why["drafters"]
+    assert all({"alpha", "tried", "speed_vs_plain", "best_k"} <= set(x) for x in why["drafters"].values())
+    assert not any("policy" in r for r in fixed)
+
+
+def test_a_configuration_that_never_drafted_gets_no_verdict_and_auto_says_why(models, tmp_path, monkeypatch):
+    """The report judges speculation only by configurations that drafted; where ``auto`` decoded plainly,
+    it shows the costs and acceptance that made it (the records of a real run, auto's made plain)."""
+    from specdecode.bench import report
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "auto"
+    assert cli.main(bench_args(models, out, "--draft-lengths", "3", "--baselines", "none", "--draft", "ngram",
+                               "--draft-policy", "auto", "--max-draft-tokens", "4", "--max-new-tokens", "16")) == 0
+    records = read_records(out)
+    for r in records:
+        if r.get("type") == "run" and r["config"] != "target":  # as if nothing had drafted
+            steps = r["stats"]["target_steps"]
+            r["stats"].update(drafted=0, accepted=0, choices={"off": steps} if r["config"] == "auto" else {})
+            r["stats"]["accepted_by_position"] = [0] * len(r["stats"].get("accepted_by_position", []))
+            r["steps"] = [[ctx, 1, 0, 0, sec, 0] for ctx, _, _, _, sec, _ in r["steps"]]
+    text = (report.write_report(tmp_path / "plain", records, json.loads((out / "meta.json").read_text())) and
+            (tmp_path / "plain" / "report.md").read_text())
+    assert "Why `auto` decoded plainly in 100% of its greedy steps" in text and "| ngram |" in text
+    verdicts = [line for line in text.splitlines() if line.startswith("- greedy:")]
+    assert verdicts and all("no configuration drafted" in line for line in verdicts), verdicts
 
 
 def test_only_runs_the_named_configurations_beside_target(models, tmp_path, monkeypatch, capsys):

@@ -167,6 +167,29 @@ def _choices_section(records: list[dict[str, Any]]) -> list[str]:
         total = sum(counts.values())
         top = ", ".join(f"{label} {n / total:.0%}" for label, n in counts.most_common(8))
         lines.append(f"| {sampling} | {group} | {top} |")
+    return lines + _why_plain(records, by)
+
+
+def _why_plain(records: list[dict[str, Any]], by: dict) -> list[str]:
+    """Where ``auto`` decoded plainly in most steps: the costs and acceptance it saw (its last run's)."""
+    lines = []
+    for (sampling, group), counts in sorted(by.items()):
+        off = counts.get("off", 0) / max(1, sum(counts.values()))
+        last = next((r for r in reversed(records) if r.get("type") == "run" and r.get("sampling") == sampling
+                     and r.get("policy") and group == "overall"), None)
+        if off < 0.5 or last is None:
+            continue
+        why = last["policy"]
+        verify = ", ".join(f"v({w}) = {s / why['step_s']:.2f}" for w, s in why["verify_s"].items())
+        lines += ["", f"### Why `auto` decoded plainly in {off:.0%} of its {sampling} steps", "",
+                  f"At the costs it measured (a plain step {why['step_s'] * 1e3:.1f} ms; {verify} steps; calibration "
+                  f"taken on a {why['calibration']} machine: {why['noise']}) and the acceptance it saw, no drafter "
+                  f"beat plain decoding by the {why['margin']:.0%} margin it asks:", "",
+                  "| drafter | tried | α | tokens judged | c (a draft token / a step) | best k | speed × plain |",
+                  "|---|---|---|---|---|---|---|"]
+        for d, x in why["drafters"].items():
+            lines.append(f"| {d} | {'yes' if x['tried'] else 'no'} | {x['alpha']:.2f} | {x['tokens_judged']:g} | "
+                         f"{x['draft_token_s'] / why['step_s']:.2f} | {x['best_k']} | {x['speed_vs_plain']:.2f} |")
     return lines
 
 
@@ -427,11 +450,16 @@ def _per_request_table(summary: Summary, category: str) -> list[str]:
 
 
 def _best(summary: Summary, sampling: str, group: str) -> A.Cell | None:
-    """The fastest speculative cell of a group (a lone category is reported as "overall")."""
+    """The fastest speculative cell of a group that drafted (a lone category is reported as "overall")."""
     if group not in summary.groups():
         group = "overall"
-    cells = [c for c in summary.spec_cells(sampling, group) if c.speedup is not None]
+    cells = [c for c in summary.spec_cells(sampling, group) if c.speedup is not None and drafted(c)]
     return max(cells, key=lambda c: c.speedup) if cells else None
+
+
+def drafted(cell: A.Cell) -> bool:
+    """Did the configuration draft at all (``auto`` may decode plainly throughout)?"""
+    return cell.alpha is not None and (cell.tokens_per_step or 1.0) > 1.0 or bool(cell.nodes_per_step)
 
 
 def _verdict(summary: Summary, category: str) -> list[str]:
@@ -439,6 +467,9 @@ def _verdict(summary: Summary, category: str) -> list[str]:
     for sampling in summary.samplings():
         best = _best(summary, sampling, category)
         if best is None:
+            if summary.spec_cells(sampling, category if category in summary.groups() else "overall"):
+                out.append(f"- {sampling}: no configuration drafted, so there is nothing to judge speculation by "
+                           "(why `auto` did not: its section below the tables).")
             continue
         be = A.break_even_alpha(best.k, best.c) if best.c is not None else None
         rows = [r for r in summary.break_even[category] if r.sampling == sampling and r.config == best.config]

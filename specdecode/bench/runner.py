@@ -320,8 +320,10 @@ def run_engine(engine, prompt_ids: list[int], params) -> dict[str, Any]:
     wall = time.perf_counter() - t0
     masks = [p for p in seq.processors if hasattr(p, "mask_s")]  # a grammar's: its masks' time (target and draft)
     grammar = {"mask_s": sum(p.mask_s for p in masks), "mask_rows": sum(p.mask_rows for p in masks)} if masks else {}
+    why = engine.policy.explain()  # --draft-policy auto: the costs and acceptance its choices rest on
     return {"token_ids": seq.output_ids, "wall_s": wall, "prefill_s": seq.stats.prefill_s,
-            "finish_reason": seq.finish_reason, "stats": seq.stats.to_dict(), "steps": steps, **grammar}
+            "finish_reason": seq.finish_reason, "stats": seq.stats.to_dict(), "steps": steps, **grammar,
+            **({"policy": why} if why else {})}
 
 
 # -- the loop ------------------------------------------------------------------------------------------
