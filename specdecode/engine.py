@@ -267,7 +267,7 @@ class Engine:
                 f"exceeds the context length {self.max_context}"
             )
         if params.grammar is not None:  # GrammarError with the engine's message, before admission (then cached)
-            self.grammars.compile(params.grammar)
+            self.grammars.validate(params.grammar)
 
     def free_slots(self) -> int:
         return self.max_batch_size - len(self.running) - len(self.prefilling)

@@ -32,7 +32,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping, Sequence
 
 import llguidance
@@ -41,6 +41,9 @@ import torch
 from torch import Tensor
 
 from specdecode.errors import UserError
+from specdecode.grammar_bounds import BoundExceeded, GrammarLimits, check_bounds
+from specdecode.grammar_worker import (WHITESPACE, GrammarSandbox, SandboxRefused, _heap_bytes, build_ll_tokenizer,
+                                       error_line, first_mask_problem, llguidance_grammar, parser_limits)
 
 Prefixes = Sequence[Sequence[int]]  # prefixes[p]: the drafted tokens between the committed ones and position p
 
@@ -51,6 +54,9 @@ class GrammarError(UserError, ValueError):
     """An invalid ``response_format``, JSON schema, regex or grammar; the message is the engine's own."""
 
 
+WHITESPACE_MODES = tuple(WHITESPACE)  # a JSON spec's whitespace between tokens: bounded (default), flexible, compact
+
+
 @dataclass(frozen=True)
 class GrammarSpec:
     """What a request's output must match; hashable (the compiler cache's key).
@@ -59,33 +65,52 @@ class GrammarSpec:
     syntax, matched against the whole output: no look-around or back-references) or ``grammar``
     (llguidance's Lark-like syntax, https://github.com/guidance-ai/llguidance/blob/main/docs/syntax.md,
     or a llama.cpp GBNF grammar, told apart by the engine; start symbol ``start`` / ``root``).
+
+    ``whitespace`` (JSON only): what may stand between JSON tokens. ``bounded`` (the default, as llama.cpp's
+    schema grammars): one space, or one or two newlines and at most 20 spaces or tabs, at each place JSON
+    allows whitespace; ``flexible``: any run of JSON whitespace (llguidance's default); ``compact``: none.
+    A schema's own top-level ``"x-guidance"`` whitespace setting wins over it.
     """
 
     kind: str
     text: str
+    whitespace: str | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise GrammarError(f"grammar kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if not isinstance(self.text, str) or not self.text.strip():
             raise GrammarError(f"a {self.kind} must be a non-empty string")
+        if self.kind == "json_schema" and self.whitespace is None:
+            object.__setattr__(self, "whitespace", "bounded")
+        if self.kind == "json_schema" and self.whitespace not in WHITESPACE_MODES:
+            raise GrammarError(f"whitespace must be one of {', '.join(WHITESPACE_MODES)}, got {self.whitespace!r}")
+        if self.kind != "json_schema" and self.whitespace is not None:
+            raise GrammarError(f"whitespace applies to JSON outputs only, not to a {self.kind}")
 
     @classmethod
-    def json_schema(cls, schema: Mapping[str, Any] | bool | str) -> "GrammarSpec":
+    def json_schema(cls, schema: Mapping[str, Any] | bool | str, whitespace: str = "bounded") -> "GrammarSpec":
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
             except json.JSONDecodeError as e:
                 raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
+            except RecursionError:
+                raise GrammarError("the JSON schema nests too deeply to read") from None
         if not isinstance(schema, (Mapping, bool)):
             raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}")
-        # keys keep their order: the engine emits properties in the schema's order
-        return cls("json_schema", json.dumps(schema, separators=(",", ":")))
+        try:  # keys keep their order: the engine emits properties in the schema's order
+            text = json.dumps(schema, separators=(",", ":"))
+        except RecursionError:
+            raise GrammarError("the JSON schema nests too deeply to read") from None
+        except (TypeError, ValueError) as e:
+            raise GrammarError(f"the JSON schema is not JSON: {e}") from None
+        return cls("json_schema", text, whitespace)
 
     @classmethod
-    def json_object(cls) -> "GrammarSpec":
+    def json_object(cls, whitespace: str = "bounded") -> "GrammarSpec":
         """OpenAI's JSON mode: any JSON object."""
-        return cls.json_schema({"type": "object"})
+        return cls.json_schema({"type": "object"}, whitespace)
 
     @classmethod
     def regex(cls, pattern: str) -> "GrammarSpec":
@@ -96,7 +121,7 @@ class GrammarSpec:
         return cls("grammar", text)
 
     @classmethod
-    def from_response_format(cls, obj: Any) -> "GrammarSpec | None":
+    def from_response_format(cls, obj: Any, whitespace: str = "bounded") -> "GrammarSpec | None":
         """OpenAI's ``response_format``: ``{"type": "text"}`` -> None; ``{"type": "json_object"}``;
         ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``.
         ``strict`` may be true, false or absent: the schema is enforced as written either way (a
@@ -107,7 +132,7 @@ class GrammarSpec:
         if kind == "text":
             return None
         if kind == "json_object":
-            return cls.json_object()
+            return cls.json_object(whitespace)
         if kind != "json_schema":
             raise GrammarError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
         inner = obj.get("json_schema")
@@ -119,17 +144,13 @@ class GrammarSpec:
             raise GrammarError("response_format.json_schema.strict must be a boolean")
         if "schema" not in inner:
             raise GrammarError("response_format.json_schema.schema is required")
-        return cls.json_schema(inner["schema"])
+        return cls.json_schema(inner["schema"], whitespace)
 
     def llguidance_grammar(self) -> str:
         """The engine's grammar text (not yet validated)."""
         try:
-            if self.kind == "json_schema":
-                return llguidance.LLMatcher.grammar_from_json_schema(self.text)
-            if self.kind == "regex":
-                return llguidance.LLMatcher.grammar_from_regex(self.text)
-            return llguidance.grammar_from("grammar", self.text)
-        except ValueError as e:
+            return llguidance_grammar(self.kind, self.text, self.whitespace)
+        except (ValueError, RecursionError) as e:
             raise GrammarError(f"invalid {self.kind}: {e}") from None
 
 
@@ -158,79 +179,203 @@ def apply_bitmask_(logits: Tensor, bitmask: Tensor) -> Tensor:
 # --- tokenizers and compiled grammars -----------------------------------------------------------------
 
 
-class _DecodedTokens:
-    """llguidance's TokenizerWrapper shape, from each token's decoded text (tokenizers it cannot read)."""
-
-    def __init__(self, tokenizer, eos_id: int):
-        n = len(tokenizer)
-        self.eos_token_id = eos_id
-        self.bos_token_id = getattr(tokenizer, "bos_token_id", None)
-        self.special_token_ids = sorted(set(getattr(tokenizer, "all_special_ids", ())) & set(range(n)))
-        special = set(self.special_token_ids)
-        self.tokens = [b"" if i in special else tokenizer.decode([i]).encode() for i in range(n)]
-        self._tokenizer = tokenizer
-
-    def __call__(self, text):
-        text = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
-        return self._tokenizer.encode(text, add_special_tokens=False)
-
-
 def _eos_ids(tokenizer) -> tuple[int, ...]:
     eos = getattr(tokenizer, "eos_token_id", None)
     return tuple(int(x) for x in ([] if eos is None else [eos] if isinstance(eos, int) else eos))
 
 
-def _ll_tokenizer(tokenizer, eos_id: int) -> "llguidance.LLTokenizer":
+def _ll_tokenizer(tokenizer, eos_id: int) -> tuple["llguidance.LLTokenizer", dict[str, Any]]:
+    """llguidance's tokenizer and the recipe a sandbox child builds it from: the fast tokenizer's JSON, or
+    (a decoder llguidance does not read) each token's decoded text, exact when the decoder concatenates."""
+    n = len(tokenizer)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
+        backend = copy.copy(backend)
+        backend.no_padding()
+        backend.no_truncation()
+        recipe = {"json": backend.to_str(), "n_vocab": n, "eos": eos_id}
         try:
-            import copy
-            backend = copy.copy(backend)
-            backend.no_padding()
-            backend.no_truncation()
-            return llguidance.LLTokenizer(backend.to_str(), n_vocab=len(tokenizer), eos_token=eos_id)
+            return build_ll_tokenizer(recipe), recipe
         except ValueError:
-            pass  # a decoder llguidance does not read: fall back to the decoded tokens
-    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_DecodedTokens(tokenizer, eos_id)),
-                                  n_vocab=len(tokenizer), eos_token=eos_id)
+            pass  # fall back to the decoded tokens
+    special = sorted(set(getattr(tokenizer, "all_special_ids", ())) & set(range(n)))
+    tokens = [b"" if i in special else tokenizer.decode([i]).encode() for i in range(n)]
+    recipe = {"tokens": [t.hex() for t in tokens], "n_vocab": n, "eos": eos_id,
+              "bos": getattr(tokenizer, "bos_token_id", None), "special": special}
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    return build_ll_tokenizer(recipe, encode), recipe
+
+
+@dataclass
+class _Entry:
+    """A validated spec: llguidance's grammar text, and matchers compiled ahead (first mask computed),
+    each handed out once. ``matcher_bytes``: the estimated memory of one of them."""
+
+    grammar: str
+    matcher_bytes: int
+    ready: list = field(default_factory=list)
+
+    @property
+    def bytes(self) -> int:
+        return len(self.grammar) + self.matcher_bytes * len(self.ready)
 
 
 class GrammarCompiler:
     """One tokenizer's grammar engine: its llguidance tokenizer (1.5-4 s to build for 152k tokens on a
-    2-core CPU, once: build it with the engine) and an LRU of compiled grammars keyed by
-    :class:`GrammarSpec` (a new request's matcher is a ~1 µs copy of the cached one; compiling a schema
-    is ~0.5 ms plus lazily built lexer states, which the copies share). Thread-safe: a server may
-    compile in its request threads.
+    2-core CPU, once: build it with the engine) and a cache of validated specs.
+
+    Every request gets a **fresh matcher of its own**, compiled from the spec's validated grammar text: no
+    lexer state is shared between requests (llguidance's ``deep_copy`` shares the lexer's lazily built
+    states, so one request that drives a shared spec into a lexer limit would break every later copy).
+    A new spec is checked first: its size and chain depths against :class:`GrammarLimits` (in Python),
+    then compiled with its first mask computed — in the sandbox child (:meth:`start_sandbox`, what the
+    server does: a native crash, a time or a memory overrun there costs the child only) or in-process.
+    Anything wrong is a GrammarError naming the engine's words or the bound; nothing that failed is cached.
+
+    The cache (LRU) keeps each validated spec's grammar text and up to ``ready_per_spec`` matchers compiled
+    ahead by :meth:`prepare` (off the engine thread: the server calls it in a request thread), bounded in
+    entries and in estimated bytes. Thread-safe.
 
     ``eos_ids``: the tokens that end a generation (default: the tokenizer's EOS); they are allowed exactly
     where the grammar is complete (with a request's ``stop_token_ids``: :meth:`processor`)."""
 
-    def __init__(self, tokenizer, *, eos_ids: Iterable[int] | None = None, cache_size: int = 64):
+    def __init__(self, tokenizer, *, eos_ids: Iterable[int] | None = None, limits: GrammarLimits | None = None,
+                 cache_size: int | None = None):
         self.eos_ids = tuple(sorted(set(eos_ids if eos_ids is not None else _eos_ids(tokenizer))))
         if not self.eos_ids:
             raise GrammarError("structured outputs need a tokenizer with an EOS token")
+        limits = limits or GrammarLimits()
+        self.limits = limits if cache_size is None else replace(limits, cache_entries=cache_size)
         self.vocab_size = len(tokenizer)
-        self.ll_tokenizer = _ll_tokenizer(tokenizer, self.eos_ids[0])
-        self.cache_size = cache_size
-        self._cache: OrderedDict[GrammarSpec, llguidance.LLMatcher] = OrderedDict()
+        self.ll_tokenizer, self._recipe = _ll_tokenizer(tokenizer, self.eos_ids[0])
+        self._parser_limits = parser_limits(self.limits.parser_dict())
+        self._cache: OrderedDict[GrammarSpec, _Entry] = OrderedDict()
+        self._approved: OrderedDict[GrammarSpec, None] = OrderedDict()  # the sandbox passed them once
         self._lock = threading.Lock()
+        self.sandbox: GrammarSandbox | None = None
+
+    @property
+    def cache_size(self) -> int:
+        return self.limits.cache_entries
+
+    @property
+    def cache_bytes(self) -> int:
+        """The cache's estimated bytes now."""
+        with self._lock:
+            return sum(e.bytes for e in self._cache.values())
+
+    def start_sandbox(self, *, fault_marker: str | None = None) -> GrammarSandbox:
+        """From now on a new spec is compiled first in a child process (:mod:`specdecode.grammar_worker`);
+        the child starts now (it builds the tokenizer). Idempotent."""
+        with self._lock:
+            if self.sandbox is None:
+                self.sandbox = GrammarSandbox(self._recipe, self.eos_ids, self.limits.parser_dict(),
+                                              time_budget_s=self.limits.time_budget_s,
+                                              memory_budget_bytes=self.limits.memory_budget_bytes,
+                                              max_matcher_bytes=self.limits.max_matcher_bytes,
+                                              fault_marker=fault_marker)
+            sandbox = self.sandbox
+        sandbox.start()
+        return sandbox
+
+    def close(self) -> None:
+        """Stop the sandbox child, if any."""
+        if self.sandbox is not None:
+            self.sandbox.close()
+
+    def _new_matcher(self, grammar: str) -> "llguidance.LLMatcher":
+        return llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=self._parser_limits)
+
+    def _entry(self, spec: GrammarSpec) -> _Entry:
+        with self._lock:
+            entry = self._cache.get(spec)
+            if entry is not None:
+                self._cache.move_to_end(spec)
+                return entry
+            approved = spec in self._approved
+        try:
+            check_bounds(spec.kind, spec.text, self.limits)
+        except BoundExceeded as e:
+            raise GrammarError(f"invalid {spec.kind}: {e}") from None
+        ready = []
+        if self.sandbox is not None and not approved:
+            try:
+                checked = self.sandbox.check(spec.kind, spec.text, spec.whitespace)
+            except SandboxRefused as e:
+                raise GrammarError(f"invalid {spec.kind}: {e}") from None
+            entry = _Entry(checked.grammar, checked.bytes)
+        else:
+            grammar = spec.llguidance_grammar()
+            before = _heap_bytes()
+            matcher = self._new_matcher(grammar)
+            problem = first_mask_problem(matcher, list(self.eos_ids), self.vocab_size)
+            if problem:
+                raise GrammarError(f"invalid {spec.kind}: {error_line(problem)}")
+            size = max(_heap_bytes() - before, 0) + len(grammar)
+            if size > self.limits.max_matcher_bytes:
+                raise GrammarError(f"invalid {spec.kind}: its compiled form takes about {size} bytes, more than "
+                                   f"the limit max_matcher_bytes = {self.limits.max_matcher_bytes}")
+            entry, ready = _Entry(grammar, size), [matcher]
+        with self._lock:
+            entry = self._cache.setdefault(spec, entry)
+            self._cache.move_to_end(spec)
+            self._approved[spec] = None
+            self._approved.move_to_end(spec)
+            while len(self._approved) > 64 * self.limits.cache_entries:
+                self._approved.popitem(last=False)
+            self._add_ready(spec, entry, ready)
+            self._evict(keep=spec)
+        return entry
+
+    def _add_ready(self, spec: GrammarSpec, entry: _Entry, matchers: list) -> int:
+        """Keep ``matchers`` ready for ``spec`` while the bounds allow (lock held); how many were kept."""
+        kept = 0
+        for m in matchers:
+            if len(entry.ready) >= self.limits.ready_per_spec:
+                break
+            entry.ready.append(m)
+            self._evict(keep=spec)
+            if sum(e.bytes for e in self._cache.values()) > self.limits.cache_bytes:
+                entry.ready.pop()
+                break
+            kept += 1
+        return kept
+
+    def _evict(self, keep: GrammarSpec) -> None:
+        """Least recently used entries out (never ``keep``) until the cache is within its bounds (lock held)."""
+        total = sum(e.bytes for e in self._cache.values())
+        for spec in list(self._cache):
+            if len(self._cache) <= self.limits.cache_entries and total <= self.limits.cache_bytes:
+                return
+            if spec != keep:
+                total -= self._cache.pop(spec).bytes
+
+    def validate(self, spec: GrammarSpec) -> None:
+        """Raise GrammarError if ``spec`` cannot be served (cheap once cached)."""
+        self._entry(spec)
+
+    def prepare(self, spec: GrammarSpec, n: int = 1) -> None:
+        """Validate ``spec`` and compile up to ``n`` matchers for it ahead, first mask included, in the
+        calling thread (the server's request thread): the engine thread then only takes one."""
+        entry = self._entry(spec)
+        while True:
+            with self._lock:
+                if len(entry.ready) >= min(n, self.limits.ready_per_spec):
+                    return
+            matcher = self._new_matcher(entry.grammar)
+            if first_mask_problem(matcher, list(self.eos_ids), self.vocab_size):
+                return  # it passed before: leave it to the engine's own compile
+            with self._lock:
+                if not self._add_ready(spec, entry, [matcher]):
+                    return
 
     def compile(self, spec: GrammarSpec) -> "llguidance.LLMatcher":
-        """A fresh matcher at the start of ``spec``; raises GrammarError with the engine's message."""
+        """A fresh matcher at the start of ``spec``, shared with nothing; raises GrammarError."""
+        entry = self._entry(spec)
         with self._lock:
-            root = self._cache.get(spec)
-            if root is not None:
-                self._cache.move_to_end(spec)
-                return root.deep_copy()
-        root = llguidance.LLMatcher(self.ll_tokenizer, spec.llguidance_grammar(), log_level=0)
-        if root.is_error():
-            raise GrammarError(f"invalid {spec.kind}: {root.get_error().strip()}")
-        with self._lock:
-            self._cache[spec] = root
-            self._cache.move_to_end(spec)
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-        return root.deep_copy()
+            if entry.ready:
+                return entry.ready.pop()
+        return self._new_matcher(entry.grammar)
 
     def processor(self, spec: GrammarSpec, stop_token_ids: Iterable[int] = ()) -> "GrammarProcessor":
         """A request's processor; ``stop_token_ids`` end it like EOS (allowed only where complete)."""
@@ -287,6 +432,7 @@ class GrammarProcessor:
         self._end_bytes = (torch.tensor(list(by_byte), dtype=torch.long),
                            torch.tensor(list(by_byte.values()), dtype=torch.uint8))  # distinct bytes, their end bits
         self.ended = False  # an end token was committed
+        self.incomplete = False  # the output ended where the grammar was not complete (a dead end, a limit)
         self.mask_s = 0.0  # time spent in apply (the masks of target and draft rows), and the rows it masked
         self.mask_rows = 0
 
@@ -297,13 +443,26 @@ class GrammarProcessor:
 
     @property
     def finished(self) -> bool:
-        """Nothing but an end token can follow (or one was committed): the output is complete."""
+        """Nothing but an end token can follow (or one was committed): the output is complete — or
+        ``incomplete``, where the engine hit one of its limits (an error state it never leaves)."""
         return self.ended or self.matcher.is_stopped()
 
     @property
     def error(self) -> str:
         """The engine's error ("" if none): a resource limit hit mid-output leaves only the end tokens."""
         return self.matcher.get_error()
+
+    def _dead_end(self) -> bool:
+        """No token but an end token can extend the committed output (the grammar needs what the
+        vocabulary cannot spell, or an end token mid-output), or the engine is in its error state."""
+        if self.matcher.is_error() or self.matcher.is_stopped():
+            return True
+        bits = torch.zeros(self._words, dtype=torch.int32)
+        self.matcher.unsafe_compute_mask_ptr(bits.data_ptr(), bits.numel() * 4)
+        packed = bits.view(torch.uint8)
+        cols, flags = self._end_bytes
+        packed[cols] &= ~flags
+        return not bool(bits.any())
 
     def _advance(self, tokens: Sequence[int]) -> int:
         """Consume the longest allowed head of ``tokens`` (stopping before an end token or an id the
@@ -358,15 +517,24 @@ class GrammarProcessor:
         return out
 
     def commit(self, tokens: Sequence[int]) -> None:
-        """The tokens a step emitted, in order; an end token ends the output. A token the grammar does not
-        allow raises RuntimeError, the state unchanged (the engine emitted a token its masked law gave
+        """The tokens a step emitted, in order; an end token ends the output. The output ends
+        ``incomplete`` (``finished``, never an exception) where the grammar reached a dead end (an end token
+        where only an end token could come but the grammar is not complete) or where consuming a token put
+        the engine in its error state (a lexer or parser limit). Any other token the grammar does not allow
+        raises RuntimeError, the state unchanged (the engine emitted a token its masked law gave
         probability 0: a bug)."""
         if self.ended:
             return
         tokens = [int(t) for t in tokens]
         n = self._advance(tokens)
-        if n < len(tokens) and tokens[n] in self._end and self.matcher.is_accepting():
+        if n == len(tokens):
+            return
+        bad = tokens[n]
+        if bad in self._end and (self.matcher.is_accepting() or self._dead_end()):
             self.ended = True
-        elif n < len(tokens):
+            self.incomplete = not self.matcher.is_accepting()
+        elif self.matcher.is_error():
+            self.incomplete = True  # finished from now on: the engine never leaves its error state
+        else:
             self.matcher.rollback(n)  # unchanged; a bug, not a user's error
-            raise RuntimeError(f"token {tokens[n]} is not allowed by the grammar after the committed output")
+            raise RuntimeError(f"token {bad} is not allowed by the grammar after the committed output")

@@ -204,7 +204,7 @@ def test_regex_on_a_tokenizer_llguidance_cannot_read():
     assert allowed_ids(proc, [a, b, c]) == {tok.eos_token_id}
 
 
-@pytest.mark.parametrize("spec", [GrammarSpec.json_schema(SCHEMA), GrammarSpec.json_object(),
+@pytest.mark.parametrize("spec", [GrammarSpec.json_schema(SCHEMA, "flexible"), GrammarSpec.json_object(),
                                   GrammarSpec.grammar('start: "(" NUM ("," NUM)* ")"\nNUM: /[0-9]+/'),
                                   GrammarSpec.grammar('root ::= "(" [0-9]+ ("," [0-9]+)* ")"')])
 def test_masks_equal_the_slow_reference_along_walks(compiler, spec):

@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from specdecode.engine import Engine, RequestError
-from specdecode.fim import FimTokens, FimUnsupported, fim_prompt, fim_tokens, stop_fields
+from specdecode.fim import DEFAULT_FIM_STOP, FimTokens, FimUnsupported, fim_prompt, fim_tokens, stop_fields
 from specdecode.grammar import GrammarError, GrammarSpec
 from specdecode.logprobs import ReportedToken, text_offsets
 from specdecode.server import protocol as P
@@ -47,6 +47,7 @@ CLIENT_CLOSED = 499  # nginx's "client closed request"
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 MAX_JSON_DEPTH = 32  # nesting of the request body (the deepest valid request needs 5)
 TOKENIZE_WORKERS = 2  # threads that tokenize and apply chat templates, off the event loop
+GRAMMAR_WORKERS = 2  # threads that wait on the grammar sandbox and compile requests' matchers ahead
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -77,6 +78,7 @@ def create_app(engine: Engine | Callable[[], Engine], config: ServerConfig | Non
         app.state.scheduler = scheduler
         app.state.max_prompt_chars = await asyncio.to_thread(max_prompt_chars, eng.tokenizer, eng.max_context)
         app.state.tokenize_pool = ThreadPoolExecutor(TOKENIZE_WORKERS, thread_name_prefix="specdecode-tokenize")
+        app.state.grammar_pool = ThreadPoolExecutor(GRAMMAR_WORKERS, thread_name_prefix="specdecode-grammar")
         await asyncio.to_thread(_build_grammars, eng)
         loop = asyncio.get_running_loop()
 
@@ -90,7 +92,9 @@ def create_app(engine: Engine | Callable[[], Engine], config: ServerConfig | Non
             yield
         finally:
             app.state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+            app.state.grammar_pool.shutdown(wait=False, cancel_futures=True)
             await asyncio.to_thread(scheduler.stop)
+            await asyncio.to_thread(_close_grammars, eng)
 
     # no redirects: "/v1/completions/" is a 404 with the error body, not a 307 that clients would follow
     app = FastAPI(title="specdecode", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
@@ -125,7 +129,7 @@ def create_app(engine: Engine | Callable[[], Engine], config: ServerConfig | Non
             tokenizer = request.app.state.scheduler.engine.tokenizer
             tokens = await _off_loop(request, _fim_tokens, request.app.state, tokenizer)
             params = P.sampling_params(req, req.max_tokens, config.completions_default_max_tokens,
-                                       stop_fields(tokens, req.fim_stop, prefix))
+                                       stop_fields(tokens, req.fim_stop or DEFAULT_FIM_STOP, prefix))
             prompt_ids = await _off_loop(request, _encode_fim, tokenizer, prefix, suffix, tokens)
             return await _generate(request, req, prompt_ids, params, _CompletionFormat(config.model_name))
         prompt = P.prompt_input(req.prompt)
@@ -256,18 +260,32 @@ def _encode_fim(tokenizer, prefix: str, suffix: str, tokens: FimTokens) -> list[
 
 
 def _build_grammars(engine: Engine) -> None:
-    """The tokenizer's grammar compiler, at startup (seconds for a 150k-token vocabulary: not on the first
-    structured request's time to first token). A tokenizer it cannot serve answers those requests 400."""
+    """The tokenizer's grammar compiler and its sandbox child, at startup (seconds for a 150k-token
+    vocabulary: not on the first structured request's time to first token). A tokenizer it cannot serve
+    answers those requests 400. Every new spec is compiled first in the sandbox (a crash there costs the
+    child, never the server: :mod:`specdecode.grammar_worker`)."""
     try:
-        engine.grammars
+        grammars = engine.grammars
     except Exception as exc:
         log.warning("structured outputs unavailable for this tokenizer: %s", exc)
-
-
-def _compile_grammar(engine: Engine, spec: GrammarSpec) -> None:
+        return
     try:
-        engine.grammars.compile(spec)
-    except GrammarError as exc:  # the engine's own words about the schema, regex or grammar
+        grammars.start_sandbox()
+    except Exception as exc:  # e.g. no process can be started here: specs compile in-process, bounds still hold
+        log.warning("the grammar sandbox did not start (%s); new specs compile in the server's process", exc)
+
+
+def _close_grammars(engine: Engine) -> None:
+    with contextlib.suppress(Exception):
+        engine.grammars.close()
+
+
+def _prepare_grammar(engine: Engine, spec: GrammarSpec, n: int) -> None:
+    """Validate the spec (sandbox, bounds) and compile the request's ``n`` matchers with their first
+    masks here, in a grammar thread, so that the engine thread only takes them."""
+    try:
+        engine.grammars.prepare(spec, n)
+    except GrammarError as exc:  # the engine's own words about the schema, regex or grammar, or the bound
         raise P.bad_request(str(exc), P.grammar_param(spec), "invalid_grammar") from None
 
 
@@ -291,8 +309,9 @@ async def _generate(request: Request, req: P.SamplingFields, prompt_ids: list[in
     scheduler: Scheduler = request.app.state.scheduler
     config: ServerConfig = request.app.state.config
     n = P.choices(req)
-    if params.grammar is not None:  # compiled off the event loop (then cached: validate's compile is a copy)
-        await _off_loop(request, _compile_grammar, scheduler.engine, params.grammar)
+    if params.grammar is not None:  # validated and compiled off the event loop and off the engine thread
+        await asyncio.get_running_loop().run_in_executor(request.app.state.grammar_pool, _prepare_grammar,
+                                                         scheduler.engine, params.grammar, n)
     try:
         scheduler.engine.validate(prompt_ids, params)
     except RequestError as exc:  # an empty prompt, an id outside the vocabulary, or too long

@@ -30,7 +30,10 @@ Structured outputs (:mod:`specdecode.grammar`, exact under speculation): OpenAI'
 (``{"type": "text"}``, ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {"name", "schema",
 "strict"}}``), or the extensions ``regex`` (the whole output matches it) and ``grammar`` (llguidance's Lark-like
 syntax or a llama.cpp GBNF grammar): at most one of them (a ``text`` response_format counts as none), not with
-``ignore_eos``. A spec the engine cannot compile is a 400 naming its field, with the engine's message.
+``ignore_eos``; ``json_whitespace`` (``bounded``, the default: llama.cpp's one space or 1-2 newlines and up to 20
+indent characters between JSON tokens; ``flexible``; ``compact``) with a JSON response_format only. A spec the
+engine cannot compile, or one over a bound of :class:`specdecode.grammar_bounds.GrammarLimits`, is a 400 naming its
+field (code ``invalid_grammar``), with the engine's message or the bound.
 
 A completions request with a ``suffix`` (any string, ``""`` included: the cursor at the end of a
 file) is fill-in-the-middle: ``prompt`` is the text before the cursor (``""`` allowed: the start of a
@@ -118,6 +121,7 @@ class SamplingFields(_Strict):
     response_format: Any = None  # OpenAI's object; checked by grammar_spec() for a clear message
     regex: str | None = None  # extension: the output matches this regex
     grammar: str | None = None  # extension: a Lark-like or GBNF grammar the output follows
+    json_whitespace: Literal["bounded", "flexible", "compact"] | None = None  # extension: JSON outputs' whitespace
 
     @property
     def include_usage(self) -> bool:
@@ -130,7 +134,7 @@ class CompletionRequest(SamplingFields):
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None  # set: fill-in-the-middle (see fim_input)
-    fim_stop: Literal["none", "line", "block"] = "none"
+    fim_stop: Literal["none", "line", "block"] | None = None  # with a suffix, None is fim.DEFAULT_FIM_STOP
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -181,7 +185,7 @@ def prompt_input(prompt: Any) -> str | list[int]:
 def fim_input(req: CompletionRequest) -> tuple[str, str] | None:
     """``(prefix, suffix)`` of a fill-in-the-middle request (one with a ``suffix``), else None."""
     if req.suffix is None:
-        if req.fim_stop != "none":
+        if req.fim_stop not in (None, "none"):
             raise bad_request("'fim_stop' applies to fill-in-the-middle requests: send 'suffix' too "
                               "('' at the end of a file)", "fim_stop")
         return None
@@ -251,14 +255,19 @@ def grammar_spec(req: SamplingFields) -> GrammarSpec | None:
         raise bad_request(f"at most one of 'response_format', 'regex' and 'grammar' may be given, got "
                           f"{' and '.join(repr(g) for g in given)}", given[-1])
     if not given:
+        if req.json_whitespace is not None:
+            raise bad_request("'json_whitespace' applies to a JSON response_format only", "json_whitespace")
         return None
     name = given[0]
-    build = {"response_format": GrammarSpec.from_response_format, "regex": GrammarSpec.regex,
-             "grammar": GrammarSpec.grammar}[name]
+    whitespace = req.json_whitespace or "bounded"
+    build = {"response_format": lambda obj: GrammarSpec.from_response_format(obj, whitespace),
+             "regex": GrammarSpec.regex, "grammar": GrammarSpec.grammar}[name]
     try:
         spec = build(getattr(req, name))
     except GrammarError as exc:
         raise bad_request(str(exc), name) from None
+    if req.json_whitespace is not None and spec.kind != "json_schema":
+        raise bad_request("'json_whitespace' applies to a JSON response_format only", "json_whitespace")
     if req.ignore_eos:
         raise bad_request("'ignore_eos' cannot be combined with a structured output (response_format, regex or "
                           "grammar): the output ends where the grammar is complete", "ignore_eos")

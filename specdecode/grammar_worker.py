@@ -1,0 +1,380 @@
+"""The grammar sandbox: a child process that compiles a spec and computes its first mask before the
+server trusts it (issue 59).
+
+llguidance compiles grammars in native code. A spec can crash it (a long ``$ref`` or rule chain
+overflows the native stack: a segfault, no traceback), exhaust its lexer's budget for seconds, or hold
+hundreds of megabytes. :class:`GrammarSandbox` runs the compile and the first mask of every *new* spec
+in a child process with
+
+- a **time budget** (``time_budget_s``, wall clock: over it, the child is killed),
+- a **memory budget** (``memory_budget_bytes`` of address space above what the child holds at rest:
+  an allocation past it fails, which aborts the child),
+- a **smaller native stack** than the server's threads (``STACK_BYTES``: the compile runs in a thread
+  of that size, so a spec that compiles in the child compiles in any thread of the server, whose stacks
+  are at least that large),
+
+and answers the llguidance grammar text, or the reason it refused. A crash, a kill or an abort costs the
+child, never the server: the next spec starts a fresh child. The child is niced, so its CPU goes after
+the engine thread's.
+
+The child imports llguidance and ``tokenizers`` only (no torch): it starts in a fraction of a second
+plus llguidance's tokenizer build (seconds for a 150k-token vocabulary), once per child. Messages are
+length-prefixed JSON over two pipes. Nothing here knows about HTTP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+
+STACK_BYTES = 2 << 20  # the child's compile thread: a quarter of a Linux thread's default 8 MiB
+READY_TIMEOUT_S = 300.0  # a child builds llguidance's tokenizer before its first job
+BOUNDED_WHITESPACE = r"(?: |\n{1,2}[ \t]{0,20})"  # llama.cpp's JSON whitespace: one space, or 1-2 newlines + indent
+WHITESPACE = {  # GrammarSpec.whitespace -> llguidance's JSON options (a schema's own "x-guidance" wins)
+    "bounded": {"whitespace_pattern": BOUNDED_WHITESPACE},
+    "flexible": {"whitespace_flexible": True},
+    "compact": {"whitespace_flexible": False},
+}
+
+
+# --- what both sides build: the engine's grammar text, its tokenizer, its limits -----------------------
+
+
+def llguidance_grammar(kind: str, text: str, whitespace: str | None = None) -> str:
+    """The engine's grammar text for a spec (not yet validated); ValueError with the engine's words."""
+    if kind == "json_schema":
+        schema = json.loads(text)
+        own = schema.get("x-guidance", {}) if isinstance(schema, dict) else {}
+        options = {} if isinstance(own, dict) and {"whitespace_pattern", "whitespace_flexible"} & set(own) else \
+            WHITESPACE[whitespace or "bounded"]
+        return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=options)
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(text)
+    return llguidance.grammar_from("grammar", text)
+
+
+def parser_limits(limits: dict[str, Any]) -> "llguidance.LLParserLimits":
+    """llguidance's per-matcher limits (``GrammarLimits.parser``), with short error messages."""
+    return llguidance.LLParserLimits(**limits, verbose_errors=False)
+
+
+class _Tokens:
+    """llguidance's TokenizerWrapper shape from each token's bytes (a tokenizer it cannot read from JSON);
+    ``encode`` tokenizes text (None: greedy longest match over the tokens, enough for masks)."""
+
+    def __init__(self, tokens: list[bytes], eos_id: int, bos_id: int | None, special: list[int], encode=None):
+        self.tokens, self.eos_token_id, self.bos_token_id = tokens, eos_id, bos_id
+        self.special_token_ids = special
+        self._encode = encode
+        self._ids = {t: i for i, t in enumerate(tokens) if t and i not in set(special)}
+        self._longest = max((len(t) for t in self._ids), default=1)
+
+    def __call__(self, text):
+        if self._encode is not None:
+            return self._encode(text.decode("utf-8", "replace") if isinstance(text, bytes) else text)
+        data = text if isinstance(text, bytes) else text.encode()
+        out, i = [], 0
+        while i < len(data):
+            for n in range(min(self._longest, len(data) - i), 0, -1):
+                if data[i:i + n] in self._ids:
+                    out.append(self._ids[data[i:i + n]])
+                    i += n
+                    break
+            else:
+                i += 1  # a byte no token spells: skipped
+        return out
+
+
+def build_ll_tokenizer(recipe: dict[str, Any], encode=None) -> "llguidance.LLTokenizer":
+    """llguidance's tokenizer from a recipe: ``{"json": ...}`` (a fast tokenizer's JSON) or ``{"tokens": [hex]}``
+    (each token's bytes), with ``n_vocab``, ``eos`` (and ``bos``, ``special`` for tokens)."""
+    if "json" in recipe:
+        return llguidance.LLTokenizer(recipe["json"], n_vocab=recipe["n_vocab"], eos_token=recipe["eos"])
+    tokens = [bytes.fromhex(t) for t in recipe["tokens"]]
+    wrapper = _Tokens(tokens, recipe["eos"], recipe.get("bos"), list(recipe.get("special", ())), encode)
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(wrapper), n_vocab=recipe["n_vocab"],
+                                  eos_token=recipe["eos"])
+
+
+def first_mask_problem(matcher: "llguidance.LLMatcher", end_ids: list[int], vocab_size: int) -> str:
+    """Compute the first mask; "" if the spec can start an output, else why not (the engine's error, or
+    a grammar this vocabulary cannot begin: no token but an end token allowed where the output is not
+    yet complete)."""
+    if matcher.is_error():
+        return matcher.get_error()
+    mask = bytearray(matcher.compute_bitmask())
+    if matcher.is_error():
+        return matcher.get_error()
+    if matcher.is_accepting():
+        return ""  # the empty output is complete: an end token may come first
+    for t in end_ids:
+        if t < vocab_size and t // 8 < len(mask):
+            mask[t // 8] &= ~(1 << t % 8) & 0xFF
+    tail = vocab_size % 8
+    if tail and vocab_size // 8 < len(mask):
+        mask[vocab_size // 8] &= (1 << tail) - 1
+    if not any(mask[:(vocab_size + 7) // 8]):
+        return "no token of this model's vocabulary can begin an output the grammar allows"
+    return ""
+
+
+def error_line(message: str) -> str:
+    """The engine's message without its state dump, at most 500 characters."""
+    message = message.split("\n<state>")[0].split("\n<non-verbose/>")[0].strip()
+    return message if len(message) <= 500 else message[:497] + "..."
+
+
+# --- the child ------------------------------------------------------------------------------------------
+
+
+def _read_message(fd: int) -> Any:
+    head = _read_exactly(fd, 4)
+    if head is None:
+        return None
+    body = _read_exactly(fd, struct.unpack("<I", head)[0])
+    return None if body is None else json.loads(body)
+
+
+def _read_exactly(fd: int, n: int) -> bytes | None:
+    chunks, got = [], 0
+    while got < n:
+        chunk = os.read(fd, n - got)
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def _write_message(fd: int, obj: Any) -> None:
+    body = json.dumps(obj).encode()
+    data = struct.pack("<I", len(body)) + body
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _heap_bytes() -> int:
+    """Bytes the C heap holds now (glibc's mallinfo2: in use + mmapped); 0 where unknown."""
+    try:
+        import ctypes
+
+        class _MallInfo2(ctypes.Structure):
+            _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]
+        fn = ctypes.CDLL(None).mallinfo2
+        fn.restype = _MallInfo2
+        info = fn()
+        return int(info.uordblks + info.hblkhd)
+    except (AttributeError, OSError):
+        return 0
+
+
+def _address_space() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _job(tokenizer, job: dict[str, Any], end_ids: list[int], vocab_size: int) -> dict[str, Any]:
+    fault = job.get("fault")
+    if fault == "crash":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    if fault == "hang":
+        time.sleep(3600)
+    if fault == "memory":
+        hog = [bytearray(64 << 20) for _ in range(1 << 12)]  # past any budget: MemoryError
+        del hog
+    try:
+        grammar = llguidance_grammar(job["kind"], job["text"], job.get("whitespace"))
+    except (ValueError, RecursionError) as e:
+        return {"error": f"{e}"}
+    before = _heap_bytes()
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits(job["limits"]))
+    problem = first_mask_problem(matcher, end_ids, vocab_size)
+    if problem:
+        return {"error": error_line(problem)}
+    return {"grammar": grammar, "bytes": max(_heap_bytes() - before, 0) + len(grammar)}
+
+
+def child_main(read_fd: int, write_fd: int) -> None:
+    """The child's loop: a setup message (the tokenizer's recipe), then one job per message."""
+    os.nice(10)
+    import resource
+
+    setup = _read_message(read_fd)
+    tokenizer = build_ll_tokenizer(setup["recipe"])
+    end_ids, vocab_size, budget = setup["end_ids"], setup["recipe"]["n_vocab"], setup["memory_budget_bytes"]
+    _write_message(write_fd, {"ready": True})
+    threading.stack_size(STACK_BYTES)
+    while True:
+        job = _read_message(read_fd)
+        if job is None:
+            return
+        if budget:
+            resource.setrlimit(resource.RLIMIT_AS, (_address_space() + budget, resource.RLIM_INFINITY))
+        reply: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                reply.update(_job(tokenizer, job, end_ids, vocab_size))
+            except MemoryError:
+                reply["error"] = "memory"
+            except Exception as e:  # an API misuse inside llguidance: the spec's problem all the same
+                reply["error"] = error_line(f"{type(e).__name__}: {e}")
+
+        worker = threading.Thread(target=run, name="grammar-compile")
+        worker.start()
+        worker.join()
+        if budget:
+            resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        if reply.get("error") == "memory":
+            os._exit(3)  # the heap may be in pieces: the parent says "memory budget" and starts a new child
+        _write_message(write_fd, reply)
+
+
+# --- the parent -----------------------------------------------------------------------------------------
+
+
+class SandboxRefused(Exception):
+    """The child refused a spec: ``str(e)`` is why (the engine's words, or the budget it exceeded)."""
+
+
+@dataclass(frozen=True)
+class Approved:
+    grammar: str  # llguidance's grammar text, validated
+    bytes: int  # estimate: the C heap the compile and first mask took in the child, plus the text
+
+
+class GrammarSandbox:
+    """One child process at a time, restarted after any death; thread-safe (jobs queue on a lock).
+
+    ``recipe``: how the child builds the tokenizer (:func:`build_ll_tokenizer`); ``end_ids`` and the
+    vocabulary size decide "can this vocabulary begin the output". ``limits``: llguidance's parser limits
+    (a dict of :class:`llguidance.LLParserLimits` fields). ``fault_marker`` is for tests: a spec whose text
+    contains ``fault_marker + ":crash"`` (``:hang``, ``:memory``) makes the child segfault (sleep, allocate
+    past the budget), so a test can see what a real crash costs."""
+
+    def __init__(self, recipe: dict[str, Any], end_ids, limits: dict[str, Any], *, time_budget_s: float,
+                 memory_budget_bytes: int, max_matcher_bytes: int, fault_marker: str | None = None):
+        self._setup = {"recipe": recipe, "end_ids": sorted(end_ids), "memory_budget_bytes": memory_budget_bytes}
+        self.limits = dict(limits)
+        self.time_budget_s = time_budget_s
+        self.memory_budget_bytes = memory_budget_bytes
+        self.max_matcher_bytes = max_matcher_bytes
+        self.fault_marker = fault_marker
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._fds: tuple[int, int] | None = None  # (read from the child, write to the child)
+        self.restarts = 0  # children started after the first (each one a crash, kill or abort)
+
+    def _start(self) -> None:
+        to_child_r, to_child_w = os.pipe()
+        from_child_r, from_child_w = os.pipe()
+        code = ("import sys; from specdecode.grammar_worker import child_main; "
+                f"child_main({to_child_r}, {from_child_w})")
+        self._proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(to_child_r, from_child_w),
+                                      stdin=subprocess.DEVNULL, close_fds=True)
+        os.close(to_child_r)
+        os.close(from_child_w)
+        self._fds = (from_child_r, to_child_w)
+        try:
+            _write_message(to_child_w, self._setup)
+        except OSError:
+            pass  # it died: the wait below says so
+        if self._wait(READY_TIMEOUT_S) is None:
+            self._stop()
+            raise RuntimeError("the grammar sandbox did not start")
+
+    def _wait(self, timeout_s: float) -> Any:
+        """The child's next message, or None if it died (then it is reaped) or said nothing within
+        ``timeout_s`` (then it still runs)."""
+        fd = self._fds[0]
+        ready, _, _ = select.select([fd], [], [], timeout_s)
+        if not ready:
+            return None
+        try:
+            message = _read_message(fd)
+        except (OSError, ValueError):
+            message = None
+        if message is None:  # the pipe closed: the child is gone or going
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=10.0)
+        return message
+
+    def _stop(self) -> None:
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                self._proc.kill()
+            self._proc.wait()
+        if self._fds is not None:
+            for fd in self._fds:
+                os.close(fd)
+        self._proc, self._fds = None, None
+
+    def _ensure(self) -> None:
+        """A live child (lock held): a dead one is replaced."""
+        if self._proc is not None and self._proc.poll() is None:
+            return
+        if self._proc is not None:
+            self._stop()
+            self.restarts += 1
+        self._start()
+
+    def start(self) -> None:
+        """Start the child now (it builds the tokenizer), rather than on the first spec."""
+        with self._lock:
+            self._ensure()
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def check(self, kind: str, text: str, whitespace: str | None) -> Approved:
+        """Compile ``(kind, text)`` and compute its first mask in the child: the approved grammar text, or
+        SandboxRefused with why."""
+        job: dict[str, Any] = {"kind": kind, "text": text, "whitespace": whitespace, "limits": self.limits}
+        if self.fault_marker:
+            for fault in ("crash", "hang", "memory"):
+                if f"{self.fault_marker}:{fault}" in text:
+                    job["fault"] = fault
+        with self._lock:
+            self._ensure()
+            try:
+                _write_message(self._fds[1], job)
+                reply = self._wait(self.time_budget_s)
+            except OSError:
+                reply = None
+            if reply is None:
+                timed_out = self._proc.poll() is None
+                code = self._proc.returncode if not timed_out else None
+                self._stop()
+                self.restarts += 1
+                if timed_out:
+                    raise SandboxRefused(f"compiling it and computing its first mask took longer than the time "
+                                         f"budget (grammar_time_budget_s = {self.time_budget_s:g})")
+                if code == 3 or code == -signal.SIGABRT:
+                    raise SandboxRefused(f"compiling it exceeded the memory budget (grammar_memory_budget_bytes "
+                                         f"= {self.memory_budget_bytes})")
+                how = f"signal {-code}" if code is not None and code < 0 else f"exit status {code}"
+                raise SandboxRefused(f"the grammar compiler crashed on it ({how}); shorten its $ref or rule chains")
+        if "error" in reply:
+            raise SandboxRefused(reply["error"])
+        if reply["bytes"] > self.max_matcher_bytes:
+            raise SandboxRefused(f"its compiled form takes about {reply['bytes']} bytes, more than the limit "
+                                 f"max_matcher_bytes = {self.max_matcher_bytes}")
+        return Approved(reply["grammar"], int(reply["bytes"]))
