@@ -27,8 +27,8 @@ import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
 from specdecode.server.app import ServerConfig  # noqa: E402
-from specdecode.server.replicas import (APP_NAME, REPLICA_HEADER, Route, aggregate_metrics, build_app,  # noqa: E402
-                                        rank_replicas, ring_owner, routing_key)
+from specdecode.server.replicas import (APP_NAME, INGRESS_HEADER, REPLICA_HEADER, Route,  # noqa: E402
+                                        aggregate_metrics, build_app, rank_replicas, ring_owner, routing_key)
 from test_server_harness import one_torch_thread  # noqa: E402,F401 (autouse fixture)
 from test_server_harness import serve as serve_one  # noqa: E402
 from test_server_harness import (CLIENT_TIMEOUT_S, KEY, MODEL, engine, reference, scrape, sse_events,  # noqa: E402
@@ -38,6 +38,7 @@ GATE_ENV = "SPECDECODE_TEST_REPLICA_GATE"
 STEPS_BEFORE_HOLD = 4  # engine steps a replica takes after the gate appears, before it waits
 PREFIX_CHARS = 8
 HEADER = REPLICA_HEADER.decode()
+INGRESS = INGRESS_HEADER.decode()
 
 
 # -- pure: routing and metrics --------------------------------------------------------------------------
@@ -273,7 +274,7 @@ def _stream(cluster: Cluster, prompt: str, out: dict) -> None:
         with cluster.http() as c, c.stream("POST", "/v1/completions",
                                            json={"prompt": prompt, "max_tokens": 80, "ignore_eos": True,
                                                  "stream": True}) as r:
-            out["status"], out["replica"] = r.status_code, r.headers.get(HEADER)
+            out["status"], out["replica"], out["ingress"] = r.status_code, r.headers.get(HEADER), r.headers.get(INGRESS)
             if r.status_code != 200:
                 out["body"] = json.loads(r.read())
                 return
@@ -348,3 +349,42 @@ def test_a_replica_killed_mid_stream(cluster):
         for p in prompts:
             r = c.post("/v1/completions", json={"prompt": p, "max_tokens": 4})
             assert r.status_code == 200 and r.headers[HEADER] != victim
+
+
+def _ingress_replicas() -> list[str]:
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["namespace"] == "serve" and f"#{APP_NAME}#Ingress#" in f"#{a['name'].split('::')[-1]}")
+
+
+def test_an_ingress_replica_killed_leaves_the_other_serving(cluster):
+    """Two ingress replicas: kill one while streams pass through them. The streams through the other finish;
+    every request sent right after the kill is answered by the ingress that was already serving (before: one
+    ingress, so every one waited for Ray Serve to start a replacement); those through the dead one end as Ray's
+    proxy ends them (cut: docs/replicas.md)."""
+    until(lambda: len(_ingress_replicas()) == 2, "two ingress replicas")
+    prompts = [f"{c * 8}tail" for c in "mnopqr"]
+    outs = [{} for _ in prompts]
+    cluster.gate.write_text(uuid.uuid4().hex)
+    threads = [threading.Thread(target=_stream, args=(cluster, p, o), daemon=True) for p, o in zip(prompts, outs)]
+    try:
+        for t in threads:
+            t.start()
+        until(lambda: any(o.get("events") for o in outs), "no stream began")
+        until(lambda: _in_flight(cluster) == len(threads), "not every request reached a replica")
+        victim = next(o["ingress"] for o in outs if o.get("events"))
+        serving = set(_ingress_replicas())
+        assert victim in serving
+        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+    finally:
+        cluster.gate.unlink(missing_ok=True)
+    with cluster.http() as c:  # at once: the survivor answers every one (no retry, no wait on the client side)
+        answers = [c.post("/v1/completions", json={"prompt": p, "max_tokens": 4}) for p in prompts]
+    assert [r.status_code for r in answers] == [200] * len(prompts), [r.text for r in answers]
+    # by the ingress that was already serving, not by a replacement (with one ingress, a replacement answers)
+    assert {r.headers[INGRESS] for r in answers} <= serving - {victim}
+    for t in threads:
+        t.join(CLIENT_TIMEOUT_S)
+    survived = [o for o in outs if o.get("ingress") not in (None, victim)]
+    assert all(_outcome(o) == "ok" for o in survived), outs
+    lost = [o for o in outs if not any(o is x for x in survived)]  # through the dead one (or no head yet)
+    assert lost and all(_outcome(o) != "ok" for o in lost), lost  # lost with it (docs/replicas.md)

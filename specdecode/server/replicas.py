@@ -6,10 +6,11 @@ Two deployments behind Ray Serve's HTTP proxy:
   over its own engine and scheduler — called in-process with each forwarded HTTP request, so routes, request
   and response models, streaming, errors and the API key are the single-process server's own. Every response
   carries ``x-specdecode-replica`` (the replica's Ray Serve id).
-- :class:`Ingress` (one replica, no CPU reserved): the Host/API-key check (the app's own middleware, so a
-  refused request costs no replica call), the body read within the same size and time limits, a routing key
-  from the prompt, then the request forwarded to a replica through a handle whose router is :class:`PrefixRouter`;
-  ``GET /metrics`` is answered here with every replica's metrics aggregated (:func:`aggregate_metrics`).
+- :class:`Ingress` (``INGRESS_REPLICAS`` replicas, no CPU reserved): the Host/API-key check (the app's own
+  middleware, so a refused request costs no replica call), the body read within the same size and time limits,
+  a routing key from the prompt, then the request forwarded to a replica through a handle whose router is
+  :class:`PrefixRouter`; ``GET /metrics`` is answered here with every replica's metrics aggregated
+  (:func:`aggregate_metrics`). Every forwarded response carries ``x-specdecode-ingress`` too.
 
 Routing (:func:`rank_replicas`, pure): a request with a prompt goes to the replica that a consistent-hash ring
 gives for the first ``prefix_chars`` characters of its prompt (chat: the rendered messages), so requests sharing
@@ -23,6 +24,13 @@ the dead replica by then); one that fails again, or one already streaming, gets 
 an SSE error event and ``[DONE]``. Ray Serve restarts the replica. A replica stopped on purpose (scale-down,
 redeploy, ``serve.shutdown``) first drains: no new requests, the running ones finish within
 ``graceful_shutdown_timeout_s`` (``--graceful-timeout``); any left then die with it, as in a crash.
+
+An ingress replica that dies is not a single point of failure: there are two or more, and Ray Serve's proxy
+routes new requests to a live one at once (its router drops a replica whose call fails with ``ActorDiedError``
+and sends the request to another), while Ray Serve starts a replacement. The requests that were passing through
+the dead one are lost with it: nothing in front of it but Ray's proxy, which answers a request that had no
+response yet with its own ``500`` (text/plain) and closes a begun stream without an error event (no ingress
+is left to write one). docs/replicas.md says the same.
 """
 
 from __future__ import annotations
@@ -57,6 +65,9 @@ from specdecode.server.protocol import APIError
 log = logging.getLogger("specdecode.server")
 APP_NAME = "specdecode"
 REPLICA_HEADER = b"x-specdecode-replica"
+INGRESS_HEADER = b"x-specdecode-ingress"
+INGRESS_REPLICAS = 2  # one dead ingress leaves another serving while Ray Serve replaces it
+INGRESS_NAME = "Ingress"
 PREFIX_CHARS = 256  # characters of the prompt that pick its replica
 IMBALANCE = 8  # requests a prefix's replica may hold beyond the least loaded one before the least loaded takes it
 RING_POINTS = 64  # points per replica on the hash ring
@@ -274,6 +285,9 @@ class Ingress:
 
     def __init__(self, replicas, config: ServerConfig, prefix_chars: int = PREFIX_CHARS) -> None:
         self.replicas, self.config, self.prefix_chars = replicas, config, prefix_chars
+        context = serve.get_replica_context()
+        self.ingress_id, self.app_name = context.replica_id.to_full_id_str(), context.app_name
+        self._ingresses = None  # a handle to the ingress replicas (the first /metrics scrape makes it)
         self.registry = CollectorRegistry()
         counter = Counter("specdecode_ingress_http_requests", "HTTP requests the ingress answered or forwarded, "
                           "by route and status code", ["route", "code"], registry=self.registry)
@@ -333,7 +347,8 @@ class Ingress:
                 async for head, body, more in responses:
                     if head is not None:
                         streaming = True
-                        await send({"type": "http.response.start", "status": head[0], "headers": head[1]})
+                        headers = [*head[1], (INGRESS_HEADER, self.ingress_id.encode())]
+                        await send({"type": "http.response.start", "status": head[0], "headers": headers})
                     await send({"type": "http.response.body", "body": body, "more_body": more})
                 finished = True
                 return
@@ -353,24 +368,37 @@ class Ingress:
                     responses.cancel()  # the client left: so does the request, on its replica
         await _send_error(send, _replica_gone(), {"Retry-After": "1"})
 
-    def _replica_ids(self) -> list[str]:
-        return PrefixRouter.replica_ids(self.replicas.app_name, self.replicas.deployment_name)
+    def ingress_metrics(self, route: Route) -> bytes:
+        """This ingress replica's request counts (``route``: for the router, which pins the scrape here)."""
+        return generate_latest(self.registry)
 
     async def metrics(self) -> bytes:
         """Every replica's /metrics, summed (counters, histograms, gauges) or per replica (NOT_SUMMED and
-        ``specdecode_replica_up``), and the ingress's own request counts."""
-        call = self.replicas.options(method_name="replica_metrics").remote
-        if not self._replica_ids():  # the handle's router starts with its first request
-            await asyncio.wait_for(call(Route()), METRICS_TIMEOUT_S)
+        ``specdecode_replica_up``), and the request counts of every ingress replica, summed."""
+        if self._ingresses is None:
+            self._ingresses = serve.get_deployment_handle(INGRESS_NAME, self.app_name)
+        texts = await _scrape(self.replicas, "replica_metrics")
+        ingress_texts = await _scrape(self._ingresses, "ingress_metrics")
+        return aggregate_metrics(texts) + aggregate_metrics(ingress_texts, up=False)
 
-        texts = {}
-        for rid in self._replica_ids():  # one at a time: calls made under one request share its id in the router
-            try:
-                texts[rid] = (await asyncio.wait_for(call(Route(pin=rid)), METRICS_TIMEOUT_S)).decode()
-            except (TimeoutError, *_REPLICA_GONE):
-                log.warning("replica %s did not answer a metrics scrape", rid)
-                texts[rid] = None
-        return aggregate_metrics(texts) + generate_latest(self.registry)
+
+async def _scrape(handle, method: str) -> dict[str, str | None]:
+    """``method`` of every replica of ``handle``'s deployment, pinned to each (None: it did not answer)."""
+    call = handle.options(method_name=method).remote
+
+    def ids() -> list[str]:
+        return PrefixRouter.replica_ids(handle.app_name, handle.deployment_name)
+
+    if not ids():  # the handle's router starts with its first request
+        await asyncio.wait_for(call(Route()), METRICS_TIMEOUT_S)
+    texts = {}
+    for rid in ids():  # one at a time: calls made under one request share its id in the router
+        try:
+            texts[rid] = (await asyncio.wait_for(call(Route(pin=rid)), METRICS_TIMEOUT_S)).decode()
+        except (TimeoutError, *_REPLICA_GONE):
+            log.warning("replica %s did not answer a metrics scrape", rid)
+            texts[rid] = None
+    return texts
 
 
 def _replica_gone() -> APIError:
@@ -391,10 +419,10 @@ async def _send_error(send, error: APIError, headers: Mapping[str, str] | None =
 
 
 # -- metrics aggregation (pure) -----------------------------------------------------------------------
-def aggregate_metrics(texts: Mapping[str, str | None]) -> bytes:
+def aggregate_metrics(texts: Mapping[str, str | None], up: bool = True) -> bytes:
     """Prometheus text of several replicas as one: samples of counters, histograms and gauges summed over
     replicas with the same name and labels; gauges in NOT_SUMMED and families of unknown type labelled
-    ``replica``; ``specdecode_replica_up{replica}`` 1 or 0 (``None`` text: it did not answer)."""
+    ``replica``; with ``up``, ``specdecode_replica_up{replica}`` 1 or 0 (``None`` text: it did not answer)."""
     families: dict[str, tuple[str, str, dict]] = {}  # name -> (type, help, {(sample name, labels): value})
     for rid, text in texts.items():
         for family in text_string_to_metric_families(text or ""):
@@ -407,8 +435,10 @@ def aggregate_metrics(texts: Mapping[str, str | None]) -> bytes:
                 labels = dict(s.labels) | ({"replica": rid} if per_replica else {})
                 key = (s.name, tuple(sorted(labels.items())))
                 samples[key] = samples.get(key, 0.0) + s.value
-    up = {(("specdecode_replica_up", (("replica", rid),))): float(text is not None) for rid, text in texts.items()}
-    families["specdecode_replica_up"] = ("gauge", "1 when the replica answered this scrape", up)
+    if up:
+        answered = {("specdecode_replica_up", (("replica", rid),)): float(text is not None)
+                    for rid, text in texts.items()}
+        families["specdecode_replica_up"] = ("gauge", "1 when the replica answered this scrape", answered)
     lines = []
     for name, (kind, doc, samples) in families.items():
         lines += [f"# HELP {name} {_escape_help(doc)}", f"# TYPE {name} {kind}"]
@@ -436,13 +466,15 @@ def _number(value: float) -> str:
 # -- the application and the launcher -----------------------------------------------------------------
 def build_app(engine_factory: Callable[[], Any], config: ServerConfig, replicas: int = 1, replica_cpus: float = 1.0,
               replica_gpus: float = 0.0, max_ongoing_requests: int | None = None, graceful_timeout_s: float = 60.0,
-              prefix_chars: int = PREFIX_CHARS, imbalance: int = IMBALANCE):
+              prefix_chars: int = PREFIX_CHARS, imbalance: int = IMBALANCE, ingress_replicas: int = INGRESS_REPLICAS):
     """The Ray Serve application: ``serve.run(build_app(...), name="specdecode", route_prefix="/")``.
 
     ``engine_factory``: builds one replica's engine, on the replica (picklable, e.g.
     ``functools.partial(build_engine, EngineConfig(...))``; the models must be reachable from every node).
     ``max_ongoing_requests``: requests a replica takes before Ray Serve holds more back at the ingress
     (default: the queue plus 64, so the replica's own 429 ``queue_full`` answers first).
+    ``ingress_replicas``: copies of the ingress (2 by default, so none is a single point of failure; module
+    docstring).
     """
     per_replica = max_ongoing_requests or config.max_queue + 64
     replica = serve.deployment(
@@ -451,8 +483,9 @@ def build_app(engine_factory: Callable[[], Any], config: ServerConfig, replicas:
         ray_actor_options={"num_cpus": replica_cpus, "num_gpus": replica_gpus},
         request_router_config=RequestRouterConfig(request_router_class=PrefixRouter,
                                                   request_router_kwargs={"imbalance": imbalance}))
-    ingress = serve.deployment(serve.ingress()(Ingress), name="Ingress", num_replicas=1,
-                               max_ongoing_requests=replicas * per_replica + 64, ray_actor_options={"num_cpus": 0})
+    ingress = serve.deployment(serve.ingress()(Ingress), name=INGRESS_NAME, num_replicas=ingress_replicas,
+                               max_ongoing_requests=replicas * per_replica + 64, ray_actor_options={"num_cpus": 0},
+                               request_router_config=RequestRouterConfig(request_router_class=PrefixRouter))
     return ingress.bind(replica.bind(engine_factory, config), config, prefix_chars)
 
 
