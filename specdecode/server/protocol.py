@@ -6,7 +6,8 @@ shape ``{"error": {"message", "type", "param", "code"}}``. Parameters we do not 
 (``echo``, ``best_of``) are accepted only at their neutral value.
 
 ``n`` (1..``MAX_CHOICES``): that many independent samples of the prompt, as that many requests to the
-scheduler (admitted together, the target prefills the prompt once and copies its cache to the others:
+scheduler, which together get one request's share of the slots (:func:`specdecode.server.scheduler.fair_pick`;
+those admitted together, the target prefills the prompt once and copies its cache to the others:
 :meth:`Engine.prefill`); with a ``seed``, choice ``i`` draws with ``seed + i``, so the choices differ and
 each is reproducible alone. Greedy choices are identical.
 
