@@ -14,12 +14,13 @@ without special tokens. The model then writes the middle.
 end and pad tokens, its markers, the tokenizer's EOS), like EOS: the token is not in the text and the
 finish reason is ``stop``. An editor may also cut it shorter (``fim_stop``, :data:`FIM_STOPS`):
 
-* ``none`` (default): the end tokens only;
+* ``none``: the end tokens only;
 * ``line``: at the first newline (a single-line completion: the rest of the cursor's line);
 * ``block``: at the first line, after the first generated line, indented less than the line the
   cursor is on, or at the blank lines before such a line (a multi-line block completion: the
   body of the block the cursor is in). Tabs advance to multiples of 8 columns. A cursor line at
-  column 0 never ends a block this way.
+  column 0 never ends a block this way. The default (:data:`DEFAULT_FIM_STOP`): what an editor expects
+  of a completion at its cursor, where a model left alone often writes on past the hole.
 
 **Exactness.** FIM changes only the prompt and adds stops. Verification is untouched, so the tokens
 follow the target's law given that prompt; a stop only cuts the output where the rule says (as a stop
@@ -34,6 +35,7 @@ from specdecode.errors import UserError
 from specdecode.text import TAB_WIDTH
 
 FIM_STOPS = ("none", "line", "block")
+DEFAULT_FIM_STOP = "block"  # a request with a suffix that names no rule: the rest of the cursor's block
 
 
 class FimUnsupported(UserError, ValueError):

@@ -250,8 +250,10 @@ def test_server_suffix_through_the_openai_sdk_equals_target_only():
     fim = fim_tokens(tok)
     eng = make_engine(target, tok, draft, k=3, num_slots=4, **serving())
     with serve(eng) as s, s.openai() as client:
-        for suffix, rule in ((SUFFIX, "none"), ("", "none"), (SUFFIX, "block"), (SUFFIX, "line")):
-            extra = {} if rule == "none" else {"extra_body": {"fim_stop": rule}}
+        # no fim_stop sent: the block rule, what an editor expects (the model would write on past the hole)
+        for suffix, rule in ((SUFFIX, "none"), ("", "none"), (SUFFIX, "block"), (SUFFIX, "line"), (SUFFIX, None)):
+            extra = {} if rule is None else {"extra_body": {"fim_stop": rule}}
+            rule = rule or "block"
             got = client.completions.create(model="tiny", prompt=PREFIX, suffix=suffix, max_tokens=20,
                                             temperature=0, **extra)
             want = reference(tok, fim_prompt(tok, PREFIX, suffix), max_new_tokens=20,

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from specdecode.bench.analysis import TARGET, first_difference, is_near_tie
 from specdecode.drafters import draft_label
 from specdecode.errors import UserError
+from specdecode.fim import DEFAULT_FIM_STOP
 from specdecode.grammar import GrammarError, GrammarSpec
 
 if TYPE_CHECKING:
@@ -158,7 +159,6 @@ def make_configs(draft_lengths: list[int], baselines: list[str], tree_shapes: li
 
 # a FIM prompt that names no editor rule ends at the block rule: an editor's multi-line completion, which
 # ends at a line less indented than the cursor's (a column-0 cursor: at the end tokens or max_new_tokens)
-DEFAULT_FIM_STOP = "block"
 
 
 @dataclass(frozen=True)

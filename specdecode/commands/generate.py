@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from specdecode.fim import FIM_STOPS
+from specdecode.fim import DEFAULT_FIM_STOP, FIM_STOPS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,9 +20,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suffix", default=None,
                         help="fill in the middle: --prompt is the text before the cursor, this the text after it "
                              "(the model's own FIM tokens; ends at its FIM end tokens)")
-    parser.add_argument("--fim-stop", choices=FIM_STOPS, default="none",
+    parser.add_argument("--fim-stop", choices=FIM_STOPS, default=None,
                         help="with --suffix, also end the completion at the first newline (line) or where the "
-                             "cursor's block ends (block: a line indented less than the cursor's); default none")
+                             f"cursor's block ends (block: a line indented less than the cursor's), or only at the "
+                             f"model's end tokens (none); default {DEFAULT_FIM_STOP}")
     s = parser.add_argument_group("sampling")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     s.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -162,7 +163,7 @@ def _validate(args: argparse.Namespace) -> None:
     if args.suffix is not None and (args.chat or args.prompt is None):
         raise ValueError("--suffix fills in the middle of --prompt's text: it cannot go with "
                          + ("--chat" if args.chat else "--prompt-ids"))
-    if args.fim_stop != "none" and args.suffix is None:
+    if args.fim_stop not in (None, "none") and args.suffix is None:
         raise ValueError("--fim-stop applies to fill-in-the-middle: give --suffix too ('' at the end of a file)")
     if args.prompt_ids is not None and not _parse_ids(args.prompt_ids):
         raise ValueError("--prompt-ids is empty")
@@ -203,7 +204,7 @@ def main(args: argparse.Namespace) -> int:
 
             tokens = fim_tokens(engine.tokenizer)
             prompt = fim_prompt(engine.tokenizer, args.prompt, args.suffix, tokens)
-            fim = stop_fields(tokens, args.fim_stop, args.prompt)
+            fim = stop_fields(tokens, args.fim_stop or DEFAULT_FIM_STOP, args.prompt)
         if engine.target_quantization != "none":
             print(f"warning: LOSSY — the target was quantized to {engine.target_quantization} "
                   "(--target-quantization): output follows that model, not the one named", file=sys.stderr)

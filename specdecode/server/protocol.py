@@ -24,7 +24,7 @@ vocabulary size keeps every token, as off), ``ignore_eos``, ``speculation: false
 request without a draft, ``sampler`` (``rejection`` | ``coupled``: how this sampled request draws,
 by default the server's ``--sampler``; coupled makes a seeded request's tokens independent of the
 drafter and the batch, see :mod:`specdecode.verify.coupled`), and on completions ``fim_stop`` (``none`` | ``line`` | ``block``: an editor's
-stop rule for a fill-in-the-middle request, see :mod:`specdecode.fim`). A ``temperature`` below
+stop rule for a fill-in-the-middle request, ``block`` when it names none, see :mod:`specdecode.fim`). A ``temperature`` below
 ``sampling.GREEDY_TEMPERATURE`` (1e-5) is greedy.
 
 Structured outputs (:mod:`specdecode.grammar`, exact under speculation): OpenAI's ``response_format``
