@@ -431,8 +431,9 @@ class GrammarProcessor:
             by_byte[t // 8] = by_byte.get(t // 8, 0) | 1 << t % 8
         self._end_bytes = (torch.tensor(list(by_byte), dtype=torch.long),
                            torch.tensor(list(by_byte.values()), dtype=torch.uint8))  # distinct bytes, their end bits
-        self.ended = False  # an end token was committed
+        self.ended = False  # the output ended: an end token was committed, or the engine hit a limit (incomplete)
         self.incomplete = False  # the output ended where the grammar was not complete (a dead end, a limit)
+        self.limit_hit = False  # a mask at the committed state hit a limit of the engine: only end tokens remain
         self.mask_s = 0.0  # time spent in apply (the masks of target and draft rows), and the rows it masked
         self.mask_rows = 0
 
@@ -452,24 +453,12 @@ class GrammarProcessor:
         """The engine's error ("" if none): a resource limit hit mid-output leaves only the end tokens."""
         return self.matcher.get_error()
 
-    def _dead_end(self) -> bool:
-        """No token but an end token can extend the committed output (the grammar needs what the
-        vocabulary cannot spell, or an end token mid-output), or the engine is in its error state."""
-        if self.matcher.is_error() or self.matcher.is_stopped():
-            return True
-        bits = torch.zeros(self._words, dtype=torch.int32)
-        self.matcher.unsafe_compute_mask_ptr(bits.data_ptr(), bits.numel() * 4)
-        packed = bits.view(torch.uint8)
-        cols, flags = self._end_bytes
-        packed[cols] &= ~flags
-        return not bool(bits.any())
-
-    def _advance(self, tokens: Sequence[int]) -> int:
+    def _advance(self, tokens: Sequence[int], matcher: "llguidance.LLMatcher | None" = None) -> int:
         """Consume the longest allowed head of ``tokens`` (stopping before an end token or an id the
         tokenizer does not have: the engine would enter its error state for good); its length."""
         V = self.vocab_size
         n = next((i for i, t in enumerate(tokens) if t in self._end or not 0 <= t < V), len(tokens))
-        return self.matcher.try_consume_tokens(list(tokens[:n])) if n else 0
+        return (matcher or self.matcher).try_consume_tokens(list(tokens[:n])) if n else 0
 
     def masks(self, prefixes: Prefixes) -> tuple[Tensor, list[bool], list[bool]]:
         """(bitmask [P, ceil(V / 32)] int32, the engine's own; live [P]; complete [P]: an end token may
@@ -479,24 +468,46 @@ class GrammarProcessor:
         live, complete = [False] * P, [False] * P
         path: list[int] = []  # tokens consumed past the committed state
         prefixes = [[int(t) for t in prefix] for prefix in prefixes]
+        # drafted tokens are walked on a copy: one that puts the engine in its error state (a limit) must not
+        # end the committed output, which may never contain it
+        walker = self.matcher.deep_copy() if any(prefixes) else self.matcher
         for p in sorted(range(P), key=lambda p: prefixes[p]):
             prefix = prefixes[p]
             common = 0
             while common < min(len(path), len(prefix)) and path[common] == prefix[common]:
                 common += 1
             if len(path) > common:
-                self.matcher.rollback(len(path) - common)
+                walker.rollback(len(path) - common)
                 del path[common:]
-            n = self._advance(prefix[common:])
+            n = self._advance(prefix[common:], walker)
             path += prefix[common:common + n]
-            if len(path) < len(prefix):
-                continue  # dead: a forbidden drafted token
             row = bits[p]
-            self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
-            live[p], complete[p] = True, self.matcher.is_accepting()
-        if path:
-            self.matcher.rollback(len(path))
+            if len(path) == len(prefix):
+                walker.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+            elif not (walker.is_error() or self._allowed_at(bits, live, prefixes, path, prefix[len(path)])):
+                continue  # dead: a forbidden drafted token
+            if walker.is_error():  # the engine hit a limit on this prefix: only the end tokens (an end, incomplete)
+                row.zero_()
+                live[p], self.limit_hit = True, self.limit_hit or not prefix
+                walker, path = self.matcher.deep_copy(), []
+                continue
+            live[p], complete[p] = True, walker.is_accepting()
+        if path and walker is self.matcher:
+            walker.rollback(len(path))
         return bits, live, complete
+
+    @staticmethod
+    def _allowed_at(bits: Tensor, live: list[bool], prefixes: list[list[int]], at: list[int], token: int) -> bool:
+        """``token`` is allowed in the live row whose prefix is ``at`` (then failing to consume it is a limit
+        of the engine, not a forbidden token)."""
+        return any(live[q] and prefix == at and bool(bits.view(torch.uint8)[q, token // 8] >> token % 8 & 1)
+                   for q, prefix in enumerate(prefixes))
+
+    def _allows(self, token: int) -> bool:
+        """The committed state's mask allows ``token`` (or cannot be computed)."""
+        bits = torch.zeros(1, self._words, dtype=torch.int32)
+        self.matcher.unsafe_compute_mask_ptr(bits.data_ptr(), bits.numel() * 4)
+        return self.matcher.is_error() or self._allowed_at(bits, [True], [[]], [], token)
 
     def apply(self, logits: Tensor, prefixes: Prefixes) -> Tensor:
         """``logits`` [P, W] raw logits of one request -> masked copy [P, W]; the input is not written."""
@@ -518,11 +529,11 @@ class GrammarProcessor:
 
     def commit(self, tokens: Sequence[int]) -> None:
         """The tokens a step emitted, in order; an end token ends the output. The output ends
-        ``incomplete`` (``finished``, never an exception) where the grammar reached a dead end (an end token
-        where only an end token could come but the grammar is not complete) or where consuming a token put
-        the engine in its error state (a lexer or parser limit). Any other token the grammar does not allow
-        raises RuntimeError, the state unchanged (the engine emitted a token its masked law gave
-        probability 0: a bug)."""
+        ``incomplete`` (``finished``, never an exception) at an end token where the grammar is not complete
+        (the masks allow one there only where no other token could come: a dead end, or a mask the engine
+        gave up on at one of its limits) or where consuming a token put the engine in its error state (a
+        lexer or parser limit). Any other token the grammar does not allow raises RuntimeError, the state
+        unchanged (the engine emitted a token its masked law gave probability 0: a bug)."""
         if self.ended:
             return
         tokens = [int(t) for t in tokens]
@@ -530,11 +541,11 @@ class GrammarProcessor:
         if n == len(tokens):
             return
         bad = tokens[n]
-        if bad in self._end and (self.matcher.is_accepting() or self._dead_end()):
+        if bad in self._end:  # allowed where complete, or where nothing else was (a dead end, a limit)
             self.ended = True
             self.incomplete = not self.matcher.is_accepting()
-        elif self.matcher.is_error():
-            self.incomplete = True  # finished from now on: the engine never leaves its error state
+        elif self.matcher.is_error() or self._allows(bad):  # a limit of the engine, not a forbidden token
+            self.ended = self.incomplete = True
         else:
             self.matcher.rollback(n)  # unchanged; a bug, not a user's error
             raise RuntimeError(f"token {bad} is not allowed by the grammar after the committed output")

@@ -133,6 +133,8 @@ def first_mask_problem(matcher: "llguidance.LLMatcher", end_ids: list[int], voca
 def error_line(message: str) -> str:
     """The engine's message without its state dump, at most 500 characters."""
     message = message.split("\n<state>")[0].split("\n<non-verbose/>")[0].strip()
+    if message in ("NoExtension", "NoExtensionBias"):  # llguidance's stop reason at the very start
+        return f"nothing this model's vocabulary can spell satisfies it ({message})"
     return message if len(message) <= 500 else message[:497] + "..."
 
 
