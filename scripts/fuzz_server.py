@@ -8,6 +8,10 @@ attaches to each violation the server-side traceback that the request logged. Wi
 ``--endpoint URL --api-key K --model M`` it fuzzes any running server instead (no tracebacks then).
 
     python scripts/fuzz_server.py --examples 3000 --seed 1 --out fuzz.json
+    python scripts/fuzz_server.py --strategies structured --examples 10000   # schemas, regexes, grammars
+
+In-process, the summary also counts the grammar sandbox's restarts (each a child that crashed, ran out of
+time or memory on a spec: the server itself never dies).
 
 The ``--out`` JSON summary: examples run, a histogram of statuses, and one entry per distinct cause
 (the kind of violation and the innermost server frame of the traceback it logged) with its count and
@@ -71,6 +75,9 @@ class _Tracebacks(logging.Handler):
         return f"{etype.__name__} at {where}", text[-4000:]
 
 
+SANDBOX_RESTARTS: list = []  # in-process: the served engine's grammar compiler, to read its sandbox's restarts
+
+
 @contextlib.contextmanager
 def _in_process_server():
     import torch
@@ -79,6 +86,7 @@ def _in_process_server():
 
     torch.set_num_threads(1)  # as the tests' one_torch_thread fixture: tiny models gain nothing from more
     with serve(engine(k=3)) as s:
+        SANDBOX_RESTARTS.append(s.scheduler.engine.grammars)
         yield s.url, F.KEY, F.MODEL
 
 
@@ -96,7 +104,15 @@ def _kind(status: str, problem: str) -> str:
     return f"{status}: " + re.sub(r"-?\d+(\.\d+)?(e-?\d+)?", "#", head).replace("status #", "status")
 
 
-def fuzz(http: httpx.Client, examples: int, seed_: int, model: str, logs: _Tracebacks | None) -> dict:
+STRATEGIES = {  # --strategies: which requests to generate
+    "all": st.one_of(F.completion_cases, F.chat_cases, F.raw_cases, F.structured_cases),
+    "api": st.one_of(F.completion_cases, F.chat_cases, F.raw_cases),
+    "structured": F.structured_cases,  # schemas, regexes and grammars, hostile ones often (issue 59)
+}
+
+
+def fuzz(http: httpx.Client, examples: int, seed_: int, model: str, logs: _Tracebacks | None,
+         strategy: str = "all") -> dict:
     statuses: collections.Counter[str] = collections.Counter()
     found: dict[str, dict] = {}
     started = time.monotonic()
@@ -113,7 +129,7 @@ def fuzz(http: httpx.Client, examples: int, seed_: int, model: str, logs: _Trace
     @settings(max_examples=examples, deadline=None, database=None, phases=[Phase.generate],
               suppress_health_check=list(HealthCheck))
     @seed(seed_)
-    @given(case=st.one_of(F.completion_cases, F.chat_cases, F.raw_cases))
+    @given(case=STRATEGIES[strategy])
     def run(case: F.Case) -> None:
         case = _with_model(case, model)
         if logs:
@@ -136,7 +152,8 @@ def fuzz(http: httpx.Client, examples: int, seed_: int, model: str, logs: _Trace
                   file=sys.stderr)
 
     run()
-    return {"examples": sum(statuses.values()), "seed": seed_, "seconds": round(time.monotonic() - started, 1),
+    return {"examples": sum(statuses.values()), "seed": seed_, "strategies": strategy,
+            "seconds": round(time.monotonic() - started, 1),
             "statuses": dict(sorted(statuses.items())), "violations": sorted(found.values(), key=lambda e: e["cause"])}
 
 
@@ -148,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--endpoint", help="base URL of a running server (default: the tiny server, in-process)")
     ap.add_argument("--api-key", default="", help="its API key (with --endpoint)")
     ap.add_argument("--model", help="the model name it serves (with --endpoint)")
+    ap.add_argument("--strategies", choices=sorted(STRATEGIES), default="all",
+                    help="all (default); api: the request fields and raw bodies; structured: every request\n"
+                         "with a JSON schema, regex or grammar (deep $ref and rule chains, repetition\n"
+                         "blow-ups, unsatisfiable classes, never-ending grammars)")
     args = ap.parse_args(argv)
     if args.endpoint and not args.model:
         ap.error("--endpoint needs --model")
@@ -163,9 +184,11 @@ def main(argv: list[str] | None = None) -> int:
             logging.getLogger().addHandler(logs)  # the server's records: into the summary, no more on stderr
             logging.getLogger("uvicorn.error").disabled = True  # repeats them on stderr
         before = F.greedy_probe(http)
-        summary = fuzz(http, args.examples, args.seed, model, logs)
+        summary = fuzz(http, args.examples, args.seed, model, logs, args.strategies)
         summary["health_after"] = http.get("/health").status_code
         summary["greedy_probe_unchanged"] = F.greedy_probe(http) == before
+        if SANDBOX_RESTARTS and SANDBOX_RESTARTS[0].sandbox is not None:
+            summary["grammar_sandbox_restarts"] = SANDBOX_RESTARTS[0].sandbox.restarts
     text = json.dumps(summary, indent=2)
     if args.out:
         args.out.write_text(text + "\n")

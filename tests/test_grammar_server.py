@@ -117,3 +117,31 @@ def test_the_sandbox_restarts_after_each_crash(server):
             r = c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 6, "regex": f"[a-e]{{{i + 1}}}"})
             assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop", r.text
     assert json.dumps(grammars.limits.parser_dict())  # the limits are plain data (docs/server.md lists them)
+
+
+@pytest.fixture(scope="module")
+def bystanders_alone(server):
+    from test_server_abuse import NORMAL, alone
+
+    return [alone(server, b) for b in NORMAL]
+
+
+@pytest.mark.parametrize("i", range(len(POISON)), ids=[f"{status}-{next(iter(extra))}-{n}"
+                                                         for n, (extra, status, *_) in enumerate(POISON)])
+def test_each_poison_spec_batched_with_seven_bystanders_leaves_them_unchanged(server, bystanders_alone, i):
+    """Batch isolation (as tests/test_server_abuse.py's): the poison request shares every decoding step
+    with seven greedy and seeded bystanders (a 400 never reaches the engine), whose texts and speculation
+    equal theirs alone."""
+    from test_server_abuse import NORMAL, co_batched
+
+    extra, status, *_ = POISON[i]
+    body = {"prompt": "abc", "max_tokens": 16, "temperature": 0} | extra
+    results = co_batched(server, NORMAL[:1] + [body] + NORMAL[1:], queued=len(NORMAL) + (status != 400))
+    (got_status, got), rest = results[1], results[:1] + results[2:]
+    assert got_status == status, got
+    for (code, out), ref in zip(rest, bystanders_alone):
+        assert code == 200, out
+        assert out["choices"][0]["text"] == ref["choices"][0]["text"]
+        assert {k: out["speculation"][k] for k in ("drafted", "accepted")} == \
+               {k: ref["speculation"][k] for k in ("drafted", "accepted")}
+    server.wait_idle()

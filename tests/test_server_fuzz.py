@@ -3,8 +3,10 @@
 Request bodies for ``/v1/completions`` and ``/v1/chat/completions`` mix well-formed values with hostile
 ones: every known field with right and wrong JSON types, numbers at and past their range edges (huge
 integers, subnormal floats, ``NaN`` and ``1e400`` written raw), lone surrogates, NUL, long and exotic
-strings, unknown keys, deep nesting, odd prompts and chat messages; plus raw bodies (not JSON, not an
-object, wrong content type, empty, too large) and odd methods and paths.
+strings, unknown keys, deep nesting, odd prompts and chat messages; structured outputs (JSON schemas,
+regexes and grammars, hostile ones often: deep ``$ref`` and rule chains, repetition blow-ups, unsatisfiable
+classes, never-ending grammars, an end token mid-grammar); plus raw bodies (not JSON, not an object, wrong
+content type, empty, too large) and odd methods and paths.
 
 The property, for every request: the status is 2xx or 4xx, never 5xx; a 4xx carries exactly OpenAI's
 error body ``{"error": {"message", "type", "param", "code"}}``; a streamed 200 ends with
@@ -147,6 +149,76 @@ def neutral(value: Any, other: st.SearchStrategy) -> st.SearchStrategy:
     return rarely(st.just(value), other)
 
 
+# -- structured outputs: schemas, regexes and grammars, hostile ones included (issue 59) -------------------
+def ref_chain(n: int, link=lambda i: {"$ref": f"#/$defs/d{i + 1}"}) -> dict:
+    """A JSON schema whose ``$defs`` chain ``n`` links (2,500 plain links crashed llguidance's compile)."""
+    return {"$defs": {f"d{i}": link(i) for i in range(n)} | {f"d{n}": {"type": "integer"}}, "$ref": "#/$defs/d0"}
+
+
+def any_of_link(i: int) -> dict:
+    return {"anyOf": [{"type": "null"}, {"type": "array", "items": {"$ref": f"#/$defs/d{i + 1}"}}]}
+
+
+def rule_chain(n: int, gbnf: bool) -> str:
+    if gbnf:
+        return "root ::= r0\n" + "".join(f"r{i} ::= r{i + 1} | [a-c]\n" for i in range(n)) + f'r{n} ::= "a"\n'
+    return "start: r0\n" + "".join(f'r{i}: r{i + 1} | "b"\n' for i in range(n)) + f'r{n}: "a"\n'
+
+
+chain_lengths = st.one_of(st.integers(0, 80), st.sampled_from([100, 500, 1000, 2500, 4000]))
+vocab_regex = st.lists(st.sampled_from(["a", "b", "c", "[a-e]", "[A-E]+", "(ab|cd)", "x?", "[a-z]{1,4}", "E*"]),
+                       min_size=1, max_size=5).map("".join)
+REGEX_BLOWUPS = ["(x{2000}){500}", "a{1000000}", "((x{100}){100}){100}", "x[A-C]{3}|a(b{1000}){1000}",
+                 "(a|aa)*b", "(a*)*b", "[a-z]{0,100000}", "(.{1,1000}){1,1000}"]
+UNSATISFIABLE_REGEXES = ["[a&&b]", r"a[^\x00-\x{10FFFF}]", "[^\\s\\S]", "0", "\\d+", "{}"]  # digits: no such token
+regexes = st.one_of(
+    vocab_regex, st.sampled_from(REGEX_BLOWUPS + UNSATISFIABLE_REGEXES + ["(ab", "a)", "\\", "(?<=a)b", "\\1"]),
+    st.builds(lambda c, a, b: f"({c}{{{a}}}){{{b}}}", st.sampled_from("abx"), st.integers(0, 5000), st.integers(0, 5000)),
+    st.builds(lambda n: "(" * n + "a" + ")" * n, st.integers(1, 600)),
+    strings)
+small_schemas = st.recursive(
+    st.one_of(st.fixed_dictionaries({"type": st.sampled_from(["string", "integer", "number", "boolean", "null"])}),
+              st.fixed_dictionaries({"type": st.just("string")}, optional={
+                  "minLength": st.integers(-1, 100), "maxLength": st.integers(-1, 100),
+                  "pattern": st.one_of(vocab_regex, st.sampled_from(REGEX_BLOWUPS))}),
+              st.fixed_dictionaries({"type": st.just("integer")}, optional={"minimum": ints, "maximum": ints}),
+              st.fixed_dictionaries({"enum": st.lists(scalars, max_size=3)}), st.booleans()),
+    lambda inner: st.one_of(
+        st.fixed_dictionaries({"type": st.just("object"), "properties": st.dictionaries(vocab_text, inner, max_size=3)},
+                              optional={"required": st.lists(vocab_text, max_size=3),
+                                        "additionalProperties": st.booleans()}),
+        st.fixed_dictionaries({"type": st.just("array"), "items": inner}, optional={"minItems": st.integers(0, 50)}),
+        st.fixed_dictionaries({"anyOf": st.lists(inner, max_size=3)})),
+    max_leaves=6)
+HOSTILE_SCHEMAS = [{"$ref": "#"}, {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+                   {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, {"$ref": "#/nope"},
+                   {"$ref": "http://example.com/schema"}, {"type": "string", "minLength": 5, "maxLength": 2},
+                   {"enum": []}, {"allOf": [{"type": "string"}, {"type": "integer"}]}, {"type": "object"},
+                   {"x-guidance": {"whitespace_pattern": "(a{1000}){1000}"}, "type": "object"},
+                   {"x-guidance": {"whitespace_pattern": "("}, "type": "object"}]
+schemas = st.one_of(small_schemas, st.sampled_from(HOSTILE_SCHEMAS),
+                    st.builds(ref_chain, chain_lengths), st.builds(lambda n: ref_chain(n, any_of_link), chain_lengths),
+                    nested)
+response_formats = st.one_of(
+    st.fixed_dictionaries({"type": st.sampled_from(["json_object", "text"])}),
+    st.fixed_dictionaries({"type": st.just("json_schema"),
+                           "json_schema": st.fixed_dictionaries({"schema": schemas},
+                                                                optional={"name": strings, "strict": st.booleans()})}),
+    junk)
+EOS_ID = len(VOCAB_CHARS)
+grammars = st.one_of(
+    st.builds(lambda r: f"start: /{r}/", vocab_regex), st.builds(lambda r: f'root ::= "{r}"+', vocab_text),
+    st.builds(rule_chain, chain_lengths, st.booleans()),
+    st.sampled_from(['start: "a" start', 'root ::= "a" root', f'start: "a" <[{EOS_ID}]> "b"', f"start: <[{EOS_ID}]>",
+                     'start: "a" <[99999]>', "start: missing", "start: " + "(" * 3000 + '"a"' + ")" * 3000,
+                     "start: %json " + json.dumps(ref_chain(2500)), 'start: "9"', "root ::= [^\\x00-\\U0010FFFF]"]),
+    strings)
+GRAMMAR_FIELDS = {
+    "response_format": response_formats, "regex": regexes, "grammar": grammars,
+    "json_whitespace": rarely(st.sampled_from(["bounded", "flexible", "compact"]), strings),
+}
+
+
 COMMON = {  # the fields of both endpoints: right types and edges mostly; the hostile edits add the rest
     "model": neutral(MODEL, strings),
     "max_tokens": max_tokens,
@@ -165,7 +237,7 @@ COMMON = {  # the fields of both endpoints: right types and edges mostly; the ho
     "user": strings,
     "ignore_eos": st.booleans(),
     "speculation": st.booleans(),
-}
+} | GRAMMAR_FIELDS
 COMPLETION_FIELDS = COMMON | {
     "prompt": prompts,
     "logprobs": neutral(None, ints),
@@ -224,6 +296,23 @@ def api_cases(path: str, body_strategy: st.SearchStrategy) -> st.SearchStrategy:
 
 completion_cases = api_cases("/v1/completions", bodies(COMPLETION_FIELDS, "prompt"))
 chat_cases = api_cases("/v1/chat/completions", bodies(CHAT_FIELDS, "messages"))
+
+
+@st.composite
+def structured_bodies(draw, fields: dict[str, st.SearchStrategy], required: str) -> Any:
+    """A request (as :func:`bodies`) that always carries a schema, regex or grammar, hostile ones often:
+    deep ``$ref`` and rule chains, repetition blow-ups, unsatisfiable classes, never-ending grammars."""
+    body = draw(bodies(fields, required))
+    if isinstance(body, dict):
+        key = draw(st.sampled_from(["response_format", "regex", "grammar"]))
+        body[key] = draw(GRAMMAR_FIELDS[key])
+        if draw(st.integers(0, 3)) == 0:
+            body["json_whitespace"] = draw(GRAMMAR_FIELDS["json_whitespace"])
+    return body
+
+
+structured_cases = st.one_of(api_cases("/v1/completions", structured_bodies(COMPLETION_FIELDS, "prompt")),
+                             api_cases("/v1/chat/completions", structured_bodies(CHAT_FIELDS, "messages")))
 
 RAW_BODIES = [b"", b" ", b"not json", b"{", b"}", b"null", b"[]", b"{}", b"42", b'"abc"', b"true", b"\xff\xfe\x00",
               b"\xef\xbb\xbf{\"prompt\": \"abc\"}", '{"prompt": "abc"}'.encode("utf-16"),
@@ -399,6 +488,12 @@ def test_fuzz_chat_completions(fuzzed, case):
 @FUZZ
 @given(case=raw_cases)
 def test_fuzz_raw_requests(fuzzed, case):
+    _holds(fuzzed, case)
+
+
+@FUZZ
+@given(case=structured_cases)
+def test_fuzz_structured_outputs(fuzzed, case):
     _holds(fuzzed, case)
 
 
