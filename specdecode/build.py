@@ -68,7 +68,7 @@ class EngineConfig:
     batch_invariant: str | bool = "auto"
     # a registered backend (specdecode.models.backends) or auto: the first that can run these settings
     backend: str = "auto"
-    threads: int | None = None  # llama.cpp backend: CPU threads (default: every core this process may use)
+    threads: int | None = None  # CPU threads (None: every core this process may use; the CLI measures the idle ones)
     # where CPU weights live: resident (copied into the process's memory: never dropped and read back from
     # disk in the middle of a request) or mapped (file-backed pages, shared between processes, evictable)
     weights: str = "resident"
@@ -246,8 +246,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, draft_required: bool = 
                         "for a .gguf target when it is installed and nothing asked needs torch (EAGLE, --dtype, "
                         "quantization flags, --batch-invariant on, CUDA), else torch; it says which on one line")
     g.add_argument("--threads", type=int, default=DEFAULTS.threads, metavar="N",
-                   help="CPU threads: llama.cpp's (default: every core this process may use) and torch's "
-                        "(default: torch's choice; 1 is steadier on a shared machine)")
+                   help="CPU threads, torch's and llama.cpp's (default: the cores that other processes leave "
+                        "idle when the command starts, measured then; it says so when that is fewer than all)")
     g.add_argument("--weights", choices=("resident", "mapped"), default=DEFAULTS.weights,
                    help="where a CPU model's weights live. resident (default): read into this process's memory, "
                         "so the kernel never drops them and reads them back from disk in the middle of a request "
@@ -298,11 +298,16 @@ def choose_backend(cfg: EngineConfig) -> Choice:
 
 
 def announce(cfg: EngineConfig, choice: Choice) -> None:
-    """``--backend auto`` says what it chose and why, on one line (stderr)."""
+    """``--backend auto`` says what it chose and why, on one line (stderr); and the default thread count
+    when it is fewer than the cores (:mod:`specdecode.machine`)."""
     import sys
+
+    from specdecode.machine import take_note
 
     if cfg.backend == "auto":
         print(choice.line(), file=sys.stderr, flush=True)
+    if (note := take_note()) is not None:
+        print(note, file=sys.stderr, flush=True)
 
 
 def load_pair(cfg: EngineConfig, backend: str) -> LoadedPair:

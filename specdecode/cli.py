@@ -60,10 +60,17 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         args.dtype_given = args.dtype != "auto"  # an explicit --dtype means the torch backend (--backend auto)
         args.device, args.dtype = str(device), dtype_name(args.dtype, device)
-    if hasattr(args, "backend") and args.threads is not None:  # the model commands' --threads (build.py)
-        if args.threads < 1:
+    if hasattr(args, "backend"):  # the model commands' --threads (build.py): torch's and llama.cpp's
+        if args.threads is not None and args.threads < 1:
             print(f"specdecode {args.command}: --threads must be >= 1, got {args.threads}", file=sys.stderr)
             return 2
+        from specdecode.machine import default_threads, say_later, take_note
+
+        take_note()  # a line an earlier command in this process kept but never said
+        if args.threads is None:  # the idle cores now (specdecode.machine), said when the models load
+            args.threads, why = default_threads()
+            if why:
+                say_later(f"threads: {args.threads} ({why}; --threads N to choose)")
         import torch
 
         torch.set_num_threads(args.threads)

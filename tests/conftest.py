@@ -9,6 +9,13 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
+def _one_thread_after_each_test():
+    """A command run in-process sets torch's threads (its --threads or the idle cores): back to one."""
+    yield
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
 def _calibrations_count_as_quiet(monkeypatch):
     """The suite runs on machines busy with other work: a calibration made here is judged quiet, so
     tests of caching do not depend on the load (the busy rule itself is tested with explicit noise)."""

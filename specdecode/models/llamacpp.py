@@ -106,10 +106,10 @@ def lib():
 
 
 def default_threads() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+    """A library caller's default (the command line passes its own: :func:`specdecode.machine.default_threads`)."""
+    from specdecode.machine import usable_cores
+
+    return usable_cores()
 
 
 REQUANT_TYPES = {"q8_0": 7, "q4_0": 2}  # --draft-quantization -> llama_ftype (LLAMA_FTYPE_MOSTLY_*)
