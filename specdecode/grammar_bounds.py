@@ -82,6 +82,8 @@ def _pointer(root: Any, ref: str) -> Any:
 def schema_depth(schema: Any) -> int:
     """The longest path through nested schema objects and local ``$ref`` links, each object counted once
     per path (a link back to an object on the path is recursion, cut). Iterative: any depth is safe."""
+    if not isinstance(schema, (dict, list)):
+        return 0  # true, false
     memo: dict[int, int] = {}
     on_path: set[int] = set()
     stack: list[tuple[Any, list[Any] | None]] = [(schema, None)]

@@ -56,10 +56,12 @@ def llguidance_grammar(kind: str, text: str, whitespace: str | None = None) -> s
     """The engine's grammar text for a spec (not yet validated); ValueError with the engine's words."""
     if kind == "json_schema":
         schema = json.loads(text)
+        if isinstance(schema, bool):  # options apply to an object schema: true is {}, false stays unsatisfiable
+            text, schema = ("{}", {}) if schema else (text, None)
         own = schema.get("x-guidance", {}) if isinstance(schema, dict) else {}
-        options = {} if isinstance(own, dict) and {"whitespace_pattern", "whitespace_flexible"} & set(own) else \
-            WHITESPACE[whitespace or "bounded"]
-        return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=options)
+        options = {} if schema is None or isinstance(own, dict) and {"whitespace_pattern", "whitespace_flexible"} \
+            & set(own) else WHITESPACE[whitespace or "bounded"]
+        return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=options or None)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(text)
     return llguidance.grammar_from("grammar", text)

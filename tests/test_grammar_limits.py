@@ -32,7 +32,7 @@ def compiler(bpe):
 def sandboxed(bpe):
     """A compiler whose new specs go through the sandbox child; specs naming FAULT:crash (hang, memory)
     make the child segfault (sleep, allocate past its budget)."""
-    compiler = GrammarCompiler(bpe, limits=GrammarLimits(time_budget_s=1.0, memory_budget_bytes=512 << 20))
+    compiler = GrammarCompiler(bpe, limits=GrammarLimits(time_budget_s=3.0, memory_budget_bytes=512 << 20))
     compiler.start_sandbox(fault_marker="FAULT")
     yield compiler
     compiler.close()
@@ -85,6 +85,7 @@ def test_long_chains_and_big_specs_are_refused_before_compiling(compiler, spec, 
 
 def test_the_depths_cut_recursion_and_count_chains():
     assert schema_depth({"$ref": "#"}) == 1
+    assert schema_depth(True) == schema_depth(False) == 0  # found by the fuzz run: a TypeError (a 500)
     assert schema_depth({"type": "object", "properties": {"next": {"$ref": "#"}}}) == 3  # recursion: cut
     assert schema_depth(ref_chain(10)) == 13
     expr = 'start: expr\nexpr: term | expr "+" term // a comment: x y z\nterm: NUM | "(" expr ")"\nNUM: /[0-9]+/\n'
@@ -184,6 +185,12 @@ def test_unsatisfiable_specs_are_refused_at_validation(compiler, sandboxed, spec
     for c in (compiler, sandboxed):
         with pytest.raises(GrammarError, match=spec.kind):
             c.validate(spec)
+
+
+def test_a_boolean_schema_is_served(compiler):
+    compiler.validate(GrammarSpec.json_schema(True))
+    with pytest.raises(GrammarError, match="false"):
+        compiler.validate(GrammarSpec.json_schema(False))
 
 
 def test_json_on_a_vocabulary_that_cannot_spell_a_brace_is_refused():
