@@ -317,6 +317,12 @@ def load_pair(cfg: EngineConfig, backend: str) -> LoadedPair:
     from specdecode.drafters import parse_draft
     from specdecode.models.loading import tokenizers_compatible
 
+    import sys
+
+    def load(where: str, name: str, settings: Settings) -> Model:  # a model's load takes seconds: say which
+        print(f"loading {settings.role} {name} ({where}) ...", file=sys.stderr, flush=True)
+        return backends.get(where).load(name, settings)
+
     names = model_drafts(cfg)
     specs = [parse_draft(name) for name in names]  # a bad spec fails before anything loads
     target_backend = backends.get(backend)
@@ -324,16 +330,16 @@ def load_pair(cfg: EngineConfig, backend: str) -> LoadedPair:
     target_settings = Settings(cfg.device, cfg.dtype, cfg.threads, cfg.target_quantization, "target",
                                batch_invariant=cfg.batch_invariant in (True, "on"), weights=cfg.weights)
     if not specs:
-        return LoadedPair(target_backend.load(cfg.target, target_settings))
+        return LoadedPair(load(backend, cfg.target, target_settings))
     plans = [_draft_plan(cfg, spec, backend) for spec in specs]  # every draft's backend checked before any load
     loaded: dict[str, Model] = {}
     for name, (where, settings, quantized) in zip(names, plans):  # quantized drafts first: their
         if quantized:  # unquantized weights are gone before the target's load
-            loaded[name] = backends.get(where).load(parse_draft(name).arg, settings)
-    target = target_backend.load(cfg.target, target_settings)
+            loaded[name] = load(where, parse_draft(name).arg, settings)
+    target = load(backend, cfg.target, target_settings)
     for name, (where, settings, quantized) in zip(names, plans):
         if not quantized:
-            loaded[name] = backends.get(where).load(parse_draft(name).arg, settings)
+            loaded[name] = load(where, parse_draft(name).arg, settings)
     for name, spec in zip(names, specs):
         if spec.kind in CROSS_VOCABULARY:  # it reads text: any tokenizer drafts for any target
             continue
