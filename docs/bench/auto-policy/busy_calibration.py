@@ -10,6 +10,7 @@ configurations are timed without it while `auto` plans from the busy machine's c
         --prompts humaneval:dev -n 10 --max-new-tokens 64
 
 Everything after `--` goes to `specdecode bench` (with `--recalibrate`, so the calibration runs now).
+`--code DIR` runs the specdecode in DIR instead (a `git worktree` of another commit: the control).
 """
 
 from __future__ import annotations
@@ -25,20 +26,25 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--hogs", type=int, default=os.cpu_count() or 1, help="busy processes (default: one per core)")
+    parser.add_argument("--code", help="run the specdecode package in this checkout (PYTHONPATH) instead")
     parser.add_argument("bench", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     bench = args.bench[1:] if args.bench[:1] == ["--"] else args.bench
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hogs)]
     start = time.monotonic()
-    cmd = ["specdecode", "bench", *bench, "--recalibrate", "--out", args.out]
+    cmd = [sys.executable, "-m", "specdecode.cli", "bench", *bench, "--recalibrate", "--out", args.out]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if args.code:
+        env["PYTHONPATH"] = os.path.abspath(args.code)
     print("+", " ".join(cmd), f"(with {len(hogs)} CPU hogs until auto's calibration ends)", file=sys.stderr, flush=True)
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, env=env)
     seen = ""
     for raw in iter(lambda: proc.stderr.read1(4096), b""):
         text = raw.decode(errors="replace")
         sys.stderr.write(text)
         seen = (seen + text)[-4000:]
-        if hogs and ("auto: the machine was busy" in seen or "calibrating step costs: 100%" in seen):
+        if hogs and ("auto: the machine was busy" in seen or "calibrating step costs: 100%" in seen
+                     or ("calibrating step costs" in seen and "bench:" in seen)):  # (older code: no bar)
             for h in hogs:
                 h.kill()
             hogs = []
