@@ -27,6 +27,7 @@ text, which is exact for tokenizers whose decoder concatenates tokens.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import threading
 import time
@@ -250,7 +251,7 @@ class GrammarCompiler:
         self.ll_tokenizer, self._recipe = _ll_tokenizer(tokenizer, self.eos_ids[0])
         self._parser_limits = parser_limits(self.limits.parser_dict())
         self._cache: OrderedDict[GrammarSpec, _Entry] = OrderedDict()
-        self._approved: OrderedDict[GrammarSpec, None] = OrderedDict()  # the sandbox passed them once
+        self._approved: OrderedDict[bytes, None] = OrderedDict()  # digests of the specs that passed once
         self._lock = threading.Lock()
         self.sandbox: GrammarSandbox | None = None
 
@@ -273,7 +274,7 @@ class GrammarCompiler:
                                               time_budget_s=self.limits.time_budget_s,
                                               memory_budget_bytes=self.limits.memory_budget_bytes,
                                               max_matcher_bytes=self.limits.max_matcher_bytes,
-                                              fault_marker=fault_marker)
+                                              wall_limit_s=self.limits.wall_limit_s, fault_marker=fault_marker)
             sandbox = self.sandbox
         sandbox.start()
         return sandbox
@@ -286,19 +287,30 @@ class GrammarCompiler:
     def _new_matcher(self, grammar: str) -> "llguidance.LLMatcher":
         return llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=self._parser_limits)
 
-    def _entry(self, spec: GrammarSpec) -> _Entry:
+    @staticmethod
+    def _digest(spec: GrammarSpec) -> bytes:
+        return hashlib.blake2b(repr((spec.kind, spec.whitespace, spec.text)).encode(), digest_size=16).digest()
+
+    def _approved_once(self, spec: GrammarSpec) -> bool:
+        with self._lock:
+            return spec in self._cache or self._digest(spec) in self._approved
+
+    def _entry(self, spec: GrammarSpec, sandbox: bool = True) -> _Entry:
+        """The spec's cache entry, compiled and checked if new. ``sandbox=False`` (a spec checked before,
+        on a thread that must not wait behind other specs' sandbox jobs) compiles in-process after the bounds."""
+        digest = self._digest(spec)
         with self._lock:
             entry = self._cache.get(spec)
             if entry is not None:
                 self._cache.move_to_end(spec)
                 return entry
-            approved = spec in self._approved
+            approved = digest in self._approved
         try:
             check_bounds(spec.kind, spec.text, self.limits)
         except BoundExceeded as e:
             raise GrammarError(f"invalid {spec.kind}: {e}") from None
         ready = []
-        if self.sandbox is not None and not approved:
+        if self.sandbox is not None and sandbox and not approved:
             try:
                 checked = self.sandbox.check(spec.kind, spec.text, spec.whitespace)
             except SandboxRefused as e:
@@ -319,8 +331,8 @@ class GrammarCompiler:
         with self._lock:
             entry = self._cache.setdefault(spec, entry)
             self._cache.move_to_end(spec)
-            self._approved[spec] = None
-            self._approved.move_to_end(spec)
+            self._approved[digest] = None
+            self._approved.move_to_end(digest)
             while len(self._approved) > 64 * self.limits.cache_entries:
                 self._approved.popitem(last=False)
             self._add_ready(spec, entry, ready)
@@ -351,8 +363,10 @@ class GrammarCompiler:
                 total -= self._cache.pop(spec).bytes
 
     def validate(self, spec: GrammarSpec) -> None:
-        """Raise GrammarError if ``spec`` cannot be served (cheap once cached)."""
-        self._entry(spec)
+        """Raise GrammarError if ``spec`` cannot be served; nothing to do for a spec that passed before
+        (the server's event loop calls it after :meth:`prepare`: it never compiles or waits there)."""
+        if not self._approved_once(spec):
+            self._entry(spec)
 
     def prepare(self, spec: GrammarSpec, n: int = 1) -> None:
         """Validate ``spec`` and compile up to ``n`` matchers for it ahead, first mask included, in the
@@ -370,8 +384,10 @@ class GrammarCompiler:
                     return
 
     def compile(self, spec: GrammarSpec) -> "llguidance.LLMatcher":
-        """A fresh matcher at the start of ``spec``, shared with nothing; raises GrammarError."""
-        entry = self._entry(spec)
+        """A fresh matcher at the start of ``spec``, shared with nothing; raises GrammarError. It never waits
+        on the sandbox (the engine thread calls it for a spec validated at submission: one the cache and
+        the approved set have since dropped compiles in-process, bounds checked)."""
+        entry = self._entry(spec, sandbox=False)
         with self._lock:
             if entry.ready:
                 return entry.ready.pop()

@@ -47,7 +47,8 @@ class GrammarLimits:
     max_schema_depth: int = 64  # nested subschemas + $ref links along one path (cycles cut)
     max_rule_depth: int = 128  # rule references along one path of a Lark/GBNF grammar (cycles cut)
     parser: ParserLimits = field(default_factory=ParserLimits)
-    time_budget_s: float = 2.0  # the sandbox's compile + first mask of a new spec, wall clock
+    time_budget_s: float = 2.0  # the sandbox's compile + first mask of a new spec, CPU seconds of its child
+    wall_limit_s: float = 60.0  # the same in wall-clock time: stops a child that neither answers nor computes
     memory_budget_bytes: int = 1 << 30  # the sandbox's address space for one spec, above its resting size
     max_matcher_bytes: int = 16 << 20  # one compiled matcher after its first mask (estimated from the heap)
     cache_entries: int = 64  # compiled specs kept (LRU)

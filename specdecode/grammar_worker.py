@@ -6,7 +6,11 @@ overflows the native stack: a segfault, no traceback), exhaust its lexer's budge
 hundreds of megabytes. :class:`GrammarSandbox` runs the compile and the first mask of every *new* spec
 in a child process with
 
-- a **time budget** (``time_budget_s``, wall clock: over it, the child is killed),
+- a **time budget** (``time_budget_s`` of the child's CPU time: over it, the child is killed). CPU, not
+  wall clock: the child is niced, so on a busy machine it may wait for a core far longer than it computes,
+  and a legitimate spec must not be refused for that. A **wall-clock limit** (``wall_limit_s``, far
+  longer) stops a child that neither answers nor computes. The child also sets its own CPU limit (the
+  budget and a margin) for each job, so a spinning child whose server was killed ends by itself,
 - a **memory budget** (``memory_budget_bytes`` of address space above what the child holds at rest:
   an allocation past it fails, which aborts the child),
 - a **smaller native stack** than the server's threads (``STACK_BYTES``: the compile runs in a thread
@@ -34,13 +38,16 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import llguidance
 
 STACK_BYTES = 2 << 20  # the child's compile thread: a quarter of a Linux thread's default 8 MiB
-READY_TIMEOUT_S = 300.0  # a child builds llguidance's tokenizer before its first job
+STALL_S = 1.5  # the "stall" test fault: the child sleeps this long before compiling
+READY_TIMEOUT_S = 300.0  # a child builds llguidance's tokenizer before its first job (not in any job's budget)
+POLL_S = 0.05  # how often the parent reads the child's CPU time while a job runs
 BOUNDED_WHITESPACE = r"(?: |\n{1,2}[ \t]{0,20})"  # llama.cpp's JSON whitespace: one space, or 1-2 newlines + indent
 WHITESPACE = {  # GrammarSpec.whitespace -> llguidance's JSON options (a schema's own "x-guidance" wins)
     "bounded": {"whitespace_pattern": BOUNDED_WHITESPACE},
@@ -194,8 +201,13 @@ def _job(tokenizer, job: dict[str, Any], end_ids: list[int], vocab_size: int) ->
     fault = job.get("fault")
     if fault == "crash":
         os.kill(os.getpid(), signal.SIGSEGV)
-    if fault == "hang":
+    if fault == "hang":  # a compile that computes on and on
+        while True:
+            pass
+    if fault == "sleep":  # one that waits on and on
         time.sleep(3600)
+    if fault == "stall":  # one that waits for the CPU on a busy machine, then compiles
+        time.sleep(STALL_S)
     if fault == "memory":
         hog = [bytearray(64 << 20) for _ in range(1 << 12)]  # past any budget: MemoryError
         del hog
@@ -216,9 +228,11 @@ def child_main(read_fd: int, write_fd: int) -> None:
     os.nice(10)
     import resource
 
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash or a CPU limit leaves no core file
     setup = _read_message(read_fd)
     tokenizer = build_ll_tokenizer(setup["recipe"])
     end_ids, vocab_size, budget = setup["end_ids"], setup["recipe"]["n_vocab"], setup["memory_budget_bytes"]
+    cpu_budget = setup.get("cpu_budget_s")
     _write_message(write_fd, {"ready": True})
     threading.stack_size(STACK_BYTES)
     while True:
@@ -227,6 +241,10 @@ def child_main(read_fd: int, write_fd: int) -> None:
             return
         if budget:
             resource.setrlimit(resource.RLIMIT_AS, (_address_space() + budget, resource.RLIM_INFINITY))
+        if cpu_budget:  # the parent kills at the budget; this SIGXCPU is for a child whose parent is gone
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            limit = int(usage.ru_utime + usage.ru_stime + cpu_budget) + 2
+            resource.setrlimit(resource.RLIMIT_CPU, (limit, resource.RLIM_INFINITY))
         reply: dict[str, Any] = {}
 
         def run() -> None:
@@ -242,12 +260,38 @@ def child_main(read_fd: int, write_fd: int) -> None:
         worker.join()
         if budget:
             resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        if cpu_budget:
+            resource.setrlimit(resource.RLIMIT_CPU, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
         if reply.get("error") == "memory":
             os._exit(3)  # the heap may be in pieces: the parent says "memory budget" and starts a new child
         _write_message(write_fd, reply)
 
 
 # --- the parent -----------------------------------------------------------------------------------------
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """The CPU time a process has used (user + system, /proc), or None where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _reap(proc: subprocess.Popen, fds: tuple[int, ...]) -> None:
+    """Kill and reap a child, close its pipes (also what a dropped sandbox's finalizer does)."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+class SandboxClosed(RuntimeError):
+    """The sandbox was closed (the server is shutting down): no spec is checked."""
 
 
 class SandboxRefused(Exception):
@@ -261,25 +305,33 @@ class Approved:
 
 
 class GrammarSandbox:
-    """One child process at a time, restarted after any death; thread-safe (jobs queue on a lock).
+    """One child process at a time, restarted after any death; thread-safe (jobs queue on a lock). After
+    :meth:`close`, :meth:`check` raises SandboxClosed (it starts no child) until :meth:`start` opens it again;
+    a sandbox that is garbage-collected takes its child with it.
 
     ``recipe``: how the child builds the tokenizer (:func:`build_ll_tokenizer`); ``end_ids`` and the
     vocabulary size decide "can this vocabulary begin the output". ``limits``: llguidance's parser limits
     (a dict of :class:`llguidance.LLParserLimits` fields). ``fault_marker`` is for tests: a spec whose text
-    contains ``fault_marker + ":crash"`` (``:hang``, ``:memory``) makes the child segfault (sleep, allocate
-    past the budget), so a test can see what a real crash costs."""
+    contains ``fault_marker + ":crash"`` (``:hang``, ``:sleep``, ``:stall``, ``:memory``) makes the child
+    segfault (spin, sleep for good, sleep ``STALL_S`` then compile, allocate past the budget), so a test can
+    see what each costs."""
 
     def __init__(self, recipe: dict[str, Any], end_ids, limits: dict[str, Any], *, time_budget_s: float,
-                 memory_budget_bytes: int, max_matcher_bytes: int, fault_marker: str | None = None):
-        self._setup = {"recipe": recipe, "end_ids": sorted(end_ids), "memory_budget_bytes": memory_budget_bytes}
+                 memory_budget_bytes: int, max_matcher_bytes: int, wall_limit_s: float = 60.0,
+                 fault_marker: str | None = None):
+        self._setup = {"recipe": recipe, "end_ids": sorted(end_ids), "memory_budget_bytes": memory_budget_bytes,
+                       "cpu_budget_s": time_budget_s}
         self.limits = dict(limits)
         self.time_budget_s = time_budget_s
+        self.wall_limit_s = wall_limit_s
         self.memory_budget_bytes = memory_budget_bytes
         self.max_matcher_bytes = max_matcher_bytes
         self.fault_marker = fault_marker
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._fds: tuple[int, int] | None = None  # (read from the child, write to the child)
+        self._finalizer: weakref.finalize | None = None
+        self._closed = False
         self.restarts = 0  # children started after the first (each one a crash, kill or abort)
 
     def _start(self) -> None:
@@ -292,6 +344,7 @@ class GrammarSandbox:
         os.close(to_child_r)
         os.close(from_child_w)
         self._fds = (from_child_r, to_child_w)
+        self._finalizer = weakref.finalize(self, _reap, self._proc, self._fds)
         try:
             _write_message(to_child_w, self._setup)
         except OSError:
@@ -316,18 +369,37 @@ class GrammarSandbox:
                 self._proc.wait(timeout=10.0)
         return message
 
+    def _job_reply(self) -> tuple[Any, str]:
+        """The child's reply to the job just sent, or (None, why not): "died" (it is reaped), "cpu" (it
+        used more than the time budget of CPU) or "wall" (no answer within the wall-clock limit); then it
+        still runs. Without /proc, the time budget is wall clock."""
+        pid, fd = self._proc.pid, self._fds[0]
+        start = _cpu_seconds(pid)
+        limit = self.wall_limit_s if start is not None else min(self.time_budget_s, self.wall_limit_s)
+        deadline = time.monotonic() + limit
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None, "wall" if start is not None else "cpu"
+            ready, _, _ = select.select([fd], [], [], min(POLL_S, left) if start is not None else left)
+            if ready:
+                message = self._wait(0)
+                return message, "died"
+            used = _cpu_seconds(pid) if start is not None else None
+            if used is not None and used - start > self.time_budget_s:
+                return None, "cpu"
+
     def _stop(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer.detach()
         if self._proc is not None:
-            if self._proc.poll() is None:
-                self._proc.kill()
-            self._proc.wait()
-        if self._fds is not None:
-            for fd in self._fds:
-                os.close(fd)
-        self._proc, self._fds = None, None
+            _reap(self._proc, self._fds or ())
+        self._proc, self._fds, self._finalizer = None, None, None
 
     def _ensure(self) -> None:
-        """A live child (lock held): a dead one is replaced."""
+        """A live child (lock held): a dead one is replaced; none once closed."""
+        if self._closed:
+            raise SandboxClosed("the grammar sandbox is closed")
         if self._proc is not None and self._proc.poll() is None:
             return
         if self._proc is not None:
@@ -338,10 +410,13 @@ class GrammarSandbox:
     def start(self) -> None:
         """Start the child now (it builds the tokenizer), rather than on the first spec."""
         with self._lock:
+            self._closed = False
             self._ensure()
 
     def close(self) -> None:
+        """Stop the child (after the job it runs, if any); :meth:`check` starts none until :meth:`start`."""
         with self._lock:
+            self._closed = True
             self._stop()
 
     @property
@@ -353,24 +428,28 @@ class GrammarSandbox:
         SandboxRefused with why."""
         job: dict[str, Any] = {"kind": kind, "text": text, "whitespace": whitespace, "limits": self.limits}
         if self.fault_marker:
-            for fault in ("crash", "hang", "memory"):
+            for fault in ("crash", "hang", "sleep", "stall", "memory"):
                 if f"{self.fault_marker}:{fault}" in text:
                     job["fault"] = fault
         with self._lock:
             self._ensure()
             try:
                 _write_message(self._fds[1], job)
-                reply = self._wait(self.time_budget_s)
+                reply, why = self._job_reply()
             except OSError:
-                reply = None
+                reply, why = None, "died"
             if reply is None:
-                timed_out = self._proc.poll() is None
-                code = self._proc.returncode if not timed_out else None
+                if why == "died" and self._proc.poll() is None:  # it closed its pipe, then did not exit
+                    why = "wall"
+                code = self._proc.poll()
                 self._stop()
                 self.restarts += 1
-                if timed_out:
-                    raise SandboxRefused(f"compiling it and computing its first mask took longer than the time "
-                                         f"budget (grammar_time_budget_s = {self.time_budget_s:g})")
+                if why == "cpu" or code == -signal.SIGXCPU:
+                    raise SandboxRefused(f"compiling it and computing its first mask took more than the time "
+                                         f"budget (grammar_time_budget_s = {self.time_budget_s:g} s of CPU)")
+                if why == "wall":
+                    raise SandboxRefused(f"compiling it and computing its first mask did not finish within the "
+                                         f"wall-clock limit (grammar_wall_limit_s = {self.wall_limit_s:g})")
                 if code == 3 or code == -signal.SIGABRT:
                     raise SandboxRefused(f"compiling it exceeded the memory budget (grammar_memory_budget_bytes "
                                          f"= {self.memory_budget_bytes})")

@@ -30,9 +30,10 @@ def compiler(bpe):
 
 @pytest.fixture(scope="module")
 def sandboxed(bpe):
-    """A compiler whose new specs go through the sandbox child; specs naming FAULT:crash (hang, memory)
-    make the child segfault (sleep, allocate past its budget)."""
-    compiler = GrammarCompiler(bpe, limits=GrammarLimits(time_budget_s=3.0, memory_budget_bytes=512 << 20))
+    """A compiler whose new specs go through the sandbox child (the server's time budget: CPU seconds, so
+    a busy machine does not change its verdicts); specs naming FAULT:crash (memory) make the child
+    segfault (allocate past its budget). The time budget's own tests: tests/test_grammar_sandbox.py."""
+    compiler = GrammarCompiler(bpe, limits=GrammarLimits(memory_budget_bytes=512 << 20))
     compiler.start_sandbox(fault_marker="FAULT")
     yield compiler
     compiler.close()
@@ -119,9 +120,7 @@ def test_a_real_native_crash_without_the_bounds_costs_the_child_only(bpe):
         compiler.close()
 
 
-def test_the_time_and_memory_budgets(sandboxed):
-    with pytest.raises(GrammarError, match="grammar_time_budget_s"):
-        sandboxed.validate(GrammarSpec.regex("FAULT:hang"))
+def test_the_memory_budget(sandboxed):
     with pytest.raises(GrammarError, match="grammar_memory_budget_bytes"):
         sandboxed.validate(GrammarSpec.regex("FAULT:memory"))
     sandboxed.validate(GrammarSpec.regex("[a-z]+ after the budgets"))

@@ -35,6 +35,7 @@ from starlette.requests import ClientDisconnect
 from specdecode.engine import Engine, RequestError
 from specdecode.fim import DEFAULT_FIM_STOP, FimTokens, FimUnsupported, fim_prompt, fim_tokens, stop_fields
 from specdecode.grammar import GrammarError, GrammarSpec
+from specdecode.grammar_worker import SandboxClosed
 from specdecode.logprobs import ReportedToken, text_offsets
 from specdecode.server import protocol as P
 from specdecode.server.connections import BODY_TIMEOUT_S
@@ -287,6 +288,8 @@ def _prepare_grammar(engine: Engine, spec: GrammarSpec, n: int) -> None:
         engine.grammars.prepare(spec, n)
     except GrammarError as exc:  # the engine's own words about the schema, regex or grammar, or the bound
         raise P.bad_request(str(exc), P.grammar_param(spec), "invalid_grammar") from None
+    except SandboxClosed:  # the server is shutting down: the sandbox starts no new child
+        raise APIError(503, "the server is shutting down", "server_error", code="shutting_down") from None
 
 
 def _check_model(name: str | None, config: ServerConfig) -> None:
