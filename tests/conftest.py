@@ -1,4 +1,6 @@
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -37,3 +39,29 @@ def _private_cache_root(tmp_path_factory):
         os.environ.pop("SPECDECODE_CACHE", None)
     else:
         os.environ["SPECDECODE_CACHE"] = before
+
+
+HEARTBEAT_S = 10  # a test running longer says so this often: the test command is never silent for long
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A line every :data:`HEARTBEAT_S` seconds while one test (its setup included) runs, so ``pytest -q``
+    never looks stuck: some tests run whole commands against tiny models for a minute or more."""
+    reporter = item.config.pluginmanager.get_plugin("terminalreporter")
+    capture = item.config.pluginmanager.get_plugin("capturemanager")
+    done = threading.Event()
+
+    def beat() -> None:
+        start = time.monotonic()
+        while not done.wait(HEARTBEAT_S):
+            with capture.global_and_fixture_disabled():  # past the test's captured output, to the terminal
+                reporter.write_line(f"  ... {item.nodeid} still running ({time.monotonic() - start:.0f} s)")
+
+    thread = threading.Thread(target=beat, daemon=True) if reporter is not None else None
+    if thread is not None:
+        thread.start()
+    try:
+        yield
+    finally:
+        done.set()
