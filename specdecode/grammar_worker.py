@@ -414,9 +414,14 @@ class GrammarSandbox:
             self._ensure()
 
     def close(self) -> None:
-        """Stop the child (after the job it runs, if any); :meth:`check` starts none until :meth:`start`."""
+        """Stop the child now (a job it runs ends in SandboxClosed); :meth:`check` starts none until
+        :meth:`start`."""
+        self._closed = True
+        proc = self._proc
+        if proc is not None:
+            with contextlib.suppress(OSError):
+                proc.kill()  # without the lock: a job in flight must not hold the shutdown up
         with self._lock:
-            self._closed = True
             self._stop()
 
     @property
@@ -438,6 +443,9 @@ class GrammarSandbox:
                 reply, why = self._job_reply()
             except OSError:
                 reply, why = None, "died"
+            if reply is None and self._closed:
+                self._stop()
+                raise SandboxClosed("the grammar sandbox was closed")
             if reply is None:
                 if why == "died" and self._proc.poll() is None:  # it closed its pipe, then did not exit
                     why = "wall"

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -162,3 +163,29 @@ def test_the_approved_set_keeps_no_spec_text(bpe):
         compiler.validate(GrammarSpec.regex(f"[a-c]{{{i + 1}}}" + "x" * 10_000))
     assert len(compiler._approved) == 4
     assert sum(len(repr(key)) for key in compiler._approved) < 4 * 1000
+
+
+def test_closing_stops_a_job_in_flight(bpe):
+    """Server shutdown closes the sandbox while a grammar thread waits on a child that sleeps: the job ends
+    as closed (the server answers 503), and close() did not wait for the wall-clock limit first."""
+    compiler = sandboxed(bpe, wall_limit_s=30.0)
+    sandbox = compiler.sandbox
+    outcome: list = []
+
+    def job() -> None:
+        try:
+            sandbox.check("regex", "FAULT:sleep", None)
+        except Exception as e:  # noqa: BLE001 (the test reads which)
+            outcome.append(e)
+
+    thread = threading.Thread(target=job)
+    thread.start()
+    while sandbox._lock.acquire(blocking=False):  # until the job holds the lock
+        sandbox._lock.release()
+        time.sleep(0.01)
+    time.sleep(0.2)  # the job is in the child
+    pid = sandbox.pid
+    compiler.close()
+    thread.join()
+    assert len(outcome) == 1 and isinstance(outcome[0], SandboxClosed), outcome
+    assert gone(pid)
