@@ -43,9 +43,9 @@ import torch
 
 Grid = dict[int, dict[int, float]]  # outer (batch or rows) -> inner (width or k) -> seconds
 
-CORRECTION_WEIGHT = 0.1  # weight of each new observation in the correction's moving average
-BUSY_WEIGHT = 0.3  # ... while the calibration is a busy machine's (learn the real costs faster)
-CORRECTION_RANGE = (0.1, 10.0)  # a correction never moves a prediction by more than this factor
+CORRECTION_WEIGHT = 0.1  # weight of each new observation in the correction's moving average, at the least
+PRIOR_OBSERVATIONS = 2  # a quiet calibration counts as this many observations (a busy one as none)
+CORRECTION_RANGE = (0.05, 20.0)  # a correction never moves a prediction by more than this factor
 QUIET_OTHERS = 0.15  # a calibration is trusted when other processes used at most this share of the CPUs ...
 QUIET_SPREAD = 1.15  # ... and the median repeat of a grid point took at most this times the fastest
 DISAGREE = (1 / 1.5, 1.5)  # a cached calibration the run's steps put outside this factor is measured again
@@ -94,6 +94,7 @@ class CostModel:
     correction: dict[str, float] = field(default_factory=dict)  # part -> log(observed / predicted), EMA
     cells: dict[str, dict[int, float]] = field(default_factory=dict)  # part -> width or k -> the same, per cell
     seen: dict[str, int] = field(default_factory=dict)  # part -> observations in this run
+    cell_seen: dict[str, dict[int, int]] = field(default_factory=dict)  # part -> width or k -> the same
     # called once when the run's steps contradict a cached calibration (part, observed / predicted)
     on_disagree: Callable[[str, float], None] | None = field(default=None, repr=False)
     disagreed: str | None = None
@@ -152,20 +153,26 @@ class CostModel:
         self._correct(f"{name}/catch-up", seconds / (tokens * per_token))
 
     def _correct(self, part: str, ratio: float, inner: int | None = None) -> None:
+        """Move ``part``'s correction, and its cell's at ``inner``, toward ``ratio``: the mean of the
+        observations so far and the prior (the calibration as :data:`PRIOR_OBSERVATIONS` observations
+        when it was quiet, as none when it was busy: the first observation then replaces it), and past
+        ``1 / CORRECTION_WEIGHT`` of them a moving average that follows drift."""
         lo, hi = (math.log(x) for x in CORRECTION_RANGE)
-        weight = CORRECTION_WEIGHT if self.trusted else BUSY_WEIGHT
         observed = min(hi, max(lo, math.log(ratio)))
+        prior = PRIOR_OBSERVATIONS if self.trusted else 0
 
-        def ema(old: float) -> float:
-            return old + weight * (observed - old)
+        def mean(old: float, n: int) -> float:  # n: observations before this one
+            return old + max(CORRECTION_WEIGHT, 1 / (prior + n + 1)) * (observed - old)
 
-        if not self.measured(part):  # start from what it borrowed (see _factor)
-            self.correction[part] = math.log(self._factor(part))
-        self.correction[part] = ema(self.correction[part])
-        if inner is not None:  # a cell starts from its part's correction
-            cells = self.cells.setdefault(part, {})
-            cells[inner] = ema(cells.get(inner, self.correction[part]))
-        self.seen[part] = self.seen.get(part, 0) + 1
+        n = self.seen.get(part, 0)
+        before = self.correction[part] if n else math.log(self._factor(part))  # unmeasured: what it borrowed
+        self.correction[part] = mean(before, n)
+        if inner is not None:  # a cell starts from the calibration's value, as corrected for its part so far
+            cells, counts = self.cells.setdefault(part, {}), self.cell_seen.setdefault(part, {})
+            k = counts.get(inner, 0)
+            cells[inner] = mean(cells.get(inner, before), k)
+            counts[inner] = k + 1
+        self.seen[part] = n + 1
         if (self.disagreed is None and self.seen[part] >= DISAGREE_AFTER
                 and not DISAGREE[0] <= math.exp(self.correction[part]) <= DISAGREE[1]):
             self.disagreed = part

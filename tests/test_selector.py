@@ -116,6 +116,23 @@ def test_each_width_learns_its_own_correction():
     assert cm.verify_s(1, 5) / cm.verify_s(1, 1) == pytest.approx(1.5, rel=0.02)
 
 
+def test_after_a_busy_calibration_one_timed_step_replaces_its_cell():
+    """A busy calibration is no evidence against a step the run has timed: the first observation of a
+    width or draft length replaces it (a quiet one counts as two observations and is blended). Seen on
+    a real run: with a moving average from the busy prior, a width timed twice kept a 3.4x error, and a
+    draft length the prior made look dear was never drafted again to be corrected."""
+    busy = CostModel({1: {1: 1.0, 2: 3.0, 5: 4.0}}, {"d": {1: {1: 2.0, 2: 4.0}}},
+                     noise=costmodel.Noise(others_cpu=0.8, spread=1.5))
+    busy.record("verify", 1, 1, 0.14)
+    busy.record("verify", 1, 2, 0.15)
+    busy.record("d", 1, 1, 0.2)
+    assert busy.verify_s(1, 1) == pytest.approx(0.14) and busy.verify_s(1, 2) == pytest.approx(0.15)
+    assert busy.draft_s("d", 1, 1) == pytest.approx(0.2)
+    quiet = CostModel({1: {1: 1.0, 2: 3.0}}, {})
+    quiet.record("verify", 1, 2, 1.5)  # half the calibration: blended with its two pseudo-observations
+    assert quiet.verify_s(1, 2) == pytest.approx(3.0 * 0.5 ** (1 / 3))
+
+
 def test_a_busy_calibration_is_a_prior_never_cached_and_a_contradicted_one_is_measured_again(tmp_path):
     busy = costmodel.Noise(others_cpu=0.6, spread=1.4)
     assert not busy.quiet and costmodel.Noise(0.05, 1.03).quiet and not costmodel.Noise(0.05, 1.5).quiet
