@@ -291,9 +291,11 @@ class GrammarCompiler:
     def _digest(spec: GrammarSpec) -> bytes:
         return hashlib.blake2b(repr((spec.kind, spec.whitespace, spec.text)).encode(), digest_size=16).digest()
 
-    def _approved_once(self, spec: GrammarSpec) -> bool:
+    def known(self, spec: GrammarSpec) -> bool:
+        """``spec`` passed validation before (cached, or approved once): :meth:`prepare` needs no sandbox job."""
+        digest = self._digest(spec)
         with self._lock:
-            return spec in self._cache or self._digest(spec) in self._approved
+            return spec in self._cache or digest in self._approved
 
     def _entry(self, spec: GrammarSpec, sandbox: bool = True) -> _Entry:
         """The spec's cache entry, compiled and checked if new. ``sandbox=False`` (a spec checked before,
@@ -365,7 +367,7 @@ class GrammarCompiler:
     def validate(self, spec: GrammarSpec) -> None:
         """Raise GrammarError if ``spec`` cannot be served; nothing to do for a spec that passed before
         (the server's event loop calls it after :meth:`prepare`: it never compiles or waits there)."""
-        if not self._approved_once(spec):
+        if not self.known(spec):
             self._entry(spec)
 
     def prepare(self, spec: GrammarSpec, n: int = 1) -> None:

@@ -34,7 +34,7 @@ from starlette.requests import ClientDisconnect
 
 from specdecode.engine import Engine, RequestError
 from specdecode.fim import DEFAULT_FIM_STOP, FimTokens, FimUnsupported, fim_prompt, fim_tokens, stop_fields
-from specdecode.grammar import GrammarError, GrammarSpec
+from specdecode.grammar import GrammarCompiler, GrammarError, GrammarSpec
 from specdecode.grammar_worker import SandboxClosed
 from specdecode.logprobs import ReportedToken, text_offsets
 from specdecode.server import protocol as P
@@ -49,6 +49,7 @@ ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/
 MAX_JSON_DEPTH = 32  # nesting of the request body (the deepest valid request needs 5)
 TOKENIZE_WORKERS = 2  # threads that tokenize and apply chat templates, off the event loop
 GRAMMAR_WORKERS = 2  # threads that wait on the grammar sandbox and compile requests' matchers ahead
+# (and as many for specs served before, which need no sandbox job: never queued behind new ones)
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -80,7 +81,9 @@ def create_app(engine: Engine | Callable[[], Engine], config: ServerConfig | Non
         app.state.max_prompt_chars = await asyncio.to_thread(max_prompt_chars, eng.tokenizer, eng.max_context)
         app.state.tokenize_pool = ThreadPoolExecutor(TOKENIZE_WORKERS, thread_name_prefix="specdecode-tokenize")
         app.state.grammar_pool = ThreadPoolExecutor(GRAMMAR_WORKERS, thread_name_prefix="specdecode-grammar")
-        await asyncio.to_thread(_build_grammars, eng)
+        app.state.known_grammar_pool = ThreadPoolExecutor(GRAMMAR_WORKERS,
+                                                          thread_name_prefix="specdecode-known-grammar")
+        app.state.grammars = await asyncio.to_thread(_build_grammars, eng)
         loop = asyncio.get_running_loop()
 
         def drain(seconds: float) -> None:  # at shutdown (connections.DrainingServer): then 503 to the rest
@@ -94,6 +97,7 @@ def create_app(engine: Engine | Callable[[], Engine], config: ServerConfig | Non
         finally:
             app.state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
             app.state.grammar_pool.shutdown(wait=False, cancel_futures=True)
+            app.state.known_grammar_pool.shutdown(wait=False, cancel_futures=True)
             await asyncio.to_thread(scheduler.stop)
             await asyncio.to_thread(_close_grammars, eng)
 
@@ -260,7 +264,7 @@ def _encode_fim(tokenizer, prefix: str, suffix: str, tokens: FimTokens) -> list[
         raise P.bad_request(f"the tokenizer could not encode the prompt or suffix: {exc}", "prompt") from None
 
 
-def _build_grammars(engine: Engine) -> None:
+def _build_grammars(engine: Engine) -> GrammarCompiler | None:
     """The tokenizer's grammar compiler and its sandbox child, at startup (seconds for a 150k-token
     vocabulary: not on the first structured request's time to first token). A tokenizer it cannot serve
     answers those requests 400. Every new spec is compiled first in the sandbox (a crash there costs the
@@ -269,11 +273,12 @@ def _build_grammars(engine: Engine) -> None:
         grammars = engine.grammars
     except Exception as exc:
         log.warning("structured outputs unavailable for this tokenizer: %s", exc)
-        return
+        return None
     try:
         grammars.start_sandbox()
     except Exception as exc:  # e.g. no process can be started here: specs compile in-process, bounds still hold
         log.warning("the grammar sandbox did not start (%s); new specs compile in the server's process", exc)
+    return grammars
 
 
 def _close_grammars(engine: Engine) -> None:
@@ -313,8 +318,10 @@ async def _generate(request: Request, req: P.SamplingFields, prompt_ids: list[in
     config: ServerConfig = request.app.state.config
     n = P.choices(req)
     if params.grammar is not None:  # validated and compiled off the event loop and off the engine thread
-        await asyncio.get_running_loop().run_in_executor(request.app.state.grammar_pool, _prepare_grammar,
-                                                         scheduler.engine, params.grammar, n)
+        state = request.app.state  # a spec served before needs no sandbox job: its own threads
+        known = state.grammars is not None and state.grammars.known(params.grammar)
+        pool = state.known_grammar_pool if known else state.grammar_pool
+        await asyncio.get_running_loop().run_in_executor(pool, _prepare_grammar, scheduler.engine, params.grammar, n)
     try:
         scheduler.engine.validate(prompt_ids, params)
     except RequestError as exc:  # an empty prompt, an id outside the vocabulary, or too long
