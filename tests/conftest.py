@@ -41,7 +41,7 @@ def _private_cache_root(tmp_path_factory):
         os.environ["SPECDECODE_CACHE"] = before
 
 
-HEARTBEAT_S = 10  # a test running longer says so this often: the test command is never silent for long
+HEARTBEAT_S = 8  # a test running longer says so this often: the test command is never silent for long
 
 
 @pytest.hookimpl(hookwrapper=True)

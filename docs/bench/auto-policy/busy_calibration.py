@@ -37,7 +37,10 @@ def main() -> int:
     if args.code:
         env["PYTHONPATH"] = os.path.abspath(args.code)
     print("+", " ".join(cmd), f"(with {len(hogs)} CPU hogs until auto's calibration ends)", file=sys.stderr, flush=True)
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, env=env)
+    out = os.path.abspath(args.out)
+    cmd[cmd.index(args.out)] = out
+    # from inside --code's checkout: `python -m` puts the working directory first on sys.path
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, env=env, cwd=os.path.abspath(args.code) if args.code else None)
     seen = ""
     for raw in iter(lambda: proc.stderr.read1(4096), b""):
         text = raw.decode(errors="replace")
