@@ -48,14 +48,6 @@ def tok() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _allows(compiler: GrammarCompiler, spec: GrammarSpec, tok, text: str) -> bool:
     matcher = compiler.compile(spec)
     ids = tok(text).input_ids
