@@ -109,12 +109,24 @@ class CostModel:
         return self.seen.get(part, 0) > 0
 
     def verify_s(self, batch: int, width: int) -> float:
-        return _interp2(self.verify, batch, width) * self._factor("verify", width)
+        return self._seconds("verify", self.verify, batch, width)
 
     def draft_s(self, name: str, rows: int, k: int) -> float:
         if rows <= 0 or k <= 0:
             return 0.0
-        return _interp2(self.draft[name], rows, k) * self._factor(name, k)
+        return self._seconds(name, self.draft[name], rows, k)
+
+    def _seconds(self, part: str, grid: Grid, outer: int, inner: int) -> float:
+        """The corrected prediction; after a busy calibration, whose shape is no evidence either, a width
+        or length not yet timed is taken to cost no more than the widest one timed below it (optimism
+        that gets it tried once, and then timed: the calibration's distortions cannot keep it unused)."""
+        seconds = _interp2(grid, outer, inner) * self._factor(part, inner)
+        if not self.trusted and inner not in self.cells.get(part, {}):
+            below = [i for i in self.cells.get(part, {}) if i < inner]
+            if below:
+                i = max(below)
+                seconds = min(seconds, _interp2(grid, outer, i) * self._factor(part, i))
+        return seconds
 
     def catch_up_s(self, name: str, tokens: int) -> float:
         """Seconds for drafter ``name`` to read ``tokens`` tokens it has not seen (0 for a drafter

@@ -189,6 +189,31 @@ def test_after_a_busy_calibration_auto_explores_and_drafts_when_drafting_pays():
     assert run(calibration(costmodel.Noise())) == 0  # control: the same costs taken as a quiet machine's
 
 
+def test_after_a_busy_calibration_a_width_never_timed_is_tried_and_then_timed():
+    """A busy calibration's shape is no evidence: a width it made look 4x dearer (as a real run's did:
+    v(5) = 4.15 steps where the machine's was 1.04) is taken to cost what the widest timed width below it
+    costs until timed, so auto drafts longer once and learns; control: after a quiet calibration the same
+    grid keeps auto at short chains (at 75 %, 16 drafts for 4.2 steps lose to 2 for 1.1)."""
+    true_verify = {1: {w: 1.0 + 0.01 * (w - 1) for w in (1, 2, 3, 5, 9, 17)}}
+
+    def run(noise, steps=40):
+        cost = CostModel({1: {1: 1.0, 2: 1.07, 3: 1.1, 5: 4.15, 9: 4.15, 17: 4.2}}, {"d": {1: {k: 0.0 for k in (1, 2, 4, 8, 16)}}},
+                         noise=noise)
+        policy = auto(["d"], cost, max_k=16, explore_every=0)
+        seq, widths, gen = Req(params=SamplingParams(max_new_tokens=1000)), [], torch.Generator().manual_seed(0)
+        teach(policy, seq, "d", [3] * 20, k=4)  # a free drafter right 75 % of the time a token
+        for _ in range(steps):
+            k = policy.plan([seq], 1)[0]
+            widths.append(k + 1)
+            cost.record("verify", 1, k + 1, costmodel._interp2(true_verify, 1, k + 1))
+            cost.record("d", 1, k, 1e-6) if k else None
+            policy.observe(seq, k, next((i for i in range(k) if torch.rand((), generator=gen) > 0.75), k))
+        return widths
+
+    assert max(run(costmodel.Noise(others_cpu=0.6, spread=1.4))[-10:]) >= 9
+    assert max(run(costmodel.Noise())) <= 3  # control: a quiet calibration is believed
+
+
 def test_calibrated_costs_never_fall_with_more_tokens():
     assert costmodel.isotonic([0.68, 0.6, 1.44, 0.8]) == pytest.approx([0.64, 0.64, 1.12, 1.12])
     assert costmodel.isotonic([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
