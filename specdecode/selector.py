@@ -43,7 +43,10 @@ docs/benchmarks.md):
   right (:func:`could_pay`, :func:`pays_back` at ``alpha = 0.999``, catch-up included), the sequence
   is still being watched before a catch-up, or what it adds to the step exceeds
   :func:`exploration_allowance`: ``explore_cost * explore_every / B`` of the step's seconds
-  (``explore_cost`` = 5 %: exploration costs the batch about 5 % of its time at most).
+  (``explore_cost`` = 5 %: exploration costs the batch about 5 % of its time at most). A drafter never
+  tried anywhere is explored once whatever the allowance (one step learns what it is worth for the
+  rest of the run), and after a busy machine's calibration (:class:`specdecode.costmodel.Noise`) one
+  whose cost the run has not timed is explored whatever :func:`could_pay` says of that prior.
 
 It only changes which tokens are proposed and how many: verification is exact for any proposal, so
 the output law is the target's whatever it decides. :func:`auto_drafting` builds the multi-drafter
