@@ -46,7 +46,8 @@ docs/benchmarks.md):
   (``explore_cost`` = 5 %: exploration costs the batch about 5 % of its time at most). A drafter never
   tried anywhere is explored once whatever the allowance (one step learns what it is worth for the
   rest of the run), and after a busy machine's calibration (:class:`specdecode.costmodel.Noise`) one
-  whose cost the run has not timed is explored whatever :func:`could_pay` says of that prior.
+  whose cost the run has not timed is explored whatever :func:`could_pay` and :func:`pays_back` say of
+  that prior.
 
 It only changes which tokens are proposed and how many: verification is exact for any proposal, so
 the output law is the target's whatever it decides. :func:`auto_drafting` builds the multi-drafter
@@ -356,18 +357,21 @@ def exploration(due: Sequence[str], o: Outlook, choice: Choice, lengths: Mapping
     tries; ``explore_k``: the length explored at where the plan gives the drafter none. A drafter in
     ``first`` (never tried anywhere) is explored whatever the allowance: one step, once, learns what
     it is worth for the rest of the run; one in ``unproven`` (its cost known only from a busy machine's
-    calibration, never timed in this run) whether or not that cost says it could pay."""
+    calibration, never timed in this run) whether or not that cost says it could pay, or pay back its
+    catch-up."""
     passed = []
     for d in due:
         k = lengths[d] or explore_k
         if o.looking and o.catch_up[d] > 0:
             continue
-        if ((d in unproven or could_pay(cost, d, batch, tried, settings.margin))
-                and pays_back(o.catch_up[d], o.remaining, o.ready,
-                              seconds_per_token(cost, d, (0.999, 1.0), batch, tried) if o.catch_up[d] > 0 else 0.0,
-                              batch, settings.catch_up_margin, o.delay[d])
-                and (d in first or step_seconds(cost, batch, moved(rows, choice, (d, k)))
-                     - step_seconds(cost, batch, rows) <= allowance)):
+        worth = d in unproven or (
+            could_pay(cost, d, batch, tried, settings.margin)
+            and pays_back(o.catch_up[d], o.remaining, o.ready,
+                          seconds_per_token(cost, d, (0.999, 1.0), batch, tried) if o.catch_up[d] > 0 else 0.0,
+                          batch, settings.catch_up_margin, o.delay[d]))
+        affordable = d in first or (step_seconds(cost, batch, moved(rows, choice, (d, k)))
+                                    - step_seconds(cost, batch, rows) <= allowance)
+        if worth and affordable:
             return (d, k), passed
         passed.append(d)
     return None, passed

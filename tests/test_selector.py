@@ -214,6 +214,20 @@ def test_after_a_busy_calibration_a_width_never_timed_is_tried_and_then_timed():
     assert max(run(costmodel.Noise())) <= 3  # control: a quiet calibration is believed
 
 
+def test_after_a_busy_calibration_a_draft_model_that_must_read_first_is_still_explored_once():
+    """A draft model starting late must read the prompt first; a busy prior that prices that reading
+    (and its drafting) far too high would keep it untried for the whole run. Unproven after a busy
+    calibration, it is explored anyway (once: then timed); after a quiet one the prior is believed."""
+    from specdecode.selector import Outlook, exploration
+
+    cost = flat_cost(verify_per_token=0.05, drafts={"model": 3.0})  # 3 steps a drafted token: never pays
+    o = Outlook(known={"model": (0.5, 0.8)}, lag={"model": 200}, catch_up={"model": 60.0}, delay={"model": 0},
+                ready=1.0, looking=False, remaining=200)
+    args = (["model"], o, (None, 0), {"model": 0}, {}, 0.1, cost, 1, (1, 2, 4), 2, SelectorSettings())
+    assert exploration(*args, first=["model"], unproven=["model"])[0] == ("model", 2)
+    assert exploration(*args, first=["model"])[0] is None  # control: the prior says it cannot pay
+
+
 def test_calibrated_costs_never_fall_with_more_tokens():
     assert costmodel.isotonic([0.68, 0.6, 1.44, 0.8]) == pytest.approx([0.64, 0.64, 1.12, 1.12])
     assert costmodel.isotonic([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
