@@ -12,8 +12,9 @@ measures again), and interpolated linearly between grid points (extrapolated pas
 
 Running conditions drift from the calibration (longer contexts, another process on the CPU), so
 the model also hears every step's measured times (:meth:`CostModel.record`) and keeps, per part
-(``verify`` and each drafter) and per width or draft length it has seen, a correction factor: an
-exponential moving average of observed / predicted in log space. A part not yet seen in this run
+(``verify`` and each drafter) and per width or draft length it has seen, a correction factor:
+observed / predicted in log space, the mean of the observations and the calibration's prior, then a
+moving average that follows drift (:meth:`CostModel._correct`). A part not yet seen in this run
 takes the target's correction (what slowed the target since the calibration slowed the machine),
 so a calibration taken on a busy machine is a prior that the first plain steps already correct.
 The selector (:mod:`specdecode.selector`) compares plans by ratios of these costs; the correction
