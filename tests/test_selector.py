@@ -15,6 +15,7 @@ import torch
 
 from specdecode import costmodel
 from specdecode.costmodel import CostModel
+from specdecode.costmodel import judge as real_judge  # (conftest judges every calibration of the suite quiet)
 from specdecode.drafters.base import Proposal
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.multi import MultiDrafter, Parts, merge
@@ -131,6 +132,21 @@ def test_after_a_busy_calibration_one_timed_step_replaces_its_cell():
     quiet = CostModel({1: {1: 1.0, 2: 3.0}}, {})
     quiet.record("verify", 1, 2, 1.5)  # half the calibration: blended with its two pseudo-observations
     assert quiet.verify_s(1, 2) == pytest.approx(3.0 * 0.5 ** (1 / 3))
+
+
+def test_the_quiet_judgement_reads_other_processes_cpu_and_the_spread_of_repeats():
+    class Cpu:
+        def __init__(self, share):
+            self.share = share
+
+        def others(self):
+            return self.share
+
+    assert real_judge(Cpu(0.05), [1.0, 1.02, 1.04]) == costmodel.Noise(0.05, 1.02)
+    assert not real_judge(Cpu(0.5), [1.0, 1.02]).quiet and not real_judge(Cpu(0.0), [1.3, 1.4, 1.2]).quiet
+    share = costmodel.CpuShare()  # the real reading: a share of the CPUs, 0 where /proc cannot be read
+    sum(i * i for i in range(200_000))
+    assert 0.0 <= share.others() <= 1.0
 
 
 def test_a_busy_calibration_is_a_prior_never_cached_and_a_contradicted_one_is_measured_again(tmp_path):
