@@ -50,13 +50,21 @@ def pytest_runtest_protocol(item, nextitem):
     never looks stuck: some tests run whole commands against tiny models for a minute or more."""
     reporter = item.config.pluginmanager.get_plugin("terminalreporter")
     capture = item.config.pluginmanager.get_plugin("capturemanager")
+    # the terminal as it was before pytest captured fd 1 (its saved copy; fd 1 itself when nothing
+    # redirects it), written to directly: the test's own capture is never suspended, so nothing it
+    # prints meanwhile can miss its capsys
+    out = getattr(getattr(capture, "_global_capturing", None), "out", None)
+    terminal = getattr(out, "targetfd_save", 1)
     done = threading.Event()
 
     def beat() -> None:
         start = time.monotonic()
         while not done.wait(HEARTBEAT_S):
-            with capture.global_and_fixture_disabled():  # past the test's captured output, to the terminal
-                reporter.write_line(f"  ... {item.nodeid} still running ({time.monotonic() - start:.0f} s)")
+            line = f"\n  ... {item.nodeid} still running ({time.monotonic() - start:.0f} s)\n"
+            try:
+                os.write(terminal, line.encode())
+            except OSError:
+                return
 
     thread = threading.Thread(target=beat, daemon=True) if reporter is not None else None
     if thread is not None:
