@@ -205,6 +205,12 @@ def _remember(key: str, plan: RowPlan) -> None:
         pass
 
 
+def _key(kind: str, shape: tuple, mode: str, dtype: torch.dtype, device: torch.device,
+         workload: tuple[int, ...]) -> tuple:
+    """The in-memory key of a plan (a prefill's plan is for :data:`BULK_WORKLOAD` whatever the role)."""
+    return (kind, shape, mode, dtype, str(device), torch.get_num_threads(), BULK_WORKLOAD if mode == "bulk" else workload)
+
+
 @dataclass(frozen=True)
 class _Need:
     """One operation shape whose row plan a forward will ask for (see :func:`_plan`)."""
@@ -221,14 +227,13 @@ class _Need:
 
     @property
     def key(self) -> tuple:
-        workload = BULK_WORKLOAD if self.mode == "bulk" else self.workload
-        return (self.kind, self.shape, self.mode, self.dtype, str(self.device), torch.get_num_threads(), workload)
+        return _key(self.kind, self.shape, self.mode, self.dtype, self.device, self.workload)
 
     @property
     def disk_key(self) -> str:
-        workload = BULK_WORKLOAD if self.mode == "bulk" else self.workload
-        return "|".join(map(str, (PLAN_FORMAT, self.kind, self.shape, self.mode, self.dtype, self.device,
-                                  torch.get_num_threads(), hash_workload(workload), torch.__version__, _processor())))
+        kind, shape, mode, dtype, _, threads, workload = self.key
+        return "|".join(map(str, (PLAN_FORMAT, kind, shape, mode, dtype, self.device, threads,
+                                  hash_workload(workload), torch.__version__, _processor())))
 
     def known(self) -> RowPlan | None:
         plan = _PLANS.get(self.key)
@@ -242,7 +247,7 @@ class _Need:
         if not classes:
             raise InvarianceError(f"batch-invariant mode: {self.kind} {self.shape} in {self.dtype} on {self.device}: "
                                   "no row count gives position-independent rows")
-        plan = choose(classes, BULK_WORKLOAD if self.mode == "bulk" else self.workload,
+        plan = choose(classes, self.key[-1],
                       timings(self.run, self.lead, self.width, tuple(m for c in classes for m in c), self.dtype,
                               self.device))
         _remember(self.disk_key, plan)
@@ -256,6 +261,7 @@ class _Need:
 
 
 def _plan(need: _Need) -> RowPlan:
+    """The plan for ``need``: known, read from disk, or probed now."""
     plan = need.known()
     if plan is None:  # a shape :func:`prepare` did not foresee: probed on first use
         print(f"batch-invariant mode: probing {need.kind} {need.shape} {str(need.dtype).removeprefix('torch.')} "
@@ -364,9 +370,14 @@ def _by_plan(rows: torch.Tensor, plan: RowPlan, run: Callable[[torch.Tensor], to
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            workload: tuple[int, ...] = TARGET_WORKLOAD) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1])
-    need = _linear_need(weight, bias, workload, _mode(), x.dtype)
-    return _by_plan(rows, _plan(need), need.run).reshape(*x.shape[:-1], weight.shape[0])
+    def run(rows: torch.Tensor) -> torch.Tensor:
+        return F.linear(rows, weight, bias)
+
+    rows, mode = x.reshape(-1, x.shape[-1]), _mode()
+    plan = _PLANS.get(_key("linear", (tuple(weight.shape), bias is not None), mode, x.dtype, x.device, workload))
+    if plan is None:  # (a forward's hot path looks up the key alone)
+        plan = _plan(_linear_need(weight, bias, workload, mode, x.dtype))
+    return _by_plan(rows, plan, run).reshape(*x.shape[:-1], weight.shape[0])
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor, workload: tuple[int, ...] = TARGET_WORKLOAD) -> torch.Tensor:
@@ -376,7 +387,11 @@ def bmm(a: torch.Tensor, b: torch.Tensor, workload: tuple[int, ...] = TARGET_WOR
     def run(rows: torch.Tensor) -> torch.Tensor:
         return torch.bmm(rows, b[: rows.shape[0]])
 
-    return _by_plan(a, _plan(_bmm_need(tuple(b.shape[1:]), a.device, workload, _mode(), a.dtype)), run)
+    mode = _mode()
+    plan = _PLANS.get(_key("bmm", tuple(b.shape[1:]), mode, a.dtype, a.device, workload))
+    if plan is None:
+        plan = _plan(_bmm_need(tuple(b.shape[1:]), a.device, workload, mode, a.dtype))
+    return _by_plan(a, plan, run)
 
 
 class InvariantLinear(torch.nn.Linear):
