@@ -175,9 +175,11 @@ def _why_plain(records: list[dict[str, Any]], by: dict) -> list[str]:
     lines = []
     for (sampling, group), counts in sorted(by.items()):
         off = counts.get("off", 0) / max(1, sum(counts.values()))
+        if group != "overall" or off < 0.5:
+            continue
         last = next((r for r in reversed(records) if r.get("type") == "run" and r.get("sampling") == sampling
-                     and r.get("policy") and group == "overall"), None)
-        if off < 0.5 or last is None:
+                     and r.get("policy")), None)
+        if last is None:
             continue
         why = last["policy"]
         verify = ", ".join(f"v({w}) = {s / why['step_s']:.2f}" for w, s in why["verify_s"].items())
