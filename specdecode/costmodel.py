@@ -141,9 +141,9 @@ class CostModel:
         once seen, else the part's; a part this run has not timed takes its drafter's (a catch-up) or
         else the target's: the machine's drift since the calibration."""
         if not self.measured(part):
-            base = part.split("/")[0]
-            return self._factor(base) if base != part else (
-                self._factor("verify") if part != "verify" and self.measured("verify") else 1.0)
+            if part.endswith("/catch-up"):  # (a drafter's name may hold a "/": a path)
+                return self._factor(part.removesuffix("/catch-up"))
+            return self._factor("verify") if part != "verify" and self.measured("verify") else 1.0
         cell = self.cells.get(part, {}).get(inner) if inner is not None else None
         return math.exp(cell if cell is not None else self.correction.get(part, 0.0))
 
