@@ -46,8 +46,11 @@ def main() -> None:
                 walls[(sampling, group, c)].append([r["wall_s"] for r in rs])
                 tps[(sampling, group, c)] += [(r["new_tokens"], r["stats"]["target_steps"]) for r in rs]
     fixed = [c for c in configs if c not in ("target", "auto")]
-    print("| sampling | category | " + " | ".join(f"{c}" for c in fixed)
-          + " | auto | auto / best fixed [95 %] | auto tok/step |")
+    print(
+        "| sampling | category | "
+        + " | ".join(f"{c}" for c in fixed)
+        + " | auto | auto / best fixed [95 %] | auto tok/step |"
+    )
     print("|---" * (len(fixed) + 5) + "|")
     rng = np.random.default_rng(0)
     for sampling, group in sorted({(s, g) for s, g, _ in walls}, key=lambda k: (k[0], k[1].startswith("mixed"), k[1])):
@@ -60,8 +63,10 @@ def main() -> None:
         n, steps = map(sum, zip(*tps[(sampling, group, "auto")]))
         cells = " | ".join(f"{speed[c]:.2f}×" for c in fixed)
         interval = _interval(per, fixed, rng)
-        print(f"| {sampling} | {group} | {cells} | **{speed['auto']:.2f}×** | {speed['auto'] / best:.2f}{interval} "
-              f"| {n / steps:.2f} |")
+        print(
+            f"| {sampling} | {group} | {cells} | **{speed['auto']:.2f}×** | {speed['auto'] / best:.2f}{interval} "
+            f"| {n / steps:.2f} |"
+        )
 
 
 def _interval(per: dict[str, list[list[float]]], fixed: list[str], rng: np.random.Generator) -> str:

@@ -60,19 +60,25 @@ def worktree(ref: str) -> Path:
     sha = subprocess.check_output(["git", "-C", str(ROOT), "rev-parse", ref], text=True).strip()
     path = Path(f"/tmp/specdecode-ab-{sha[:10]}")
     if not path.exists():
-        subprocess.check_call(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), sha],
-                              stdout=subprocess.DEVNULL)
+        subprocess.check_call(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), sha], stdout=subprocess.DEVNULL
+        )
     return path
 
 
 def run(tree: Path, args) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    out = subprocess.run([sys.executable, "-c", MEASURE, str(args.prompts), str(args.max_new_tokens), str(args.k),
-                          args.dtype], env=env, capture_output=True, text=True, cwd=tree)
+    out = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(args.prompts), str(args.max_new_tokens), str(args.k), args.dtype],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=tree,
+    )
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
         raise RuntimeError(f"measurement failed in {tree}:\n{out.stderr[-3000:]}")
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def main() -> int:
@@ -93,8 +99,10 @@ def main() -> int:
         for side in order:
             results[side].append(run(trees[side], args))
             print(f"round {r + 1} {side}: {results[side][-1]}", flush=True)
-    print(f"\nmedian decode tok/s over {args.rounds} rounds ({args.prompts} HumanEval prompts, "
-          f"{args.max_new_tokens} tokens, greedy):")
+    print(
+        f"\nmedian decode tok/s over {args.rounds} rounds ({args.prompts} HumanEval prompts, "
+        f"{args.max_new_tokens} tokens, greedy):"
+    )
     summary = {}
     for cfg in results["new"][0]:
         old = statistics.median(x[cfg] for x in results["old"])
@@ -102,8 +110,9 @@ def main() -> int:
         summary[cfg] = {"old": old, "new": new, "new/old": new / old}
         print(f"  {cfg:12s} old {old:6.2f}  new {new:6.2f}  new/old {new / old:.3f}")
     if args.out:
-        args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "raw": results,
-                                        "summary": summary}, indent=2))
+        args.out.write_text(
+            json.dumps({"args": vars(args) | {"out": str(args.out)}, "raw": results, "summary": summary}, indent=2)
+        )
     return 0
 
 

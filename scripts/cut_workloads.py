@@ -62,34 +62,80 @@ class Source:
 
 
 SOURCES = (
-    Source("attrs", "23.2.0", "attrs-23.2.0.tar.gz",
-           "935dc3b529c262f6cf76e50877d35a4bd3c1de194fd41f47a2b7ae8f19971f30", "MIT",
-           ("src/attr/*.py", "src/attrs/*.py"), ("LICENSE",)),
-    Source("click", "8.1.7", "click-8.1.7.tar.gz",
-           "ca9853ad459e787e2192211578cc907e7594e294c7ccc834310722b41b9ca6de", "BSD-3-Clause",
-           ("src/click/*.py",), ("LICENSE.rst",)),
-    Source("more-itertools", "10.2.0", "more-itertools-10.2.0.tar.gz",
-           "8fccb480c43d3e99a00087634c06dd02b0d50fbf088b380de5a41a015ec239e1", "MIT",
-           ("more_itertools/*.py",), ("LICENSE",)),
-    Source("requests", "2.31.0", "requests-2.31.0.tar.gz",
-           "942c5a758f98d790eaed1a29cb6eefc7ffb0d1cf7af05c3d2791656dbd6ad1e1", "Apache-2.0",
-           ("requests/*.py",), ("NOTICE", "LICENSE")),
-    Source("simplejson", "3.19.2", "simplejson-3.19.2.tar.gz",
-           "9eb442a2442ce417801c912df68e1f6ccfcd41577ae7274953ab3ad24ef7d82c",
-           "MIT (dual MIT / AFL-2.1; used under MIT)",
-           ("simplejson/_speedups.c",), ("LICENSE.txt",)),
-    Source("MarkupSafe", "2.1.5", "MarkupSafe-2.1.5.tar.gz",
-           "d283d37a890ba4c1ae73ffadf8046435c76e7bc2247bbb63c00bd1a709c6544b", "BSD-3-Clause",
-           ("src/markupsafe/_speedups.c",), ("LICENSE.rst",)),
-    Source("orjson", "3.10.3", "orjson-3.10.3.tar.gz",
-           "2b166507acae7ba2f7c315dcf185a9111ad5e992ac81f2d507aac39193c2c818", "Apache-2.0 OR MIT (used under MIT)",
-           ("src/*.rs", "src/*/*.rs", "src/*/*/*.rs", "include/yyjson/yyjson.c"),
-           ("LICENSE-MIT", "include/yyjson/yyjson.c"),
-           "include/yyjson/yyjson.c is yyjson by YaoYuan (MIT), vendored in the orjson sdist"),
-    Source("Django", "4.2.11", "Django-4.2.11.tar.gz",
-           "6e6ff3db2d8dd0c986b4eec8554c8e4f919b5c1ff62a5b4390c17aff2ed6e5c4", "BSD-3-Clause",
-           ("django/contrib/admin/static/admin/js/*.js",), ("LICENSE",),
-           "only Django's own admin scripts, not its vendor/ folder"),
+    Source(
+        "attrs",
+        "23.2.0",
+        "attrs-23.2.0.tar.gz",
+        "935dc3b529c262f6cf76e50877d35a4bd3c1de194fd41f47a2b7ae8f19971f30",
+        "MIT",
+        ("src/attr/*.py", "src/attrs/*.py"),
+        ("LICENSE",),
+    ),
+    Source(
+        "click",
+        "8.1.7",
+        "click-8.1.7.tar.gz",
+        "ca9853ad459e787e2192211578cc907e7594e294c7ccc834310722b41b9ca6de",
+        "BSD-3-Clause",
+        ("src/click/*.py",),
+        ("LICENSE.rst",),
+    ),
+    Source(
+        "more-itertools",
+        "10.2.0",
+        "more-itertools-10.2.0.tar.gz",
+        "8fccb480c43d3e99a00087634c06dd02b0d50fbf088b380de5a41a015ec239e1",
+        "MIT",
+        ("more_itertools/*.py",),
+        ("LICENSE",),
+    ),
+    Source(
+        "requests",
+        "2.31.0",
+        "requests-2.31.0.tar.gz",
+        "942c5a758f98d790eaed1a29cb6eefc7ffb0d1cf7af05c3d2791656dbd6ad1e1",
+        "Apache-2.0",
+        ("requests/*.py",),
+        ("NOTICE", "LICENSE"),
+    ),
+    Source(
+        "simplejson",
+        "3.19.2",
+        "simplejson-3.19.2.tar.gz",
+        "9eb442a2442ce417801c912df68e1f6ccfcd41577ae7274953ab3ad24ef7d82c",
+        "MIT (dual MIT / AFL-2.1; used under MIT)",
+        ("simplejson/_speedups.c",),
+        ("LICENSE.txt",),
+    ),
+    Source(
+        "MarkupSafe",
+        "2.1.5",
+        "MarkupSafe-2.1.5.tar.gz",
+        "d283d37a890ba4c1ae73ffadf8046435c76e7bc2247bbb63c00bd1a709c6544b",
+        "BSD-3-Clause",
+        ("src/markupsafe/_speedups.c",),
+        ("LICENSE.rst",),
+    ),
+    Source(
+        "orjson",
+        "3.10.3",
+        "orjson-3.10.3.tar.gz",
+        "2b166507acae7ba2f7c315dcf185a9111ad5e992ac81f2d507aac39193c2c818",
+        "Apache-2.0 OR MIT (used under MIT)",
+        ("src/*.rs", "src/*/*.rs", "src/*/*/*.rs", "include/yyjson/yyjson.c"),
+        ("LICENSE-MIT", "include/yyjson/yyjson.c"),
+        "include/yyjson/yyjson.c is yyjson by YaoYuan (MIT), vendored in the orjson sdist",
+    ),
+    Source(
+        "Django",
+        "4.2.11",
+        "Django-4.2.11.tar.gz",
+        "6e6ff3db2d8dd0c986b4eec8554c8e4f919b5c1ff62a5b4390c17aff2ed6e5c4",
+        "BSD-3-Clause",
+        ("django/contrib/admin/static/admin/js/*.js",),
+        ("LICENSE",),
+        "only Django's own admin scripts, not its vendor/ folder",
+    ),
 )
 
 LANGUAGES = {".py": "python", ".c": "c", ".rs": "rust", ".js": "javascript"}
@@ -126,8 +172,9 @@ def fetch(source: Source, cache: Path) -> bytes:
         urls = [h for h in parser.hrefs if h.split("#")[0].endswith("/" + source.filename)]
         if not urls:
             raise SystemExit(f"{source.filename} is not on {INDEX}/{source.name.lower()}/")
-        with urllib.request.urlopen(urllib.request.urljoin(f"{INDEX}/{source.name.lower()}/", urls[0]),
-                                    timeout=300) as response:
+        with urllib.request.urlopen(
+            urllib.request.urljoin(f"{INDEX}/{source.name.lower()}/", urls[0]), timeout=300
+        ) as response:
             data = response.read()
         cache.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
@@ -159,7 +206,7 @@ def notices(source: Source, data: bytes) -> str:
         for rel in source.notices:
             text = tar.extractfile(f"{top}/{rel}").read().decode("utf-8").replace("\r\n", "\n")
             if rel.endswith(".c"):
-                text = text[:text.index("*/") + 2]
+                text = text[: text.index("*/") + 2]
             parts.append(f"--- {rel} ---\n{text.strip()}\n")
     return "\n".join(parts)
 
@@ -170,8 +217,11 @@ def source_files(source: Source, data: bytes) -> list[File]:
         for member in sorted(tar.getmembers(), key=lambda m: m.name):
             top, _, rel = member.name.partition("/")
             language = LANGUAGES.get(Path(rel).suffix)
-            if not member.isfile() or language is None or not any(fnmatch(rel, p) and rel.count("/") == p.count("/")
-                                                                   for p in source.patterns):
+            if (
+                not member.isfile()
+                or language is None
+                or not any(fnmatch(rel, p) and rel.count("/") == p.count("/") for p in source.patterns)
+            ):
                 continue
             text = tar.extractfile(member).read().decode("utf-8").replace("\r\n", "\n")
             if len(text) >= MIN_FILE_CHARS:
@@ -183,8 +233,9 @@ def split_files(files: list[File]) -> dict[str, str]:
     """File key -> split: per language, ordered by sha256 of the key, alternating dev and test."""
     out = {}
     for language in sorted({f.language for f in files}):
-        ordered = sorted((f for f in files if f.language == language),
-                         key=lambda f: hashlib.sha256(f.key.encode()).hexdigest())
+        ordered = sorted(
+            (f for f in files if f.language == language), key=lambda f: hashlib.sha256(f.key.encode()).hexdigest()
+        )
         out.update({f.key: SPLITS[i % 2] for i, f in enumerate(ordered)})
     return out
 
@@ -228,9 +279,10 @@ def cursors(file: File, rng: random.Random) -> dict[str, list[tuple[int, int, in
         if not _is_code(line, file.language) or i in strings:
             continue
         n = rng.randint(1, 3)
-        body = lines[i:i + n]
-        if len(body) < n or any(not _is_code(x, file.language) or len(x) > 160 or i + j in strings
-                                for j, x in enumerate(body)):
+        body = lines[i : i + n]
+        if len(body) < n or any(
+            not _is_code(x, file.language) or len(x) > 160 or i + j in strings for j, x in enumerate(body)
+        ):
             continue
         prev = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
         col = _indent(line)
@@ -270,9 +322,16 @@ def fim_row(file: File, kind: str, line: int, col: int, n: int, rng: random.Rand
     if min(len(prefix), len(suffix)) < SIDE_CHARS[0] or len(reference.strip()) < 4:
         return None
     rule = "line" if kind == "mid_line" else "block"
-    return {"prefix": prefix, "suffix": suffix, "reference": reference, "language": file.language,
-            "cursor": kind, "fim_stop": rule, "max_new_tokens": FIM_MAX_NEW_TOKENS[rule],
-            "source": {"package": file.package, "version": file.version, "file": file.path, "line": line + 1}}
+    return {
+        "prefix": prefix,
+        "suffix": suffix,
+        "reference": reference,
+        "language": file.language,
+        "cursor": kind,
+        "fim_stop": rule,
+        "max_new_tokens": FIM_MAX_NEW_TOKENS[rule],
+        "source": {"package": file.package, "version": file.version, "file": file.path, "line": line + 1},
+    }
 
 
 def cut_fim(files: list[File], splits: dict[str, str], seed: int) -> list[dict]:
@@ -281,8 +340,9 @@ def cut_fim(files: list[File], splits: dict[str, str], seed: int) -> list[dict]:
         for language, count in FIM_PER_SPLIT.items():
             rng = random.Random(f"{seed}:fim:{split}:{language}")
             pool = [f for f in files if f.language == language and splits[f.key] == split]
-            candidates = {k: [(f, c) for f in pool for c in cursors(f, random.Random(f"{seed}:{f.key}"))[k]]
-                          for k in CURSOR_KINDS}
+            candidates = {
+                k: [(f, c) for f in pool for c in cursors(f, random.Random(f"{seed}:{f.key}"))[k]] for k in CURSOR_KINDS
+            }
             taken: list[tuple[str, int]] = []
             for i in range(count):
                 kind = CURSOR_KINDS[i % len(CURSOR_KINDS)]
@@ -303,20 +363,66 @@ def cut_fim(files: list[File], splits: dict[str, str], seed: int) -> list[dict]:
 
 # -- code edit ---------------------------------------------------------------------------------------
 RENAMES = {
-    "value": "val", "val": "value", "name": "label", "obj": "instance", "func": "callback", "fn": "callback",
-    "data": "payload", "result": "outcome", "rv": "ret", "items": "entries", "item": "entry", "key": "k",
-    "args": "arguments", "kwargs": "options", "attrs": "attributes", "cls": "klass", "ctx": "context",
-    "default": "fallback", "text": "content", "path": "location", "url": "address", "prefix": "head",
-    "iterable": "source", "pred": "predicate", "n": "count", "i": "idx", "x": "elem", "it": "iterator",
-    "s": "string", "params": "parameters", "resp": "response", "response": "resp", "request": "req",
-    "headers": "header_map", "msg": "message", "message": "msg", "rv_value": "ret", "parts": "pieces",
-    "kw": "keywords", "rest": "remainder", "out": "output", "buf": "buffer", "seq": "sequence",
-    "param": "parameter", "option": "opt", "cmd": "command", "command": "cmd", "values": "vals",
-    "callback": "handler", "a": "left", "b": "right", "f": "file_obj", "chunk": "block", "lines": "rows",
+    "value": "val",
+    "val": "value",
+    "name": "label",
+    "obj": "instance",
+    "func": "callback",
+    "fn": "callback",
+    "data": "payload",
+    "result": "outcome",
+    "rv": "ret",
+    "items": "entries",
+    "item": "entry",
+    "key": "k",
+    "args": "arguments",
+    "kwargs": "options",
+    "attrs": "attributes",
+    "cls": "klass",
+    "ctx": "context",
+    "default": "fallback",
+    "text": "content",
+    "path": "location",
+    "url": "address",
+    "prefix": "head",
+    "iterable": "source",
+    "pred": "predicate",
+    "n": "count",
+    "i": "idx",
+    "x": "elem",
+    "it": "iterator",
+    "s": "string",
+    "params": "parameters",
+    "resp": "response",
+    "response": "resp",
+    "request": "req",
+    "headers": "header_map",
+    "msg": "message",
+    "message": "msg",
+    "rv_value": "ret",
+    "parts": "pieces",
+    "kw": "keywords",
+    "rest": "remainder",
+    "out": "output",
+    "buf": "buffer",
+    "seq": "sequence",
+    "param": "parameter",
+    "option": "opt",
+    "cmd": "command",
+    "command": "cmd",
+    "values": "vals",
+    "callback": "handler",
+    "a": "left",
+    "b": "right",
+    "f": "file_obj",
+    "chunk": "block",
+    "lines": "rows",
 }
 
-TAIL = ("Keep everything else exactly as it is. Answer with the complete rewritten function in a single "
-        "```python code block and nothing else.")
+TAIL = (
+    "Keep everything else exactly as it is. Answer with the complete rewritten function in a single "
+    "```python code block and nothing else."
+)
 
 
 def _functions(tree: ast.Module):
@@ -351,14 +457,19 @@ def rename(code: str, old: str, new: str) -> str | None:
     comments) renamed ``new``; None where the positions do not check out."""
     tree = ast.parse(code)
     lines = code.split("\n")
-    spots = sorted({(n.lineno - 1, n.col_offset) for n in ast.walk(tree)
-                    if isinstance(n, ast.Name) and n.id == old or isinstance(n, ast.arg) and n.arg == old},
-                   reverse=True)
+    spots = sorted(
+        {
+            (n.lineno - 1, n.col_offset)
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Name) and n.id == old or isinstance(n, ast.arg) and n.arg == old
+        },
+        reverse=True,
+    )
     for row, byte_col in spots:
         raw = lines[row].encode()
-        if raw[byte_col:byte_col + len(old.encode())] != old.encode():
+        if raw[byte_col : byte_col + len(old.encode())] != old.encode():
             return None
-        lines[row] = (raw[:byte_col] + new.encode() + raw[byte_col + len(old.encode()):]).decode()
+        lines[row] = (raw[:byte_col] + new.encode() + raw[byte_col + len(old.encode()) :]).decode()
     out = "\n".join(lines)
     try:
         same = ast.dump(ast.parse(out)) == ast.dump(_Rename(old, new).visit(ast.parse(code)))
@@ -380,39 +491,78 @@ def edits(code: str, fn: ast.FunctionDef) -> list[dict]:
                 ref = rename(code, old, new)
                 if ref is not None:
                     what = "parameter" if kind == "rename_parameter" else "local variable"
-                    out.append({"change": kind, "reference": ref,
-                                "instruction": f"Rename the {what} `{old}` to `{new}` everywhere in the function "
-                                               "(leave strings and comments as they are)."})
+                    out.append(
+                        {
+                            "change": kind,
+                            "reference": ref,
+                            "instruction": f"Rename the {what} `{old}` to `{new}` everywhere in the function "
+                            "(leave strings and comments as they are).",
+                        }
+                    )
                     break
     args = fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs
     if params and fn.returns is None and all(a.annotation is None for a in args):
-        out.append({"change": "add_type_hints",
-                    "instruction": "Add type hints to every parameter (except self/cls) and to the return value."})
+        out.append(
+            {
+                "change": "add_type_hints",
+                "instruction": "Add type hints to every parameter (except self/cls) and to the return value.",
+            }
+        )
     if ast.get_docstring(fn) is None:
-        out.append({"change": "add_docstring",
-                    "instruction": "Add a short docstring saying what the function does, its parameters and what it "
-                                   "returns."})
+        out.append(
+            {
+                "change": "add_docstring",
+                "instruction": "Add a short docstring saying what the function does, its parameters and what it "
+                "returns.",
+            }
+        )
     for body in (n.body for n in ast.walk(fn) if hasattr(n, "body") and isinstance(n.body, list)):
         for first, second in zip(body, body[1:]):
-            if (isinstance(first, ast.Assign) and len(first.targets) == 1 and isinstance(first.targets[0], ast.Name)
-                    and isinstance(first.value, ast.List) and not first.value.elts and isinstance(second, ast.For)
-                    and not second.orelse and len(second.body) == 1 and isinstance(second.body[0], ast.Expr)
-                    and isinstance(call := second.body[0].value, ast.Call)
-                    and isinstance(call.func, ast.Attribute) and call.func.attr == "append"
-                    and isinstance(call.func.value, ast.Name) and call.func.value.id == first.targets[0].id):
-                out.append({"change": "loop_to_comprehension",
-                            "instruction": f"Replace the loop that fills `{first.targets[0].id}` with a list "
-                                           "comprehension."})
+            if (
+                isinstance(first, ast.Assign)
+                and len(first.targets) == 1
+                and isinstance(first.targets[0], ast.Name)
+                and isinstance(first.value, ast.List)
+                and not first.value.elts
+                and isinstance(second, ast.For)
+                and not second.orelse
+                and len(second.body) == 1
+                and isinstance(second.body[0], ast.Expr)
+                and isinstance(call := second.body[0].value, ast.Call)
+                and isinstance(call.func, ast.Attribute)
+                and call.func.attr == "append"
+                and isinstance(call.func.value, ast.Name)
+                and call.func.value.id == first.targets[0].id
+            ):
+                out.append(
+                    {
+                        "change": "loop_to_comprehension",
+                        "instruction": f"Replace the loop that fills `{first.targets[0].id}` with a list "
+                        "comprehension.",
+                    }
+                )
                 break
         else:
             continue
         break
-    if any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "format"
-           and isinstance(n.func.value, ast.Constant) and isinstance(n.func.value.value, str)
-           or isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mod) and isinstance(n.left, ast.Constant)
-           and isinstance(n.left.value, str) for n in ast.walk(fn)):
-        out.append({"change": "f_strings",
-                    "instruction": "Convert every `str.format` call and `%` string formatting in it to an f-string."})
+    if any(
+        isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr == "format"
+        and isinstance(n.func.value, ast.Constant)
+        and isinstance(n.func.value.value, str)
+        or isinstance(n, ast.BinOp)
+        and isinstance(n.op, ast.Mod)
+        and isinstance(n.left, ast.Constant)
+        and isinstance(n.left.value, str)
+        for n in ast.walk(fn)
+    ):
+        out.append(
+            {
+                "change": "f_strings",
+                "instruction": "Convert every `str.format` call and `%` string formatting in it to an f-string.",
+            }
+        )
     return out
 
 
@@ -423,7 +573,7 @@ def edit_candidates(file: File) -> list[dict]:
         first = min([fn.lineno] + [d.lineno for d in fn.decorator_list])
         if not EDIT_LINES[0] <= fn.end_lineno - first + 1 <= EDIT_LINES[1]:
             continue
-        code = textwrap.dedent("\n".join(lines[first - 1:fn.end_lineno]))
+        code = textwrap.dedent("\n".join(lines[first - 1 : fn.end_lineno]))
         try:
             tree = ast.parse(code)
         except SyntaxError:
@@ -435,8 +585,14 @@ def edit_candidates(file: File) -> list[dict]:
 
 def cut_code_edit(files: list[File], splits: dict[str, str], seed: int) -> list[dict]:
     rows = []
-    changes = ("rename_parameter", "add_type_hints", "rename_variable", "add_docstring", "f_strings",
-               "loop_to_comprehension")
+    changes = (
+        "rename_parameter",
+        "add_type_hints",
+        "rename_variable",
+        "add_docstring",
+        "f_strings",
+        "loop_to_comprehension",
+    )
     for split in SPLITS:
         rng = random.Random(f"{seed}:code_edit:{split}")
         pool = [c for f in files if f.language == "python" and splits[f.key] == split for c in edit_candidates(f)]
@@ -449,14 +605,28 @@ def cut_code_edit(files: list[File], splits: dict[str, str], seed: int) -> list[
                 c = rng.choice(options)
                 taken.add((c["file"].key, c["function"]))
                 f = c["file"]
-                content = (f"Rewrite this Python function with one change: {c['instruction']} {TAIL}\n\n"
-                           f"```python\n{c['code']}\n```")
-                rows.append({"split": split, "messages": [{"role": "user", "content": content}],
-                             "change": change, "instruction": c["instruction"], "reference": c.get("reference"),
-                             "language": "python",
-                             "max_new_tokens": 64 + 16 * math.ceil(len(c["code"]) / 48),
-                             "source": {"package": f.package, "version": f.version, "file": f.path,
-                                        "line": c["line"], "function": c["function"]}})
+                content = (
+                    f"Rewrite this Python function with one change: {c['instruction']} {TAIL}\n\n"
+                    f"```python\n{c['code']}\n```"
+                )
+                rows.append(
+                    {
+                        "split": split,
+                        "messages": [{"role": "user", "content": content}],
+                        "change": change,
+                        "instruction": c["instruction"],
+                        "reference": c.get("reference"),
+                        "language": "python",
+                        "max_new_tokens": 64 + 16 * math.ceil(len(c["code"]) / 48),
+                        "source": {
+                            "package": f.package,
+                            "version": f.version,
+                            "file": f.path,
+                            "line": c["line"],
+                            "function": c["function"],
+                        },
+                    }
+                )
     return [{"id": f"code_edit/{i}", "category": "code_edit", **row} for i, row in enumerate(rows)]
 
 
@@ -475,15 +645,28 @@ def write(out: Path, fim: list[dict], code_edit: list[dict], seed: int, texts: d
     for name, rows in (("fim", fim), ("code_edit", code_edit)):
         with (out / f"{name}.jsonl").open("w", encoding="utf-8") as fh:
             fh.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-    sources = [{"package": s.name, "version": s.version, "sdist": s.filename, "sha256": s.sha256,
-                "license": s.license, "files": list(s.patterns), **({"note": s.note} if s.note else {})}
-               for s in SOURCES]
-    (out / "sources.json").write_text(json.dumps({"seed": seed, "script": "scripts/cut_workloads.py",
-                                                  "sources": sources}, indent=1) + "\n", encoding="utf-8")
+    sources = [
+        {
+            "package": s.name,
+            "version": s.version,
+            "sdist": s.filename,
+            "sha256": s.sha256,
+            "license": s.license,
+            "files": list(s.patterns),
+            **({"note": s.note} if s.note else {}),
+        }
+        for s in SOURCES
+    ]
+    (out / "sources.json").write_text(
+        json.dumps({"seed": seed, "script": "scripts/cut_workloads.py", "sources": sources}, indent=1) + "\n",
+        encoding="utf-8",
+    )
     blocks = [NOTICE_HEAD]
     for s in SOURCES:
-        head = f"{s.name} {s.version} ({s.filename}, sha256 {s.sha256})\nLicense: {s.license}\n" \
-               f"Files: {', '.join(s.patterns)}\n" + (f"Note: {s.note}\n" if s.note else "")
+        head = (
+            f"{s.name} {s.version} ({s.filename}, sha256 {s.sha256})\nLicense: {s.license}\n"
+            f"Files: {', '.join(s.patterns)}\n" + (f"Note: {s.note}\n" if s.note else "")
+        )
         blocks.append("=" * 100 + "\n" + head + "\n" + texts[s.name])
     (out / "NOTICE").write_text("\n".join(blocks), encoding="utf-8")
 
@@ -503,8 +686,11 @@ def main() -> None:
     fim, code_edit = cut_fim(files, splits, args.seed), cut_code_edit(files, splits, args.seed)
     write(args.out, fim, code_edit, args.seed, texts)
     for name, rows in (("fim", fim), ("code_edit", code_edit)):
-        print(name, {s: sum(r["split"] == s for r in rows) for s in SPLITS},
-              f"{sum(len(json.dumps(r)) for r in rows) / 1024:.0f} KiB")
+        print(
+            name,
+            {s: sum(r["split"] == s for r in rows) for s in SPLITS},
+            f"{sum(len(json.dumps(r)) for r in rows) / 1024:.0f} KiB",
+        )
 
 
 if __name__ == "__main__":

@@ -111,8 +111,9 @@ STRATEGIES = {  # --strategies: which requests to generate
 }
 
 
-def fuzz(http: httpx.Client, examples: int, seed_: int, model: str, logs: _Tracebacks | None,
-         strategy: str = "all") -> dict:
+def fuzz(
+    http: httpx.Client, examples: int, seed_: int, model: str, logs: _Tracebacks | None, strategy: str = "all"
+) -> dict:
     statuses: collections.Counter[str] = collections.Counter()
     found: dict[str, dict] = {}
     started = time.monotonic()
@@ -123,11 +124,21 @@ def fuzz(http: httpx.Client, examples: int, seed_: int, model: str, logs: _Trace
         entry = found.setdefault(key, {"cause": key, "count": 0, "body_bytes": len(case.body) + 1})
         entry["count"] += 1
         if len(case.body) < entry["body_bytes"]:  # keep the smallest example
-            entry.update(status=status, body_bytes=len(case.body), request=case.shown(BODY_LIMIT),
-                         problem=problems[0][:1000], traceback=cause[1] if cause else None)
+            entry.update(
+                status=status,
+                body_bytes=len(case.body),
+                request=case.shown(BODY_LIMIT),
+                problem=problems[0][:1000],
+                traceback=cause[1] if cause else None,
+            )
 
-    @settings(max_examples=examples, deadline=None, database=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @seed(seed_)
     @given(case=STRATEGIES[strategy])
     def run(case: F.Case) -> None:
@@ -148,13 +159,20 @@ def fuzz(http: httpx.Client, examples: int, seed_: int, model: str, logs: _Trace
             record(case, status, problems)
         done = sum(statuses.values())
         if done % 250 == 0:
-            print(f"{done} examples, {len(found)} distinct violations, {time.monotonic() - started:.0f} s",
-                  file=sys.stderr)
+            print(
+                f"{done} examples, {len(found)} distinct violations, {time.monotonic() - started:.0f} s",
+                file=sys.stderr,
+            )
 
     run()
-    return {"examples": sum(statuses.values()), "seed": seed_, "strategies": strategy,
-            "seconds": round(time.monotonic() - started, 1),
-            "statuses": dict(sorted(statuses.items())), "violations": sorted(found.values(), key=lambda e: e["cause"])}
+    return {
+        "examples": sum(statuses.values()),
+        "seed": seed_,
+        "strategies": strategy,
+        "seconds": round(time.monotonic() - started, 1),
+        "statuses": dict(sorted(statuses.items())),
+        "violations": sorted(found.values(), key=lambda e: e["cause"]),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,10 +183,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--endpoint", help="base URL of a running server (default: the tiny server, in-process)")
     ap.add_argument("--api-key", default="", help="its API key (with --endpoint)")
     ap.add_argument("--model", help="the model name it serves (with --endpoint)")
-    ap.add_argument("--strategies", choices=sorted(STRATEGIES), default="all",
-                    help="all (default); api: the request fields and raw bodies; structured: every request\n"
-                         "with a JSON schema, regex or grammar (deep $ref and rule chains, repetition\n"
-                         "blow-ups, unsatisfiable classes, never-ending grammars)")
+    ap.add_argument(
+        "--strategies",
+        choices=sorted(STRATEGIES),
+        default="all",
+        help="all (default); api: the request fields and raw bodies; structured: every request\n"
+        "with a JSON schema, regex or grammar (deep $ref and rule chains, repetition\n"
+        "blow-ups, unsatisfiable classes, never-ending grammars)",
+    )
     args = ap.parse_args(argv)
     if args.endpoint and not args.model:
         ap.error("--endpoint needs --model")
@@ -194,8 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(text + "\n")
     else:
         print(text)
-    print(f"{summary['examples']} examples: {summary['statuses']}; {len(summary['violations'])} distinct violations",
-          file=sys.stderr)
+    print(
+        f"{summary['examples']} examples: {summary['statuses']}; {len(summary['violations'])} distinct violations",
+        file=sys.stderr,
+    )
     return 1 if summary["violations"] or not summary["greedy_probe_unchanged"] else 0
 
 

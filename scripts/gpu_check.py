@@ -62,22 +62,65 @@ TEST_FILES = ("tests/test_engine.py", "tests/test_runner_interface.py")
 
 # config.json of Qwen/Qwen2.5-Coder-1.5B-Instruct and Qwen/Qwen2.5-Coder-0.5B-Instruct (the fields that
 # shape the computation; sliding-window attention is off in both)
-_QWEN = dict(vocab_size=151936, max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
-             hidden_act="silu", tie_word_embeddings=True, use_sliding_window=False, sliding_window=32768,
-             attention_dropout=0.0, bos_token_id=151643, eos_token_id=151645, initializer_range=0.02)
-TARGET_CONFIG = dict(_QWEN, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                     num_attention_heads=12, num_key_value_heads=2, max_window_layers=21)
-DRAFT_CONFIG = dict(_QWEN, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                    num_attention_heads=14, num_key_value_heads=2, max_window_layers=21)
+_QWEN = dict(
+    vocab_size=151936,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    hidden_act="silu",
+    tie_word_embeddings=True,
+    use_sliding_window=False,
+    sliding_window=32768,
+    attention_dropout=0.0,
+    bos_token_id=151643,
+    eos_token_id=151645,
+    initializer_range=0.02,
+)
+TARGET_CONFIG = dict(
+    _QWEN,
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    max_window_layers=21,
+)
+DRAFT_CONFIG = dict(
+    _QWEN,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_window_layers=21,
+)
 # --small: same architecture, tiny sizes (seconds on a CPU; for testing this script)
 _SMALL = dict(_QWEN, vocab_size=512, bos_token_id=510, eos_token_id=511, num_key_value_heads=2)
 SMALL_TARGET_CONFIG = dict(_SMALL, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
 SMALL_DRAFT_CONFIG = dict(_SMALL, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
 
-FULL = dict(ks=tuple(range(1, 17)), batches=(1, 2, 4, 8, 16, 32), context=256, new_tokens=64,
-            decode_repeats=3, warmup=2, repeats=5, spec_k=4, spec_steps=16)
-QUICK = dict(ks=(1, 2, 4, 8), batches=(1, 8), context=128, new_tokens=16,
-             decode_repeats=2, warmup=1, repeats=2, spec_k=4, spec_steps=4)
+FULL = dict(
+    ks=tuple(range(1, 17)),
+    batches=(1, 2, 4, 8, 16, 32),
+    context=256,
+    new_tokens=64,
+    decode_repeats=3,
+    warmup=2,
+    repeats=5,
+    spec_k=4,
+    spec_steps=16,
+)
+QUICK = dict(
+    ks=(1, 2, 4, 8),
+    batches=(1, 8),
+    context=128,
+    new_tokens=16,
+    decode_repeats=2,
+    warmup=1,
+    repeats=2,
+    spec_k=4,
+    spec_steps=4,
+)
 ALPHAS = (0.5, 0.6, 0.7, 0.8, 0.9)
 
 
@@ -167,21 +210,39 @@ def measure_decode(target, device, plan) -> dict:
                 first = time.perf_counter()  # prefill + the first step (its .tolist() synchronises)
         sync(device)
         end = time.perf_counter()
-        runs.append(dict(total_s=end - t0, first_token_s=first - t0, tokens=tokens,
-                         decode_tok_s=(tokens - 1) / (end - first) if tokens > 1 else None))
+        runs.append(
+            dict(
+                total_s=end - t0,
+                first_token_s=first - t0,
+                tokens=tokens,
+                decode_tok_s=(tokens - 1) / (end - first) if tokens > 1 else None,
+            )
+        )
     total = statistics.median(r["total_s"] for r in runs)
     decode = [r["decode_tok_s"] for r in runs if r["decode_tok_s"]]
     decode_tok_s = statistics.median(decode) if decode else None
     runner = engine.target
-    slot, ids, pos = (torch.zeros(1, dtype=torch.long, device=device), torch.zeros(1, 1, dtype=torch.long, device=device),
-                      torch.full((1, 1), ctx, device=device))
-    step = median_time(lambda: runner.logits(runner.forward(slot, ids, pos).hidden), device,
-                       plan["warmup"], plan["repeats"])
-    return dict(batch=1, context=ctx, new_tokens=n, repeats=plan["decode_repeats"], runs=runs,
-                tok_s=n / total, decode_tok_s=decode_tok_s,
-                first_token_s=statistics.median(r["first_token_s"] for r in runs),
-                step_ms=1e3 / decode_tok_s if decode_tok_s else None, forward_ms=step * 1e3,
-                engine_overhead=(1.0 / decode_tok_s) / step if decode_tok_s else None)
+    slot, ids, pos = (
+        torch.zeros(1, dtype=torch.long, device=device),
+        torch.zeros(1, 1, dtype=torch.long, device=device),
+        torch.full((1, 1), ctx, device=device),
+    )
+    step = median_time(
+        lambda: runner.logits(runner.forward(slot, ids, pos).hidden), device, plan["warmup"], plan["repeats"]
+    )
+    return dict(
+        batch=1,
+        context=ctx,
+        new_tokens=n,
+        repeats=plan["decode_repeats"],
+        runs=runs,
+        tok_s=n / total,
+        decode_tok_s=decode_tok_s,
+        first_token_s=statistics.median(r["first_token_s"] for r in runs),
+        step_ms=1e3 / decode_tok_s if decode_tok_s else None,
+        forward_ms=step * 1e3,
+        engine_overhead=(1.0 / decode_tok_s) / step if decode_tok_s else None,
+    )
 
 
 def prefilled_runner(model, batches, context: int, max_q: int) -> HFRunner:
@@ -197,8 +258,7 @@ def step_fns(runner: HFRunner, batch: int, q: int, context: int, seed: int):
     slots = torch.arange(batch, device=dev)
     ids = torch.randint(0, runner.vocab_size, (batch, q), generator=gen).to(dev)
     pos = (context + torch.arange(q, device=dev))[None].expand(batch, -1)
-    return (lambda: runner.logits(runner.forward(slots, ids, pos).hidden),
-            lambda: runner.forward(slots, ids, pos))
+    return (lambda: runner.logits(runner.forward(slots, ids, pos).hidden), lambda: runner.forward(slots, ids, pos))
 
 
 def measure_verify(target, device, plan, deadline: Deadline) -> dict:
@@ -217,15 +277,25 @@ def measure_verify(target, device, plan, deadline: Deadline) -> dict:
             step, fwd = step_fns(runner, b, q, ctx, seed=q)
             ms[q] = median_time(step, device, plan["warmup"], plan["repeats"]) * 1e3
             ms_fwd[q] = median_time(fwd, device, plan["warmup"], plan["repeats"]) * 1e3
-        rows[b] = dict(step_ms={q: round(t, 4) for q, t in ms.items()},
-                       forward_ms={q: round(t, 4) for q, t in ms_fwd.items()},
-                       v={k: ms[k + 1] / ms[1] for k in ks},
-                       v_forward={k: ms_fwd[k + 1] / ms_fwd[1] for k in ks})
-        print(f"  batch {b:>2}: 1 token {ms[1]:.2f} ms, " + ", ".join(f"v({k})={rows[b]['v'][k]:.2f}" for k in ks),
-              flush=True)
+        rows[b] = dict(
+            step_ms={q: round(t, 4) for q, t in ms.items()},
+            forward_ms={q: round(t, 4) for q, t in ms_fwd.items()},
+            v={k: ms[k + 1] / ms[1] for k in ks},
+            v_forward={k: ms_fwd[k + 1] / ms_fwd[1] for k in ks},
+        )
+        print(
+            f"  batch {b:>2}: 1 token {ms[1]:.2f} ms, " + ", ".join(f"v({k})={rows[b]['v'][k]:.2f}" for k in ks),
+            flush=True,
+        )
     del runner
-    return dict(context=ctx, ks=list(ks), includes="forward + logits of every query (the engine's verify step)",
-                finite_logits=finite, complete=complete, by_batch=rows)
+    return dict(
+        context=ctx,
+        ks=list(ks),
+        includes="forward + logits of every query (the engine's verify step)",
+        finite_logits=finite,
+        complete=complete,
+        by_batch=rows,
+    )
 
 
 def measure_draft(target, draft, device, plan, batches) -> dict:
@@ -234,8 +304,10 @@ def measure_draft(target, draft, device, plan, batches) -> dict:
     out = {}
     runners = {name: prefilled_runner(m, batches, ctx, 1) for name, m in (("target", target), ("draft", draft))}
     for b in batches:
-        t = {name: median_time(step_fns(r, b, 1, ctx, seed=7)[0], device, plan["warmup"], plan["repeats"])
-             for name, r in runners.items()}
+        t = {
+            name: median_time(step_fns(r, b, 1, ctx, seed=7)[0], device, plan["warmup"], plan["repeats"])
+            for name, r in runners.items()
+        }
         out[b] = dict(draft_ms=t["draft"] * 1e3, target_ms=t["target"] * 1e3, c=t["draft"] / t["target"])
     return dict(context=ctx, by_batch=out, c=out[batches[0]]["c"] if batches else None)
 
@@ -265,9 +337,17 @@ def measure_spec_step(target, draft, device, plan, verify: dict, draft_cost: dic
     verify_ms = one.get("step_ms", {}).get(k + 1)
     draft_ms = draft_cost["by_batch"].get(1, {}).get("draft_ms")
     predicted = k * draft_ms + verify_ms if verify_ms is not None and draft_ms is not None else None
-    return dict(k=k, batch=1, steps_timed=len(times), step_ms=step_ms, drafted=drafted, accepted=accepted,
-                forwards_ms=predicted, engine_overhead=step_ms / predicted if step_ms and predicted else None,
-                note="acceptance is meaningless with random weights; the step time is what matters")
+    return dict(
+        k=k,
+        batch=1,
+        steps_timed=len(times),
+        step_ms=step_ms,
+        drafted=drafted,
+        accepted=accepted,
+        forwards_ms=predicted,
+        engine_overhead=step_ms / predicted if step_ms and predicted else None,
+        note="acceptance is meaningless with random weights; the step time is what matters",
+    )
 
 
 def projection(verify: dict, draft_cost: dict) -> dict:
@@ -281,8 +361,9 @@ def projection(verify: dict, draft_cost: dict) -> dict:
         for alpha in ALPHAS:
             k, s = max(((k, predicted_speedup(alpha, k, c, v)) for k, v in row["v"].items()), key=lambda x: x[1])
             per_alpha[alpha] = dict(best_k=k, speedup=s)
-        out[b] = dict(c=c, by_alpha=per_alpha,
-                      break_even_alpha={k: break_even_alpha(k, c, v) for k, v in row["v"].items()})
+        out[b] = dict(
+            c=c, by_alpha=per_alpha, break_even_alpha={k: break_even_alpha(k, c, v) for k, v in row["v"].items()}
+        )
     return out
 
 
@@ -299,32 +380,51 @@ def run_tests(device: torch.device, timeout: float) -> dict:
     lines = output.strip().splitlines()
     pattern = re.compile(r"\b(passed|failed|error|errors|no tests ran)\b")
     summary = next((ln.strip("= ") for ln in reversed(lines) if pattern.search(ln)), None)
-    return dict(command=" ".join(["SPECDECODE_TEST_DEVICE=" + str(device), "pytest -q", *TEST_FILES]),
-                returncode=rc, timed_out=rc is None, timeout_s=timeout, seconds=time.perf_counter() - t0,
-                summary=summary if rc is not None else f"timed out after {timeout:.0f} s",
-                failures=[ln for ln in lines if ln.startswith(("FAILED", "ERROR"))],
-                output_tail=output[-4000:])
+    return dict(
+        command=" ".join(["SPECDECODE_TEST_DEVICE=" + str(device), "pytest -q", *TEST_FILES]),
+        returncode=rc,
+        timed_out=rc is None,
+        timeout_s=timeout,
+        seconds=time.perf_counter() - t0,
+        summary=summary if rc is not None else f"timed out after {timeout:.0f} s",
+        failures=[ln for ln in lines if ln.startswith(("FAILED", "ERROR"))],
+        output_tail=output[-4000:],
+    )
 
 
 # -- report ----------------------------------------------------------------------------------------
 def environment(device: torch.device, dtype: str, small: bool, quick: bool, commit: str | None = None) -> dict:
     def git(*args):
         try:
-            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10,
-                                  check=True).stdout.strip()
+            return subprocess.run(
+                ["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10, check=True
+            ).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return None
 
-    env = dict(device=str(device), dtype=dtype, small=small, quick=quick, torch=torch.__version__,
-               transformers=transformers.__version__, python=platform.python_version(),
-               commit=commit or git("rev-parse", "HEAD"), dirty=None, host=platform.node(),
-               cpu_threads=torch.get_num_threads())
+    env = dict(
+        device=str(device),
+        dtype=dtype,
+        small=small,
+        quick=quick,
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        python=platform.python_version(),
+        commit=commit or git("rev-parse", "HEAD"),
+        dirty=None,
+        host=platform.node(),
+        cpu_threads=torch.get_num_threads(),
+    )
     status = git("status", "--porcelain", "--untracked-files=no")
     env["dirty"] = None if status is None else bool(status)
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        env.update(device_name=torch.cuda.get_device_name(device), cuda=torch.version.cuda,
-                   capability=f"{props.major}.{props.minor}", memory_gib=round(props.total_memory / 2**30, 1))
+        env.update(
+            device_name=torch.cuda.get_device_name(device),
+            cuda=torch.version.cuda,
+            capability=f"{props.major}.{props.minor}",
+            memory_gib=round(props.total_memory / 2**30, 1),
+        )
     else:
         env["device_name"] = cpu_name()
     return env
@@ -349,14 +449,18 @@ def print_tables(results: dict) -> None:
     print(f"\n== {env['device_name']} ({env['device']}), {env['dtype']}, torch {env['torch']}, commit {env['commit']}")
     m = results.get("models")
     if m:
-        print(f"target {m['target']['params'] / 1e6:.1f} M params, draft {m['draft']['params'] / 1e6:.1f} M params"
-              f" ({'small configs' if env['small'] else 'Qwen2.5-Coder 1.5B / 0.5B configs'}, random weights)")
+        print(
+            f"target {m['target']['params'] / 1e6:.1f} M params, draft {m['draft']['params'] / 1e6:.1f} M params"
+            f" ({'small configs' if env['small'] else 'Qwen2.5-Coder 1.5B / 0.5B configs'}, random weights)"
+        )
     d = results.get("decode")
     if d:
-        print(f"\ntarget-only decode, batch 1, {d['new_tokens']} tokens after a {d['context']}-token prompt: "
-              f"{d['tok_s']:.1f} tok/s end to end, {d['decode_tok_s'] or float('nan'):.1f} tok/s decode; "
-              f"step {d['step_ms'] or float('nan'):.2f} ms vs bare forward {d['forward_ms']:.2f} ms "
-              f"(engine overhead {d['engine_overhead'] or float('nan'):.2f}x)")
+        print(
+            f"\ntarget-only decode, batch 1, {d['new_tokens']} tokens after a {d['context']}-token prompt: "
+            f"{d['tok_s']:.1f} tok/s end to end, {d['decode_tok_s'] or float('nan'):.1f} tok/s decode; "
+            f"step {d['step_ms'] or float('nan'):.2f} ms vs bare forward {d['forward_ms']:.2f} ms "
+            f"(engine overhead {d['engine_overhead'] or float('nan'):.2f}x)"
+        )
     v = results.get("verify")
     if v and v["by_batch"]:
         batches = list(v["by_batch"])
@@ -368,20 +472,31 @@ def print_tables(results: dict) -> None:
             print(f"| {k} | " + " | ".join(f"{v['by_batch'][b]['v'][k]:.2f}" for b in batches) + " |")
     c = results.get("draft")
     if c:
-        print("\ndraft cost c = t_draft(1) / t_target(1): " + ", ".join(
-            f"B={b}: {r['c']:.2f} ({r['draft_ms']:.2f} / {r['target_ms']:.2f} ms)" for b, r in c["by_batch"].items()))
+        print(
+            "\ndraft cost c = t_draft(1) / t_target(1): "
+            + ", ".join(
+                f"B={b}: {r['c']:.2f} ({r['draft_ms']:.2f} / {r['target_ms']:.2f} ms)" for b, r in c["by_batch"].items()
+            )
+        )
     s = results.get("spec_step")
     if s and s["step_ms"]:
-        print(f"\nspeculative engine step, k={s['k']}, batch 1: {s['step_ms']:.2f} ms vs its forwards "
-              f"{s['forwards_ms']:.2f} ms (engine overhead {s['engine_overhead']:.2f}x)")
+        print(
+            f"\nspeculative engine step, k={s['k']}, batch 1: {s['step_ms']:.2f} ms vs its forwards "
+            f"{s['forwards_ms']:.2f} ms (engine overhead {s['engine_overhead']:.2f}x)"
+        )
     p = results.get("projection")
     if p:
         print("\nprojected speedup E(α,k)/(k·c+v(k)), best k (a prediction from c and v, not a measurement)")
         print("| α | " + " | ".join(f"B={b}" for b in p) + " |")
         print("|---|" + "---|" * len(p))
         for alpha in ALPHAS:
-            print(f"| {alpha} | " + " | ".join(
-                f"{r['by_alpha'][alpha]['speedup']:.2f}x (k={r['by_alpha'][alpha]['best_k']})" for r in p.values()) + " |")
+            print(
+                f"| {alpha} | "
+                + " | ".join(
+                    f"{r['by_alpha'][alpha]['speedup']:.2f}x (k={r['by_alpha'][alpha]['best_k']})" for r in p.values()
+                )
+                + " |"
+            )
     t = results.get("tests")
     if t:
         print(f"\ntests on {env['device']}: {t['summary']} ({t['seconds']:.0f} s)")
@@ -392,18 +507,28 @@ def print_tables(results: dict) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--device", type=device_arg, default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
     ap.add_argument("--dtype", type=dtype_arg, default="auto", help=f"{', '.join(DTYPE_CHOICES)} (auto: bf16 on CUDA)")
     ap.add_argument("--quick", action="store_true", help="a few k and batch points, fewer tokens and repeats (< 1 min)")
-    ap.add_argument("--small", action="store_true", help="tiny configs instead of the Qwen2.5-Coder ones (tests this script)")
+    ap.add_argument(
+        "--small", action="store_true", help="tiny configs instead of the Qwen2.5-Coder ones (tests this script)"
+    )
     ap.add_argument("--skip-tests", action="store_true", help="do not run the engine's tests on the device")
     ap.add_argument("--tests-only", action="store_true", help="only run the tests")
-    ap.add_argument("--max-seconds", type=float, default=None,
-                    help="measurement budget: the v(k) sweep skips the remaining batch sizes past it (default 240, quick 40)")
+    ap.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="measurement budget: the v(k) sweep skips the remaining batch sizes past it (default 240, quick 40)",
+    )
     ap.add_argument("--tests-timeout", type=float, default=200.0, help="seconds the pytest run may take (default 200)")
     ap.add_argument("--out", type=Path, default=Path("gpu_check.json"))
-    ap.add_argument("--commit", help="the commit to record where the copy has no git history (default: git rev-parse HEAD)")
+    ap.add_argument(
+        "--commit", help="the commit to record where the copy has no git history (default: git rev-parse HEAD)"
+    )
     args = ap.parse_args(argv)
 
     start = time.monotonic()
@@ -411,10 +536,16 @@ def main(argv=None) -> int:
     device = resolve_device(args.device)
     dtype = dtype_name(args.dtype, device)
     plan = dict(QUICK if args.quick else FULL)
-    results: dict = dict(environment=environment(device, dtype, args.small, args.quick, args.commit),
-                         plan={k: list(v) if isinstance(v, tuple) else v for k, v in plan.items()}, errors={})
-    print(f"gpu_check: {results['environment']['device_name']} ({device}), {dtype}, "
-          f"{'quick' if args.quick else 'full'}{', small configs' if args.small else ''}", flush=True)
+    results: dict = dict(
+        environment=environment(device, dtype, args.small, args.quick, args.commit),
+        plan={k: list(v) if isinstance(v, tuple) else v for k, v in plan.items()},
+        errors={},
+    )
+    print(
+        f"gpu_check: {results['environment']['device_name']} ({device}), {dtype}, "
+        f"{'quick' if args.quick else 'full'}{', small configs' if args.small else ''}",
+        flush=True,
+    )
 
     def phase(name, fn):
         t0 = time.monotonic()
@@ -430,14 +561,18 @@ def main(argv=None) -> int:
 
     if not args.tests_only:
         torch_dtype = getattr(torch, dtype)
-        target_cfg, draft_cfg = (SMALL_TARGET_CONFIG, SMALL_DRAFT_CONFIG) if args.small else (TARGET_CONFIG, DRAFT_CONFIG)
+        target_cfg, draft_cfg = (
+            (SMALL_TARGET_CONFIG, SMALL_DRAFT_CONFIG) if args.small else (TARGET_CONFIG, DRAFT_CONFIG)
+        )
         models = {}
 
         def build():
             models["target"] = build_model(target_cfg, device, torch_dtype, seed=0)
             models["draft"] = build_model(draft_cfg, device, torch_dtype, seed=1)
-            return {name: dict(params=param_count(m), config=cfg)
-                    for (name, m), cfg in zip(models.items(), (target_cfg, draft_cfg))}
+            return {
+                name: dict(params=param_count(m), config=cfg)
+                for (name, m), cfg in zip(models.items(), (target_cfg, draft_cfg))
+            }
 
         if phase("models", build):
             target, draft = models["target"], models["draft"]
@@ -451,7 +586,9 @@ def main(argv=None) -> int:
             del target, draft
             models.clear()
             if device.type == "cuda":
-                results["environment"]["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+                results["environment"]["max_memory_allocated_gib"] = round(
+                    torch.cuda.max_memory_allocated(device) / 2**30, 2
+                )
                 torch.cuda.empty_cache()
     if not args.skip_tests:
         phase("tests", lambda: run_tests(device, args.tests_timeout))

@@ -42,22 +42,51 @@ def tool_env() -> dict:
 
 
 def llama_bench(gguf: Path, threads: int, n: int, depth: int) -> dict:
-    out = subprocess.run(tool("llama-bench") + ["-m", str(gguf), "-t", str(threads), "-p", "0", "-n", str(n),
-                                                "-d", str(depth), "-r", "1", "-o", "json"],
-                         capture_output=True, text=True, env=tool_env(), check=True).stdout
+    out = subprocess.run(
+        tool("llama-bench")
+        + ["-m", str(gguf), "-t", str(threads), "-p", "0", "-n", str(n), "-d", str(depth), "-r", "1", "-o", "json"],
+        capture_output=True,
+        text=True,
+        env=tool_env(),
+        check=True,
+    ).stdout
     row = json.loads(out)[0]
     return {"decode_tok_s": row["avg_ts"]}
 
 
-def llama_speculative(target: Path, draft: Path, prompt: str, threads: int, n: int, k: int, temp: float,
-                      seed: int) -> dict:
+def llama_speculative(
+    target: Path, draft: Path, prompt: str, threads: int, n: int, k: int, temp: float, seed: int
+) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write(prompt)
     try:
         args = tool("llama-speculative") + [
-            "-m", str(target), "-md", str(draft), "-f", f.name, "-n", str(n), "--ignore-eos", "-t", str(threads),
-            "-c", "4096", "--spec-draft-n-max", str(k), "--temp", str(temp), "--seed", str(seed),
-            "--top-k", "0", "--top-p", "1.0", "--min-p", "0.0"]  # plain temperature sampling, like ours
+            "-m",
+            str(target),
+            "-md",
+            str(draft),
+            "-f",
+            f.name,
+            "-n",
+            str(n),
+            "--ignore-eos",
+            "-t",
+            str(threads),
+            "-c",
+            "4096",
+            "--spec-draft-n-max",
+            str(k),
+            "--temp",
+            str(temp),
+            "--seed",
+            str(seed),
+            "--top-k",
+            "0",
+            "--top-p",
+            "1.0",
+            "--min-p",
+            "0.0",
+        ]  # plain temperature sampling, like ours
         proc = subprocess.run(args, capture_output=True, text=True, env=tool_env())
     finally:
         os.unlink(f.name)
@@ -67,9 +96,12 @@ def llama_speculative(target: Path, draft: Path, prompt: str, threads: int, n: i
         raise RuntimeError(f"llama-speculative failed ({proc.returncode}): {text[-2000:]}")
     acc = re.search(r"accept\s+=\s+([\d.]+)%", text)
     drafted = re.search(r"n_drafted\s+=\s+(\d+)", text)
-    return {"decode_tok_s": float(m.group(3)), "tokens": int(m.group(1)),
-            "acceptance": float(acc.group(1)) / 100 if acc else None,
-            "drafted": int(drafted.group(1)) if drafted else None}
+    return {
+        "decode_tok_s": float(m.group(3)),
+        "tokens": int(m.group(1)),
+        "acceptance": float(acc.group(1)) / 100 if acc else None,
+        "drafted": int(drafted.group(1)) if drafted else None,
+    }
 
 
 def ours(engine, ids: list[int], n: int, temp: float, seed: int) -> dict:
@@ -82,8 +114,13 @@ def ours(engine, ids: list[int], n: int, temp: float, seed: int) -> dict:
         engine.step()
     elapsed = time.perf_counter() - start
     s = seq.stats
-    return {"decode_tok_s": len(seq.output_ids) / elapsed, "tokens": len(seq.output_ids),
-            "acceptance": s.acceptance_rate, "tokens_per_step": s.tokens_per_step, "token_ids": seq.output_ids}
+    return {
+        "decode_tok_s": len(seq.output_ids) / elapsed,
+        "tokens": len(seq.output_ids),
+        "acceptance": s.acceptance_rate,
+        "tokens_per_step": s.tokens_per_step,
+        "token_ids": seq.output_ids,
+    }
 
 
 def main() -> int:
@@ -95,8 +132,11 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--k", type=int, default=4, help="draft length of the draft-model configs (both tools)")
     ap.add_argument("--temperatures", default="0,0.7")
-    ap.add_argument("--configs", default="draft-k{k},draft-k2,draft-k8-conf0.4,ngram-k2",
-                    help="our speculative configs: draft-k<k>[-conf<p>], ngram-k<k>")
+    ap.add_argument(
+        "--configs",
+        default="draft-k{k},draft-k2,draft-k8-conf0.4,ngram-k2",
+        help="our speculative configs: draft-k<k>[-conf<p>], ngram-k<k>",
+    )
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
 
@@ -120,10 +160,14 @@ def main() -> int:
                 cfg = EngineConfig(args.target, None, num_draft_tokens=0, backend="llamacpp", threads=args.threads)
             else:
                 m = re.fullmatch(r"(draft|ngram)-k(\d+)(?:-conf([\d.]+))?", name)
-                cfg = EngineConfig(args.target, args.draft if m.group(1) == "draft" else "ngram",
-                                   num_draft_tokens=int(m.group(2)),
-                                   backend="llamacpp", threads=args.threads,
-                                   draft_confidence=float(m.group(3) or 0))
+                cfg = EngineConfig(
+                    args.target,
+                    args.draft if m.group(1) == "draft" else "ngram",
+                    num_draft_tokens=int(m.group(2)),
+                    backend="llamacpp",
+                    threads=args.threads,
+                    draft_confidence=float(m.group(3) or 0),
+                )
             cfg.max_context = 4096
             engines[name] = engine_from_pair(pair, cfg)
         return engines[name]
@@ -135,13 +179,26 @@ def main() -> int:
         for line in path.read_text().splitlines():
             r = json.loads(line)
             done.add((r["prompt"], r["temp"], r["tool"], r["config"]))
-    meta = {"command": " ".join(sys.argv), "threads": args.threads, "target": str(target_path),
-            "draft": str(draft_path), "max_new_tokens": args.max_new_tokens,
-            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
-            "cpu_flags": sorted({f for f in open("/proc/cpuinfo").read().split() if f in
-                                 ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "avx_vnni")})}
+    meta = {
+        "command": " ".join(sys.argv),
+        "threads": args.threads,
+        "target": str(target_path),
+        "draft": str(draft_path),
+        "max_new_tokens": args.max_new_tokens,
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip(),
+        "cpu_flags": sorted(
+            {
+                f
+                for f in open("/proc/cpuinfo").read().split()
+                if f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "avx_vnni")
+            }
+        ),
+    }
     (args.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     with path.open("a") as log:
+
         def record(rec: dict) -> None:
             rec.pop("token_ids", None)
             log.write(json.dumps(rec) + "\n")
@@ -155,13 +212,30 @@ def main() -> int:
                 base = {"prompt": p.id, "temp": temp, "prompt_tokens": len(ids)}
                 jobs = []
                 if temp == 0:  # llama-bench has no sampling: its speed is the target-only speed for both
-                    jobs.append(("llama.cpp", "target", lambda: llama_bench(target_path, args.threads,
-                                                                            args.max_new_tokens, len(ids))))
-                jobs.append(("llama.cpp", f"speculative-k{args.k}", lambda: llama_speculative(
-                    target_path, draft_path, text, args.threads, args.max_new_tokens, args.k, temp, 0)))
+                    jobs.append(
+                        (
+                            "llama.cpp",
+                            "target",
+                            lambda: llama_bench(target_path, args.threads, args.max_new_tokens, len(ids)),
+                        )
+                    )
+                jobs.append(
+                    (
+                        "llama.cpp",
+                        f"speculative-k{args.k}",
+                        lambda: llama_speculative(
+                            target_path, draft_path, text, args.threads, args.max_new_tokens, args.k, temp, 0
+                        ),
+                    )
+                )
                 for name in ["target"] + configs:
-                    jobs.append(("specdecode", name, lambda name=name: ours(engine_for(name), ids,
-                                                                             args.max_new_tokens, temp, 0)))
+                    jobs.append(
+                        (
+                            "specdecode",
+                            name,
+                            lambda name=name: ours(engine_for(name), ids, args.max_new_tokens, temp, 0),
+                        )
+                    )
                 for tool_name, config, run in jobs:
                     if (p.id, temp, tool_name, config) in done:
                         continue
@@ -178,28 +252,39 @@ def write_report(out: Path) -> None:
         if tool_name == "llama.cpp":
             for t in {r["temp"] for r in rows}:
                 base.setdefault((prompt, t, tool_name), speed)
-    lines = ["# specdecode on llama.cpp vs llama.cpp's own tools", "",
-             f"- command: `{meta['command']}` (commit {meta['commit']})",
-             f"- threads {meta['threads']}; CPU flags {', '.join(meta['cpu_flags'])}; "
-             f"{meta['max_new_tokens']} new tokens per prompt, EOS ignored",
-             f"- target {meta['target']}, draft {meta['draft']}",
-             "- decode tok/s exclude the prompt; speedup = over the same tool's target-only on the same prompt "
-             "(llama.cpp: llama-bench tg at the prompt's depth); medians over prompts", "",
-             "| temp | tool | config | prompts | decode tok/s | speedup | acceptance | tokens/step |",
-             "|---|---|---|---|---|---|---|---|"]
-    keys = sorted({(r["temp"], r["tool"], r["config"]) for r in rows}, key=lambda k: (k[0], k[1], k[2] != "target", k[2]))
+    lines = [
+        "# specdecode on llama.cpp vs llama.cpp's own tools",
+        "",
+        f"- command: `{meta['command']}` (commit {meta['commit']})",
+        f"- threads {meta['threads']}; CPU flags {', '.join(meta['cpu_flags'])}; "
+        f"{meta['max_new_tokens']} new tokens per prompt, EOS ignored",
+        f"- target {meta['target']}, draft {meta['draft']}",
+        "- decode tok/s exclude the prompt; speedup = over the same tool's target-only on the same prompt "
+        "(llama.cpp: llama-bench tg at the prompt's depth); medians over prompts",
+        "",
+        "| temp | tool | config | prompts | decode tok/s | speedup | acceptance | tokens/step |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    keys = sorted(
+        {(r["temp"], r["tool"], r["config"]) for r in rows}, key=lambda k: (k[0], k[1], k[2] != "target", k[2])
+    )
     for temp, tool_name, config in keys:
         sel = [r for r in rows if (r["temp"], r["tool"], r["config"]) == (temp, tool_name, config)]
-        speed = [r["decode_tok_s"] / base[(r["prompt"], temp, tool_name)] for r in sel
-                 if (r["prompt"], temp, tool_name) in base]
+        speed = [
+            r["decode_tok_s"] / base[(r["prompt"], temp, tool_name)]
+            for r in sel
+            if (r["prompt"], temp, tool_name) in base
+        ]
         acc = [r["acceptance"] for r in sel if r.get("acceptance") is not None]
         tps = [r["tokens_per_step"] for r in sel if r.get("tokens_per_step") is not None]
 
         def med(xs, fmt):
             return format(statistics.median(xs), fmt) if xs else "–"
 
-        lines.append(f"| {temp} | {tool_name} | {config} | {len(sel)} | {med([r['decode_tok_s'] for r in sel], '.2f')} "
-                     f"| {med(speed, '.2f')}× | {med(acc, '.2f')} | {med(tps, '.2f')} |")
+        lines.append(
+            f"| {temp} | {tool_name} | {config} | {len(sel)} | {med([r['decode_tok_s'] for r in sel], '.2f')} "
+            f"| {med(speed, '.2f')}× | {med(acc, '.2f')} | {med(tps, '.2f')} |"
+        )
     (out / "report.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

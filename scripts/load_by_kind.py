@@ -41,16 +41,21 @@ def main() -> None:
         ttft = np.array([r["ttft_s"] for r in rows])
         itl = np.array([g for r in rows for g in r["itl_s"]] or [np.nan])
         tokens = np.median([r.get("prompt_tokens") or 0 for r in rows])
-        line = (f"| {level:g} | {endpoint} | {k} | {len(rows)} | {tokens:.0f} | {np.percentile(ttft, 50):.1f} / "
-                f"{np.percentile(ttft, 99):.1f} / {ttft.max():.1f} | {np.nanpercentile(itl, 99):.1f} |")
+        line = (
+            f"| {level:g} | {endpoint} | {k} | {len(rows)} | {tokens:.0f} | {np.percentile(ttft, 50):.1f} / "
+            f"{np.percentile(ttft, 99):.1f} / {ttft.max():.1f} | {np.nanpercentile(itl, 99):.1f} |"
+        )
         if args.baseline:
             base = {r["index"]: r for r in groups.get((level, args.baseline, k), [])}
             pairs = [(base[r["index"]], r) for r in rows if r["index"] in base]
             if endpoint == args.baseline or not pairs:
                 line += " – | – | – |"
             else:
-                line += f" {len(pairs)} | " + " | ".join(_ratio([f(c) / f(b) for b, c in pairs if f(b) and f(c)])
-                                                        for f in (_ttft, _tpot)) + " |"
+                line += (
+                    f" {len(pairs)} | "
+                    + " | ".join(_ratio([f(c) / f(b) for b, c in pairs if f(b) and f(c)]) for f in (_ttft, _tpot))
+                    + " |"
+                )
         print(line)
 
 

@@ -18,14 +18,18 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--max-chars", type=int, default=3000, help="longest summarization article kept")
     args = parser.parse_args()
-    rows = [{"id": p.id, "category": "summarization", "messages": p.messages}
-            for p in load_spec_bench(categories=["summarization"])
-            if len(p.messages[0]["content"]) <= args.max_chars]
+    rows = [
+        {"id": p.id, "category": "summarization", "messages": p.messages}
+        for p in load_spec_bench(categories=["summarization"])
+        if len(p.messages[0]["content"]) <= args.max_chars
+    ]
     rows += [{"id": p.id, "category": "humaneval", "prompt": p.text} for p in load_humaneval(problems=HUMANEVAL_TEST)]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    print(f"{args.out}: {sum(r['category'] == 'summarization' for r in rows)} summarization, "
-          f"{sum(r['category'] == 'humaneval' for r in rows)} HumanEval prompts")
+    print(
+        f"{args.out}: {sum(r['category'] == 'summarization' for r in rows)} summarization, "
+        f"{sum(r['category'] == 'humaneval' for r in rows)} HumanEval prompts"
+    )
 
 
 if __name__ == "__main__":

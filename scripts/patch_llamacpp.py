@@ -30,11 +30,15 @@ from pathlib import Path
 MARK = "/* specdecode: keep the tile configuration's stores (scripts/patch_llamacpp.py) */"
 # (old, new) pairs, each to be found exactly once
 EDITS = [
-    ("    _tile_loadconfig(&tc);\n    done = true;",
-     f'    {MARK}\n    __asm__ __volatile__("" : : "r"(&tc) : "memory");\n    _tile_loadconfig(&tc);\n    done = true;'),
-    ("    if (done) {\n        return;\n    }\n",
-     "    /* specdecode: load it on every call: torch's oneDNN may have released the tiles on this thread */\n"
-     "    (void) done;\n"),
+    (
+        "    _tile_loadconfig(&tc);\n    done = true;",
+        f'    {MARK}\n    __asm__ __volatile__("" : : "r"(&tc) : "memory");\n    _tile_loadconfig(&tc);\n    done = true;',
+    ),
+    (
+        "    if (done) {\n        return;\n    }\n",
+        "    /* specdecode: load it on every call: torch's oneDNN may have released the tiles on this thread */\n"
+        "    (void) done;\n",
+    ),
 ]
 
 
@@ -47,8 +51,10 @@ def patch(root: Path) -> str:
         return "already patched"
     for old, new in EDITS:
         if text.count(old) != 1:
-            raise SystemExit(f"patch_llamacpp: {mmq} no longer holds the AMX tile-config code this patch expects "
-                             f"({old.strip().splitlines()[0]!r}); see this script's docstring")
+            raise SystemExit(
+                f"patch_llamacpp: {mmq} no longer holds the AMX tile-config code this patch expects "
+                f"({old.strip().splitlines()[0]!r}); see this script's docstring"
+            )
         text = text.replace(old, new)
     mmq.write_text(text)
     return "patched"

@@ -56,31 +56,47 @@ def free_port() -> int:
 
 def invalid_request(rng: random.Random) -> tuple[str, object]:
     """(path, body) of a request the server must refuse with a 4xx."""
-    return rng.choice([
-        ("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": -5}),
-        ("/v1/completions", {"model": "m", "prompt": "x", "temperature": -1}),
-        ("/v1/completions", {"model": "m", "prompt": "x", "top_p": 7}),
-        ("/v1/completions", {"model": "m"}),
-        ("/v1/chat/completions", {"model": "m", "messages": "not a list"}),
-        ("/v1/completions", {"model": "m", "prompt": "x" * 200_000, "max_tokens": 4}),
-        ("/v1/completions", "{not json"),
-    ])
+    return rng.choice(
+        [
+            ("/v1/completions", {"model": "m", "prompt": "x", "max_tokens": -5}),
+            ("/v1/completions", {"model": "m", "prompt": "x", "temperature": -1}),
+            ("/v1/completions", {"model": "m", "prompt": "x", "top_p": 7}),
+            ("/v1/completions", {"model": "m"}),
+            ("/v1/chat/completions", {"model": "m", "messages": "not a list"}),
+            ("/v1/completions", {"model": "m", "prompt": "x" * 200_000, "max_tokens": 4}),
+            ("/v1/completions", "{not json"),
+        ]
+    )
 
 
-async def one(client: httpx.AsyncClient, rng: random.Random, counts: Counter, model: str, invalid_share: float,
-              disconnect_share: float) -> None:
+async def one(
+    client: httpx.AsyncClient,
+    rng: random.Random,
+    counts: Counter,
+    model: str,
+    invalid_share: float,
+    disconnect_share: float,
+) -> None:
     if rng.random() < invalid_share:
         path, body = invalid_request(rng)
-        kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, str) \
+        kwargs = (
+            {"content": body, "headers": {"content-type": "application/json"}}
+            if isinstance(body, str)
             else {"json": {**body, "model": model}}
+        )
         r = await client.post(path, **kwargs)
         counts[f"invalid:{r.status_code}"] += 1
         return
     chat = rng.random() < 0.4
     stream = rng.random() < 0.5
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    body = {"model": model, "max_tokens": rng.randint(1, 48), "stream": stream,
-            "temperature": rng.choice([0, 0.8]), "seed": rng.randint(0, 10**6)}
+    body = {
+        "model": model,
+        "max_tokens": rng.randint(1, 48),
+        "stream": stream,
+        "temperature": rng.choice([0, 0.8]),
+        "seed": rng.randint(0, 10**6),
+    }
     if chat:
         body["messages"] = [{"role": "user", "content": rng.choice(PROMPTS)}]
     else:
@@ -148,7 +164,7 @@ async def drive(url: str, args, pid: int) -> dict:
 
 def slope(points: list[tuple[float, float]]) -> float:
     """Least-squares MiB per minute over the second half (after warm-up)."""
-    pts = points[len(points) // 2:]
+    pts = points[len(points) // 2 :]
     if len(pts) < 2:
         return 0.0
     n = len(pts)
@@ -174,8 +190,20 @@ def main() -> int:
     target = args.target or tiny_model(tmp)
     draft = args.draft or (target if args.target is None else None)
     port = free_port()
-    cmd = [sys.executable, "-m", "specdecode.cli", "serve", "--target", target, "--port", str(port),
-           "--dtype", "float32", *(["--draft", draft] if draft else []), *args.serve_args.split()]
+    cmd = [
+        sys.executable,
+        "-m",
+        "specdecode.cli",
+        "serve",
+        "--target",
+        target,
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        *(["--draft", draft] if draft else []),
+        *args.serve_args.split(),
+    ]
     log = open(args.out / "server.log", "w")
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -205,12 +233,20 @@ def main() -> int:
     invalid = sum(v for k, v in counts.items() if k.startswith("invalid:"))
     invalid_4xx = sum(v for k, v in counts.items() if re.match(r"invalid:4\d\d$", k))
     summary = {
-        "command": " ".join(sys.argv), "server": " ".join(cmd), "duration_s": args.duration,
-        "concurrency": args.concurrency, "client_counts": counts, "server_counters": metrics,
-        "five_xx_client": five_xx, "five_xx_server": server_5xx,
-        "valid_answered_client": valid_ok, "valid_left_client": left,
-        "server_finished_not_abort": answered, "server_finished_abort": aborted,
-        "invalid_sent": invalid, "invalid_refused_4xx": invalid_4xx,
+        "command": " ".join(sys.argv),
+        "server": " ".join(cmd),
+        "duration_s": args.duration,
+        "concurrency": args.concurrency,
+        "client_counts": counts,
+        "server_counters": metrics,
+        "five_xx_client": five_xx,
+        "five_xx_server": server_5xx,
+        "valid_answered_client": valid_ok,
+        "valid_left_client": left,
+        "server_finished_not_abort": answered,
+        "server_finished_abort": aborted,
+        "invalid_sent": invalid,
+        "invalid_refused_4xx": invalid_4xx,
         "rss_mib_first_last": [result["rss_mib"][0][1], result["rss_mib"][-1][1]] if result["rss_mib"] else None,
         "rss_slope_mib_per_min_second_half": round(slope(result["rss_mib"]), 3),
         "rss_samples": result["rss_mib"],
@@ -218,13 +254,29 @@ def main() -> int:
     valid_refused = sum(v for k, v in counts.items() if k.startswith("valid:") and k[6:].isdigit() and k != "valid:200")
     summary["valid_refused"] = valid_refused
     # a client that leaves before its request reaches the engine is never counted by the server
-    summary["pass"] = bool(five_xx == 0 and server_5xx == 0 and invalid_4xx == invalid and valid_refused == 0
-                           and valid_ok <= answered <= answered + aborted <= valid_ok + left)
+    summary["pass"] = bool(
+        five_xx == 0
+        and server_5xx == 0
+        and invalid_4xx == invalid
+        and valid_refused == 0
+        and valid_ok <= answered <= answered + aborted <= valid_ok + left
+    )
     (args.out / "soak.json").write_text(json.dumps(summary, indent=1))
     print(f"| soak | {args.duration:.0f} s, concurrency {args.concurrency} |\n|---|---|")
-    for key in ("five_xx_client", "five_xx_server", "valid_refused", "valid_answered_client", "valid_left_client",
-                "server_finished_not_abort", "server_finished_abort", "invalid_sent", "invalid_refused_4xx",
-                "rss_mib_first_last", "rss_slope_mib_per_min_second_half", "pass"):
+    for key in (
+        "five_xx_client",
+        "five_xx_server",
+        "valid_refused",
+        "valid_answered_client",
+        "valid_left_client",
+        "server_finished_not_abort",
+        "server_finished_abort",
+        "invalid_sent",
+        "invalid_refused_4xx",
+        "rss_mib_first_last",
+        "rss_slope_mib_per_min_second_half",
+        "pass",
+    ):
         print(f"| {key} | {summary[key]} |")
     return 0 if summary["pass"] else 1
 

@@ -31,6 +31,8 @@ def backend_arg(name: str) -> str:
     if name != "auto" and name not in backends.names():
         raise argparse.ArgumentTypeError(f"must be auto or one of {', '.join(backends.names())}, got {name!r}")
     return name
+
+
 POLICIES = ("fixed", "acceptance", "auto")
 KINDS_WITH_FILES = {"model", "medusa", "eagle", "xvocab", "xvocab-tli"}  # drafter kinds whose argument names weights
 CROSS_VOCABULARY = {"xvocab", "xvocab-tli"}  # drafter kinds whose model has its own tokenizer (drafters.cross_vocab)
@@ -53,7 +55,9 @@ class EngineConfig:
     catch_up_tokens: int = 64  # auto: a late-starting draft model's reads per step beside other sequences
     draft_confidence: float = 0.0  # draft model: end a chain after a token the draft gives less than this
     verify_budget: int = 0  # > 0: at most this many tokens verified per step across the batch (load-aware k)
-    draft_quantization: str = "none"  # none | int8 | int4 | auto | gguf | q8_0 | q4_0 (the draft only; a spec's @mode wins)
+    draft_quantization: str = (
+        "none"  # none | int8 | int4 | auto | gguf | q8_0 | q4_0 (the draft only; a spec's @mode wins)
+    )
     target_quantization: str = "none"  # none | int8 | int4: LOSSY w.r.t. the named target; outputs say so
     tree_topk: int = 1  # children per expanded node; 1 = chains
     tree_nodes: int = 16  # trees: draft nodes verified per step (root excluded); depth = num_draft_tokens
@@ -140,8 +144,10 @@ class LoadedPair:
             return self.extra[spec]
         if self.draft_spec is None or spec == self.draft_spec:
             return self.draft
-        raise ConfigError(f"--draft {spec!r} names no draft model this pair loaded "
-                          f"({', '.join(self.draft_models())}); load the pair with it")
+        raise ConfigError(
+            f"--draft {spec!r} names no draft model this pair loaded "
+            f"({', '.join(self.draft_models())}); load the pair with it"
+        )
 
 
 def _quantizations(text: str) -> list[str]:
@@ -154,108 +160,221 @@ def _quantizations(text: str) -> list[str]:
     return modes
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, draft_required: bool = False,
-                        quantization_sweep: bool = False, target_required: bool = True) -> None:
+def add_model_arguments(
+    parser: argparse.ArgumentParser,
+    draft_required: bool = False,
+    quantization_sweep: bool = False,
+    target_required: bool = True,
+) -> None:
     g = parser.add_argument_group("models")
-    g.add_argument("--target", required=target_required, help="alias, local dir, .gguf file or hub id of the target model")
-    g.add_argument("--draft", required=draft_required, default=None, action=DraftAction,
-                   help="draft model (alias/dir/.gguf/hub id), 'ngram' (or ngram:MAX, ngram:MIN-MAX) for prompt "
-                        "lookup, 'suffix' (or suffix:depth=64,history=32768,prob=0.1,factor=1.0) for suffix-tree "
-                        "lookup over the sequence and earlier outputs, or medusa:DIR / eagle:DIR for trained heads "
-                        "(`specdecode heads train`); repeat it with --draft-policy auto to let the selector choose "
-                        "among several (models included: a same-vocabulary draft beside an xvocab: one)"
-                        + ("" if draft_required else "; omit for target-only"))
+    g.add_argument(
+        "--target", required=target_required, help="alias, local dir, .gguf file or hub id of the target model"
+    )
+    g.add_argument(
+        "--draft",
+        required=draft_required,
+        default=None,
+        action=DraftAction,
+        help="draft model (alias/dir/.gguf/hub id), 'ngram' (or ngram:MAX, ngram:MIN-MAX) for prompt "
+        "lookup, 'suffix' (or suffix:depth=64,history=32768,prob=0.1,factor=1.0) for suffix-tree "
+        "lookup over the sequence and earlier outputs, or medusa:DIR / eagle:DIR for trained heads "
+        "(`specdecode heads train`); repeat it with --draft-policy auto to let the selector choose "
+        "among several (models included: a same-vocabulary draft beside an xvocab: one)"
+        + ("" if draft_required else "; omit for target-only"),
+    )
     parser.set_defaults(extra_drafts=[])
-    g.add_argument("--num-draft-tokens", "-k", type=int, default=DEFAULTS.num_draft_tokens,
-                   help=f"tokens drafted per step (default {DEFAULTS.num_draft_tokens})")
-    g.add_argument("--device", type=device_arg, default=DEFAULTS.device,
-                   help="auto | cpu | cuda | cuda:N (default auto: CUDA when present, else the CPU)")
-    g.add_argument("--dtype", type=dtype_arg, default=DEFAULTS.dtype,
-                   help="bfloat16 | float16 | float32 | auto (default: bfloat16 where the device has native bf16 "
-                        "matmuls (CUDA, AVX512-BF16/AMX CPUs), else float32)")
-    g.add_argument("--max-context", type=int, default=DEFAULTS.max_context, help="max prompt+generated tokens (default min(model, 4096))")
-    g.add_argument("--draft-policy", choices=POLICIES, default=DEFAULTS.draft_policy,
-                   help="fixed: always -k tokens; acceptance: start at -k, +2 after a fully accepted step, "
-                        "-1 after a rejection, per sequence, up to --max-draft-tokens; auto: before each step "
-                        "choose per sequence the drafter (of the --draft given), the length up to "
-                        "--max-draft-tokens, or no drafting, from this machine's measured costs (cached; "
-                        "--recalibrate) and each request's acceptance (docs/architecture.md)")
-    g.add_argument("--max-draft-tokens", type=int, default=DEFAULTS.max_draft_tokens,
-                   help=f"upper bound for --draft-policy acceptance and auto (default {DEFAULTS.max_draft_tokens})")
-    g.add_argument("--catch-up-tokens", type=int, default=DEFAULTS.catch_up_tokens, metavar="N",
-                   help="--draft-policy auto: beside other sequences, a draft model starting late on a request "
-                        "reads its history N tokens per step in all, so no step waits for a whole prompt "
-                        "(alone it reads at once; default 64)")
-    g.add_argument("--recalibrate", action="store_true",
-                   help="--draft-policy auto: measure the step costs again instead of using the cached ones")
-    g.add_argument("--draft-confidence", type=float, default=DEFAULTS.draft_confidence, metavar="P",
-                   help="draft model and Medusa heads: end a sequence's draft chain after a token whose draft probability "
-                        "is below P (0 = off, the default; transformers' assisted generation uses 0.4). "
-                        "Exact either way: only the draft length changes")
+    g.add_argument(
+        "--num-draft-tokens",
+        "-k",
+        type=int,
+        default=DEFAULTS.num_draft_tokens,
+        help=f"tokens drafted per step (default {DEFAULTS.num_draft_tokens})",
+    )
+    g.add_argument(
+        "--device",
+        type=device_arg,
+        default=DEFAULTS.device,
+        help="auto | cpu | cuda | cuda:N (default auto: CUDA when present, else the CPU)",
+    )
+    g.add_argument(
+        "--dtype",
+        type=dtype_arg,
+        default=DEFAULTS.dtype,
+        help="bfloat16 | float16 | float32 | auto (default: bfloat16 where the device has native bf16 "
+        "matmuls (CUDA, AVX512-BF16/AMX CPUs), else float32)",
+    )
+    g.add_argument(
+        "--max-context",
+        type=int,
+        default=DEFAULTS.max_context,
+        help="max prompt+generated tokens (default min(model, 4096))",
+    )
+    g.add_argument(
+        "--draft-policy",
+        choices=POLICIES,
+        default=DEFAULTS.draft_policy,
+        help="fixed: always -k tokens; acceptance: start at -k, +2 after a fully accepted step, "
+        "-1 after a rejection, per sequence, up to --max-draft-tokens; auto: before each step "
+        "choose per sequence the drafter (of the --draft given), the length up to "
+        "--max-draft-tokens, or no drafting, from this machine's measured costs (cached; "
+        "--recalibrate) and each request's acceptance (docs/architecture.md)",
+    )
+    g.add_argument(
+        "--max-draft-tokens",
+        type=int,
+        default=DEFAULTS.max_draft_tokens,
+        help=f"upper bound for --draft-policy acceptance and auto (default {DEFAULTS.max_draft_tokens})",
+    )
+    g.add_argument(
+        "--catch-up-tokens",
+        type=int,
+        default=DEFAULTS.catch_up_tokens,
+        metavar="N",
+        help="--draft-policy auto: beside other sequences, a draft model starting late on a request "
+        "reads its history N tokens per step in all, so no step waits for a whole prompt "
+        "(alone it reads at once; default 64)",
+    )
+    g.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="--draft-policy auto: measure the step costs again instead of using the cached ones",
+    )
+    g.add_argument(
+        "--draft-confidence",
+        type=float,
+        default=DEFAULTS.draft_confidence,
+        metavar="P",
+        help="draft model and Medusa heads: end a sequence's draft chain after a token whose draft probability "
+        "is below P (0 = off, the default; transformers' assisted generation uses 0.4). "
+        "Exact either way: only the draft length changes",
+    )
     if quantization_sweep:
-        g.add_argument("--draft-quantization", type=_quantizations, default=["none"], metavar="MODE,...",
-                       help="draft quantizations to compare side by side (none, int8, int4, auto, gguf, q8_0, q4_0), "
-                            "e.g. none,int8,gguf; "
-                            "configs other than none are named <config>@<mode>. The target is untouched")
+        g.add_argument(
+            "--draft-quantization",
+            type=_quantizations,
+            default=["none"],
+            metavar="MODE,...",
+            help="draft quantizations to compare side by side (none, int8, int4, auto, gguf, q8_0, q4_0), "
+            "e.g. none,int8,gguf; "
+            "configs other than none are named <config>@<mode>. The target is untouched",
+        )
     else:
-        g.add_argument("--draft-quantization", choices=("none", "int8", "int4", "auto", "gguf", "q8_0", "q4_0"),
-                       default=DEFAULTS.draft_quantization,
-                       help="quantize the draft model's weights (the target is untouched, so output stays exact): "
-                            "int8, int4, or auto (the fastest on this machine, measured once and cached); for a .gguf "
-                            "draft, gguf keeps the file's own quantization and runs the draft on llama.cpp's kernels "
-                            "beside any target, q8_0/q4_0 requantize it once (cached) and do the same; a draft spec's "
-                            "@mode suffix (e.g. qwen2.5-coder-0.5b@int8) wins. Default none")
-    g.add_argument("--target-quantization", choices=("none", "int8", "int4"), default=DEFAULTS.target_quantization,
-                   help="LOSSY: quantize the target itself. Output then follows the quantized target's law (still "
-                        "exactly, speculation included), not the model you named; every output is marked "
-                        "\"lossy\": true. Never the default")
-    g.add_argument("--tree-topk", type=int, default=DEFAULTS.tree_topk, metavar="K",
-                   help="draft a tree: K children per expanded node (1 = a chain, the default); depth = -k. "
-                        "Exact for greedy and sampling (docs/architecture.md)")
-    g.add_argument("--tree-nodes", type=int, default=DEFAULTS.tree_nodes, metavar="N",
-                   help="trees: draft nodes verified per step, the pending token excluded (default 16)")
-    g.add_argument("--acceptance", choices=("exact", "typical"), default=DEFAULTS.acceptance,
-                   help="exact (default): rejection sampling, the output follows the target's law. typical: LOSSY "
-                        "Medusa-style typical acceptance for sampled requests (accept a draft token when its target "
-                        "probability exceeds min(epsilon, alpha * exp(-entropy))); every output is marked "
-                        "\"lossy\": true and `check` fails it")
-    g.add_argument("--typical-epsilon", type=float, default=DEFAULTS.typical_epsilon,
-                   help=f"typical acceptance: epsilon (default {DEFAULTS.typical_epsilon})")
-    g.add_argument("--typical-alpha", type=float, default=DEFAULTS.typical_alpha,
-                   help=f"typical acceptance: alpha (default {DEFAULTS.typical_alpha})")
-    g.add_argument("--sampler", choices=("rejection", "coupled"), default=DEFAULTS.sampler,
-                   help="how sampled requests draw (greedy ones are unchanged). rejection (default): speculative "
-                        "rejection sampling, the output follows the target's law. coupled: every position by "
-                        "Gumbel-max with noise keyed by (seed, position), the drafter proposing with the same noise, "
-                        "so a seeded request's tokens equal target-only decoding's whatever drafts them (with "
-                        "--batch-invariant, bit for bit); also exact, with lower acceptance (docs/exactness.md). "
-                        "The server's default: a request may name its own \"sampler\"")
-    g.add_argument("--batch-invariant", nargs="?", const="on", default=DEFAULTS.batch_invariant, choices=("auto", "on", "off"),
-                   help="compute every row the same way whatever else is in the batch: greedy outputs and seeded "
-                        "samples then do not depend on concurrent requests or on the verify width, so speculation "
-                        "reproduces target-only decoding bit for bit in bf16 too. auto (default): on for bf16/fp16 "
-                        "on a CPU, off in float32 (there only exact near-ties can differ), on CUDA and on llama.cpp; "
-                        "on llama.cpp, on loads the target without CPU repack and decodes in probed invariant "
-                        "widths (its verify otherwise moves logits by up to ~0.5); costs speed "
-                        "(docs/benchmarks.md); chains only (with --tree-topk > 1, auto means off)")
-    g.add_argument("--backend", type=backend_arg, default=DEFAULTS.backend, metavar="{auto," + ",".join(backends.names()) + "}",
-                   help="what runs the models (`specdecode models backends` prints what each supports): torch "
-                        "(PyTorch, CPU or CUDA), llamacpp (llama.cpp's kernels on the CPU, .gguf files as they are "
-                        "quantized; `scripts/install-llamacpp.sh`), toy (a built-in tiny model, --target toy:SEED, "
-                        "for trying things out), or auto (default): the first that can run the settings, llamacpp "
-                        "for a .gguf target when it is installed and nothing asked needs torch (EAGLE, --dtype, "
-                        "quantization flags, --batch-invariant on, CUDA), else torch; it says which on one line")
-    g.add_argument("--threads", type=int, default=DEFAULTS.threads, metavar="N",
-                   help="CPU threads, torch's and llama.cpp's (default: the cores that other processes leave "
-                        "idle when the command starts, measured then; it says so when that is fewer than all)")
-    g.add_argument("--weights", choices=("resident", "mapped"), default=DEFAULTS.weights,
-                   help="where a CPU model's weights live. resident (default): read into this process's memory, "
-                        "so the kernel never drops them and reads them back from disk in the middle of a request "
-                        "(a page-out makes the next step of a mapped 0.5B take 6x as long: docs/benchmarks.md); mapped: file-backed pages (torch's safetensors mmap, llama.cpp's "
-                        "mmap), shared between processes on one machine (--replicas), and evictable")
-    g.add_argument("--verify-budget", type=int, default=DEFAULTS.verify_budget, metavar="N",
-                   help="load-aware draft length: verify at most N tokens per step across the batch, so each of "
-                        "B sequences drafts at most N // B - 1 (target-only once B >= N); 0 = no cap (default)")
+        g.add_argument(
+            "--draft-quantization",
+            choices=("none", "int8", "int4", "auto", "gguf", "q8_0", "q4_0"),
+            default=DEFAULTS.draft_quantization,
+            help="quantize the draft model's weights (the target is untouched, so output stays exact): "
+            "int8, int4, or auto (the fastest on this machine, measured once and cached); for a .gguf "
+            "draft, gguf keeps the file's own quantization and runs the draft on llama.cpp's kernels "
+            "beside any target, q8_0/q4_0 requantize it once (cached) and do the same; a draft spec's "
+            "@mode suffix (e.g. qwen2.5-coder-0.5b@int8) wins. Default none",
+        )
+    g.add_argument(
+        "--target-quantization",
+        choices=("none", "int8", "int4"),
+        default=DEFAULTS.target_quantization,
+        help="LOSSY: quantize the target itself. Output then follows the quantized target's law (still "
+        "exactly, speculation included), not the model you named; every output is marked "
+        "\"lossy\": true. Never the default",
+    )
+    g.add_argument(
+        "--tree-topk",
+        type=int,
+        default=DEFAULTS.tree_topk,
+        metavar="K",
+        help="draft a tree: K children per expanded node (1 = a chain, the default); depth = -k. "
+        "Exact for greedy and sampling (docs/architecture.md)",
+    )
+    g.add_argument(
+        "--tree-nodes",
+        type=int,
+        default=DEFAULTS.tree_nodes,
+        metavar="N",
+        help="trees: draft nodes verified per step, the pending token excluded (default 16)",
+    )
+    g.add_argument(
+        "--acceptance",
+        choices=("exact", "typical"),
+        default=DEFAULTS.acceptance,
+        help="exact (default): rejection sampling, the output follows the target's law. typical: LOSSY "
+        "Medusa-style typical acceptance for sampled requests (accept a draft token when its target "
+        "probability exceeds min(epsilon, alpha * exp(-entropy))); every output is marked "
+        "\"lossy\": true and `check` fails it",
+    )
+    g.add_argument(
+        "--typical-epsilon",
+        type=float,
+        default=DEFAULTS.typical_epsilon,
+        help=f"typical acceptance: epsilon (default {DEFAULTS.typical_epsilon})",
+    )
+    g.add_argument(
+        "--typical-alpha",
+        type=float,
+        default=DEFAULTS.typical_alpha,
+        help=f"typical acceptance: alpha (default {DEFAULTS.typical_alpha})",
+    )
+    g.add_argument(
+        "--sampler",
+        choices=("rejection", "coupled"),
+        default=DEFAULTS.sampler,
+        help="how sampled requests draw (greedy ones are unchanged). rejection (default): speculative "
+        "rejection sampling, the output follows the target's law. coupled: every position by "
+        "Gumbel-max with noise keyed by (seed, position), the drafter proposing with the same noise, "
+        "so a seeded request's tokens equal target-only decoding's whatever drafts them (with "
+        "--batch-invariant, bit for bit); also exact, with lower acceptance (docs/exactness.md). "
+        "The server's default: a request may name its own \"sampler\"",
+    )
+    g.add_argument(
+        "--batch-invariant",
+        nargs="?",
+        const="on",
+        default=DEFAULTS.batch_invariant,
+        choices=("auto", "on", "off"),
+        help="compute every row the same way whatever else is in the batch: greedy outputs and seeded "
+        "samples then do not depend on concurrent requests or on the verify width, so speculation "
+        "reproduces target-only decoding bit for bit in bf16 too. auto (default): on for bf16/fp16 "
+        "on a CPU, off in float32 (there only exact near-ties can differ), on CUDA and on llama.cpp; "
+        "on llama.cpp, on loads the target without CPU repack and decodes in probed invariant "
+        "widths (its verify otherwise moves logits by up to ~0.5); costs speed "
+        "(docs/benchmarks.md); chains only (with --tree-topk > 1, auto means off)",
+    )
+    g.add_argument(
+        "--backend",
+        type=backend_arg,
+        default=DEFAULTS.backend,
+        metavar="{auto," + ",".join(backends.names()) + "}",
+        help="what runs the models (`specdecode models backends` prints what each supports): torch "
+        "(PyTorch, CPU or CUDA), llamacpp (llama.cpp's kernels on the CPU, .gguf files as they are "
+        "quantized; `scripts/install-llamacpp.sh`), toy (a built-in tiny model, --target toy:SEED, "
+        "for trying things out), or auto (default): the first that can run the settings, llamacpp "
+        "for a .gguf target when it is installed and nothing asked needs torch (EAGLE, --dtype, "
+        "quantization flags, --batch-invariant on, CUDA), else torch; it says which on one line",
+    )
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=DEFAULTS.threads,
+        metavar="N",
+        help="CPU threads, torch's and llama.cpp's (default: the cores that other processes leave "
+        "idle when the command starts, measured then; it says so when that is fewer than all)",
+    )
+    g.add_argument(
+        "--weights",
+        choices=("resident", "mapped"),
+        default=DEFAULTS.weights,
+        help="where a CPU model's weights live. resident (default): read into this process's memory, "
+        "so the kernel never drops them and reads them back from disk in the middle of a request "
+        "(a page-out makes the next step of a mapped 0.5B take 6x as long: docs/benchmarks.md); mapped: file-backed pages (torch's safetensors mmap, llama.cpp's "
+        "mmap), shared between processes on one machine (--replicas), and evictable",
+    )
+    g.add_argument(
+        "--verify-budget",
+        type=int,
+        default=DEFAULTS.verify_budget,
+        metavar="N",
+        help="load-aware draft length: verify at most N tokens per step across the batch, so each of "
+        "B sequences drafts at most N // B - 1 (target-only once B >= N); 0 = no cap (default)",
+    )
 
 
 def config_from_args(args: argparse.Namespace, max_batch_size: int = 1, **decided) -> EngineConfig:
@@ -282,9 +401,16 @@ def backend_request(cfg: EngineConfig) -> Request:
     specs = [parse_draft(d) for d in cfg.drafts]
     modes = {spec.quantization or cfg.draft_quantization for spec in specs if spec.loads_model} - {"none"}
     invariant = {True: "on", False: "off"}.get(cfg.batch_invariant, cfg.batch_invariant)  # type: ignore[call-overload]
-    return Request(cfg.target, cfg.device, cfg.dtype, cfg.target_quantization, frozenset(modes), invariant,
-                   features=any(KINDS[spec.kind].reads_layers for spec in specs),
-                   trees=bool(cfg.draft) and cfg.tree_topk > 1)
+    return Request(
+        cfg.target,
+        cfg.device,
+        cfg.dtype,
+        cfg.target_quantization,
+        frozenset(modes),
+        invariant,
+        features=any(KINDS[spec.kind].reads_layers for spec in specs),
+        trees=bool(cfg.draft) and cfg.tree_topk > 1,
+    )
 
 
 def choose_backend(cfg: EngineConfig) -> Choice:
@@ -327,8 +453,15 @@ def load_pair(cfg: EngineConfig, backend: str) -> LoadedPair:
     specs = [parse_draft(name) for name in names]  # a bad spec fails before anything loads
     target_backend = backends.get(backend)
     target_backend.spec_kind(cfg.target)  # a target that cannot be found fails before the drafts' load
-    target_settings = Settings(cfg.device, cfg.dtype, cfg.threads, cfg.target_quantization, "target",
-                               batch_invariant=cfg.batch_invariant in (True, "on"), weights=cfg.weights)
+    target_settings = Settings(
+        cfg.device,
+        cfg.dtype,
+        cfg.threads,
+        cfg.target_quantization,
+        "target",
+        batch_invariant=cfg.batch_invariant in (True, "on"),
+        weights=cfg.weights,
+    )
     if not specs:
         return LoadedPair(load(backend, cfg.target, target_settings))
     plans = [_draft_plan(cfg, spec, backend) for spec in specs]  # every draft's backend checked before any load
@@ -346,8 +479,10 @@ def load_pair(cfg: EngineConfig, backend: str) -> LoadedPair:
         draft = loaded[name]
         problem = tokenizers_compatible(target.tokenizer, draft.tokenizer, target.token_rows, draft.token_rows)
         if problem:
-            raise PairError(f"draft {name!r} cannot draft for target {cfg.target!r}: {problem}; a draft with "
-                            f"another tokenizer drafts through --draft xvocab:{spec.arg} (or xvocab-tli:{spec.arg})")
+            raise PairError(
+                f"draft {name!r} cannot draft for target {cfg.target!r}: {problem}; a draft with "
+                f"another tokenizer drafts through --draft xvocab:{spec.arg} (or xvocab-tli:{spec.arg})"
+            )
     first = names[0]
     return LoadedPair(target, loaded[first], first, {n: loaded[n] for n in names[1:]})
 
@@ -362,8 +497,10 @@ def _draft_plan(cfg: EngineConfig, spec, backend: str) -> tuple[str, Settings, b
         if not draft_backend.opens(spec.arg):
             draft_backend.spec_kind(spec.arg)  # a draft that cannot be found says so
             text = draft_backend.supports.opens_text
-            raise ConfigError(f"--draft-quantization {mode} runs the draft on {where}, which loads {text}; "
-                              f"{spec.arg!r} is not {text} (use none, int8, int4 or auto for it)")
+            raise ConfigError(
+                f"--draft-quantization {mode} runs the draft on {where}, which loads {text}; "
+                f"{spec.arg!r} is not {text} (use none, int8, int4 or auto for it)"
+            )
         missing = draft_backend.missing()
         if missing:
             raise BackendRefused(f"--draft-quantization {mode} runs the draft on {where}: {missing}")
@@ -423,24 +560,35 @@ def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
     if trees:  # a backend may have a finite pool for trees (llama.cpp's sequence ids): refuse what could run out
         pair.target.check_tree(cfg.max_batch_size, cfg.tree_nodes, "the target's tree verify")
         for draft_model in {id(m): m for m in map(pair.draft_for, model_drafts(cfg))}.values():  # the ones it uses
-            draft_model.check_tree(cfg.max_batch_size, cfg.tree_topk * cfg.num_draft_tokens + 1,
-                                  "the draft model's tree growth")
+            draft_model.check_tree(
+                cfg.max_batch_size, cfg.tree_topk * cfg.num_draft_tokens + 1, "the draft model's tree growth"
+            )
     target = pair.target.runner(batch_invariant=invariant, trees=trees)  # the engine sizes its cache
     drafter, selector = None, None
     if cfg.draft:
+
         def context(spec: str) -> DraftContext:  # what the drafter of one spec may use: its own draft model
             model = pair.draft_for(spec) if parse_draft(spec).loads_model else None
-            make = ((lambda: model.runner(batch_invariant=invariant, trees=trees, draft=True))
-                    if model is not None else None)
+            make = (
+                (lambda: model.runner(batch_invariant=invariant, trees=trees, draft=True))
+                if model is not None
+                else None
+            )
             return DraftContext(target, cfg, make, pair.tokenizer, model.tokenizer if model is not None else None)
 
         if cfg.draft_policy == "auto":  # the selector and the drafters it routes among, built together
             from specdecode.drafters import unique_labels
             from specdecode.selector import auto_drafting
 
-            parts = {name: build_drafter(spec, context(spec)) for name, spec in zip(unique_labels(cfg.drafts), cfg.drafts)}
-            drafter, selector = auto_drafting(parts, cost_model(target, parts, cfg, pair, max_context),
-                                              max_k=cfg.max_draft_tokens, catch_up_tokens=cfg.catch_up_tokens)
+            parts = {
+                name: build_drafter(spec, context(spec)) for name, spec in zip(unique_labels(cfg.drafts), cfg.drafts)
+            }
+            drafter, selector = auto_drafting(
+                parts,
+                cost_model(target, parts, cfg, pair, max_context),
+                max_k=cfg.max_draft_tokens,
+                catch_up_tokens=cfg.catch_up_tokens,
+            )
         else:
             drafter = build_drafter(cfg.draft, context(cfg.draft))
     policy = make_policy(cfg, selector)
@@ -452,13 +600,22 @@ def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> "Engine":
         verifier = typical_verifier(cfg.typical_epsilon, cfg.typical_alpha)
     elif cfg.acceptance != "exact":
         raise ConfigError(f"unknown acceptance {cfg.acceptance!r}: exact or typical")
-    engine = Engine(target, pair.tokenizer, drafter, policy, max_batch_size=cfg.max_batch_size,
-                    max_context=max_context, max_tree_nodes=tree_nodes, verifier=verifier,
-                    target_quantization=pair.target_quantization,
-                    lossy=lossy_labels(pair.target_quantization, cfg),
-                    first_token_from_target=cfg.first_token_from_target,
-                    max_num_batched_tokens=cfg.max_num_batched_tokens,
-                    batched_tokens_per_seq=cfg.batched_tokens_per_seq, sampler=cfg.sampler)
+    engine = Engine(
+        target,
+        pair.tokenizer,
+        drafter,
+        policy,
+        max_batch_size=cfg.max_batch_size,
+        max_context=max_context,
+        max_tree_nodes=tree_nodes,
+        verifier=verifier,
+        target_quantization=pair.target_quantization,
+        lossy=lossy_labels(pair.target_quantization, cfg),
+        first_token_from_target=cfg.first_token_from_target,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        batched_tokens_per_seq=cfg.batched_tokens_per_seq,
+        sampler=cfg.sampler,
+    )
     return engine
 
 
@@ -473,23 +630,39 @@ def cost_model(target: "Runner", parts: dict, cfg: EngineConfig, pair: LoadedPai
     from specdecode import costmodel
 
     batch, window = cfg.max_batch_size, cfg.max_draft_tokens + 1  # Engine.window for chains of max_k
-    key = "|".join([
-        "cost-model v5", _fingerprint(cfg.target), *(f"{n}={_fingerprint(d)}{_quantized(pair, d)}" for n, d in zip(parts, cfg.drafts)),
-        f"draft quantization {pair.draft_quantization}", f"target quantization {pair.target_quantization}",
-        f"device {target.device}", f"dtype {target.dtype}", f"backend {target.backend}",
-        f"threads {cfg.threads or torch.get_num_threads()}", f"torch {torch.__version__}",
-        f"batch {batch}", f"window {window}", f"confidence {cfg.draft_confidence}"])
+    key = "|".join(
+        [
+            "cost-model v5",
+            _fingerprint(cfg.target),
+            *(f"{n}={_fingerprint(d)}{_quantized(pair, d)}" for n, d in zip(parts, cfg.drafts)),
+            f"draft quantization {pair.draft_quantization}",
+            f"target quantization {pair.target_quantization}",
+            f"device {target.device}",
+            f"dtype {target.dtype}",
+            f"backend {target.backend}",
+            f"threads {cfg.threads or torch.get_num_threads()}",
+            f"torch {torch.__version__}",
+            f"batch {batch}",
+            f"window {window}",
+            f"confidence {cfg.draft_confidence}",
+        ]
+    )
 
     def measure():
-        print(f"calibrating step costs for --draft-policy auto (batch <= {batch}, draft <= {window - 1}; once: "
-              "cached for the next run when the machine is quiet)", file=sys.stderr, flush=True)
+        print(
+            f"calibrating step costs for --draft-policy auto (batch <= {batch}, draft <= {window - 1}; once: "
+            "cached for the next run when the machine is quiet)",
+            file=sys.stderr,
+            flush=True,
+        )
         target.ensure_capacity(batch, max_context + window)
         for part in parts.values():
             part.reserve(batch, max_context + window)
         return costmodel.calibrate(target, parts, batch, window, window - 1, max_context, progress=True)
 
-    return costmodel.cached(key, measure, cache_dir, cfg.recalibrate,
-                            say=lambda line: print(line, file=sys.stderr, flush=True))
+    return costmodel.cached(
+        key, measure, cache_dir, cfg.recalibrate, say=lambda line: print(line, file=sys.stderr, flush=True)
+    )
 
 
 def _quantized(pair: LoadedPair, spec: str) -> str:
@@ -558,15 +731,23 @@ def validate_config(cfg: EngineConfig) -> None:
     if cfg.sampler == "coupled" and cfg.acceptance != "exact":
         raise ConfigError("--sampler coupled verifies by its own rule: drop --acceptance typical")
     if cfg.acceptance == "typical" and not (0 < cfg.typical_epsilon <= 1 and cfg.typical_alpha > 0):
-        raise ConfigError(f"typical acceptance needs 0 < epsilon <= 1 and alpha > 0, got {cfg.typical_epsilon}, "
-                         f"{cfg.typical_alpha}")
+        raise ConfigError(
+            f"typical acceptance needs 0 < epsilon <= 1 and alpha > 0, got {cfg.typical_epsilon}, {cfg.typical_alpha}"
+        )
     from specdecode.models.quantize import GGUF_MODES
 
-    gguf = [mode for spec in specs if spec.loads_model
-            for mode in [spec.quantization or cfg.draft_quantization] if mode in GGUF_MODES]
+    gguf = [
+        mode
+        for spec in specs
+        if spec.loads_model
+        for mode in [spec.quantization or cfg.draft_quantization]
+        if mode in GGUF_MODES
+    ]
     if cfg.batch_invariant in (True, "on") and cfg.draft and cfg.tree_topk > 1:
-        raise ConfigError("--batch-invariant covers chain drafting only: a tree writes a candidate's key at another "
-                          "index than a chain does, which reorders the attention sum; use --tree-topk 1")
+        raise ConfigError(
+            "--batch-invariant covers chain drafting only: a tree writes a candidate's key at another "
+            "index than a chain does, which reorders the attention sum; use --tree-topk 1"
+        )
     if cfg.max_batch_size < 1:
         raise ConfigError(f"max batch size must be >= 1, got {cfg.max_batch_size}")
     if cfg.max_context is not None and cfg.max_context < 1:

@@ -186,25 +186,39 @@ class CostModel:
             cells[inner] = mean(cells.get(inner, before), k)
             counts[inner] = k + 1
         self.seen[part] = n + 1
-        if (self.disagreed is None and self.seen[part] >= DISAGREE_AFTER
-                and not DISAGREE[0] <= math.exp(self.correction[part]) <= DISAGREE[1]):
+        if (
+            self.disagreed is None
+            and self.seen[part] >= DISAGREE_AFTER
+            and not DISAGREE[0] <= math.exp(self.correction[part]) <= DISAGREE[1]
+        ):
             self.disagreed = part
             if self.on_disagree is not None:
                 self.on_disagree(part, math.exp(self.correction[part]))
 
     def to_json(self) -> dict:
-        return {"key": self.key, "calibration_s": self.calibration_s, "catch_up": dict(self.catch_up),
-                "noise": {"others_cpu": self.noise.others_cpu, "spread": self.noise.spread},
-                "verify": {str(b): {str(w): s for w, s in row.items()} for b, row in self.verify.items()},
-                "draft": {name: {str(r): {str(k): s for k, s in row.items()} for r, row in grid.items()}
-                          for name, grid in self.draft.items()}}
+        return {
+            "key": self.key,
+            "calibration_s": self.calibration_s,
+            "catch_up": dict(self.catch_up),
+            "noise": {"others_cpu": self.noise.others_cpu, "spread": self.noise.spread},
+            "verify": {str(b): {str(w): s for w, s in row.items()} for b, row in self.verify.items()},
+            "draft": {
+                name: {str(r): {str(k): s for k, s in row.items()} for r, row in grid.items()}
+                for name, grid in self.draft.items()
+            },
+        }
 
     @staticmethod
     def from_json(data: dict) -> "CostModel":
         grid = lambda g: {int(o): {int(i): float(s) for i, s in row.items()} for o, row in g.items()}  # noqa: E731
-        return CostModel(grid(data["verify"]), {n: grid(g) for n, g in data["draft"].items()},
-                         {n: float(c) for n, c in data.get("catch_up", {}).items()}, data.get("key", ""),
-                         data.get("calibration_s", 0.0), Noise(**data.get("noise", {})))
+        return CostModel(
+            grid(data["verify"]),
+            {n: grid(g) for n, g in data["draft"].items()},
+            {n: float(c) for n, c in data.get("catch_up", {}).items()},
+            data.get("key", ""),
+            data.get("calibration_s", 0.0),
+            Noise(**data.get("noise", {})),
+        )
 
 
 def isotonic(values: list[float]) -> list[float]:
@@ -243,8 +257,13 @@ class _View:  # a SequenceView for calibration proposals
     generator: torch.Generator
 
 
-def _best(fn: Callable[[], object], reps: int, sync: Callable[[], None],
-          prepare: Callable[[], None] = lambda: None, spreads: list[float] | None = None) -> float:
+def _best(
+    fn: Callable[[], object],
+    reps: int,
+    sync: Callable[[], None],
+    prepare: Callable[[], None] = lambda: None,
+    spreads: list[float] | None = None,
+) -> float:
     """The fastest of ``reps`` timed calls; ``spreads`` gets median / fastest."""
     times = []
     for _ in range(reps):
@@ -294,8 +313,17 @@ class CpuShare:
 
 
 @torch.inference_mode()
-def calibrate(target, drafters: dict, max_batch: int, max_width: int, max_k: int, max_context: int,
-              reps: int = 3, prompt_len: int = PROMPT_LEN, progress: bool = False) -> CostModel:
+def calibrate(
+    target,
+    drafters: dict,
+    max_batch: int,
+    max_width: int,
+    max_k: int,
+    max_context: int,
+    reps: int = 3,
+    prompt_len: int = PROMPT_LEN,
+    progress: bool = False,
+) -> CostModel:
     """Measure ``v(batch, width)`` of ``target`` and ``draft(name, rows, k)`` of each drafter in
     ``drafters`` (name -> drafter) on a synthetic prompt in slots ``0 .. max_batch - 1`` with room for
     ``max_context`` tokens, and how quiet the machine was meanwhile. The runner and drafters must hold
@@ -321,17 +349,24 @@ def calibrate(target, drafters: dict, max_batch: int, max_width: int, max_k: int
     layers = tuple(sorted({layer for d in drafters.values() for layer in d.feature_layers}))
     ks = grid_points(max_k, DRAFT_LENGTHS)
     # the bar counts tokens computed per grid point (a guess of the work: the ETA's unit)
-    work = len(batches) * sum(widths) * 2 + sum(len(batches) * sum(ks) + (CATCH_UP_LEN if d.lazy_start else 0)
-                                                 for d in drafters.values())
-    bar = tqdm(total=work, disable=not progress, file=sys.stderr, mininterval=1.0, desc="calibrating step costs",
-               bar_format="{desc}: {percentage:3.0f}%|{bar:20}| {elapsed}<{remaining}")
+    work = len(batches) * sum(widths) * 2 + sum(
+        len(batches) * sum(ks) + (CATCH_UP_LEN if d.lazy_start else 0) for d in drafters.values()
+    )
+    bar = tqdm(
+        total=work,
+        disable=not progress,
+        file=sys.stderr,
+        mininterval=1.0,
+        desc="calibrating step costs",
+        bar_format="{desc}: {percentage:3.0f}%|{bar:20}| {elapsed}<{remaining}",
+    )
     feats = target.prefill(slots, [prompt[:-1]] * max_batch, layers)
 
     verify: Grid = {}
     for b in batches:
         verify[b] = {}
         for w in widths:
-            ids = torch.tensor([prompt[-1:] + prompt[:w - 1]] * b, device=dev)
+            ids = torch.tensor([prompt[-1:] + prompt[: w - 1]] * b, device=dev)
             positions = (prompt_len - 1 + torch.arange(w, device=dev))[None].expand(b, w)
 
             def step() -> None:
@@ -355,8 +390,13 @@ def calibrate(target, drafters: dict, max_batch: int, max_width: int, max_k: int
                 drafter.release(s)
             drafter.start(slots, [prompt] * max_batch)
             if drafter.feature_layers:
-                drafter.observe(slots, [TargetFeatures(0, prompt[:-1], {layer: f[layer] for layer in drafter.feature_layers})
-                                        for f in feats])
+                drafter.observe(
+                    slots,
+                    [
+                        TargetFeatures(0, prompt[:-1], {layer: f[layer] for layer in drafter.feature_layers})
+                        for f in feats
+                    ],
+                )
             views[:] = [_View(s, list(prompt), params, torch.Generator().manual_seed(s)) for s in slots]
 
         last: list = [None]  # the last proposal
@@ -379,8 +419,11 @@ def calibrate(target, drafters: dict, max_batch: int, max_width: int, max_k: int
                 for v, start, f in zip(views, starts, feats):
                     ids = v.token_ids[start:-1]
                     rows = torch.arange(len(ids)) % (prompt_len - 1)  # stand-in values: cost does not depend on them
-                    observed.append(TargetFeatures(start, ids, {layer: f[layer][rows.to(f[layer].device)]
-                                                                for layer in drafter.feature_layers}))
+                    observed.append(
+                        TargetFeatures(
+                            start, ids, {layer: f[layer][rows.to(f[layer].device)] for layer in drafter.feature_layers}
+                        )
+                    )
                 drafter.observe(slots, observed)
 
         def call(r: int, k: int) -> None:
@@ -392,8 +435,7 @@ def calibrate(target, drafters: dict, max_batch: int, max_width: int, max_k: int
             release = lambda: drafter.release(slots[0])  # noqa: E731
             release()
             drafter.start(slots[:1], [history])  # warm-up
-            catch_up[name] = _best(lambda: drafter.start(slots[:1], [history]), reps, sync, release,
-                                   spreads) / (n - 1)
+            catch_up[name] = _best(lambda: drafter.start(slots[:1], [history]), reps, sync, release, spreads) / (n - 1)
             release()
             bar.update(CATCH_UP_LEN)
         restart()
@@ -413,12 +455,22 @@ def calibrate(target, drafters: dict, max_batch: int, max_width: int, max_k: int
         target.truncate(s, 0)
     bar.close()
     noise = judge(cpu, spreads)
-    return CostModel(_monotone(verify), {name: _monotone(g) for name, g in draft.items()}, catch_up,
-                     calibration_s=time.perf_counter() - t_start, noise=noise)
+    return CostModel(
+        _monotone(verify),
+        {name: _monotone(g) for name, g in draft.items()},
+        catch_up,
+        calibration_s=time.perf_counter() - t_start,
+        noise=noise,
+    )
 
 
-def cached(key: str, measure: Callable[[], CostModel], cache_dir: Path | None = None,
-           recalibrate: bool = False, say: Callable[[str], None] = lambda line: None) -> CostModel:
+def cached(
+    key: str,
+    measure: Callable[[], CostModel],
+    cache_dir: Path | None = None,
+    recalibrate: bool = False,
+    say: Callable[[str], None] = lambda line: None,
+) -> CostModel:
     """The cost model stored under ``key`` in ``<cache>/calibration``, else ``measure()``'s, stored only
     when the machine was quiet while it was measured. A stored one that the run's steps contradict
     (:data:`DISAGREE`) is removed, so the next start measures again. ``say``: one line for the user
@@ -431,8 +483,10 @@ def cached(key: str, measure: Callable[[], CostModel], cache_dir: Path | None = 
 
     def forget(part: str, ratio: float) -> None:
         path.unlink(missing_ok=True)
-        say(f"auto: this run's {part} steps take {ratio:.2f}x what the cached calibration says; it adapts "
-            "now and measures again at the next start")
+        say(
+            f"auto: this run's {part} steps take {ratio:.2f}x what the cached calibration says; it adapts "
+            "now and measures again at the next start"
+        )
 
     if path.is_file() and not recalibrate:
         try:
@@ -448,8 +502,10 @@ def cached(key: str, measure: Callable[[], CostModel], cache_dir: Path | None = 
     model.key = key
     if not model.trusted:
         path.unlink(missing_ok=True)
-        say(f"auto: the machine was busy while calibrating ({model.noise.describe()}): these costs are a prior "
-            "that this run corrects from its own steps; not cached, measured again at the next start")
+        say(
+            f"auto: the machine was busy while calibrating ({model.noise.describe()}): these costs are a prior "
+            "that this run corrects from its own steps; not cached, measured again at the next start"
+        )
         return model
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

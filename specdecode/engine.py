@@ -259,8 +259,9 @@ class Engine:
             raise RequestError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.target.vocab_size})")
         biased = [t for t, _ in params.logit_bias if t >= self.target.vocab_size]
         if biased:
-            raise RequestError(f"logit_bias token id {biased[0]} is outside the vocabulary "
-                               f"[0, {self.target.vocab_size})", "logit_bias")
+            raise RequestError(
+                f"logit_bias token id {biased[0]} is outside the vocabulary [0, {self.target.vocab_size})", "logit_bias"
+            )
         if len(prompt_ids) + params.max_new_tokens > self.max_context:
             raise RequestError(
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
@@ -304,9 +305,13 @@ class Engine:
                 generator=make_generator(params.seed),
                 text=IncrementalText(self.tokenizer, params.stop, stop_dedent=params.stop_dedent),
                 token_ids=list(prompt_ids),
-                processors=build_processors(params, prompt_ids, self.target.vocab_size,
-                                            self.grammars if params.grammar is not None else None,
-                                            self.eos_token_ids),
+                processors=build_processors(
+                    params,
+                    prompt_ids,
+                    self.target.vocab_size,
+                    self.grammars if params.grammar is not None else None,
+                    self.eos_token_ids,
+                ),
                 logprobs=None if params.logprobs is None else [],
             )
             for i, (prompt_ids, params, request_id) in enumerate(requests)
@@ -372,10 +377,11 @@ class Engine:
         copies = {id(f) for f, _, _ in followers}
         work = [(s, n) for s, n in chunks if n > 0 and id(s) not in copies]
         if work:
-            pieces = [s.prompt_ids[s.prefilled: s.prefilled + n] for s, n in work]
+            pieces = [s.prompt_ids[s.prefilled : s.prefilled + n] for s, n in work]
             try:
-                feats = self.target.prefill([s.slot for s, _ in work], pieces, self.feature_layers,
-                                            starts=[s.prefilled for s, _ in work])
+                feats = self.target.prefill(
+                    [s.slot for s, _ in work], pieces, self.feature_layers, starts=[s.prefilled for s, _ in work]
+                )
             except Exception as exc:
                 failed = [s for s, _ in work] + [f for f, _, _ in followers]
                 for s in failed:
@@ -434,8 +440,14 @@ class Engine:
         of the shared forward raises (the caller decides about the whole batch)."""
         if self.drafter is not None:
             # (a request that opted out of speculation never costs the drafter anything)
-            late = [s for s in self.running if not s.draft.started and s.draft.eligible
-                    and self.switch.drafts_for(s) and (s.output_ids or not self.first_token_from_target)]
+            late = [
+                s
+                for s in self.running
+                if not s.draft.started
+                and s.draft.eligible
+                and self.switch.drafts_for(s)
+                and (s.output_ids or not self.first_token_from_target)
+            ]
             if late and self.max_num_batched_tokens is not None:
                 late = self._drafter_prefill(late)  # a chunk; those whose prompt it has cached start now
             if late:
@@ -466,10 +478,13 @@ class Engine:
 
         t0 = time.perf_counter()
         # (trimmed: a drafter that found less than it was asked for must not have its padding verified)
-        proposal = (self.drafter.propose(seqs, ks).trimmed() if self.drafter is not None and any(ks)
-                    else Proposal.empty(bsz))
+        proposal = (
+            self.drafter.propose(seqs, ks).trimmed() if self.drafter is not None and any(ks) else Proposal.empty(bsz)
+        )
         t1 = time.perf_counter()
-        verified = self._verify_tree(seqs, proposal) if proposal.parents is not None else self._verify_chain(seqs, proposal)
+        verified = (
+            self._verify_tree(seqs, proposal) if proposal.parents is not None else self._verify_chain(seqs, proposal)
+        )
         t2 = time.perf_counter()
         self.policy.observe_step(bsz, verified.input_ids.shape[1], t1 - t0, t2 - t1)
 
@@ -548,8 +563,11 @@ class Engine:
         work = [(s, n) for s, n in work if n > 0]
         if work:
             t0 = time.perf_counter()
-            if not prefill([s.slot for s, _ in work], [s.prompt_ids[s.draft.prefilled: s.draft.prefilled + n]
-                                                       for s, n in work], [s.draft.prefilled for s, _ in work]):
+            if not prefill(
+                [s.slot for s, _ in work],
+                [s.prompt_ids[s.draft.prefilled : s.draft.prefilled + n] for s, n in work],
+                [s.draft.prefilled for s, _ in work],
+            ):
                 return seqs
             elapsed = time.perf_counter() - t0
             for s, n in work:
@@ -587,8 +605,9 @@ class Engine:
         path = verified.paths[b]
         index = torch.tensor(path, device=self.device)
         start = len(seq.token_ids) - 1 - len(path)  # the pending token's position
-        return TargetFeatures(start, verified.input_ids[b][path].tolist(),
-                              {layer: h[b, index] for layer, h in verified.features.items()})
+        return TargetFeatures(
+            start, verified.input_ids[b][path].tolist(), {layer: h[b, index] for layer, h in verified.features.items()}
+        )
 
     def _verify_chain(self, seqs: list[Sequence], proposal: Proposal) -> "_Verified":
         bsz, dev = len(seqs), self.device
@@ -622,26 +641,50 @@ class Engine:
             result = self._by_sampler(seqs, rejection, coupled)
         accepted, n = result.num_accepted.tolist(), num_draft.tolist()
         tokens, paths = result.tokens.tolist(), [list(range(a + 1)) for a in accepted]
-        return _Verified(tokens, accepted, paths, n, n, ids, out.features, faults,
-                         self._logprobs(seqs, logits, tokens, paths, faults))
+        return _Verified(
+            tokens,
+            accepted,
+            paths,
+            n,
+            n,
+            ids,
+            out.features,
+            faults,
+            self._logprobs(seqs, logits, tokens, paths, faults),
+        )
 
     def _verify_tree(self, seqs: list[Sequence], proposal: Proposal) -> "_Verified":
         bsz, dev = len(seqs), self.device
         drafts, num_nodes = proposal.tokens.to(dev), proposal.num_tokens.to(dev)
         if int(num_nodes.max()) > self.max_tree_nodes:
-            raise RuntimeError(f"drafter {self.drafter.name!r} proposed a tree of {int(num_nodes.max())} nodes, more "
-                               f"than the engine's max_tree_nodes={self.max_tree_nodes}")
+            raise RuntimeError(
+                f"drafter {self.drafter.name!r} proposed a tree of {int(num_nodes.max())} nodes, more "
+                f"than the engine's max_tree_nodes={self.max_tree_nodes}"
+            )
         parents = proposal.parents.to(dev)
         start = torch.tensor([len(s.token_ids) - 1 for s in seqs], device=dev)
-        layout = tree_layout(torch.tensor([s.token_ids[-1] for s in seqs], device=dev), drafts, parents, num_nodes, start)
-        out = self.target.forward(torch.arange(bsz, device=dev), layout.input_ids, layout.positions,
-                                  write_positions=layout.write_positions, tree_mask=layout.mask,
-                                  layers=self.feature_layers)
+        layout = tree_layout(
+            torch.tensor([s.token_ids[-1] for s in seqs], device=dev), drafts, parents, num_nodes, start
+        )
+        out = self.target.forward(
+            torch.arange(bsz, device=dev),
+            layout.input_ids,
+            layout.positions,
+            write_positions=layout.write_positions,
+            tree_mask=layout.mask,
+            layers=self.feature_layers,
+        )
         logits = self.target.logits(out.hidden)  # [B, 1+K, V]
         if any(s.processors for s in seqs):  # node i (query 1 + i) follows its root-to-node path
             width = logits.shape[1]
-            logits = self.verifier.process(seqs, logits, [tree_prefixes(t, p, n, width) for t, p, n in zip(
-                drafts.tolist(), parents.tolist(), num_nodes.tolist())])
+            logits = self.verifier.process(
+                seqs,
+                logits,
+                [
+                    tree_prefixes(t, p, n, width)
+                    for t, p, n in zip(drafts.tolist(), parents.tolist(), num_nodes.tolist())
+                ],
+            )
         faults: dict[int, BaseException] = {}
         if all(s.params.greedy for s in seqs):
             result = self.verifier.tree_greedy(drafts, parents, num_nodes, logits.argmax(-1))
@@ -666,12 +709,26 @@ class Engine:
         accepted, tokens = result.num_accepted.tolist(), result.tokens.tolist()
         paths = [row[: a + 1] for row, a in zip(result.path.tolist(), accepted)]
         depth = (layout.depth * (torch.arange(layout.depth.shape[1], device=dev)[None] <= num_nodes[:, None])).amax(1)
-        return _Verified(tokens, accepted, paths, depth.tolist(), num_nodes.tolist(), layout.input_ids,
-                         out.features, faults, self._logprobs(seqs, logits, tokens, paths, faults))
+        return _Verified(
+            tokens,
+            accepted,
+            paths,
+            depth.tolist(),
+            num_nodes.tolist(),
+            layout.input_ids,
+            out.features,
+            faults,
+            self._logprobs(seqs, logits, tokens, paths, faults),
+        )
 
     @staticmethod
-    def _logprobs(seqs: list[Sequence], logits: torch.Tensor, tokens: list[list[int]], paths: list[list[int]],
-                  faults: dict[int, BaseException]) -> dict[int, list[TokenLogprob]]:
+    def _logprobs(
+        seqs: list[Sequence],
+        logits: torch.Tensor,
+        tokens: list[list[int]],
+        paths: list[list[int]],
+        faults: dict[int, BaseException],
+    ) -> dict[int, list[TokenLogprob]]:
         """Rows that asked for logprobs: each emitted token's, read from the target's processed logits
         ``logits`` [B, Q, V] at the query it was emitted after (``paths[b][i]`` for the i-th emitted token:
         the pending token, then each accepted draft), so no forward is added; other rows cost nothing."""
@@ -694,7 +751,8 @@ class Engine:
 
         def rows(params: list[SamplingParams], x: torch.Tensor) -> torch.Tensor:
             return warp(x.flatten(0, 1), *(t.repeat_interleave(width) for t in warp_tensors(params))).view(
-                len(params), width, -1)
+                len(params), width, -1
+            )
 
         try:
             return rows([s.params for s in seqs], logits), {}
@@ -704,7 +762,7 @@ class Engine:
         faults: dict[int, BaseException] = {}
         for b, s in enumerate(seqs):
             try:
-                probs[b] = rows([s.params], logits[b: b + 1])[0]
+                probs[b] = rows([s.params], logits[b : b + 1])[0]
             except Exception as exc:
                 faults[b] = exc
                 probs[b].scatter_(1, logits[b].argmax(-1, keepdim=True), 1.0)
@@ -714,8 +772,10 @@ class Engine:
         """Verify the coupled rows with ``coupled(rows)`` and the others with ``rejection(rows)`` (rows: a
         [n] index tensor), and put the two results together in batch order."""
         is_coupled = [s.params.coupled for s in seqs]
-        groups = [(fn, torch.tensor([b for b, c in enumerate(is_coupled) if c == want], device=self.device))
-                  for fn, want in ((coupled, True), (rejection, False))]
+        groups = [
+            (fn, torch.tensor([b for b, c in enumerate(is_coupled) if c == want], device=self.device))
+            for fn, want in ((coupled, True), (rejection, False))
+        ]
         parts = [(rows, fn(rows)) for fn, rows in groups if rows.numel()]
         if len(parts) == 1:
             return parts[0][1]
@@ -806,8 +866,9 @@ class Engine:
                 raise RuntimeError(f"request {ev.seq.request_id} failed") from ev.error
             if ev.finished:
                 s = ev.seq
-                done[s.request_id] = Output(s.request_id, s.prompt_ids, s.output_ids, s.text.finish(), s.finish_reason,
-                                            s.stats, s.logprobs)
+                done[s.request_id] = Output(
+                    s.request_id, s.prompt_ids, s.output_ids, s.text.finish(), s.finish_reason, s.stats, s.logprobs
+                )
         return [done[str(i)] for i in range(len(prompts))]
 
 

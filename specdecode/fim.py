@@ -58,15 +58,29 @@ class Convention:
 
 
 CONVENTIONS = (
-    Convention("Qwen2.5-Coder, CodeGemma", ("<|fim_prefix|>",), ("<|fim_suffix|>",), ("<|fim_middle|>",),
-               ("<|endoftext|>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<|file_separator|>")),
-    Convention("StarCoder, StarCoder2, SantaCoder", ("<fim_prefix>", "<fim-prefix>"), ("<fim_suffix>", "<fim-suffix>"),
-               ("<fim_middle>", "<fim-middle>"),
-               ("<|endoftext|>", "<fim_pad>", "<fim-pad>", "<file_sep>", "<repo_name>")),
+    Convention(
+        "Qwen2.5-Coder, CodeGemma",
+        ("<|fim_prefix|>",),
+        ("<|fim_suffix|>",),
+        ("<|fim_middle|>",),
+        ("<|endoftext|>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<|file_separator|>"),
+    ),
+    Convention(
+        "StarCoder, StarCoder2, SantaCoder",
+        ("<fim_prefix>", "<fim-prefix>"),
+        ("<fim_suffix>", "<fim-suffix>"),
+        ("<fim_middle>", "<fim-middle>"),
+        ("<|endoftext|>", "<fim_pad>", "<fim-pad>", "<file_sep>", "<repo_name>"),
+    ),
     # CodeLlama's sentencepiece vocabulary spells them with the word-start mark: "▁<PRE>"
     Convention("CodeLlama", ("<PRE>", "▁<PRE>"), ("<SUF>", "▁<SUF>"), ("<MID>", "▁<MID>"), ("<EOT>", "▁<EOT>")),
-    Convention("DeepSeek-Coder", ("<｜fim▁begin｜>",), ("<｜fim▁hole｜>",), ("<｜fim▁end｜>",),
-               ("<|EOT|>", "<｜end▁of▁sentence｜>")),
+    Convention(
+        "DeepSeek-Coder",
+        ("<｜fim▁begin｜>",),
+        ("<｜fim▁hole｜>",),
+        ("<｜fim▁end｜>",),
+        ("<|EOT|>", "<｜end▁of▁sentence｜>"),
+    ),
 )
 
 
@@ -98,8 +112,10 @@ def fim_tokens(tokenizer) -> FimTokens:
         lead = [t for t in tokenizer("", add_special_tokens=True).input_ids if t != eos]
         return FimTokens(conv.name, *markers, tuple(sorted(end)), tuple(lead))
     looked = "; ".join(conv.describe() for conv in CONVENTIONS)
-    raise FimUnsupported(f"this model has no fill-in-the-middle tokens (looked for {looked}): "
-                         "use a FIM-trained code model, or send no suffix")
+    raise FimUnsupported(
+        f"this model has no fill-in-the-middle tokens (looked for {looked}): "
+        "use a FIM-trained code model, or send no suffix"
+    )
 
 
 def fim_prompt(tokenizer, prefix: str, suffix: str, tokens: FimTokens | None = None) -> list[int]:
@@ -136,5 +152,8 @@ def stop_fields(tokens: FimTokens, rule: str, prefix: str) -> dict:
     the request's own) or the block rule (``stop_dedent``)."""
     if rule not in FIM_STOPS:
         raise ValueError(f"fim_stop must be one of {', '.join(FIM_STOPS)}, got {rule!r}")
-    return {"stop_token_ids": tokens.end, "stop": ("\n",) if rule == "line" else (),
-            "stop_dedent": cursor_indent(prefix) if rule == "block" else None}
+    return {
+        "stop_token_ids": tokens.end,
+        "stop": ("\n",) if rule == "line" else (),
+        "stop_dedent": cursor_indent(prefix) if rule == "block" else None,
+    }

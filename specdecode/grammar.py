@@ -43,8 +43,17 @@ from torch import Tensor
 
 from specdecode.errors import UserError
 from specdecode.grammar_bounds import BoundExceeded, GrammarLimits, check_bounds
-from specdecode.grammar_worker import (WHITESPACE, GrammarSandbox, SandboxRefused, _heap_bytes, build_ll_tokenizer,
-                                       error_line, first_mask_problem, llguidance_grammar, parser_limits)
+from specdecode.grammar_worker import (
+    WHITESPACE,
+    GrammarSandbox,
+    SandboxRefused,
+    _heap_bytes,
+    build_ll_tokenizer,
+    error_line,
+    first_mask_problem,
+    llguidance_grammar,
+    parser_limits,
+)
 
 Prefixes = Sequence[Sequence[int]]  # prefixes[p]: the drafted tokens between the committed ones and position p
 
@@ -157,6 +166,7 @@ class GrammarSpec:
 
 # --- bitmasks -----------------------------------------------------------------------------------------
 
+
 def bitmask_to_bool(bitmask: Tensor, width: int) -> Tensor:
     """``bitmask`` [P, ceil(V / 32)] int32 on the CPU (bit ``t % 32`` of word ``t // 32`` = token ``t``
     allowed) -> [P, width] bool; ids at or past ``32 * words`` are False. numpy's ``unpackbits``: about
@@ -201,8 +211,13 @@ def _ll_tokenizer(tokenizer, eos_id: int) -> tuple["llguidance.LLTokenizer", dic
             pass  # fall back to the decoded tokens
     special = sorted(set(getattr(tokenizer, "all_special_ids", ())) & set(range(n)))
     tokens = [b"" if i in special else tokenizer.decode([i]).encode() for i in range(n)]
-    recipe = {"tokens": [t.hex() for t in tokens], "n_vocab": n, "eos": eos_id,
-              "bos": getattr(tokenizer, "bos_token_id", None), "special": special}
+    recipe = {
+        "tokens": [t.hex() for t in tokens],
+        "n_vocab": n,
+        "eos": eos_id,
+        "bos": getattr(tokenizer, "bos_token_id", None),
+        "special": special,
+    }
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     return build_ll_tokenizer(recipe, encode), recipe
 
@@ -240,8 +255,14 @@ class GrammarCompiler:
     ``eos_ids``: the tokens that end a generation (default: the tokenizer's EOS); they are allowed exactly
     where the grammar is complete (with a request's ``stop_token_ids``: :meth:`processor`)."""
 
-    def __init__(self, tokenizer, *, eos_ids: Iterable[int] | None = None, limits: GrammarLimits | None = None,
-                 cache_size: int | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        eos_ids: Iterable[int] | None = None,
+        limits: GrammarLimits | None = None,
+        cache_size: int | None = None,
+    ):
         self.eos_ids = tuple(sorted(set(eos_ids if eos_ids is not None else _eos_ids(tokenizer))))
         if not self.eos_ids:
             raise GrammarError("structured outputs need a tokenizer with an EOS token")
@@ -270,11 +291,16 @@ class GrammarCompiler:
         the child starts now (it builds the tokenizer). Idempotent."""
         with self._lock:
             if self.sandbox is None:
-                self.sandbox = GrammarSandbox(self._recipe, self.eos_ids, self.limits.parser_dict(),
-                                              time_budget_s=self.limits.time_budget_s,
-                                              memory_budget_bytes=self.limits.memory_budget_bytes,
-                                              max_matcher_bytes=self.limits.max_matcher_bytes,
-                                              wall_limit_s=self.limits.wall_limit_s, fault_marker=fault_marker)
+                self.sandbox = GrammarSandbox(
+                    self._recipe,
+                    self.eos_ids,
+                    self.limits.parser_dict(),
+                    time_budget_s=self.limits.time_budget_s,
+                    memory_budget_bytes=self.limits.memory_budget_bytes,
+                    max_matcher_bytes=self.limits.max_matcher_bytes,
+                    wall_limit_s=self.limits.wall_limit_s,
+                    fault_marker=fault_marker,
+                )
             sandbox = self.sandbox
         sandbox.start()
         return sandbox
@@ -327,8 +353,10 @@ class GrammarCompiler:
                 raise GrammarError(f"invalid {spec.kind}: {error_line(problem)}")
             size = max(_heap_bytes() - before, 0) + len(grammar)
             if size > self.limits.max_matcher_bytes:
-                raise GrammarError(f"invalid {spec.kind}: its compiled form takes about {size} bytes, more than "
-                                   f"the limit max_matcher_bytes = {self.limits.max_matcher_bytes}")
+                raise GrammarError(
+                    f"invalid {spec.kind}: its compiled form takes about {size} bytes, more than "
+                    f"the limit max_matcher_bytes = {self.limits.max_matcher_bytes}"
+                )
             entry, ready = _Entry(grammar, size), [matcher]
         with self._lock:
             entry = self._cache.setdefault(spec, entry)
@@ -447,8 +475,10 @@ class GrammarProcessor:
         by_byte: dict[int, int] = {}
         for t in self.end_ids:
             by_byte[t // 8] = by_byte.get(t // 8, 0) | 1 << t % 8
-        self._end_bytes = (torch.tensor(list(by_byte), dtype=torch.long),
-                           torch.tensor(list(by_byte.values()), dtype=torch.uint8))  # distinct bytes, their end bits
+        self._end_bytes = (
+            torch.tensor(list(by_byte), dtype=torch.long),
+            torch.tensor(list(by_byte.values()), dtype=torch.uint8),
+        )  # distinct bytes, their end bits
         self.ended = False  # the output ended: an end token was committed, or the engine hit a limit (incomplete)
         self.incomplete = False  # the output ended where the grammar was not complete (a dead end, a limit)
         self.limit_hit = False  # a mask at the committed state hit a limit of the engine: only end tokens remain
@@ -498,7 +528,7 @@ class GrammarProcessor:
                 walker.rollback(len(path) - common)
                 del path[common:]
             n = self._advance(prefix[common:], walker)
-            path += prefix[common:common + n]
+            path += prefix[common : common + n]
             row = bits[p]
             if len(path) == len(prefix):
                 walker.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
@@ -518,8 +548,10 @@ class GrammarProcessor:
     def _allowed_at(bits: Tensor, live: list[bool], prefixes: list[list[int]], at: list[int], token: int) -> bool:
         """``token`` is allowed in the live row whose prefix is ``at`` (then failing to consume it is a limit
         of the engine, not a forbidden token)."""
-        return any(live[q] and prefix == at and bool(bits.view(torch.uint8)[q, token // 8] >> token % 8 & 1)
-                   for q, prefix in enumerate(prefixes))
+        return any(
+            live[q] and prefix == at and bool(bits.view(torch.uint8)[q, token // 8] >> token % 8 & 1)
+            for q, prefix in enumerate(prefixes)
+        )
 
     def _allows(self, token: int) -> bool:
         """The committed state's mask allows ``token`` (or cannot be computed)."""

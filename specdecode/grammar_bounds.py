@@ -116,13 +116,16 @@ def schema_depth(schema: Any) -> int:
 
 # --- Lark / GBNF grammars -------------------------------------------------------------------------------
 
-_SKIP = re.compile(r'''
+_SKIP = re.compile(
+    r'''
     "(?:[^"\\\n]|\\.)*"i?            # a string
   | '(?:[^'\\\n]|\\.)*'i?            # a string, single quotes
   | /(?![/*])(?:[^/\\\n]|\\.)+/[imsxlu]*   # a Lark regex
   | //[^\n]*                         # a Lark comment
   | <[^<>\n]*>                       # a special token: <[12]>, <|end|>
-''', re.VERBOSE)
+''',
+    re.VERBOSE,
+)
 _GBNF_SKIP = re.compile(r'"(?:[^"\\\n]|\\.)*"|\[(?:[^\]\\\n]|\\.)*\]|#[^\n]*')
 _LARK_DEF = re.compile(r"^[ \t]*[?!]?([A-Za-z_][A-Za-z0-9_]*)(?:\.-?\d+)?[ \t]*:(?!:)", re.MULTILINE)
 _GBNF_DEF = re.compile(r"^[ \t]*([A-Za-z0-9_-]+)[ \t]*::=", re.MULTILINE)
@@ -153,7 +156,7 @@ def rule_graph(text: str) -> tuple[dict[str, set[str]], str]:
     graph: dict[str, set[str]] = {name: set() for name in names}
     name_re = _GBNF_NAME if gbnf else _LARK_NAME
     for i, m in enumerate(defs):
-        body = blank[m.end():defs[i + 1].start() if i + 1 < len(defs) else len(blank)]
+        body = blank[m.end() : defs[i + 1].start() if i + 1 < len(defs) else len(blank)]
         graph[m.group(1)] |= {n for n in name_re.findall(body) if n in names}
     return graph, "root" if gbnf else "start"
 
@@ -162,7 +165,7 @@ def rule_depth(graph: dict[str, set[str]], start: str) -> int:
     """The longest chain of rule references from ``start`` (every rule if it is not defined), each rule
     once per chain (recursion cut). Iterative."""
     memo: dict[str, int] = {}
-    for root in ([start] if start in graph else sorted(graph)):
+    for root in [start] if start in graph else sorted(graph):
         on_path: set[str] = set()
         stack: list[tuple[str, list[str] | None]] = [(root, None)]
         while stack:
@@ -197,11 +200,15 @@ def check_bounds(kind: str, text: str, limits: GrammarLimits) -> None:
         graph, start = rule_graph(text)
         depth = rule_depth(graph, start)
         if depth > limits.max_rule_depth:
-            raise BoundExceeded(f"its rules reference each other {depth} deep, more than the limit "
-                                f"max_rule_depth = {limits.max_rule_depth}")
+            raise BoundExceeded(
+                f"its rules reference each other {depth} deep, more than the limit "
+                f"max_rule_depth = {limits.max_rule_depth}"
+            )
         schemas = _json_objects(text)
     for schema in schemas:
         depth = schema_depth(schema)
         if depth > limits.max_schema_depth:
-            raise BoundExceeded(f"its subschemas and $ref links nest {depth} deep, more than the limit "
-                                f"max_schema_depth = {limits.max_schema_depth}")
+            raise BoundExceeded(
+                f"its subschemas and $ref links nest {depth} deep, more than the limit "
+                f"max_schema_depth = {limits.max_schema_depth}"
+            )

@@ -66,8 +66,11 @@ def llguidance_grammar(kind: str, text: str, whitespace: str | None = None) -> s
         if isinstance(schema, bool):  # options apply to an object schema: true is {}, false stays unsatisfiable
             text, schema = ("{}", {}) if schema else (text, None)
         own = schema.get("x-guidance", {}) if isinstance(schema, dict) else {}
-        options = {} if schema is None or isinstance(own, dict) and {"whitespace_pattern", "whitespace_flexible"} \
-            & set(own) else WHITESPACE[whitespace or "bounded"]
+        options = (
+            {}
+            if schema is None or isinstance(own, dict) and {"whitespace_pattern", "whitespace_flexible"} & set(own)
+            else WHITESPACE[whitespace or "bounded"]
+        )
         return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=options or None)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(text)
@@ -97,8 +100,8 @@ class _Tokens:
         out, i = [], 0
         while i < len(data):
             for n in range(min(self._longest, len(data) - i), 0, -1):
-                if data[i:i + n] in self._ids:
-                    out.append(self._ids[data[i:i + n]])
+                if data[i : i + n] in self._ids:
+                    out.append(self._ids[data[i : i + n]])
                     i += n
                     break
             else:
@@ -113,8 +116,9 @@ def build_ll_tokenizer(recipe: dict[str, Any], encode=None) -> "llguidance.LLTok
         return llguidance.LLTokenizer(recipe["json"], n_vocab=recipe["n_vocab"], eos_token=recipe["eos"])
     tokens = [bytes.fromhex(t) for t in recipe["tokens"]]
     wrapper = _Tokens(tokens, recipe["eos"], recipe.get("bos"), list(recipe.get("special", ())), encode)
-    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(wrapper), n_vocab=recipe["n_vocab"],
-                                  eos_token=recipe["eos"])
+    return llguidance.LLTokenizer(
+        llguidance.TokenizerWrapper(wrapper), n_vocab=recipe["n_vocab"], eos_token=recipe["eos"]
+    )
 
 
 def first_mask_problem(matcher: "llguidance.LLMatcher", end_ids: list[int], vocab_size: int) -> str:
@@ -134,7 +138,7 @@ def first_mask_problem(matcher: "llguidance.LLMatcher", end_ids: list[int], voca
     tail = vocab_size % 8
     if tail and vocab_size // 8 < len(mask):
         mask[vocab_size // 8] &= (1 << tail) - 1
-    if not any(mask[:(vocab_size + 7) // 8]):
+    if not any(mask[: (vocab_size + 7) // 8]):
         return "no token of this model's vocabulary can begin an output the grammar allows"
     return ""
 
@@ -173,7 +177,7 @@ def _write_message(fd: int, obj: Any) -> None:
     body = json.dumps(obj).encode()
     data = struct.pack("<I", len(body)) + body
     while data:
-        data = data[os.write(fd, data):]
+        data = data[os.write(fd, data) :]
 
 
 def _heap_bytes() -> int:
@@ -182,8 +186,22 @@ def _heap_bytes() -> int:
         import ctypes
 
         class _MallInfo2(ctypes.Structure):
-            _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]
+            _fields_ = [
+                (n, ctypes.c_size_t)
+                for n in (
+                    "arena",
+                    "ordblks",
+                    "smblks",
+                    "hblks",
+                    "hblkhd",
+                    "usmblks",
+                    "fsmblks",
+                    "uordblks",
+                    "fordblks",
+                    "keepcost",
+                )
+            ]
+
         fn = ctypes.CDLL(None).mallinfo2
         fn.restype = _MallInfo2
         info = fn()
@@ -316,11 +334,24 @@ class GrammarSandbox:
     segfault (spin, sleep for good, sleep ``STALL_S`` then compile, allocate past the budget), so a test can
     see what each costs."""
 
-    def __init__(self, recipe: dict[str, Any], end_ids, limits: dict[str, Any], *, time_budget_s: float,
-                 memory_budget_bytes: int, max_matcher_bytes: int, wall_limit_s: float = 60.0,
-                 fault_marker: str | None = None):
-        self._setup = {"recipe": recipe, "end_ids": sorted(end_ids), "memory_budget_bytes": memory_budget_bytes,
-                       "cpu_budget_s": time_budget_s}
+    def __init__(
+        self,
+        recipe: dict[str, Any],
+        end_ids,
+        limits: dict[str, Any],
+        *,
+        time_budget_s: float,
+        memory_budget_bytes: int,
+        max_matcher_bytes: int,
+        wall_limit_s: float = 60.0,
+        fault_marker: str | None = None,
+    ):
+        self._setup = {
+            "recipe": recipe,
+            "end_ids": sorted(end_ids),
+            "memory_budget_bytes": memory_budget_bytes,
+            "cpu_budget_s": time_budget_s,
+        }
         self.limits = dict(limits)
         self.time_budget_s = time_budget_s
         self.wall_limit_s = wall_limit_s
@@ -337,10 +368,10 @@ class GrammarSandbox:
     def _start(self) -> None:
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
-        code = ("import sys; from specdecode.grammar_worker import child_main; "
-                f"child_main({to_child_r}, {from_child_w})")
-        self._proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(to_child_r, from_child_w),
-                                      stdin=subprocess.DEVNULL, close_fds=True)
+        code = f"import sys; from specdecode.grammar_worker import child_main; child_main({to_child_r}, {from_child_w})"
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", code], pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL, close_fds=True
+        )
         os.close(to_child_r)
         os.close(from_child_w)
         self._fds = (from_child_r, to_child_w)
@@ -453,19 +484,27 @@ class GrammarSandbox:
                 self._stop()
                 self.restarts += 1
                 if why == "cpu" or code == -signal.SIGXCPU:
-                    raise SandboxRefused(f"compiling it and computing its first mask took more than the time "
-                                         f"budget (grammar_time_budget_s = {self.time_budget_s:g} s of CPU)")
+                    raise SandboxRefused(
+                        f"compiling it and computing its first mask took more than the time "
+                        f"budget (grammar_time_budget_s = {self.time_budget_s:g} s of CPU)"
+                    )
                 if why == "wall":
-                    raise SandboxRefused(f"compiling it and computing its first mask did not finish within the "
-                                         f"wall-clock limit (grammar_wall_limit_s = {self.wall_limit_s:g})")
+                    raise SandboxRefused(
+                        f"compiling it and computing its first mask did not finish within the "
+                        f"wall-clock limit (grammar_wall_limit_s = {self.wall_limit_s:g})"
+                    )
                 if code == 3 or code == -signal.SIGABRT:
-                    raise SandboxRefused(f"compiling it exceeded the memory budget (grammar_memory_budget_bytes "
-                                         f"= {self.memory_budget_bytes})")
+                    raise SandboxRefused(
+                        f"compiling it exceeded the memory budget (grammar_memory_budget_bytes "
+                        f"= {self.memory_budget_bytes})"
+                    )
                 how = f"signal {-code}" if code is not None and code < 0 else f"exit status {code}"
                 raise SandboxRefused(f"the grammar compiler crashed on it ({how}); shorten its $ref or rule chains")
         if "error" in reply:
             raise SandboxRefused(reply["error"])
         if reply["bytes"] > self.max_matcher_bytes:
-            raise SandboxRefused(f"its compiled form takes about {reply['bytes']} bytes, more than the limit "
-                                 f"max_matcher_bytes = {self.max_matcher_bytes}")
+            raise SandboxRefused(
+                f"its compiled form takes about {reply['bytes']} bytes, more than the limit "
+                f"max_matcher_bytes = {self.max_matcher_bytes}"
+            )
         return Approved(reply["grammar"], int(reply["bytes"]))

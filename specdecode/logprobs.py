@@ -156,8 +156,11 @@ class TokenSpeller:
         return alone.encode("utf-8")
 
     def report(self, entry: TokenLogprob) -> ReportedToken:
-        return ReportedToken(self.spell(entry.token_id), reported(entry.logprob),
-                             tuple((self.spell(i), reported(v)) for i, v in entry.top))
+        return ReportedToken(
+            self.spell(entry.token_id),
+            reported(entry.logprob),
+            tuple((self.spell(i), reported(v)) for i, v in entry.top),
+        )
 
 
 def text_offsets(tokens: list[ReportedToken], decoder=None) -> tuple[list[int], object]:

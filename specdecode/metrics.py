@@ -58,8 +58,17 @@ class SpecStats:
             self.accepted_at[j] += 1
 
     def merge(self, other: SpecStats) -> None:
-        for name in ("target_steps", "drafted", "accepted", "emitted", "nodes", "draft_s", "verify_s", "prefill_s",
-                     "prefill_copied"):
+        for name in (
+            "target_steps",
+            "drafted",
+            "accepted",
+            "emitted",
+            "nodes",
+            "draft_s",
+            "verify_s",
+            "prefill_s",
+            "prefill_copied",
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         n = max(len(self.drafted_at), len(other.drafted_at))
         pad = lambda xs: xs + [0] * (n - len(xs))  # noqa: E731

@@ -136,8 +136,13 @@ class PresenceFrequencyPenalty(_OnDevice):
             self.counts.index_put_((index,), torch.ones(len(index), device=self.counts.device), accumulate=True)
 
 
-def build_processors(params: SamplingParams, prompt_ids: Sequence[int], vocab_size: int,
-                     grammars: GrammarCompiler | None = None, end_ids: Iterable[int] = ()) -> tuple[LogitsProcessor, ...]:
+def build_processors(
+    params: SamplingParams,
+    prompt_ids: Sequence[int],
+    vocab_size: int,
+    grammars: GrammarCompiler | None = None,
+    end_ids: Iterable[int] = (),
+) -> tuple[LogitsProcessor, ...]:
     """A request's processors, in the order they apply; ``()`` for neutral parameters. Token ids must be
     inside the vocabulary (``Engine.validate`` refuses others first).
 
@@ -175,8 +180,10 @@ def process_batch(views: Sequence, logits: Tensor, prefixes: Sequence[Prefixes])
     position q: each row through its sequence's processors. Returns ``logits`` itself when no row has any."""
     if not any(processors_of(v) for v in views):
         return logits
-    rows = [apply_all(processors_of(v), logits[b], prefixes[b]) if processors_of(v) else logits[b]
-            for b, v in enumerate(views)]
+    rows = [
+        apply_all(processors_of(v), logits[b], prefixes[b]) if processors_of(v) else logits[b]
+        for b, v in enumerate(views)
+    ]
     return torch.stack(rows)
 
 

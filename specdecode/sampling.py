@@ -118,8 +118,9 @@ class SamplingParams:
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise SamplingError(f"max_new_tokens must be an integer >= 1, got {m!r}", "max_new_tokens")
         seed = self.seed
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
-                                 or not SEED_MIN <= seed <= SEED_MAX):
+        if seed is not None and (
+            isinstance(seed, bool) or not isinstance(seed, int) or not SEED_MIN <= seed <= SEED_MAX
+        ):
             raise SamplingError(f"seed must be an integer that fits in 64 bits, got {seed!r}", "seed")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in stop):
@@ -163,10 +164,15 @@ class SamplingParams:
             tok, value = pair if isinstance(pair, (tuple, list)) and len(pair) == 2 else (None, None)
             if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
                 raise SamplingError(f"logit_bias keys must be token ids (integers >= 0), got {pair!r}", "logit_bias")
-            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-                    or abs(value) > LOGIT_BIAS_MAX):
-                raise SamplingError(f"logit_bias values must be {_RANGES['logit_bias']}, got {value!r} for token {tok}",
-                                    "logit_bias")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or abs(value) > LOGIT_BIAS_MAX
+            ):
+                raise SamplingError(
+                    f"logit_bias values must be {_RANGES['logit_bias']}, got {value!r} for token {tok}", "logit_bias"
+                )
             if tok in out:
                 raise SamplingError(f"logit_bias names token {tok} twice", "logit_bias")
             out[tok] = float(value)
@@ -180,14 +186,21 @@ class SamplingParams:
         if not isinstance(self.grammar, GrammarSpec):
             raise SamplingError(f"grammar must be a GrammarSpec or None, got {type(self.grammar).__name__}", "grammar")
         if self.ignore_eos:  # the grammar allows an end token exactly where the output is complete
-            raise SamplingError("ignore_eos cannot be combined with a grammar (response_format, regex or grammar): "
-                                "a structured output ends where the grammar is complete", "ignore_eos")
+            raise SamplingError(
+                "ignore_eos cannot be combined with a grammar (response_format, regex or grammar): "
+                "a structured output ends where the grammar is complete",
+                "ignore_eos",
+            )
 
     @property
     def processed(self) -> bool:
         """Whether raw logits are changed before warping (logit bias, a penalty): :mod:`specdecode.processors`."""
-        return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0 \
+        return (
+            bool(self.logit_bias)
+            or self.presence_penalty != 0
+            or self.frequency_penalty != 0
             or self.repetition_penalty != 1
+        )
 
     @property
     def greedy(self) -> bool:
@@ -200,12 +213,15 @@ class SamplingParams:
 
 
 # each numeric field's range, as its error message says it (docs/server.md's limits table lists the same)
-_RANGES = {"temperature": f"a number in [0, {TEMPERATURE_MAX:g}] (0 = greedy)", "top_p": "a number in (0, 1] (1 = off)",
-           "min_p": "a number in [0, 1] (0 = off)",
-           "presence_penalty": f"a number in [-{PENALTY_MAX:g}, {PENALTY_MAX:g}]",
-           "frequency_penalty": f"a number in [-{PENALTY_MAX:g}, {PENALTY_MAX:g}]",
-           "repetition_penalty": f"a number in [{REPETITION_PENALTY_MIN:g}, {REPETITION_PENALTY_MAX:g}] (1 = off)",
-           "logit_bias": f"numbers in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}]"}
+_RANGES = {
+    "temperature": f"a number in [0, {TEMPERATURE_MAX:g}] (0 = greedy)",
+    "top_p": "a number in (0, 1] (1 = off)",
+    "min_p": "a number in [0, 1] (0 = off)",
+    "presence_penalty": f"a number in [-{PENALTY_MAX:g}, {PENALTY_MAX:g}]",
+    "frequency_penalty": f"a number in [-{PENALTY_MAX:g}, {PENALTY_MAX:g}]",
+    "repetition_penalty": f"a number in [{REPETITION_PENALTY_MIN:g}, {REPETITION_PENALTY_MAX:g}] (1 = off)",
+    "logit_bias": f"numbers in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}]",
+}
 
 
 @dataclass(frozen=True)
@@ -284,13 +300,16 @@ def parse_setting(spec: str) -> SamplingSetting:
         return SamplingSetting(kw["t"], kw["k"], kw["p"], min_p=kw["minp"])
     m = _BENCH_SPEC.fullmatch(spec)
     if not m:
-        raise SamplingError(f"unknown sampling setting {spec!r}: use 'greedy', t<T>[-p<top_p>] (e.g. t0.7-p0.95) "
-                            "or t=<temp>,k=<top-k>,p=<top-p> (e.g. t=0.7,p=0.9)")
+        raise SamplingError(
+            f"unknown sampling setting {spec!r}: use 'greedy', t<T>[-p<top_p>] (e.g. t0.7-p0.95) "
+            "or t=<temp>,k=<top-k>,p=<top-p> (e.g. t=0.7,p=0.9)"
+        )
     t, p = float(m["t"]), float(m["p"]) if m["p"] else 1.0
     min_p = float(m["m"]) if m["m"] else 0.0
     if t <= 0 or not 0 < p <= 1 or not 0 <= min_p <= 1:
-        raise SamplingError(f"sampling setting {spec!r}: need T > 0 (use 'greedy' for T = 0), 0 < top_p <= 1 "
-                            "and 0 <= min_p <= 1")
+        raise SamplingError(
+            f"sampling setting {spec!r}: need T > 0 (use 'greedy' for T = 0), 0 < top_p <= 1 and 0 <= min_p <= 1"
+        )
     return SamplingSetting(t, 0, p, label=spec, min_p=min_p)
 
 
@@ -356,8 +375,9 @@ def warp(
 TOP_P_LADDER = (64, 1024)
 
 
-def top_p_threshold(scaled: torch.Tensor, top_p: torch.Tensor,
-                    ladder: tuple[int, ...] = TOP_P_LADDER) -> torch.Tensor:  # [R, V], [R] -> [R, 1]
+def top_p_threshold(
+    scaled: torch.Tensor, top_p: torch.Tensor, ladder: tuple[int, ...] = TOP_P_LADDER
+) -> torch.Tensor:  # [R, V], [R] -> [R, 1]
     """The smallest logit kept by nucleus sampling, per row: a token is kept iff the probability mass of
     the tokens *strictly* more likely than it is below ``top_p`` (tokens tied with a kept one are kept;
     no order among equal logits matters). ``ladder=()`` is the reference: one full sort."""
@@ -401,8 +421,10 @@ def warp_tensors(params: list[SamplingParams]) -> tuple[torch.Tensor, ...]:
     when a row has one (a law without min-p calls ``warp`` exactly as before it existed)."""
     if not any(p.min_p for p in params):
         return params_tensors(params)
-    return (*params_tensors([replace(p, min_p=0.0) for p in params]),
-            torch.tensor([p.min_p for p in params], dtype=torch.float32))
+    return (
+        *params_tensors([replace(p, min_p=0.0) for p in params]),
+        torch.tensor([p.min_p for p in params], dtype=torch.float32),
+    )
 
 
 def params_tensors(params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -117,10 +117,12 @@ class Counts:
         """These counts decayed by ``decay``, plus one step. ``compared``: how many of the drafted
         tokens could be judged (a shadow proposal longer than what the step emitted is censored
         there: no rejection seen); default all of them."""
-        return Counts(decay * self.accepted + accepted,
-                      decay * self.rejected + (1 if accepted < (drafted if compared is None else compared) else 0),
-                      decay * self.proposed + drafted,
-                      decay * self.requested + requested)
+        return Counts(
+            decay * self.accepted + accepted,
+            decay * self.rejected + (1 if accepted < (drafted if compared is None else compared) else 0),
+            decay * self.proposed + drafted,
+            decay * self.requested + requested,
+        )
 
     @staticmethod
     def guess(alpha: float, fill: float, weight: float) -> "Counts":
@@ -187,8 +189,7 @@ def step_seconds(cost: CostModel, batch: int, rows: Rows) -> float:
 
 def seconds_per_token(cost: CostModel, drafter: str, est: Estimate, batch: int, lengths: Sequence[int]) -> float:
     """Seconds per token of one sequence drafting with ``drafter`` at its best length (at ``est``)."""
-    return min((cost.verify_s(batch, k + 1) + cost.draft_s(drafter, 1, k)) / expected_tokens(*est, k)
-               for k in lengths)
+    return min((cost.verify_s(batch, k + 1) + cost.draft_s(drafter, 1, k)) / expected_tokens(*est, k) for k in lengths)
 
 
 def could_pay(cost: CostModel, drafter: str, batch: int, lengths: Sequence[int], margin: float) -> bool:
@@ -202,8 +203,9 @@ def could_pay(cost: CostModel, drafter: str, batch: int, lengths: Sequence[int],
 
 
 # -- catch-up ---------------------------------------------------------------------------------------------
-def pays_back(catch_up_s: float, remaining: int, ready: float, best: float, batch: int, margin: float,
-              delay: int = 0) -> bool:
+def pays_back(
+    catch_up_s: float, remaining: int, ready: float, best: float, batch: int, margin: float, delay: int = 0
+) -> bool:
     """Does a catch-up of ``catch_up_s`` seconds (the whole batch waits for it) pay back: a sequence
     with ``remaining`` tokens, less ``delay`` steps spent reading in pieces, saving ``ready - best``
     seconds a token, saves ``1 + margin`` times what the catch-up costs the batch?"""
@@ -226,8 +228,15 @@ def steps_to_read(lag: int, chunk: int | None) -> int:
     return 0 if chunk is None or lag <= chunk else -(-lag // (chunk - 1))
 
 
-def look_first(catch_up: Mapping[str, float], looks: Mapping[str, int], free: Sequence[str], plain_s: float,
-               batch: int, look_steps: int, look_share: float) -> bool:
+def look_first(
+    catch_up: Mapping[str, float],
+    looks: Mapping[str, int],
+    free: Sequence[str],
+    plain_s: float,
+    batch: int,
+    look_steps: int,
+    look_share: float,
+) -> bool:
     """Should a sequence watch the free drafters longer before any catch-up? Yes while its dearest
     catch-up costs ``n`` plain steps (``plain_s`` each) of the batch and some free drafter has been
     scored (``looks``) on fewer than ``min(look_steps, look_share * n)`` of its steps."""
@@ -259,14 +268,28 @@ def ready_seconds(cost: CostModel, batch: int, whole: Mapping[str, Estimate], le
     return min([cost.verify_s(batch, 1)] + [seconds_per_token(cost, d, e, batch, lengths) for d, e in whole.items()])
 
 
-def candidates(o: Outlook, cost: CostModel, batch: int, lengths: Sequence[int],
-               catch_up_margin: float) -> dict[str, Estimate]:
+def candidates(
+    o: Outlook, cost: CostModel, batch: int, lengths: Sequence[int], catch_up_margin: float
+) -> dict[str, Estimate]:
     """The drafters that may draft for the sequence at this step (with their estimates): in step, or
     not waiting to watch the free drafters and with a catch-up that pays back."""
-    return {d: e for d, e in o.known.items()
-            if o.catch_up[d] <= 0 or (not o.looking and pays_back(
-                o.catch_up[d], o.remaining, o.ready, seconds_per_token(cost, d, e, batch, lengths), batch,
-                catch_up_margin, o.delay[d]))}
+    return {
+        d: e
+        for d, e in o.known.items()
+        if o.catch_up[d] <= 0
+        or (
+            not o.looking
+            and pays_back(
+                o.catch_up[d],
+                o.remaining,
+                o.ready,
+                seconds_per_token(cost, d, e, batch, lengths),
+                batch,
+                catch_up_margin,
+                o.delay[d],
+            )
+        )
+    }
 
 
 def assign(est: Mapping[str, Estimate], lengths: Mapping[str, int]) -> Choice:
@@ -288,8 +311,14 @@ def plan_rate(cost: CostModel, est: Sequence[Mapping[str, Estimate]], lengths: M
     return tokens / max(step_seconds(cost, batch, plan_rows(choices)), 1e-12)
 
 
-def best_lengths(cost: CostModel, est: Sequence[Mapping[str, Estimate]], batch: int, drafters: Sequence[str],
-                 lengths: Sequence[int], margin: float) -> dict[str, int]:
+def best_lengths(
+    cost: CostModel,
+    est: Sequence[Mapping[str, Estimate]],
+    batch: int,
+    drafters: Sequence[str],
+    lengths: Sequence[int],
+    margin: float,
+) -> dict[str, int]:
     """One length per drafter (0: unused): coordinate ascent, two rounds, from nothing drafting; kept
     only if it beats plain decoding by ``margin``."""
     off = {d: 0 for d in drafters}
@@ -312,8 +341,15 @@ class Plan:
     reading: dict[str, list[int]]  # drafter -> the sequences (indices, batch order) it reads ahead for
 
 
-def choose(cost: CostModel, batch: int, outlooks: Sequence[Outlook], drafters: Sequence[str],
-           lengths: Sequence[int], chunk: int | None, settings: SelectorSettings) -> Plan:
+def choose(
+    cost: CostModel,
+    batch: int,
+    outlooks: Sequence[Outlook],
+    drafters: Sequence[str],
+    lengths: Sequence[int],
+    chunk: int | None,
+    settings: SelectorSettings,
+) -> Plan:
     """The step's plan. A sequence whose chosen drafter is more than ``chunk`` tokens behind has it
     read ahead instead and takes the best plan without the drafters that far behind."""
     est = [candidates(o, cost, batch, lengths, settings.catch_up_margin) for o in outlooks]
@@ -337,8 +373,9 @@ def exploration_allowance(step_s: float, batch: int, explore_cost: float, explor
     return explore_cost * explore_every * step_s / max(1, batch)
 
 
-def due_for_exploration(drafters: Sequence[str], tried: set[str], last_used: Mapping[str, int], steps: int,
-                        explore_every: int) -> list[str]:
+def due_for_exploration(
+    drafters: Sequence[str], tried: set[str], last_used: Mapping[str, int], steps: int, explore_every: int
+) -> list[str]:
     """Drafters never tried anywhere, or not used for the sequence for ``explore_every`` steps,
     longest unused first (none when ``explore_every`` is 0)."""
     if explore_every <= 0:
@@ -347,10 +384,21 @@ def due_for_exploration(drafters: Sequence[str], tried: set[str], last_used: Map
     return sorted(due, key=lambda d: last_used.get(d, 0))
 
 
-def exploration(due: Sequence[str], o: Outlook, choice: Choice, lengths: Mapping[str, int], rows: Rows,
-                allowance: float, cost: CostModel, batch: int, tried: Sequence[int], explore_k: int,
-                settings: SelectorSettings, first: Collection[str] = (),
-                unproven: Collection[str] = ()) -> tuple[Choice | None, list[str]]:
+def exploration(
+    due: Sequence[str],
+    o: Outlook,
+    choice: Choice,
+    lengths: Mapping[str, int],
+    rows: Rows,
+    allowance: float,
+    cost: CostModel,
+    batch: int,
+    tried: Sequence[int],
+    explore_k: int,
+    settings: SelectorSettings,
+    first: Collection[str] = (),
+    unproven: Collection[str] = (),
+) -> tuple[Choice | None, list[str]]:
     """The first of ``due`` worth exploring for a sequence planned at ``choice`` (None: none), and the
     drafters passed over as unable to pay or be afforded at this load (look again later). A drafter
     whose catch-up waits while the sequence is watched stays due. ``tried``: the lengths the plan
@@ -366,11 +414,19 @@ def exploration(due: Sequence[str], o: Outlook, choice: Choice, lengths: Mapping
             continue
         worth = d in unproven or (
             could_pay(cost, d, batch, tried, settings.margin)
-            and pays_back(o.catch_up[d], o.remaining, o.ready,
-                          seconds_per_token(cost, d, (0.999, 1.0), batch, tried) if o.catch_up[d] > 0 else 0.0,
-                          batch, settings.catch_up_margin, o.delay[d]))
-        affordable = d in first or (step_seconds(cost, batch, moved(rows, choice, (d, k)))
-                                    - step_seconds(cost, batch, rows) <= allowance)
+            and pays_back(
+                o.catch_up[d],
+                o.remaining,
+                o.ready,
+                seconds_per_token(cost, d, (0.999, 1.0), batch, tried) if o.catch_up[d] > 0 else 0.0,
+                batch,
+                settings.catch_up_margin,
+                o.delay[d],
+            )
+        )
+        affordable = d in first or (
+            step_seconds(cost, batch, moved(rows, choice, (d, k))) - step_seconds(cost, batch, rows) <= allowance
+        )
         if worth and affordable:
             return (d, k), passed
         passed.append(d)
@@ -412,9 +468,17 @@ class AutoPolicy:
     free) is what it asks of the drafters; ``history`` starts drafters from known counts (a drafter
     with a history counts as tried)."""
 
-    def __init__(self, drafters: Sequence[str], cost: CostModel, parts: PartsView | None = None, *, max_k: int,
-                 catch_up_tokens: int | None = CATCH_UP_TOKENS, settings: SelectorSettings = SelectorSettings(),
-                 history: Mapping[str, Counts] | None = None) -> None:
+    def __init__(
+        self,
+        drafters: Sequence[str],
+        cost: CostModel,
+        parts: PartsView | None = None,
+        *,
+        max_k: int,
+        catch_up_tokens: int | None = CATCH_UP_TOKENS,
+        settings: SelectorSettings = SelectorSettings(),
+        history: Mapping[str, Counts] | None = None,
+    ) -> None:
         if not drafters:
             raise ValueError("the selector needs at least one drafter")
         if max_k < 1:
@@ -454,11 +518,18 @@ class AutoPolicy:
         catch = {d: cost.catch_up_s(d, n) if n > 0 else 0.0 for d, n in lag.items()}
         # judged over the whole request so far: a catch-up is a decision for the rest of the request
         whole = {d: self.estimate(seq, d, whole=True) for d in self.drafters if catch[d] <= 0}
-        looking = look_first(catch, self._state(seq).looks, self.free, cost.verify_s(batch, 1), batch,
-                             s.look_steps, s.look_share)
-        return Outlook({d: self.estimate(seq, d) for d in self.drafters}, lag, catch,
-                       {d: steps_to_read(n, chunk) for d, n in lag.items()},
-                       ready_seconds(cost, batch, whole, self.lengths), looking, self._remaining(seq))
+        looking = look_first(
+            catch, self._state(seq).looks, self.free, cost.verify_s(batch, 1), batch, s.look_steps, s.look_share
+        )
+        return Outlook(
+            {d: self.estimate(seq, d) for d in self.drafters},
+            lag,
+            catch,
+            {d: steps_to_read(n, chunk) for d, n in lag.items()},
+            ready_seconds(cost, batch, whole, self.lengths),
+            looking,
+            self._remaining(seq),
+        )
 
     # -- the policy protocol ----------------------------------------------------------------------
     def plan(self, seqs: list, batch_size: int) -> list[int]:
@@ -469,8 +540,9 @@ class AutoPolicy:
             self._trace(seqs, outlooks, batch_size)
         plan = choose(self.cost, batch_size, outlooks, self.drafters, self.lengths, chunk, s)
         rows = plan_rows(plan.choices)
-        allowance = exploration_allowance(step_seconds(self.cost, batch_size, rows), batch_size, s.explore_cost,
-                                          s.explore_every)
+        allowance = exploration_allowance(
+            step_seconds(self.cost, batch_size, rows), batch_size, s.explore_cost, s.explore_every
+        )
         reading = {d: [seqs[i] for i in rows_of] for d, rows_of in plan.reading.items()}
         first = [d for d in self.drafters if d not in self.tried]
         unproven = [] if self.cost.trusted else [d for d in self.drafters if not self.cost.measured(d)]
@@ -479,8 +551,21 @@ class AutoPolicy:
             state = self._state(seq)
             state.steps += 1
             due = due_for_exploration(self.drafters, self.tried, state.last_used, state.steps, s.explore_every)
-            explore, passed = exploration(due, o, choice, plan.lengths, rows, allowance, self.cost, batch_size,
-                                          self.lengths, self.explore_k, s, first, unproven)
+            explore, passed = exploration(
+                due,
+                o,
+                choice,
+                plan.lengths,
+                rows,
+                allowance,
+                self.cost,
+                batch_size,
+                self.lengths,
+                self.explore_k,
+                s,
+                first,
+                unproven,
+            )
             for d in passed:  # cannot pay, or cannot be afforded, at this load: look again later
                 state.last_used[d] = state.steps
             if explore is not None and chunk is not None and o.lag[explore[0]] > chunk:
@@ -501,13 +586,25 @@ class AutoPolicy:
             ok = candidates(o, self.cost, batch, self.lengths, self.settings.catch_up_margin)
             for d in self.drafters:
                 if o.catch_up[d] > 0:
-                    log.debug("step %d seq %x %s: lag %d catch-up %.2fs remaining %d ready %.4fs/tok best %.4fs/tok "
-                              "(alpha %.2f fill %.2f) others %s -> %s", self._state(seq).steps, id(seq) & 0xffff, d,
-                              o.lag[d], o.catch_up[d], o.remaining, o.ready,
-                              seconds_per_token(self.cost, d, o.known[d], batch, self.lengths), *o.known[d],
-                              {x: tuple(round(v, 2) for v in self.estimate(seq, x, whole=True))
-                               for x in self.drafters if x != d},
-                              "looking first" if o.looking else "pays" if d in ok else "not")
+                    log.debug(
+                        "step %d seq %x %s: lag %d catch-up %.2fs remaining %d ready %.4fs/tok best %.4fs/tok "
+                        "(alpha %.2f fill %.2f) others %s -> %s",
+                        self._state(seq).steps,
+                        id(seq) & 0xFFFF,
+                        d,
+                        o.lag[d],
+                        o.catch_up[d],
+                        o.remaining,
+                        o.ready,
+                        seconds_per_token(self.cost, d, o.known[d], batch, self.lengths),
+                        *o.known[d],
+                        {
+                            x: tuple(round(v, 2) for v in self.estimate(seq, x, whole=True))
+                            for x in self.drafters
+                            if x != d
+                        },
+                        "looking first" if o.looking else "pays" if d in ok else "not",
+                    )
 
     def _look(self, seqs: list, lengths: Mapping[str, int]) -> None:
         """Ask each free drafter what it would propose for the sequences it does not draft for at this
@@ -534,16 +631,28 @@ class AutoPolicy:
         for d in self.drafters:
             h = self.history[d]
             est = estimate(Counts(), h, self.settings.prior_weight)
-            per_token = {k: (cost.verify_s(batch, k + 1) + cost.draft_s(d, 1, k)) / expected_tokens(*est, k)
-                         for k in self.lengths}
+            per_token = {
+                k: (cost.verify_s(batch, k + 1) + cost.draft_s(d, 1, k)) / expected_tokens(*est, k)
+                for k in self.lengths
+            }
             best = min(per_token, key=per_token.get)
-            drafters[d] = {"tried": d in self.tried, "alpha": round(est[0], 4), "fill": round(est[1], 4),
-                           "tokens_judged": round(h.accepted + h.rejected, 1),
-                           "draft_token_s": cost.draft_s(d, 1, 1), "best_k": best,
-                           "speed_vs_plain": round(plain / per_token[best], 4)}
-        return {"calibration": "quiet" if cost.trusted else "busy", "noise": cost.noise.describe(),
-                "step_s": plain, "verify_s": {w: cost.verify_s(batch, w) for w in (2, 5, 9)},
-                "margin": self.settings.margin, "drafters": drafters}
+            drafters[d] = {
+                "tried": d in self.tried,
+                "alpha": round(est[0], 4),
+                "fill": round(est[1], 4),
+                "tokens_judged": round(h.accepted + h.rejected, 1),
+                "draft_token_s": cost.draft_s(d, 1, 1),
+                "best_k": best,
+                "speed_vs_plain": round(plain / per_token[best], 4),
+            }
+        return {
+            "calibration": "quiet" if cost.trusted else "busy",
+            "noise": cost.noise.describe(),
+            "step_s": plain,
+            "verify_s": {w: cost.verify_s(batch, w) for w in (2, 5, 9)},
+            "margin": self.settings.margin,
+            "drafters": drafters,
+        }
 
     def route(self, seq) -> str | None:
         """The drafter chosen for ``seq`` at the last plan (None: it does not draft)."""
@@ -554,8 +663,9 @@ class AutoPolicy:
         drafter = self.route(seq)
         return f"{drafter}:k{k}" if drafter is not None and k > 0 else "off"
 
-    def record(self, seq, drafter: str, requested: int, drafted: int, accepted: int,
-               compared: int | None = None) -> None:
+    def record(
+        self, seq, drafter: str, requested: int, drafted: int, accepted: int, compared: int | None = None
+    ) -> None:
         """Count one step of ``drafter`` on ``seq``: asked for ``requested`` tokens, it proposed
         ``drafted`` and ``accepted`` were accepted (``compared``: see :meth:`Counts.add`)."""
         state, s = self._state(seq), self.settings
@@ -594,9 +704,14 @@ class AutoPolicy:
         self._seqs.pop(id(seq), None)
 
 
-def auto_drafting(parts: dict[str, "Drafter"], cost: CostModel, *, max_k: int,
-                  catch_up_tokens: int | None = CATCH_UP_TOKENS,
-                  settings: SelectorSettings = SelectorSettings()) -> tuple["MultiDrafter", AutoPolicy]:
+def auto_drafting(
+    parts: dict[str, "Drafter"],
+    cost: CostModel,
+    *,
+    max_k: int,
+    catch_up_tokens: int | None = CATCH_UP_TOKENS,
+    settings: SelectorSettings = SelectorSettings(),
+) -> tuple["MultiDrafter", AutoPolicy]:
     """The multi-drafter over ``parts`` and the selector that routes it, built complete: the parts
     (with their late-start bookkeeping) first, then the selector that asks them, then the
     multi-drafter that drafts with the selector's routes. Measured proposal and catch-up times go to

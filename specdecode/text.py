@@ -120,8 +120,9 @@ class IncrementalText:
     that could still become a stop string or be cut by the rule.
     """
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True,
-                 stop_dedent: int | None = None) -> None:
+    def __init__(
+        self, tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True, stop_dedent: int | None = None
+    ) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
         self.skip_special_tokens = skip_special_tokens
@@ -134,8 +135,9 @@ class IncrementalText:
         self._sent = 0
         # stop strings, and the block rule (``stop_dedent``: see DedentStop); their states cover _stable
         # (which only grows)
-        self._stops = ([StopMatcher(stop)] if stop else []) + ([DedentStop(stop_dedent)] if stop_dedent is not None
-                                                              else [])
+        self._stops = ([StopMatcher(stop)] if stop else []) + (
+            [DedentStop(stop_dedent)] if stop_dedent is not None else []
+        )
         self._held = 0  # characters at the end of ``text`` that could still become a stop string
 
     def _decode(self, ids: list[int]) -> str:

@@ -80,8 +80,7 @@ async def _stream(
         return f"data: {json.dumps(payload)}\n\n"
 
     def piece(content: str) -> dict[str, Any]:
-        choice = {"index": 0, "delta": {"content": content}} if chat else {"index": 0,
-                                                                           "text": content}
+        choice = {"index": 0, "delta": {"content": content}} if chat else {"index": 0, "text": content}
         return {"choices": [choice]}
 
     while len(behaviour.bodies) < behaviour.hold_until:
@@ -107,8 +106,7 @@ async def _stream(
         behaviour.in_flight -= 1
     final: dict[str, Any] = {"choices": []}
     if behaviour.send_usage and body.get("stream_options", {}).get("include_usage"):
-        final["usage"] = {"prompt_tokens": 3, "completion_tokens": tokens,
-                          "total_tokens": 3 + tokens}
+        final["usage"] = {"prompt_tokens": 3, "completion_tokens": tokens, "total_tokens": 3 + tokens}
     if behaviour.speculation is not None:
         final["speculation"] = behaviour.speculation
     yield event(final)
@@ -120,14 +118,14 @@ class FakeServer:
 
     def __init__(self, behaviour: Behaviour | None = None) -> None:
         self.behaviour = behaviour or Behaviour()
-        config = uvicorn.Config(make_app(self.behaviour), log_level="warning", lifespan="off",
-                                timeout_graceful_shutdown=1)
+        config = uvicorn.Config(
+            make_app(self.behaviour), log_level="warning", lifespan="off", timeout_graceful_shutdown=1
+        )
         self.server = uvicorn.Server(config)
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> FakeServer:
         self.thread.start()

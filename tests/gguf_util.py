@@ -21,9 +21,30 @@ SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 FIM_TOKENS = ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>"]  # Qwen2.5-Coder's, in its order
 # Each merge adds the concatenation of its pair to the vocabulary. "Ġ" is the byte-level space.
 MERGES = [
-    ("h", "e"), ("Ġ", "t"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), ("e", "r"), ("o", "n"), ("r", "e"),
-    ("Ġ", "c"), ("a", "t"), ("Ġc", "at"), ("Ġ", "s"), ("o", "r"), ("e", "n"), ("Ġ", "o"), ("d", "e"),
-    ("Ġ", "f"), ("Ġf", "or"), ("i", "s"), ("Ġ", "i"), ("Ġi", "n"), ("Ġ", "d"), ("Ġd", "e"), ("Ġde", "f"),
+    ("h", "e"),
+    ("Ġ", "t"),
+    ("Ġt", "he"),
+    ("i", "n"),
+    ("Ġ", "a"),
+    ("e", "r"),
+    ("o", "n"),
+    ("r", "e"),
+    ("Ġ", "c"),
+    ("a", "t"),
+    ("Ġc", "at"),
+    ("Ġ", "s"),
+    ("o", "r"),
+    ("e", "n"),
+    ("Ġ", "o"),
+    ("d", "e"),
+    ("Ġ", "f"),
+    ("Ġf", "or"),
+    ("i", "s"),
+    ("Ġ", "i"),
+    ("Ġi", "n"),
+    ("Ġ", "d"),
+    ("Ġd", "e"),
+    ("Ġde", "f"),
 ]
 
 
@@ -48,8 +69,15 @@ def tiny_vocab(extra_merges: int = len(MERGES), rename: dict[int, str] | None = 
     return tokens, merges
 
 
-def write_tiny_qwen2_gguf(path: Path, seed: int = 0, *, quantized: bool = True, tokens: list[str] | None = None,
-                          scale: float = 0.2, **vocab_kwargs) -> tuple[dict[str, np.ndarray], dict]:
+def write_tiny_qwen2_gguf(
+    path: Path,
+    seed: int = 0,
+    *,
+    quantized: bool = True,
+    tokens: list[str] | None = None,
+    scale: float = 0.2,
+    **vocab_kwargs,
+) -> tuple[dict[str, np.ndarray], dict]:
     """Write the file; return ``(expected float32 weights by HF name, Qwen2Config kwargs)``.
 
     ``quantized=False`` stores every tensor in F32; ``tokens`` replaces the byte-level vocabulary
@@ -121,9 +149,16 @@ def write_tiny_qwen2_gguf(path: Path, seed: int = 0, *, quantized: bool = True, 
     writer.close()
 
     config = dict(
-        vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=256,
-        rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        vocab_size=vocab,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
     )
     return expected, config
 
@@ -139,8 +174,11 @@ def write_gguf_like(model, path: Path, tokens: list[str] | None = None) -> Path:
     vocab = cfg.vocab_size
     # default: "x", "y", "xy" (llama.cpp wants a merge, and a tokenizer's merge must make a token it has),
     # then "t3", "t4", ...; the strings matter only to a tokenizer rebuilt from the file
-    tokens = list(tokens) if tokens is not None else (["x", "y", "xy"] + [f"t{i}" for i in range(3, vocab - 1)]
-                                                      + ["<|endoftext|>"])
+    tokens = (
+        list(tokens)
+        if tokens is not None
+        else (["x", "y", "xy"] + [f"t{i}" for i in range(3, vocab - 1)] + ["<|endoftext|>"])
+    )
     state = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
     writer = GGUFWriter(str(path), arch)
     writer.add_name(f"tiny {arch} (from a transformers model)")
@@ -163,11 +201,19 @@ def write_gguf_like(model, path: Path, tokens: list[str] | None = None) -> Path:
     writer.add_eos_token_id(vocab - 1)
     writer.add_bos_token_id(vocab - 1)
     writer.add_add_bos_token(False)
-    names = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
-             "model.norm.weight": "output_norm.weight"}
-    per_layer = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-                 "self_attn.o_proj.weight": "attn_output.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
-                 "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "lm_head.weight": "output.weight",
+        "model.norm.weight": "output_norm.weight",
+    }
+    per_layer = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "mlp.gate_proj.weight": "ffn_gate.weight",
+        "mlp.up_proj.weight": "ffn_up.weight",
+        "mlp.down_proj.weight": "ffn_down.weight",
+    }
     for proj in "qkv":
         per_layer[f"self_attn.{proj}_proj.weight"] = f"attn_{proj}.weight"
         if arch == "qwen2":
@@ -175,6 +221,7 @@ def write_gguf_like(model, path: Path, tokens: list[str] | None = None) -> Path:
     for i in range(cfg.num_hidden_layers):
         for hf, gg in per_layer.items():
             names[f"model.layers.{i}.{hf}"] = f"blk.{i}.{gg}"
+
     def rope_order(w: np.ndarray, heads: int) -> np.ndarray:
         """llama.cpp's llama rotates interleaved pairs; transformers' rotates halves (as convert_hf_to_gguf)."""
         return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -201,5 +248,9 @@ def tiny_llamacpp_pair(directory: Path, vocab: int, seed: int, noise: float = 0.
 
     target = make_model(vocab, seed=seed)
     draft = perturbed_copy(target, noise=noise)
-    return (target, draft, LlamaCppModel(write_gguf_like(target, directory / "t.gguf"), threads=1),
-            LlamaCppModel(write_gguf_like(draft, directory / "d.gguf"), threads=1))
+    return (
+        target,
+        draft,
+        LlamaCppModel(write_gguf_like(target, directory / "t.gguf"), threads=1),
+        LlamaCppModel(write_gguf_like(draft, directory / "d.gguf"), threads=1),
+    )

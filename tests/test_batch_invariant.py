@@ -48,6 +48,7 @@ def test_plans_are_remembered_on_disk_for_later_processes(tmp_path, monkeypatch)
 
 def test_probe_separates_shape_dependent_kernels():
     """A fake kernel whose rounding depends on the call's row count (as a BLAS's blocking does)."""
+
     def run(rows):
         m = rows.shape[-2]
         return rows.sum(-1, keepdim=True) + (1e-3 if m >= 4 else 0.0) + (1e-3 if m >= 8 else 0.0)
@@ -70,7 +71,7 @@ def test_linear_rows_do_not_depend_on_the_batch(dtype):
     alone = bi.linear(rows[:1], weight, bias)[0]
     for n in (2, 3, 5, 9, 17, 33, 64):
         for pos in (0, n // 2, n - 1):
-            batch = torch.cat([rows[1:1 + pos], rows[:1], rows[1 + pos: n]])
+            batch = torch.cat([rows[1 : 1 + pos], rows[:1], rows[1 + pos : n]])
             assert torch.equal(bi.linear(batch, weight, bias)[pos], alone), (n, pos)
     with bi.bulk():  # the bulk plan is its own class, equally independent of the batch
         alone_bulk = bi.linear(rows[:1], weight, bias)[0]
@@ -110,10 +111,18 @@ def test_attention_rows_do_not_depend_on_other_rows_or_padding(dtype):
     # the same query as the last of 5 in a batch whose other row is 700 keys long (stale keys past 200)
     q5 = torch.cat([torch.randn(1, 4, 4, 16, generator=g).to(dtype), q], dim=2)
     q5 = torch.cat([q5, torch.randn(1, 4, 5, 16, generator=g).to(dtype)])
-    k2 = torch.cat([torch.cat([k, torch.randn(1, 2, 500, 16, generator=g).to(dtype)], 2),
-                    torch.randn(1, 2, 700, 16, generator=g).to(dtype)])
-    v2 = torch.cat([torch.cat([v, torch.randn(1, 2, 500, 16, generator=g).to(dtype)], 2),
-                    torch.randn(1, 2, 700, 16, generator=g).to(dtype)])
+    k2 = torch.cat(
+        [
+            torch.cat([k, torch.randn(1, 2, 500, 16, generator=g).to(dtype)], 2),
+            torch.randn(1, 2, 700, 16, generator=g).to(dtype),
+        ]
+    )
+    v2 = torch.cat(
+        [
+            torch.cat([v, torch.randn(1, 2, 500, 16, generator=g).to(dtype)], 2),
+            torch.randn(1, 2, 700, 16, generator=g).to(dtype),
+        ]
+    )
     seen = torch.arange(700)[None, None, :] < torch.tensor([196, 197, 198, 199, 200])[None, :, None]
     mask = torch.stack([seen[0], torch.ones(5, 700, dtype=torch.bool)])[:, None]
     batched, _ = bi.attention(None, q5, k2, v2, mask, scaling=0.25)
@@ -124,20 +133,27 @@ def _runner_logits(dtype, invariant):
     """The same 12 tokens after the same prompt: (a) alone, one token per forward; (b) after a batched
     prefill beside prompts of other lengths, four tokens per forward (a verify) beside three other rows."""
     vocab = 512
-    runner = HFRunner(make_model(vocab, seed=3, layers=2, hidden=256, dtype=dtype), num_slots=4, max_len=512,
-                      batch_invariant=invariant)
+    runner = HFRunner(
+        make_model(vocab, seed=3, layers=2, hidden=256, dtype=dtype),
+        num_slots=4,
+        max_len=512,
+        batch_invariant=invariant,
+    )
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab, (40,), generator=g).tolist()
     cont = torch.randint(0, vocab, (12,), generator=g).tolist()
     others = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (7, 150, 300)]
     runner.prefill([0], [prompt])
-    alone = torch.stack([runner.logits(runner.forward(torch.tensor([0]), torch.tensor([[t]]),
-                                                      torch.tensor([[40 + i]])).hidden)[0, 0]
-                         for i, t in enumerate(cont)])
+    alone = torch.stack(
+        [
+            runner.logits(runner.forward(torch.tensor([0]), torch.tensor([[t]]), torch.tensor([[40 + i]])).hidden)[0, 0]
+            for i, t in enumerate(cont)
+        ]
+    )
     runner.prefill([0, 1, 2, 3], [prompt] + others)
     batched = []
     for i in range(0, 12, 4):
-        ids = torch.tensor([cont[i:i + 4]] + [[5, 6, 7, 8]] * 3)
+        ids = torch.tensor([cont[i : i + 4]] + [[5, 6, 7, 8]] * 3)
         pos = torch.tensor([[40 + i + j for j in range(4)]] + [[len(o) + i + j for j in range(4)] for o in others])
         batched.append(runner.logits(runner.forward(torch.tensor([0, 1, 2, 3]), ids, pos).hidden)[0])
     return alone, torch.cat(batched)
@@ -185,8 +201,10 @@ def test_engine_bf16_greedy_speculation_equals_target_only_and_batch_equals_alon
 
 
 def test_engine_bf16_seeded_samples_do_not_depend_on_the_batch():
-    sampled = [SamplingParams(max_new_tokens=40, temperature=0.9, top_p=0.95, seed=100 + i, ignore_eos=True)
-               for i in range(len(PROMPTS))]
+    sampled = [
+        SamplingParams(max_new_tokens=40, temperature=0.9, top_p=0.95, seed=100 + i, ignore_eos=True)
+        for i in range(len(PROMPTS))
+    ]
     spec = _engine(3)
     alone = [spec.generate([p], s)[0].token_ids for p, s in zip(PROMPTS, sampled)]
     together = [o.token_ids for o in spec.generate(PROMPTS, sampled)]
@@ -194,9 +212,26 @@ def test_engine_bf16_seeded_samples_do_not_depend_on_the_batch():
 
 
 def test_trees_are_refused_with_batch_invariance():
-    out = subprocess.run([sys.executable, "-m", "specdecode.cli", "generate", "--target", "nowhere", "--draft", "ngram",
-                          "--tree-topk", "2", "--batch-invariant", "--prompt", "x"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "specdecode.cli",
+            "generate",
+            "--target",
+            "nowhere",
+            "--draft",
+            "ngram",
+            "--tree-topk",
+            "2",
+            "--batch-invariant",
+            "--prompt",
+            "x",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "--batch-invariant" in out.stderr and "tree" in out.stderr
 
@@ -212,16 +247,24 @@ def test_bf16_server_concurrent_greedy_and_seeded_requests_equal_each_alone():
     tok = make_tokenizer(64)
     texts = ["abcabcabcabcab", "zyx", "0123456789" * 5, "qq", "hellohello", "ABCDEFG" * 3, "k", "mnopmnop"]
     greedy = [{"prompt": t, "max_tokens": 30, "temperature": 0, "ignore_eos": True} for t in texts]
-    seeded = [{"prompt": t, "max_tokens": 30, "temperature": 0.9, "seed": 7 + i, "ignore_eos": True}
-              for i, t in enumerate(texts[:4])]
+    seeded = [
+        {"prompt": t, "max_tokens": 30, "temperature": 0.9, "seed": 7 + i, "ignore_eos": True}
+        for i, t in enumerate(texts[:4])
+    ]
     ref = _engine(0, draft=False, slots=1)
-    expected = [tok.decode(ref.generate([tok(t).input_ids], SamplingParams(max_new_tokens=30, temperature=0.0,
-                                                                            ignore_eos=True))[0].token_ids)
-                for t in texts]
+    expected = [
+        tok.decode(
+            ref.generate([tok(t).input_ids], SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True))[
+                0
+            ].token_ids
+        )
+        for t in texts
+    ]
 
     async def post_all(url, bodies):
-        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=300,
-                                     trust_env=False) as client:
+        async with httpx.AsyncClient(
+            base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=300, trust_env=False
+        ) as client:
             replies = await asyncio.gather(*[client.post("/v1/completions", json=b) for b in bodies])
         assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
         return [r.json()["choices"][0]["text"] for r in replies]
@@ -230,7 +273,7 @@ def test_bf16_server_concurrent_greedy_and_seeded_requests_equal_each_alone():
         together = asyncio.run(post_all(s.url, greedy + seeded))
         alone = [asyncio.run(post_all(s.url, [b]))[0] for b in seeded]
     assert together[: len(texts)] == expected
-    assert together[len(texts):] == alone
+    assert together[len(texts) :] == alone
 
 
 def test_auto_is_on_for_bf16_and_fp16_on_a_cpu_and_off_in_float32_or_with_trees():
@@ -238,7 +281,9 @@ def test_auto_is_on_for_bf16_and_fp16_on_a_cpu_and_off_in_float32_or_with_trees(
 
     from specdecode.models.backends.pytorch import TorchModel
 
-    fp32, bf16 = (TorchModel.wrap(make_model(32, dtype=dtype), make_tokenizer(32)) for dtype in (torch.float32, torch.bfloat16))
+    fp32, bf16 = (
+        TorchModel.wrap(make_model(32, dtype=dtype), make_tokenizer(32)) for dtype in (torch.float32, torch.bfloat16)
+    )
     auto = EngineConfig("t", "ngram")
     assert batch_invariant_on(auto, bf16) and not batch_invariant_on(auto, fp32)
     assert batch_invariant_on(EngineConfig("t", "ngram", batch_invariant="on"), fp32)
@@ -265,14 +310,14 @@ def test_prepare_probes_every_shape_a_model_uses_once_under_one_progress_bar(tmp
     monkeypatch.setattr(bi, "_PLANS", {})
     vocab = 64
     target = make_model(vocab, seed=7, layers=2, hidden=128, dtype=torch.bfloat16)
-    engine = make_engine(bi.enable(target), make_tokenizer(vocab), perturbed_copy(target, noise=0.2), k=3,
-                         num_slots=2, max_len=256)
+    engine = make_engine(
+        bi.enable(target), make_tokenizer(vocab), perturbed_copy(target, noise=0.2), k=3, num_slots=2, max_len=256
+    )
     err = capsys.readouterr().err
     assert "batch-invariant mode: probing" in err and "%" in err  # the progress bar
     chosen = dict(bi._PLANS)
     assert any(k[0] == "bmm" for k in chosen) and any(k[2] == "bulk" for k in chosen)
-    out = engine.generate([PROMPTS[0], PROMPTS[2]], SamplingParams(max_new_tokens=12, temperature=0.0,
-                                                                   ignore_eos=True))
+    out = engine.generate([PROMPTS[0], PROMPTS[2]], SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))
     assert sum(o.stats.drafted for o in out) > 0  # verify steps of k + 1 rows ran
     assert "probing" not in capsys.readouterr().err and bi._PLANS == chosen
     assert bi.prepare(target) == 0

@@ -7,8 +7,19 @@ import pytest
 from specdecode.bench import analysis as A
 
 
-def run_rec(pid, config, k, wall, steps, draft_s=0.0, verify_s=None, category="code", sampling="greedy",
-            repeat=0, kind="completion"):
+def run_rec(
+    pid,
+    config,
+    k,
+    wall,
+    steps,
+    draft_s=0.0,
+    verify_s=None,
+    category="code",
+    sampling="greedy",
+    repeat=0,
+    kind="completion",
+):
     """A run record as the runner writes it; ``steps`` rows are [ctx, emitted, drafted, accepted, seconds]."""
     drafted_at, accepted_at = [0] * k, [0] * k
     for _, _, d, a, _ in steps:
@@ -17,11 +28,27 @@ def run_rec(pid, config, k, wall, steps, draft_s=0.0, verify_s=None, category="c
         for j in range(a):
             accepted_at[j] += 1
     new = sum(s[1] for s in steps)
-    stats = {"draft_s": draft_s, "verify_s": sum(s[4] for s in steps) if verify_s is None else verify_s,
-             "drafted_at": drafted_at, "accepted_at": accepted_at}
-    return {"type": "run", "prompt_id": pid, "category": category, "prompt_kind": kind, "sampling": sampling,
-            "config": config, "k": k, "repeat": repeat, "new_tokens": new, "wall_s": wall, "stats": stats,
-            "steps": steps, "token_ids": list(range(new))}
+    stats = {
+        "draft_s": draft_s,
+        "verify_s": sum(s[4] for s in steps) if verify_s is None else verify_s,
+        "drafted_at": drafted_at,
+        "accepted_at": accepted_at,
+    }
+    return {
+        "type": "run",
+        "prompt_id": pid,
+        "category": category,
+        "prompt_kind": kind,
+        "sampling": sampling,
+        "config": config,
+        "k": k,
+        "repeat": repeat,
+        "new_tokens": new,
+        "wall_s": wall,
+        "stats": stats,
+        "steps": steps,
+        "token_ids": list(range(new)),
+    }
 
 
 def test_expected_tokens_per_step_edges_and_value():
@@ -99,7 +126,12 @@ def _records():
     for pid, cat, ctx in (("p1", "code", 100), ("p2", "chat", 300)):
         target_steps = [[ctx + i, 1, 0, 0, 0.1] for i in range(8)]
         recs.append(run_rec(pid, "target", 0, 1.0, target_steps, category=cat))
-        spec_steps = [[ctx, 3, 2, 2, 0.19], [ctx + 3, 2, 2, 1, 0.19], [ctx + 5, 1, 2, 0, 0.19], [ctx + 6, 2, 2, 1, 0.19]]
+        spec_steps = [
+            [ctx, 3, 2, 2, 0.19],
+            [ctx + 3, 2, 2, 1, 0.19],
+            [ctx + 5, 1, 2, 0, 0.19],
+            [ctx + 6, 2, 2, 1, 0.19],
+        ]
         recs.append(run_rec(pid, "spec-k2", 2, 0.8, spec_steps, draft_s=8 * 0.02, verify_s=4 * 0.15, category=cat))
     return recs
 
@@ -126,7 +158,9 @@ def test_summarize_cells():
 
 
 def test_repeats_reduce_to_medians():
-    recs = [run_rec("p", "target", 0, wall, [[10, 1, 0, 0, 0.1]] * 10, repeat=r) for r, wall in enumerate((1.0, 2.0, 9.0))]
+    recs = [
+        run_rec("p", "target", 0, wall, [[10, 1, 0, 0, 0.1]] * 10, repeat=r) for r, wall in enumerate((1.0, 2.0, 9.0))
+    ]
     (cell,) = A.summarize(recs)
     assert cell.tok_s == pytest.approx(5.0)  # the median run (10 tokens in 2 s), not the mean
 
@@ -203,4 +237,6 @@ def test_latency_after_prefill_leaves_the_prefill_out_and_runs_that_time_none():
     assert cells[("target", "overall")].p50_s == pytest.approx(0.5)
     assert cells[("spec-k2", "overall")].p50_s == pytest.approx(0.2)
     assert cells[("spec-k2", "overall")].p99_ratio == pytest.approx(0.4)
-    assert {(c.config, c.group): c for c in A.latency_cells(recs)}[("spec-k2", "overall")].p50_ratio == pytest.approx(0.8)
+    assert {(c.config, c.group): c for c in A.latency_cells(recs)}[("spec-k2", "overall")].p50_ratio == pytest.approx(
+        0.8
+    )

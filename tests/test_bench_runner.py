@@ -41,11 +41,30 @@ def models(tmp_path_factory) -> dict[str, Path]:
 def bench_args(models, out: Path, *extra: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
-    return parser.parse_args([
-        "--target", str(models["target"]), "--draft", str(models["draft"]), "--dtype", "float32",
-        "--prompts", str(models["prompts"]), "--draft-lengths", "1,3", "--max-new-tokens", "10",
-        "--no-progress", "--warmup-tokens", "2", "--threads", "1", "--out", str(out), *extra,
-    ])
+    return parser.parse_args(
+        [
+            "--target",
+            str(models["target"]),
+            "--draft",
+            str(models["draft"]),
+            "--dtype",
+            "float32",
+            "--prompts",
+            str(models["prompts"]),
+            "--draft-lengths",
+            "1,3",
+            "--max-new-tokens",
+            "10",
+            "--no-progress",
+            "--warmup-tokens",
+            "2",
+            "--threads",
+            "1",
+            "--out",
+            str(out),
+            *extra,
+        ]
+    )
 
 
 def read_records(out: Path) -> list[dict]:
@@ -69,18 +88,36 @@ def test_full_run_writes_records_report_and_plots(models, tmp_path):
     spec_checks = [c for c in checks if c["config"].startswith("spec")]
     assert spec_checks and all(c["match"] for c in spec_checks)  # float32, lossless
 
-    for name in ("report.md", "results.json", "meta.json", "speedup_vs_k.png", "acceptance_by_position.png",
-                 "speedup_vs_context.png", "predicted_vs_measured.png"):
+    for name in (
+        "report.md",
+        "results.json",
+        "meta.json",
+        "speedup_vs_k.png",
+        "acceptance_by_position.png",
+        "speedup_vs_context.png",
+        "predicted_vs_measured.png",
+    ):
         assert (out / name).stat().st_size > 0, name
     results = json.loads((out / "results.json").read_text())
     assert results["meta"]["commit"] and results["meta"]["versions"]["torch"]
     assert len([r for r in results["records"] if r["type"] == "run"]) == len(runs)
     report = (out / "report.md").read_text()
-    overall = next(c for c in results["summary"]["cells"]
-                   if (c["sampling"], c["config"], c["group"]) == ("greedy", "spec-k3", "overall"))
+    overall = next(
+        c
+        for c in results["summary"]["cells"]
+        if (c["sampling"], c["config"], c["group"]) == ("greedy", "spec-k3", "overall")
+    )
     assert f"| spec-k3 | 4 | {overall['tok_s']:.3f} | {overall['speedup']:.2f} |" in report
-    for heading in ("## Results: greedy", "## Results: t0.7-p0.95", "## Break-even: code",
-                    "Latency: time to the last token", "Per request: tokens per decode step", "Against `transformers`", "Greedy exactness", "## Definitions"):
+    for heading in (
+        "## Results: greedy",
+        "## Results: t0.7-p0.95",
+        "## Break-even: code",
+        "Latency: time to the last token",
+        "Per request: tokens per decode step",
+        "Against `transformers`",
+        "Greedy exactness",
+        "## Definitions",
+    ):
         assert heading in report
 
     # the report rebuilt from the records alone: no --target (the stored run names its models)
@@ -129,7 +166,8 @@ def test_interleaving_rotates_the_order():
     configs = R.make_configs([1, 2], [])
     runner = R.BenchRunner(None, prompts, configs, [R.bench_setting("greedy")], 1, None, progress=False)
     firsts = [t[4].name for t in runner.plan() if t[0] == 0][:1] + [
-        next(t[4].name for t in runner.plan() if t[0] == i) for i in (1, 2)]
+        next(t[4].name for t in runner.plan() if t[0] == i) for i in (1, 2)
+    ]
     assert firsts == ["target", "spec-k1", "spec-k2"]
 
 
@@ -162,27 +200,46 @@ def test_bad_input_errors_name_the_problem_and_keep_finished_runs(models, tmp_pa
     before = (out / "records.jsonl").read_text()
 
     missing = tmp_path / "nope" / "question.jsonl"
-    _fails(capsys, bench_args(models, out, "--prompts", "spec-bench", "--spec-bench-path", str(missing)),
-           "Spec-Bench question.jsonl not found", str(missing))
+    _fails(
+        capsys,
+        bench_args(models, out, "--prompts", "spec-bench", "--spec-bench-path", str(missing)),
+        "Spec-Bench question.jsonl not found",
+        str(missing),
+    )
     spec_bench = tmp_path / "question.jsonl"
     spec_bench.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["hi"]}) + "\n")
-    _fails(capsys, bench_args(models, out, "--prompts", "spec-bench", "--spec-bench-path", str(spec_bench),
-                              "--categories", "poetry"), "unknown category ['poetry']")
+    _fails(
+        capsys,
+        bench_args(
+            models, out, "--prompts", "spec-bench", "--spec-bench-path", str(spec_bench), "--categories", "poetry"
+        ),
+        "unknown category ['poetry']",
+    )
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"prompt": "abc"}\n{"prompt": "ab\n')
     _fails(capsys, bench_args(models, out, "--prompts", str(broken)), f"{broken}:2: invalid JSON")
-    _fails(capsys, bench_args(models, out, "--max-context", "14"), "do not fit the context of 14 tokens",
-           "p2 (5 + 10 tokens)", "--skip-too-long")
+    _fails(
+        capsys,
+        bench_args(models, out, "--max-context", "14"),
+        "do not fit the context of 14 tokens",
+        "p2 (5 + 10 tokens)",
+        "--skip-too-long",
+    )
     _fails(capsys, bench_args(models, out, "--sampling", "hot"), "unknown sampling setting 'hot'")
-    _fails(capsys, bench_args(models, out, "--max-new-tokens", "11"),
-           "other settings (max_new_tokens: 10 -> 11)", "another --out")
+    _fails(
+        capsys,
+        bench_args(models, out, "--max-new-tokens", "11"),
+        "other settings (max_new_tokens: 10 -> 11)",
+        "another --out",
+    )
     assert (out / "records.jsonl").read_text() == before
 
 
 def test_too_long_prompts_can_be_skipped(models, tmp_path, capsys):
     out = tmp_path / "out"
-    args = bench_args(models, out, "--max-context", "14", "--skip-too-long", "--baselines", "none",
-                      "--draft-lengths", "1")
+    args = bench_args(
+        models, out, "--max-context", "14", "--skip-too-long", "--baselines", "none", "--draft-lengths", "1"
+    )
     assert cli.main(args) == 0
     assert "skipped 2 prompt(s)" in capsys.readouterr().err
     assert {r["prompt_id"] for r in read_records(out) if r["type"] == "run"} == {"p0", "p1"}
@@ -209,8 +266,10 @@ def test_draft_schedule_is_recorded_and_a_resume_with_another_one_is_refused(mod
     args = bench_args(models, out, *common)
     assert cli.main(bench_args(models, out, *common, "--draft-policy", "acceptance", "--draft-confidence", "0.3")) == 0
     report = (out / "report.md").read_text()
-    assert "draft length of spec-k<k>: acceptance policy starting at k, up to 16; chains end below draft " \
-           "confidence 0.3" in report
+    assert (
+        "draft length of spec-k<k>: acceptance policy starting at k, up to 16; chains end below draft "
+        "confidence 0.3" in report
+    )
     capsys.readouterr()
     assert cli.main(args) == 2  # plain fixed k into the same directory would mix two schedules
     assert "draft_schedule" in capsys.readouterr().err
@@ -238,8 +297,12 @@ def test_bad_tree_shapes_are_refused():
 
 def test_draft_quantizations_sweep_side_by_side(models, tmp_path):
     out = tmp_path / "quant"
-    assert cli.main(bench_args(models, out, "--draft-lengths", "3", "--draft-quantization", "none,int8",
-                               "--baselines", "none")) == 0
+    assert (
+        cli.main(
+            bench_args(models, out, "--draft-lengths", "3", "--draft-quantization", "none,int8", "--baselines", "none")
+        )
+        == 0
+    )
     runs = [r for r in read_records(out) if r["type"] == "run"]
     assert {r["config"] for r in runs} == {"target", "spec-k3", "spec-k3@int8"}
     checks = [r for r in read_records(out) if r["type"] == "check" and r["config"] == "spec-k3@int8"]
@@ -255,11 +318,35 @@ def test_extra_drafters_run_in_the_same_interleaved_run(models, tmp_path):
     heads_dir = tmp_path / "heads"
     tiny_heads(AutoModelForCausalLM.from_pretrained(models["target"])).save(heads_dir)
     out = tmp_path / "extra"
-    assert cli.main(bench_args(models, out, "--draft-lengths", "3", "--tree-shapes", "2x4", "--baselines", "none",
-                               "--extra-draft", f"medusa:{heads_dir}", "--extra-draft", "ngram")) == 0
+    assert (
+        cli.main(
+            bench_args(
+                models,
+                out,
+                "--draft-lengths",
+                "3",
+                "--tree-shapes",
+                "2x4",
+                "--baselines",
+                "none",
+                "--extra-draft",
+                f"medusa:{heads_dir}",
+                "--extra-draft",
+                "ngram",
+            )
+        )
+        == 0
+    )
     runs = [r for r in read_records(out) if r["type"] == "run"]
-    assert {r["config"] for r in runs} == {"target", "spec-k3", "spec-k3-t2n4", "spec-k3[medusa]",
-                                           "spec-k3-t2n4[medusa]", "spec-k3[ngram]", "spec-k3-t2n4[ngram]"}
+    assert {r["config"] for r in runs} == {
+        "target",
+        "spec-k3",
+        "spec-k3-t2n4",
+        "spec-k3[medusa]",
+        "spec-k3-t2n4[medusa]",
+        "spec-k3[ngram]",
+        "spec-k3-t2n4[ngram]",
+    }
     assert sum(r["stats"]["drafted"] for r in runs if r["config"] == "spec-k3[medusa]") > 0
     checks = [r for r in read_records(out) if r["type"] == "check" and "[" in r["config"]]
     assert len(checks) == 16 and all(c["match"] for c in checks)
@@ -267,12 +354,17 @@ def test_extra_drafters_run_in_the_same_interleaved_run(models, tmp_path):
     assert "| spec-k3[medusa] | 4 |" in report and "| spec-k3-t2n4[medusa] | 4 |" in report
     with pytest.raises(R.BenchInputError, match="names the same draft model"):
         cli._prepare(bench_args(models, tmp_path / "bad", "--extra-draft", str(models["draft"])), {}, [], [], [], None)
-    assert [c.name for c in R.make_configs([2], [], extra_drafts=["ngram", "ngram:4"], main_draft=False)] == \
-        ["target", "spec-k2[ngram]", "spec-k2[ngram2]"]
+    assert [c.name for c in R.make_configs([2], [], extra_drafts=["ngram", "ngram:4"], main_draft=False)] == [
+        "target",
+        "spec-k2[ngram]",
+        "spec-k2[ngram2]",
+    ]
 
 
 def test_an_extra_drafter_may_name_its_own_lengths_and_trees():
-    names = [c.name for c in R.make_configs([4], [], ["2x8"], extra_drafts=["ngram|k=2|trees=none", "ngram:4|trees=4x16"])]
+    names = [
+        c.name for c in R.make_configs([4], [], ["2x8"], extra_drafts=["ngram|k=2|trees=none", "ngram:4|trees=4x16"])
+    ]
     assert names == ["target", "spec-k4", "spec-k4-t2n8", "spec-k4[ngram2]", "spec-k4-t4n16[ngram2]", "spec-k2[ngram]"]
     configs = R.make_configs([4], [], extra_drafts=["ngram|k=2|trees=none"], main_draft=False)
     assert [(c.name, c.draft) for c in configs] == [("target", None), ("spec-k2[ngram]", "ngram")]
@@ -284,8 +376,27 @@ def test_an_extra_drafter_may_name_its_own_lengths_and_trees():
 def test_auto_policy_runs_beside_every_fixed_configuration_it_chooses_from(models, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "auto"
-    assert cli.main(bench_args(models, out, "--draft-lengths", "3", "--baselines", "none", "--draft", "ngram",
-                               "--draft-policy", "auto", "--max-draft-tokens", "4", "--max-new-tokens", "16")) == 0
+    assert (
+        cli.main(
+            bench_args(
+                models,
+                out,
+                "--draft-lengths",
+                "3",
+                "--baselines",
+                "none",
+                "--draft",
+                "ngram",
+                "--draft-policy",
+                "auto",
+                "--max-draft-tokens",
+                "4",
+                "--max-new-tokens",
+                "16",
+            )
+        )
+        == 0
+    )
     runs = [r for r in read_records(out) if r["type"] == "run"]
     assert {r["config"] for r in runs} == {"target", "spec-k3", "spec-k3[ngram]", "auto"}
     auto = [r for r in runs if r["config"] == "auto"]
@@ -309,8 +420,27 @@ def test_a_configuration_that_never_drafted_gets_no_verdict_and_auto_says_why(mo
 
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "auto"
-    assert cli.main(bench_args(models, out, "--draft-lengths", "3", "--baselines", "none", "--draft", "ngram",
-                               "--draft-policy", "auto", "--max-draft-tokens", "4", "--max-new-tokens", "16")) == 0
+    assert (
+        cli.main(
+            bench_args(
+                models,
+                out,
+                "--draft-lengths",
+                "3",
+                "--baselines",
+                "none",
+                "--draft",
+                "ngram",
+                "--draft-policy",
+                "auto",
+                "--max-draft-tokens",
+                "4",
+                "--max-new-tokens",
+                "16",
+            )
+        )
+        == 0
+    )
     records = read_records(out)
     for r in records:
         if r.get("type") == "run" and r["config"] != "target":  # as if nothing had drafted
@@ -318,8 +448,10 @@ def test_a_configuration_that_never_drafted_gets_no_verdict_and_auto_says_why(mo
             r["stats"].update(drafted=0, accepted=0, choices={"off": steps} if r["config"] == "auto" else {})
             r["stats"]["accepted_by_position"] = [0] * len(r["stats"].get("accepted_by_position", []))
             r["steps"] = [[ctx, 1, 0, 0, sec, 0] for ctx, _, _, _, sec, _ in r["steps"]]
-    text = (report.write_report(tmp_path / "plain", records, json.loads((out / "meta.json").read_text())) and
-            (tmp_path / "plain" / "report.md").read_text())
+    text = (
+        report.write_report(tmp_path / "plain", records, json.loads((out / "meta.json").read_text()))
+        and (tmp_path / "plain" / "report.md").read_text()
+    )
     assert "Why `auto` decoded plainly in 100% of its greedy steps" in text and "| ngram |" in text
     verdicts = [line for line in text.splitlines() if line.startswith("- greedy:")]
     assert verdicts and all("no configuration drafted" in line for line in verdicts), verdicts
@@ -328,8 +460,20 @@ def test_a_configuration_that_never_drafted_gets_no_verdict_and_auto_says_why(mo
 def test_only_runs_the_named_configurations_beside_target(models, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "only"
-    auto = ("--draft-lengths", "3", "--baselines", "none", "--draft", "ngram", "--draft-policy", "auto",
-            "--max-draft-tokens", "4", "--max-new-tokens", "16")
+    auto = (
+        "--draft-lengths",
+        "3",
+        "--baselines",
+        "none",
+        "--draft",
+        "ngram",
+        "--draft-policy",
+        "auto",
+        "--max-draft-tokens",
+        "4",
+        "--max-new-tokens",
+        "16",
+    )
     assert cli.main(bench_args(models, out, *auto, "--only", "auto")) == 0
     runs = [r for r in read_records(out) if r["type"] == "run"]
     assert {r["config"] for r in runs} == {"target", "auto"}  # the fixed ones auto chooses from: not run
@@ -337,8 +481,12 @@ def test_only_runs_the_named_configurations_beside_target(models, tmp_path, monk
     checks = [r for r in read_records(out) if r["type"] == "check" and r["config"] == "auto"]
     assert len(checks) == 4 and all(c["match"] for c in checks)
     before = (out / "records.jsonl").read_text()
-    _fails(capsys, bench_args(models, out, *auto, "--only", "auto,spec-k9"), "--only spec-k9",
-           "target, spec-k3, spec-k3[ngram], auto")
+    _fails(
+        capsys,
+        bench_args(models, out, *auto, "--only", "auto,spec-k9"),
+        "--only spec-k9",
+        "target, spec-k3, spec-k3[ngram], auto",
+    )
     assert (out / "records.jsonl").read_text() == before
 
 
@@ -386,15 +534,42 @@ def _suffix_args(models, out: Path, *extra: str) -> argparse.Namespace:
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
-    return parser.parse_args([
-        "--target", str(models["target"]), "--draft", "suffix", "--dtype", "float32", "--prompts", str(prompts),
-        "--draft-lengths", "4", "--max-new-tokens", "24", "--baselines", "none", "--repeats", "2",
-        "--no-progress", "--warmup-tokens", "2", "--threads", "1", "--out", str(out), *extra])
+    return parser.parse_args(
+        [
+            "--target",
+            str(models["target"]),
+            "--draft",
+            "suffix",
+            "--dtype",
+            "float32",
+            "--prompts",
+            str(prompts),
+            "--draft-lengths",
+            "4",
+            "--max-new-tokens",
+            "24",
+            "--baselines",
+            "none",
+            "--repeats",
+            "2",
+            "--no-progress",
+            "--warmup-tokens",
+            "2",
+            "--threads",
+            "1",
+            "--out",
+            str(out),
+            *extra,
+        ]
+    )
 
 
 def _drafting(out: Path) -> dict[tuple[str, int], tuple[int, int, int]]:
-    return {(r["prompt_id"], r["repeat"]): (r["stats"]["target_steps"], r["stats"]["drafted"], r["stats"]["accepted"])
-            for r in read_records(out) if r["type"] == "run" and r["config"] == "spec-k4"}
+    return {
+        (r["prompt_id"], r["repeat"]): (r["stats"]["target_steps"], r["stats"]["drafted"], r["stats"]["accepted"])
+        for r in read_records(out)
+        if r["type"] == "run" and r["config"] == "spec-k4"
+    }
 
 
 def test_repeats_are_replicates_a_history_never_drafts_from_its_own_earlier_output(models, tmp_path, monkeypatch):
@@ -407,6 +582,7 @@ def test_repeats_are_replicates_a_history_never_drafts_from_its_own_earlier_outp
 
     # negative control: an engine that keeps outputs across passes drafts a repeat from its own earlier output
     from specdecode.engine import Engine
+
     monkeypatch.setattr(Engine, "forget_outputs", lambda self: None)
     leaky = tmp_path / "leaky"
     assert cli.main(_suffix_args(models, leaky)) == 0
@@ -438,5 +614,6 @@ def test_a_resumed_run_replays_the_outputs_it_skips(models, tmp_path, monkeypatc
     assert resumed(tmp_path / "out") == _drafting(whole)
     # negative control: without the replay, the rest of pass 1 drafts without r0's output in its history
     from specdecode.engine import Engine
+
     monkeypatch.setattr(Engine, "remember", lambda self, output: None)
     assert resumed(tmp_path / "forgetful") != _drafting(whole)

@@ -20,8 +20,18 @@ V = 32
 TOK = make_tokenizer(V)
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [10, 11], [20, 21, 22, 23]]
 # small budgets: every run is deterministic (seeded), so these tests cannot flake
-CFG = CheckConfig(num_draft_tokens=3, law_contexts=2, law_samples=1500, e2e_samples=250, e2e_batch=50,
-                  greedy_tokens=12, greedy_batch=3, stop_tokens=12, seed_tokens=6, seed_batch=3)
+CFG = CheckConfig(
+    num_draft_tokens=3,
+    law_contexts=2,
+    law_samples=1500,
+    e2e_samples=250,
+    e2e_batch=50,
+    greedy_tokens=12,
+    greedy_batch=3,
+    stop_tokens=12,
+    seed_tokens=6,
+    seed_batch=3,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -48,8 +58,9 @@ def factory_for(pair, engine_cls=Engine, draft=None, speculative=None):
     def factory(k: int, batch: int) -> Engine:
         max_len = 64
         drafter = DraftModelDrafter(HFRunner(draft)) if k else None
-        return engine_cls(HFRunner(target), TOK, drafter, k, max_batch_size=batch, max_context=max_len,
-                          verifier=verifier)
+        return engine_cls(
+            HFRunner(target), TOK, drafter, k, max_batch_size=batch, max_context=max_len, verifier=verifier
+        )
 
     return factory
 
@@ -59,6 +70,7 @@ def statuses(report) -> dict[int, str]:
 
 
 # -- faults ----------------------------------------------------------------------------------------
+
 
 def verify_ignoring_temperature(draft_tokens, draft_probs, target_probs, num_draft, uniforms):
     """Accepts while the draft equals the target argmax (the greedy rule) whatever the temperature;
@@ -102,6 +114,7 @@ class SlotSeededEngine(Engine):
 
 # -- tests -----------------------------------------------------------------------------------------
 
+
 def test_correct_engine_passes_every_part(pair):
     report = run_check(factory_for(pair), PROMPTS, CFG)
     assert statuses(report) == {1: PASS, 2: PASS, 3: PASS, 4: PASS, 5: PASS}, [p.summary for p in report.parts]
@@ -134,8 +147,11 @@ def test_fault_warp_ignoring_temperature_fails_part_1(pair, monkeypatch):
     report = run_check(factory_for(pair), PROMPTS, CheckConfig(**{**CFG.__dict__, "parts": (1,)}))
     assert report.part(1).status == FAIL
     failed = [t for r in report.part(1).details["records"] for t in r.get("positions", []) if t["rejected"]]
-    assert failed and all(r["setting"] != "T=1" for r in report.part(1).details["records"]
-                          if any(t["rejected"] for t in r.get("positions", [])))
+    assert failed and all(
+        r["setting"] != "T=1"
+        for r in report.part(1).details["records"]
+        if any(t["rejected"] for t in r.get("positions", []))
+    )
 
 
 def test_fault_token_past_eos_fails_part_4(pair):
@@ -157,8 +173,11 @@ def test_fault_seed_depending_on_batch_position_fails_part_5(pair):
 def test_draft_identical_to_target_reports_no_power(pair):
     """When draft samples are indistinguishable from the target, part 1 must not claim PASS."""
     target, _ = pair
-    report = run_check(factory_for(pair, draft=perturbed_copy(target, noise=0.0)), PROMPTS,
-                       CheckConfig(**{**CFG.__dict__, "parts": (1,), "law_samples": 500}))
+    report = run_check(
+        factory_for(pair, draft=perturbed_copy(target, noise=0.0)),
+        PROMPTS,
+        CheckConfig(**{**CFG.__dict__, "parts": (1,), "law_samples": 500}),
+    )
     assert report.part(1).status == WEAK
     assert not report.passed
 
@@ -175,6 +194,7 @@ def test_engine_that_crashes_is_an_error_of_the_part(pair):
 
 # -- trees -------------------------------------------------------------------------------------------
 
+
 def tree_factory_for(pair, tree_verifier=None, topk=3, nodes=8):
     """Engines whose draft model proposes dynamic trees; ``tree_verifier`` replaces the tree rule."""
     target, draft = pair
@@ -182,8 +202,16 @@ def tree_factory_for(pair, tree_verifier=None, topk=3, nodes=8):
 
     def factory(k: int, batch: int) -> Engine:
         drafter = DraftModelDrafter(HFRunner(draft), tree_topk=topk, tree_nodes=nodes) if k else None
-        return Engine(HFRunner(target), TOK, drafter, k, max_batch_size=batch, max_context=64, verifier=verifier,
-                      max_tree_nodes=nodes if k else 0)
+        return Engine(
+            HFRunner(target),
+            TOK,
+            drafter,
+            k,
+            max_batch_size=batch,
+            max_context=64,
+            verifier=verifier,
+            max_tree_nodes=nodes if k else 0,
+        )
 
     return factory
 
@@ -202,6 +230,7 @@ def test_fault_iid_rule_on_siblings_drawn_without_replacement_fails_part_1(pair)
     def iid(tokens, parents, num, draft_probs, target_probs, uniforms, rule):
         return verify_tree(tokens, parents, num, draft_probs, target_probs, uniforms, IID)
 
-    report = run_check(tree_factory_for(pair, iid), PROMPTS,
-                       CheckConfig(**{**CFG.__dict__, "parts": (1,), "law_samples": 6000}))
+    report = run_check(
+        tree_factory_for(pair, iid), PROMPTS, CheckConfig(**{**CFG.__dict__, "parts": (1,), "law_samples": 6000})
+    )
     assert report.part(1).status == FAIL

@@ -35,6 +35,7 @@ def _law(rng, cells=20):
 
 # -- statistics ------------------------------------------------------------------------------------
 
+
 def test_goodness_of_fit_accepts_the_law_and_rejects_another():
     rng = np.random.default_rng(0)
     p, q = _law(rng), _law(rng)
@@ -80,9 +81,13 @@ def test_two_sample_coarsens_sparse_tuples_to_their_prefixes():
 
 # -- settings --------------------------------------------------------------------------------------
 
+
 def test_parse_settings():
     assert parse_settings("greedy; t=0.7,p=0.9 ;k=20") == (
-        SamplingSetting(0.0), SamplingSetting(0.7, 0, 0.9), SamplingSetting(1.0, 20, 1.0))
+        SamplingSetting(0.0),
+        SamplingSetting(0.7, 0, 0.9),
+        SamplingSetting(1.0, 20, 1.0),
+    )
     assert SamplingSetting(0.7, 0, 0.9).name == "T=0.7 top-p=0.9"
     for bad in ("t=-1", "x=3", "t", ""):
         with pytest.raises(ValueError):
@@ -90,6 +95,7 @@ def test_parse_settings():
 
 
 # -- prefill reuse ---------------------------------------------------------------------------------
+
 
 def test_reused_prefills_give_the_same_outputs_and_are_reused():
     tok = make_tokenizer(V)
@@ -102,7 +108,9 @@ def test_reused_prefills_give_the_same_outputs_and_are_reused():
     store = reuse_prefills(engine)
     calls = []
     compute = engine.target.prefill.compute
-    engine.target.prefill.compute = lambda slots, ps, layers=(): (calls.append(len(slots)), compute(slots, ps, layers))[1]
+    engine.target.prefill.compute = lambda slots, ps, layers=(): (calls.append(len(slots)), compute(slots, ps, layers))[
+        1
+    ]
     for _ in range(2):
         reused = engine.generate(prompts, params)
         assert [o.token_ids for o in reused] == [o.token_ids for o in plain]
@@ -112,6 +120,7 @@ def test_reused_prefills_give_the_same_outputs_and_are_reused():
 
 # -- command line ----------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def tiny_pair(monkeypatch):
     import specdecode.build as build
@@ -119,8 +128,10 @@ def tiny_pair(monkeypatch):
     target = make_model(V, seed=5, scale=0.5)
     from specdecode.models.backends.pytorch import TorchModel
 
-    pair = build.LoadedPair(TorchModel.wrap(target, make_tokenizer(V)),
-                            TorchModel.wrap(perturbed_copy(target, 0.3, seed=3), make_tokenizer(V)))
+    pair = build.LoadedPair(
+        TorchModel.wrap(target, make_tokenizer(V)),
+        TorchModel.wrap(perturbed_copy(target, 0.3, seed=3), make_tokenizer(V)),
+    )
     monkeypatch.setattr(build, "load_pair", lambda *args, **kwargs: pair)
     return pair
 
@@ -130,9 +141,32 @@ def _args(tmp_path, *extra):
     prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ("abcab", "hello", "dcba", "zzyx")))
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
-    return parser.parse_args(["--target", "t", "--draft", "d", "--dtype", "float32", "--prompts", str(prompts),
-                              "-k", "3", "--law-samples", "1000", "--law-contexts", "2", "--e2e-samples", "150",
-                              "--e2e-batch", "50", "--greedy-tokens", "10", "--no-progress", *extra])
+    return parser.parse_args(
+        [
+            "--target",
+            "t",
+            "--draft",
+            "d",
+            "--dtype",
+            "float32",
+            "--prompts",
+            str(prompts),
+            "-k",
+            "3",
+            "--law-samples",
+            "1000",
+            "--law-contexts",
+            "2",
+            "--e2e-samples",
+            "150",
+            "--e2e-batch",
+            "50",
+            "--greedy-tokens",
+            "10",
+            "--no-progress",
+            *extra,
+        ]
+    )
 
 
 def test_cli_passes_and_writes_the_evidence(tiny_pair, tmp_path, capsys):

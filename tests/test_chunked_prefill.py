@@ -52,8 +52,9 @@ def _record_prefills(owner) -> list[tuple[list[int], list[int], list[int]]]:
 
 @pytest.mark.parametrize("budget", [5, 16, 64])
 def test_chunked_prefill_gives_the_greedy_outputs_of_whole_prompt_prefill(pair, budget):
-    params = [SamplingParams(max_new_tokens=6 + 5 * (i % 3), temperature=0.0, ignore_eos=True)
-              for i in range(len(PROMPTS))]
+    params = [
+        SamplingParams(max_new_tokens=6 + 5 * (i % 3), temperature=0.0, ignore_eos=True) for i in range(len(PROMPTS))
+    ]
     whole = _engine(pair, first_token_from_target=True).generate(PROMPTS, params)
     eng = _engine(pair, budget=budget, first_token_from_target=True)
     calls = _record_prefills(eng)
@@ -73,10 +74,14 @@ def test_chunked_prefill_gives_the_greedy_outputs_of_whole_prompt_prefill(pair, 
 def test_seeded_samples_with_chunked_prefill_do_not_depend_on_the_batch(pair, budget):
     """When a request's drafter is ready (so when it drafts, and which random draws it uses) depends
     only on its own prompt and the budget: batched equals alone, draw for draw."""
-    params = [SamplingParams(max_new_tokens=6 + 5 * (i % 3), temperature=0.8, seed=100 + i, ignore_eos=True)
-              for i in range(len(PROMPTS))]
-    alone = [_engine(pair, budget=budget, slots=1, first_token_from_target=True).generate([p], [sp])[0].token_ids
-             for p, sp in zip(PROMPTS, params)]
+    params = [
+        SamplingParams(max_new_tokens=6 + 5 * (i % 3), temperature=0.8, seed=100 + i, ignore_eos=True)
+        for i in range(len(PROMPTS))
+    ]
+    alone = [
+        _engine(pair, budget=budget, slots=1, first_token_from_target=True).generate([p], [sp])[0].token_ids
+        for p, sp in zip(PROMPTS, params)
+    ]
     batched = _engine(pair, budget=budget, slots=3, first_token_from_target=True).generate(PROMPTS, params)
     assert [o.token_ids for o in batched] == alone
 
@@ -151,8 +156,9 @@ def test_slots_stay_packed_when_sequences_finish_or_abort_mid_prefill(pair):
     assert any(n > 0 for _, _, n in copies)  # a partially prefilled prompt did move
     assert not eng.drafter._cached  # nothing left behind by sequences that ended before their drafter was ready
     ref = _engine(pair, k=0, draft=False)
-    for seq, p, params in zip(short + long, [PROMPTS[1], PROMPTS[4], PROMPTS[2], PROMPTS[5]],
-                              [greedy, greedy, long_params, long_params]):
+    for seq, p, params in zip(
+        short + long, [PROMPTS[1], PROMPTS[4], PROMPTS[2], PROMPTS[5]], [greedy, greedy, long_params, long_params]
+    ):
         assert done[seq.request_id] == ref.generate([p], params)[0].token_ids
 
 
@@ -268,8 +274,10 @@ def test_feature_drafters_see_the_same_prompt_features_in_chunks():
 
     target = make_model(V, seed=3, hidden=32)
     params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
-    for build in (lambda: medusa_engine(target, tiny_heads(target), k=3),
-                  lambda: eagle_engine(target, tiny_eagle(target, layers=("layer1", "layer2")), k=3)):
+    for build in (
+        lambda: medusa_engine(target, tiny_heads(target), k=3),
+        lambda: eagle_engine(target, tiny_eagle(target, layers=("layer1", "layer2")), k=3),
+    ):
         whole = build()
         whole.first_token_from_target = True  # (both: the same draft schedule, see above)
         whole = whole.generate(PROMPTS, params)
@@ -321,12 +329,16 @@ def test_equal_prompts_admitted_together_share_one_prefill(pair, budget):
     (greedy and seeded: a copy's drafter starts when it would alone), with tokens drafted."""
     a, b = PROMPTS[2], PROMPTS[5]
     prompts = [a, a, b, a]
-    params = [SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True),
-              SamplingParams(max_new_tokens=10, temperature=1.0, seed=7, ignore_eos=True),
-              SamplingParams(max_new_tokens=10, temperature=1.0, seed=8, ignore_eos=True),
-              SamplingParams(max_new_tokens=10, temperature=1.0, seed=9, ignore_eos=True)]
-    alone = [_engine(pair, budget=budget, slots=1, first_token_from_target=True).generate([p], [q])[0]
-             for p, q in zip(prompts, params)]
+    params = [
+        SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_new_tokens=10, temperature=1.0, seed=7, ignore_eos=True),
+        SamplingParams(max_new_tokens=10, temperature=1.0, seed=8, ignore_eos=True),
+        SamplingParams(max_new_tokens=10, temperature=1.0, seed=9, ignore_eos=True),
+    ]
+    alone = [
+        _engine(pair, budget=budget, slots=1, first_token_from_target=True).generate([p], [q])[0]
+        for p, q in zip(prompts, params)
+    ]
     eng = _engine(pair, budget=budget, slots=4, first_token_from_target=True)
     calls = _record_prefills(eng)
     outs = eng.generate(prompts, params)
@@ -364,8 +376,10 @@ def test_equal_prompts_share_the_prefill_with_feature_drafters_too():
     target = make_model(V, seed=3, hidden=32)
     prompts = [PROMPTS[2], PROMPTS[2], PROMPTS[0], PROMPTS[2]]
     params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
-    for build in (lambda: medusa_engine(target, tiny_heads(target), k=3),
-                  lambda: eagle_engine(target, tiny_eagle(target, layers=("layer1", "layer2")), k=3)):
+    for build in (
+        lambda: medusa_engine(target, tiny_heads(target), k=3),
+        lambda: eagle_engine(target, tiny_eagle(target, layers=("layer1", "layer2")), k=3),
+    ):
         for budget in (None, 6):
             eng = build()
             eng.max_num_batched_tokens, eng.first_token_from_target = budget, True

@@ -25,19 +25,81 @@ def table(tmp):
         (["generate", "--target", good, "--prompt", "a", "--threads", "0"], "--threads"),
         (["generate", "--target", good, "--prompt", "a", "--backend", "llamacpp"], ".gguf"),
         (["generate", "--target", good, "--prompt", "a", "--backend", "onnx"], "--backend"),
-        (["generate", "--target", good, "--prompt", "a", "--draft", "ngram", "--draft", "ngram:4"], "--draft-policy auto"),
+        (
+            ["generate", "--target", good, "--prompt", "a", "--draft", "ngram", "--draft", "ngram:4"],
+            "--draft-policy auto",
+        ),
         (["generate", "--target", good, "--prompt", "a", "--draft-policy", "auto"], "at least one --draft"),
-        (["generate", "--target", good, "--prompt", "a", "--draft", good, "--draft", good + "/",
-          "--draft-policy", "auto"], "names the same draft model"),
-        (["generate", "--target", good, "--prompt", "a", "--draft", "ngram", "--draft", "ngram",
-          "--draft-policy", "auto"], "given twice"),
-        (["generate", "--target", good, "--prompt", "a", "--draft", "ngram", "--draft-policy", "auto",
-          "--tree-topk", "2"], "chains"),
-        (["generate", "--target", good, "--prompt", "a", "--draft", "ngram", "--draft-policy", "auto",
-          "--catch-up-tokens", "0"], "--catch-up-tokens must be >= 1"),
+        (
+            [
+                "generate",
+                "--target",
+                good,
+                "--prompt",
+                "a",
+                "--draft",
+                good,
+                "--draft",
+                good + "/",
+                "--draft-policy",
+                "auto",
+            ],
+            "names the same draft model",
+        ),
+        (
+            [
+                "generate",
+                "--target",
+                good,
+                "--prompt",
+                "a",
+                "--draft",
+                "ngram",
+                "--draft",
+                "ngram",
+                "--draft-policy",
+                "auto",
+            ],
+            "given twice",
+        ),
+        (
+            [
+                "generate",
+                "--target",
+                good,
+                "--prompt",
+                "a",
+                "--draft",
+                "ngram",
+                "--draft-policy",
+                "auto",
+                "--tree-topk",
+                "2",
+            ],
+            "chains",
+        ),
+        (
+            [
+                "generate",
+                "--target",
+                good,
+                "--prompt",
+                "a",
+                "--draft",
+                "ngram",
+                "--draft-policy",
+                "auto",
+                "--catch-up-tokens",
+                "0",
+            ],
+            "--catch-up-tokens must be >= 1",
+        ),
         # bench
         (["bench", "--target", MISSING, "--out", str(tmp / "b1")], MISSING),
-        (["bench", "--target", good, "--draft", "ngram", "--draft-lengths", "0", "--out", str(tmp / "b2")], "draft lengths"),
+        (
+            ["bench", "--target", good, "--draft", "ngram", "--draft-lengths", "0", "--out", str(tmp / "b2")],
+            "draft lengths",
+        ),
         (["bench", "--target", good, "--draft", "ngram", "--tree-shapes", "3", "--out", str(tmp / "b3")], "tree shape"),
         (["bench", "--target", good, "--prompts", str(tmp / "nope.jsonl"), "--out", str(tmp / "b4")], "nope.jsonl"),
         (["bench", "--target", good, "--sampling", "bogus", "--out", str(tmp / "b5")], "bogus"),
@@ -63,7 +125,10 @@ def table(tmp):
         (["heads", "extract", "--target", good, "--corpus", str(tmp / "nope"), "--out", str(tmp / "f")], "nope"),
         (["heads", "extract", "--target", good, "--max-tokens", "0", "--out", str(tmp / "f")], "max-tokens"),
         (["heads", "train", "--features", str(tmp / "nofeats"), "--out", str(tmp / "h")], "nofeats"),
-        (["heads", "train", "--features", str(tmp / "nofeats"), "--out", str(tmp / "h"), "--num-heads", "0"], "num-heads"),
+        (
+            ["heads", "train", "--features", str(tmp / "nofeats"), "--out", str(tmp / "h"), "--num-heads", "0"],
+            "num-heads",
+        ),
     ]
 
 
@@ -109,8 +174,12 @@ def test_the_llamacpp_backend_without_its_install_is_one_line_with_the_fix(tmp_p
 
     monkeypatch.setattr(llamacpp, "available", lambda: False)
     write_tiny_qwen2_gguf(tmp_path / "tiny.gguf")
-    for argv in (["generate", "--prompt", "a"], ["serve"], ["check", "--draft", "ngram"],
-                 ["bench", "--out", str(tmp_path / "b")]):
+    for argv in (
+        ["generate", "--prompt", "a"],
+        ["serve"],
+        ["check", "--draft", "ngram"],
+        ["bench", "--out", str(tmp_path / "b")],
+    ):
         code = main([*argv, "--backend", "llamacpp", "--target", str(tmp_path / "tiny.gguf")])
         err = capsys.readouterr().err
         assert code == 2 and "scripts/install-llamacpp.sh" in err and "Traceback" not in err, (argv, err)

@@ -35,8 +35,18 @@ def run(capsys, *argv):
 
 
 def test_speculative_json_output_equals_target_only(model_dirs, capsys):
-    common = ["--target", model_dirs["target"], "--prompt-ids", "1,2,3", "--max-new-tokens", "12", "--ignore-eos",
-              "--dtype", "float32", "--json"]
+    common = [
+        "--target",
+        model_dirs["target"],
+        "--prompt-ids",
+        "1,2,3",
+        "--max-new-tokens",
+        "12",
+        "--ignore-eos",
+        "--dtype",
+        "float32",
+        "--json",
+    ]
     code, base, _ = run(capsys, *common)
     assert code == 0
     code, spec, _ = run(capsys, *common, "--draft", model_dirs["draft"], "-k", "3")
@@ -49,22 +59,61 @@ def test_speculative_json_output_equals_target_only(model_dirs, capsys):
 
 
 def test_draft_confidence_and_policy_flags_keep_the_greedy_output(model_dirs, capsys):
-    common = ["--target", model_dirs["target"], "--prompt-ids", "1,2,3", "--max-new-tokens", "16", "--ignore-eos",
-              "--dtype", "float32", "--json"]
+    common = [
+        "--target",
+        model_dirs["target"],
+        "--prompt-ids",
+        "1,2,3",
+        "--max-new-tokens",
+        "16",
+        "--ignore-eos",
+        "--dtype",
+        "float32",
+        "--json",
+    ]
     _, base, _ = run(capsys, *common)
-    code, spec, _ = run(capsys, *common, "--draft", model_dirs["draft"], "-k", "4", "--draft-policy", "acceptance",
-                        "--draft-confidence", "0.6")
+    code, spec, _ = run(
+        capsys,
+        *common,
+        "--draft",
+        model_dirs["draft"],
+        "-k",
+        "4",
+        "--draft-policy",
+        "acceptance",
+        "--draft-confidence",
+        "0.6",
+    )
     assert code == 0 and json.loads(spec)["token_ids"] == json.loads(base)["token_ids"]
 
 
-def test_auto_policy_over_two_drafters_keeps_the_greedy_output_and_reports_its_choices(model_dirs, capsys,
-                                                                                       tmp_path, monkeypatch):
+def test_auto_policy_over_two_drafters_keeps_the_greedy_output_and_reports_its_choices(
+    model_dirs, capsys, tmp_path, monkeypatch
+):
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
-    common = ["--target", model_dirs["target"], "--prompt-ids", "1,2,3,1,2,3,1,2", "--max-new-tokens", "16",
-              "--ignore-eos", "--dtype", "float32"]
+    common = [
+        "--target",
+        model_dirs["target"],
+        "--prompt-ids",
+        "1,2,3,1,2,3,1,2",
+        "--max-new-tokens",
+        "16",
+        "--ignore-eos",
+        "--dtype",
+        "float32",
+    ]
     _, base, _ = run(capsys, *common, "--json")
-    auto = [*common, "--draft", model_dirs["draft"], "--draft", "ngram", "--draft-policy", "auto",
-            "--max-draft-tokens", "4"]
+    auto = [
+        *common,
+        "--draft",
+        model_dirs["draft"],
+        "--draft",
+        "ngram",
+        "--draft-policy",
+        "auto",
+        "--max-draft-tokens",
+        "4",
+    ]
     code, spec, err = run(capsys, *auto, "--json")
     assert code == 0 and "calibrating step costs" in err, err
     out = json.loads(spec)
@@ -77,8 +126,24 @@ def test_auto_policy_over_two_drafters_keeps_the_greedy_output_and_reports_its_c
 
 
 def test_verify_budget_turns_drafting_off_for_a_full_batch(model_dirs, capsys):
-    argv = ["--target", model_dirs["target"], "--draft", model_dirs["draft"], "-k", "3", "--prompt-ids", "1,2,3",
-            "--num-samples", "3", "--max-new-tokens", "8", "--ignore-eos", "--dtype", "float32", "--json"]
+    argv = [
+        "--target",
+        model_dirs["target"],
+        "--draft",
+        model_dirs["draft"],
+        "-k",
+        "3",
+        "--prompt-ids",
+        "1,2,3",
+        "--num-samples",
+        "3",
+        "--max-new-tokens",
+        "8",
+        "--ignore-eos",
+        "--dtype",
+        "float32",
+        "--json",
+    ]
     _, free, _ = run(capsys, *argv)
     code, capped, _ = run(capsys, *argv, "--verify-budget", "3")  # 3 // 3 - 1 = 0 draft tokens each
     assert code == 0
@@ -88,8 +153,26 @@ def test_verify_budget_turns_drafting_off_for_a_full_batch(model_dirs, capsys):
 
 
 def test_num_samples_are_independent_and_seeded(model_dirs, capsys):
-    argv = ["--target", model_dirs["target"], "--draft", model_dirs["draft"], "--prompt", "abc", "--temperature", "1.0",
-            "--seed", "5", "--num-samples", "3", "--max-new-tokens", "10", "--ignore-eos", "--dtype", "float32", "--json"]
+    argv = [
+        "--target",
+        model_dirs["target"],
+        "--draft",
+        model_dirs["draft"],
+        "--prompt",
+        "abc",
+        "--temperature",
+        "1.0",
+        "--seed",
+        "5",
+        "--num-samples",
+        "3",
+        "--max-new-tokens",
+        "10",
+        "--ignore-eos",
+        "--dtype",
+        "float32",
+        "--json",
+    ]
     code, out, _ = run(capsys, *argv)
     assert code == 0
     first = [json.loads(line)["token_ids"] for line in out.splitlines()]
@@ -98,14 +181,17 @@ def test_num_samples_are_independent_and_seeded(model_dirs, capsys):
     assert [json.loads(line)["token_ids"] for line in again.splitlines()] == first
 
 
-@pytest.mark.parametrize("bad,message", [
-    (["--temperature", "-1"], "temperature"),
-    (["--top-p", "0"], "top_p"),
-    (["-k", "-2"], "num-draft-tokens"),
-    (["--draft-confidence", "1.5"], "confidence"),
-    (["--verify-budget", "-1"], "verify-budget"),
-    (["--prompt-ids", "1,x"], None),
-])
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        (["--temperature", "-1"], "temperature"),
+        (["--top-p", "0"], "top_p"),
+        (["-k", "-2"], "num-draft-tokens"),
+        (["--draft-confidence", "1.5"], "confidence"),
+        (["--verify-budget", "-1"], "verify-budget"),
+        (["--prompt-ids", "1,x"], None),
+    ],
+)
 def test_bad_arguments_get_clear_errors(model_dirs, capsys, bad, message):
     argv = ["--target", model_dirs["target"], "--draft", model_dirs["draft"], "--dtype", "float32"]
     if "--prompt-ids" not in bad:
@@ -120,14 +206,35 @@ def test_bad_arguments_get_clear_errors(model_dirs, capsys, bad, message):
 
 
 def test_mismatched_vocabularies_are_refused(model_dirs, capsys):
-    code, _, err = run(capsys, "--target", model_dirs["target"], "--draft", model_dirs["other"], "--prompt-ids", "1,2",
-                       "--dtype", "float32")
+    code, _, err = run(
+        capsys,
+        "--target",
+        model_dirs["target"],
+        "--draft",
+        model_dirs["other"],
+        "--prompt-ids",
+        "1,2",
+        "--dtype",
+        "float32",
+    )
     assert code == 2 and "cannot draft for target" in err
 
 
 def test_target_quantization_is_labelled_lossy_and_speculation_stays_exact_for_that_target(model_dirs, capsys):
-    common = ["--target", model_dirs["target"], "--prompt-ids", "1,2,3", "--max-new-tokens", "12", "--ignore-eos",
-              "--dtype", "float32", "--json", "--target-quantization", "int8"]
+    common = [
+        "--target",
+        model_dirs["target"],
+        "--prompt-ids",
+        "1,2,3",
+        "--max-new-tokens",
+        "12",
+        "--ignore-eos",
+        "--dtype",
+        "float32",
+        "--json",
+        "--target-quantization",
+        "int8",
+    ]
     code, base, err = run(capsys, *common)
     assert code == 0 and "LOSSY" in err
     code, spec, _ = run(capsys, *common, "--draft", model_dirs["draft"], "-k", "3")
@@ -159,8 +266,24 @@ def test_text_streams_as_tokens_are_accepted_then_a_timed_summary(model_dirs, mo
 
     monkeypatch.setattr(engine_mod.Engine, "step", step)
     monkeypatch.setattr(sys, "stdout", Recorder())
-    code = main(["generate", "--target", model_dirs["target"], "--prompt", "abc", "--max-new-tokens", "12",
-                 "--ignore-eos", "--dtype", "float32", "--draft", model_dirs["draft"], "-k", "2"])
+    code = main(
+        [
+            "generate",
+            "--target",
+            model_dirs["target"],
+            "--prompt",
+            "abc",
+            "--max-new-tokens",
+            "12",
+            "--ignore-eos",
+            "--dtype",
+            "float32",
+            "--draft",
+            model_dirs["draft"],
+            "-k",
+            "2",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 0
     text_writes = [w for w in writes if w.strip()]
@@ -170,13 +293,16 @@ def test_text_streams_as_tokens_are_accepted_then_a_timed_summary(model_dirs, mo
         assert field in err, field
 
 
-@pytest.mark.parametrize("argv,culprit", [
-    (["-k", "-1"], "num-draft-tokens"),
-    (["--prompt", ""], "--prompt is empty"),
-    (["--max-new-tokens", "0"], "max-new-tokens"),
-    (["--temperature", "-1"], "temperature"),
-    (["--draft", "medusa:"], "medusa:DIR"),
-])
+@pytest.mark.parametrize(
+    "argv,culprit",
+    [
+        (["-k", "-1"], "num-draft-tokens"),
+        (["--prompt", ""], "--prompt is empty"),
+        (["--max-new-tokens", "0"], "max-new-tokens"),
+        (["--temperature", "-1"], "temperature"),
+        (["--draft", "medusa:"], "medusa:DIR"),
+    ],
+)
 def test_bad_arguments_fail_before_any_model_loads(model_dirs, monkeypatch, capsys, argv, culprit):
     import specdecode.models.loading as loading
 

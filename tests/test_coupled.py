@@ -45,12 +45,18 @@ def pair():
 
 
 def coupled(seed: int, max_new: int = 24, temperature: float = 0.9, **kw) -> SamplingParams:
-    return SamplingParams(temperature=temperature, seed=seed, max_new_tokens=max_new, ignore_eos=True,
-                          sampler="coupled", **kw)
+    return SamplingParams(
+        temperature=temperature, seed=seed, max_new_tokens=max_new, ignore_eos=True, sampler="coupled", **kw
+    )
 
 
-MIXED = [coupled(11), coupled(12, 17, 1.3), coupled(13, 30, top_k=5), coupled(14, 9, 0.7, top_p=0.9),
-         SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True, sampler="coupled")]
+MIXED = [
+    coupled(11),
+    coupled(12, 17, 1.3),
+    coupled(13, 30, top_k=5),
+    coupled(14, 9, 0.7, top_p=0.9),
+    SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True, sampler="coupled"),
+]
 
 
 def reference(target, prompts, params) -> list[list[int]]:
@@ -83,8 +89,18 @@ def test_negative_control_the_rejection_sampler_depends_on_the_drafter(pair):
     """The equality above is not vacuous: the same seeds through rejection sampling give other tokens
     with a draft than without one."""
     target, draft = pair
-    params = [SamplingParams(p.temperature, p.top_k, p.top_p, seed=p.seed, max_new_tokens=p.max_new_tokens,
-                             ignore_eos=True, sampler="rejection") for p in MIXED[:4]]
+    params = [
+        SamplingParams(
+            p.temperature,
+            p.top_k,
+            p.top_p,
+            seed=p.seed,
+            max_new_tokens=p.max_new_tokens,
+            ignore_eos=True,
+            sampler="rejection",
+        )
+        for p in MIXED[:4]
+    ]
     ref = reference(target, PROMPTS[:4], params)
     outs = make_engine(target, TOK, draft, k=4, num_slots=1).generate(PROMPTS[:4], params)
     assert [o.token_ids for o in outs] != ref
@@ -135,8 +151,15 @@ def test_ngram_trees_equal_target_only(pair):
     target, _ = pair
     prompts = [p * 3 for p in PROMPTS]
     params = [coupled(40 + i, 30, 0.5) for i in range(len(prompts))]
-    engine = Engine(HFRunner(target), TOK, NgramDrafter(tree_topk=3, tree_nodes=8), 4, max_batch_size=2,
-                    max_context=128, max_tree_nodes=8)
+    engine = Engine(
+        HFRunner(target),
+        TOK,
+        NgramDrafter(tree_topk=3, tree_nodes=8),
+        4,
+        max_batch_size=2,
+        max_context=128,
+        max_tree_nodes=8,
+    )
     assert_equal_and_exercised(engine.generate(prompts, params), reference(target, prompts, params))
 
 
@@ -146,8 +169,15 @@ def test_suffix_drafts_equal_target_only(pair, topk, nodes):
     target, _ = pair
     prompts = [p * 3 for p in PROMPTS]
     params = [coupled(60 + i, 30, 0.5) for i in range(len(prompts))]
-    engine = Engine(HFRunner(target), TOK, SuffixDrafter(tree_topk=topk, tree_nodes=nodes), 4, max_batch_size=3,
-                    max_context=128, max_tree_nodes=nodes)
+    engine = Engine(
+        HFRunner(target),
+        TOK,
+        SuffixDrafter(tree_topk=topk, tree_nodes=nodes),
+        4,
+        max_batch_size=3,
+        max_context=128,
+        max_tree_nodes=nodes,
+    )
     outs = engine.generate(prompts, params)
     assert_equal_and_exercised(outs, reference(target, prompts, params))
     assert_trees_when_asked(outs, nodes)
@@ -168,8 +198,7 @@ def test_heads_equal_target_only(head_target, kind, topk, nodes):
         drafter = EagleDrafter(tiny_eagle(head_target), HFRunner(head_target), tree_topk=topk, tree_nodes=nodes)
     params = [coupled(80 + i, 24, 0.6) for i in range(len(PROMPTS))] + [coupled(90, 20, 0.9, top_k=6)]
     prompts = PROMPTS + [[5, 6, 7]]
-    engine = Engine(HFRunner(head_target), TOK, drafter, 3, max_batch_size=3, max_context=128,
-                    max_tree_nodes=nodes)
+    engine = Engine(HFRunner(head_target), TOK, drafter, 3, max_batch_size=3, max_context=128, max_tree_nodes=nodes)
     outs = engine.generate(prompts, params)
     assert_equal_and_exercised(outs, reference(head_target, prompts, params))
     assert_trees_when_asked(outs, nodes)
@@ -200,16 +229,23 @@ def small_pair():
     return target, perturbed_copy(target, noise=0.6, seed=3)
 
 
-LAW_SETTINGS = [SamplingParams(1.0, sampler="coupled"), SamplingParams(0.7, top_p=0.9, sampler="coupled"),
-                SamplingParams(1.0, top_k=5, sampler="coupled")]
+LAW_SETTINGS = [
+    SamplingParams(1.0, sampler="coupled"),
+    SamplingParams(0.7, top_p=0.9, sampler="coupled"),
+    SamplingParams(1.0, top_k=5, sampler="coupled"),
+]
 
 
 def _coupled_pairs(engine, sp, n=4000):
     """First two tokens of ``n`` seeded requests (``sample_pairs`` keeps ``sp``'s law, not its sampler)."""
     counts = torch.zeros(VS, VS)
     for start in range(0, n, 250):
-        params = [SamplingParams(sp.temperature, sp.top_k, sp.top_p, seed=start + i, max_new_tokens=2,
-                                 ignore_eos=True, sampler="coupled") for i in range(250)]
+        params = [
+            SamplingParams(
+                sp.temperature, sp.top_k, sp.top_p, seed=start + i, max_new_tokens=2, ignore_eos=True, sampler="coupled"
+            )
+            for i in range(250)
+        ]
         for out in engine.generate([[1, 2, 3]] * 250, params):
             counts[out.token_ids[0], out.token_ids[1]] += 1
     return counts
@@ -243,8 +279,9 @@ def _unkeyed(draft_tokens, target_probs, noise, num_draft):  # every row the noi
 def test_negative_controls_fail_the_law_test(small_pair, wrong):
     target, draft = small_pair
     sp = LAW_SETTINGS[0]
-    engine = make_engine(target, make_tokenizer(VS), draft, k=3, num_slots=250, max_len=8,
-                         verifier=Verifier(coupled=wrong))
+    engine = make_engine(
+        target, make_tokenizer(VS), draft, k=3, num_slots=250, max_len=8, verifier=Verifier(coupled=wrong)
+    )
     counts = _coupled_pairs(engine, sp)
     assert chi_square_p(counts, exact_two_token_law(target, [1, 2, 3], sp), 4000) < ALPHA
 
@@ -257,8 +294,10 @@ def test_noise_is_a_function_of_seed_and_position_alone():
     assert not torch.equal(a, race_noise(8, 100, 1000)) and not torch.equal(a, race_noise(7, 101, 1000))
     assert coupling_key(7, 100) == coupling_key(7, 100) != coupling_key(100, 7)
     # a documented value: the same on every platform (blake2b, then torch's CPU Mersenne Twister)
-    assert coupling_key(0, 0) == int.from_bytes(__import__("hashlib").blake2b(bytes(24), digest_size=8).digest(),
-                                                "little") >> 1
+    assert (
+        coupling_key(0, 0)
+        == int.from_bytes(__import__("hashlib").blake2b(bytes(24), digest_size=8).digest(), "little") >> 1
+    )
     big = race_noise(1, 1, 200_000).double()
     assert abs(float(big.mean()) - 1.0) < 0.02 and float(big.min()) >= 0  # Exp(1)
 
@@ -308,7 +347,8 @@ def test_server_per_request_sampler_and_bad_value():
     prompt = tokenizer()("abc").input_ids
     body = {"prompt": prompt, "max_tokens": 20, "temperature": 0.9, "seed": 3, "ignore_eos": True}
     want = make_engine(target, tokenizer(), num_slots=1).generate(
-        [prompt], SamplingParams(0.9, seed=3, max_new_tokens=20, ignore_eos=True, sampler="coupled"))[0]
+        [prompt], SamplingParams(0.9, seed=3, max_new_tokens=20, ignore_eos=True, sampler="coupled")
+    )[0]
     with serve(engine(k=3, slots=2)) as srv, srv.http() as c:
         r = c.post("/v1/completions", json=body | {"sampler": "coupled"})
         assert r.status_code == 200, r.text
@@ -316,8 +356,11 @@ def test_server_per_request_sampler_and_bad_value():
         assert r.json()["speculation"]["drafted"] > 0
         r = c.post("/v1/completions", json=body | {"sampler": "rejection"})
         assert r.status_code == 200, r.text
-        r = c.post("/v1/completions", content=json.dumps(body | {"sampler": "gumbel"}),
-                   headers={"content-type": "application/json"})
+        r = c.post(
+            "/v1/completions",
+            content=json.dumps(body | {"sampler": "gumbel"}),
+            headers={"content-type": "application/json"},
+        )
         assert r.status_code == 400 and r.json()["error"]["param"] == "sampler"
 
 
@@ -347,8 +390,9 @@ def _check(pair, verifier=None):
         drafter = DraftModelDrafter(HFRunner(draft)) if k else None
         return Engine(HFRunner(target), TOK, drafter, k, max_batch_size=batch, max_context=64, verifier=verifier)
 
-    cfg = CheckConfig(num_draft_tokens=3, parts=(6,), law_contexts=2, coupled_tokens=12, greedy_batch=3,
-                      coupled_samples=1500)
+    cfg = CheckConfig(
+        num_draft_tokens=3, parts=(6,), law_contexts=2, coupled_tokens=12, greedy_batch=3, coupled_samples=1500
+    )
     return run_check(factory, CHECK_PROMPTS, cfg).parts[5]
 
 

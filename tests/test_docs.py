@@ -4,6 +4,7 @@ docs/benchmarks.md answers questions; how each number was found lives beside its
 (docs/bench/<topic>/README.md). These tests keep the page short and every relative link on it, and every
 link into it or into the evidence READMEs, pointing at a file and heading that exist.
 """
+
 import re
 import unicodedata
 from pathlib import Path
@@ -84,7 +85,8 @@ def test_results_page_is_short():
     lines = RESULTS.read_text().splitlines()
     assert len(lines) <= MAX_LINES, (
         f"docs/benchmarks.md has {len(lines)} lines (at most {MAX_LINES}): keep the answers there and move how "
-        "each number was found to the README beside its run folder (docs/bench/<topic>/README.md)")
+        "each number was found to the README beside its run folder (docs/bench/<topic>/README.md)"
+    )
 
 
 def test_every_relative_link_on_the_results_page_resolves():
@@ -98,20 +100,28 @@ def test_every_link_in_the_evidence_readmes_resolves():
 
 def test_links_into_the_results_page_and_the_evidence_resolve():
     """Other docs that cite a section of the results page or of an evidence README find it there."""
-    targets = {RESULTS.resolve(), (DOCS / "benchmarks-archive.md").resolve(),
-               *(r.resolve() for r in evidence_readmes())}
+    targets = {
+        RESULTS.resolve(),
+        (DOCS / "benchmarks-archive.md").resolve(),
+        *(r.resolve() for r in evidence_readmes()),
+    }
     sources = [ROOT / "README.md", *DOCS.glob("*.md"), DOCS / "bench" / "README.md"]
     problems = [p for source in sources for p in broken_links(source, only_into=targets)]
     assert problems == []
 
 
-@pytest.mark.parametrize("heading, anchor", [
-    ("2026-12-06 (session 26): a CPU where the one-token decode is memory-bound — speculation beats llama.cpp",
-     "2026-12-06-session-26-a-cpu-where-the-one-token-decode-is-memory-bound--speculation-beats-llamacpp"),
-    ("What `--batch-invariant` costs", "what---batch-invariant-costs"),
-    ("Trees (issue 10): chain k = 4 vs trees", "trees-issue-10-chain-k--4-vs-trees"),
-    ("`scripts/gpu_check.py` on one NVIDIA H200", "scriptsgpu_checkpy-on-one-nvidia-h200"),
-])
+@pytest.mark.parametrize(
+    "heading, anchor",
+    [
+        (
+            "2026-12-06 (session 26): a CPU where the one-token decode is memory-bound — speculation beats llama.cpp",
+            "2026-12-06-session-26-a-cpu-where-the-one-token-decode-is-memory-bound--speculation-beats-llamacpp",
+        ),
+        ("What `--batch-invariant` costs", "what---batch-invariant-costs"),
+        ("Trees (issue 10): chain k = 4 vs trees", "trees-issue-10-chain-k--4-vs-trees"),
+        ("`scripts/gpu_check.py` on one NVIDIA H200", "scriptsgpu_checkpy-on-one-nvidia-h200"),
+    ],
+)
 def test_slug_matches_github(heading, anchor):
     assert slug(heading) == anchor
 
@@ -119,7 +129,9 @@ def test_slug_matches_github(heading, anchor):
 def test_a_missing_file_or_heading_is_reported(tmp_path):
     (tmp_path / "other.md").write_text("# Title\n\n## A section\n")
     page = tmp_path / "page.md"
-    page.write_text("[ok](other.md#a-section) [gone](missing.md) [no heading](other.md#nope) [here](#top)\n"
-                    "# Top\n```\n[in a fence](missing.md)\n```\n")
+    page.write_text(
+        "[ok](other.md#a-section) [gone](missing.md) [no heading](other.md#nope) [here](#top)\n"
+        "# Top\n```\n[in a fence](missing.md)\n```\n"
+    )
     problems = broken_links(page, root=tmp_path)
     assert problems == ["page.md:1: missing.md (no such file)", "page.md:1: other.md#nope (no such heading)"]

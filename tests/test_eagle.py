@@ -40,10 +40,14 @@ def tiny_eagle(target, layers=("final",), draft_vocab=None, seed=0, scale=1.0) -
     draft_vocab = draft_vocab or vocab - 4
     gen = torch.Generator().manual_seed(seed)
     id_map = torch.randperm(vocab, generator=gen)[:draft_vocab].sort().values
-    cfg = EagleConfig(runner.hidden_size, vocab, draft_vocab, list(layers),
-                      decoder_config(target.config, draft_vocab, 48),
-                      target={"spec": "tiny", "num_layers": runner.num_layers,
-                              "fingerprint": F.model_fingerprint(runner)})
+    cfg = EagleConfig(
+        runner.hidden_size,
+        vocab,
+        draft_vocab,
+        list(layers),
+        decoder_config(target.config, draft_vocab, 48),
+        target={"spec": "tiny", "num_layers": runner.num_layers, "fingerprint": F.model_fingerprint(runner)},
+    )
     torch.manual_seed(seed)
     model = EagleModel(cfg, id_map)
     with torch.no_grad():
@@ -120,9 +124,9 @@ def test_the_drafter_is_handed_the_targets_own_features_and_reads_them(target):
     covered = 0
     for f in seen:
         n = len(f.token_ids)
-        assert f.token_ids == tokens[f.start: f.start + n]
-        torch.testing.assert_close(f.hidden[FINAL], hs[-1][0, f.start: f.start + n], atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(f.hidden[1], hs[1][0, f.start: f.start + n], atol=1e-4, rtol=1e-4)
+        assert f.token_ids == tokens[f.start : f.start + n]
+        torch.testing.assert_close(f.hidden[FINAL], hs[-1][0, f.start : f.start + n], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(f.hidden[1], hs[1][0, f.start : f.start + n], atol=1e-4, rtol=1e-4)
         assert f.start == covered  # contiguous: every cached token once
         covered += n
     assert covered >= len(tokens) - 2
@@ -158,8 +162,12 @@ def test_first_draft_comes_from_the_pair_before_the_pending_token(target):
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_eagle_keeps_the_target_law(sp, tree):
     model = make_model(VS, seed=4, hidden=32)
-    drafter = EagleDrafter(tiny_eagle(model, draft_vocab=VS - 2, scale=2.0), HFRunner(model),
-                           tree_topk=3 if tree else 1, tree_nodes=5 if tree else 0)
+    drafter = EagleDrafter(
+        tiny_eagle(model, draft_vocab=VS - 2, scale=2.0),
+        HFRunner(model),
+        tree_topk=3 if tree else 1,
+        tree_nodes=5 if tree else 0,
+    )
     engine = Engine(HFRunner(model), make_tokenizer(VS), drafter, 2, max_batch_size=50, max_context=32)
     prompt = [1, 2, 3]
     n = 3000
@@ -173,21 +181,22 @@ def test_check_passes_an_eagle_engine(target, tree):
     from specdecode.check.report import PASS
 
     model = tiny_eagle(target, scale=2.0)
-    cfg = CheckConfig(num_draft_tokens=3, parts=(1, 3), law_contexts=2, law_samples=1000, e2e_samples=200,
-                      e2e_batch=50)
+    cfg = CheckConfig(num_draft_tokens=3, parts=(1, 3), law_contexts=2, law_samples=1000, e2e_samples=200, e2e_batch=50)
 
     def factory(k, batch):
         drafter = EagleDrafter(model, HFRunner(target), tree_topk=2 if tree else 1, tree_nodes=4 if tree else 0)
         return Engine(HFRunner(target), TOK, drafter if k else None, k, max_batch_size=batch, max_context=64)
 
     report = run_check(factory, [[1, 2, 3], [4, 5, 6, 7, 8]], cfg)
-    assert {p.part: p.status for p in report.parts if p.part in (1, 3)} == {1: PASS, 3: PASS}, \
-        [p.summary for p in report.parts]
+    assert {p.part: p.status for p in report.parts if p.part in (1, 3)} == {1: PASS, 3: PASS}, [
+        p.summary for p in report.parts
+    ]
 
 
 # -- training -------------------------------------------------------------------------------------------
-SETTINGS2 = F.ExtractSettings(layers=(FINAL, 1), seq_len=48, max_tokens=900, topk=4, shard_tokens=100,
-                              max_doc_tokens=96, min_chunk=8)
+SETTINGS2 = F.ExtractSettings(
+    layers=(FINAL, 1), seq_len=48, max_tokens=900, topk=4, shard_tokens=100, max_doc_tokens=96, min_chunk=8
+)
 
 
 @pytest.fixture(scope="module")
@@ -198,8 +207,9 @@ def feats(tmp_path_factory, target):
 
 
 def train_tiny(target, feats, out, **kw):
-    settings = EagleSettings(**{"draft_vocab": 24, "intermediate_size": 48, "epochs": 4, "batch_chunks": 2,
-                                "lr": 3e-3, **kw})
+    settings = EagleSettings(
+        **{"draft_vocab": 24, "intermediate_size": 48, "epochs": 4, "batch_chunks": 2, "lr": 3e-3, **kw}
+    )
     return train(F.FeatureSet(feats), out, settings, target, checkpoint_every=5, evals=3, progress=False)
 
 
@@ -237,8 +247,12 @@ def test_rollback_leaves_the_draft_cache_equal_to_a_fresh_feed(target, trained, 
     k_a = drafter.runner.cache.keys[0][seq.slot, :, :done]
     k_b = fresh.runner.cache.keys[0][0, :, :done]
     torch.testing.assert_close(k_a, k_b, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(drafter.runner.cache.values[0][seq.slot, :, :done],
-                               fresh.runner.cache.values[0][0, :, :done], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        drafter.runner.cache.values[0][seq.slot, :, :done],
+        fresh.runner.cache.values[0][0, :, :done],
+        atol=1e-4,
+        rtol=1e-4,
+    )
 
 
 def test_training_lowers_the_loss_and_the_drafter_reloads_bit_exact(tmp_path, target, feats):
@@ -294,11 +308,15 @@ def test_the_loss_formed_in_slices_of_anchors_equals_the_loss_formed_at_once(mon
     gen = torch.Generator().manual_seed(0)
     b, a, v = 2, 30, 50
     logits = [torch.randn(b, a, v, generator=gen, requires_grad=True) for _ in range(2)]
-    levels = [{"ok": torch.rand(b, a, generator=gen) > 0.1,
-               "soft_ids": torch.randint(0, v, (b, a, 8), generator=gen),
-               "soft_q": torch.softmax(torch.randn(b, a, 8, generator=gen), -1),
-               "hard": torch.where(torch.rand(b, a, generator=gen) > 0.2, torch.randint(0, v, (b, a), generator=gen), -1)}
-              for _ in logits]
+    levels = [
+        {
+            "ok": torch.rand(b, a, generator=gen) > 0.1,
+            "soft_ids": torch.randint(0, v, (b, a, 8), generator=gen),
+            "soft_q": torch.softmax(torch.randn(b, a, 8, generator=gen), -1),
+            "hard": torch.where(torch.rand(b, a, generator=gen) > 0.2, torch.randint(0, v, (b, a), generator=gen), -1),
+        }
+        for _ in logits
+    ]
     levels[1]["hard"][:] = -1  # a level without corpus labels
     batch = {"g0": [], "embs": None, "positions": None, "valid": None, "levels": levels}
     model = type("M", (), {"config": type("C", (), {"final_mode": False})()})()
@@ -310,7 +328,7 @@ def test_the_loss_formed_in_slices_of_anchors_equals_the_loss_formed_at_once(mon
             logp, ok, h = torch.log_softmax(lg, -1), lab["ok"], lab["hard"] >= 0
             soft = -(lab["soft_q"] * logp.gather(-1, lab["soft_ids"])).sum(-1)[ok].mean()
             hard = -logp.gather(-1, lab["hard"].clamp(min=0)[..., None]).squeeze(-1)[h].mean() if h.any() else 0
-            total = total + settings.level_decay ** j * (settings.soft_weight * soft + (1 - settings.soft_weight) * hard)
+            total = total + settings.level_decay**j * (settings.soft_weight * soft + (1 - settings.soft_weight) * hard)
         return total
 
     want = whole()
@@ -377,8 +395,9 @@ def test_a_drafter_for_another_target_or_layer_set_is_refused(target):
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "specdecode.cli", *args], capture_output=True, text=True,
-                          timeout=SUBPROCESS_TIMEOUT_S)
+    return subprocess.run(
+        [sys.executable, "-m", "specdecode.cli", *args], capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S
+    )
 
 
 def test_cli_extract_train_generate_round_trip(tmp_path, target):
@@ -387,22 +406,87 @@ def test_cli_extract_train_generate_round_trip(tmp_path, target):
     TOK.save_pretrained(model_dir)
     corpus = write_corpus(tmp_path / "corpus")
     feats, out = tmp_path / "feats", tmp_path / "eagle"
-    r = cli("heads", "extract", "--target", str(model_dir), "--corpus", str(corpus), "--out", str(feats),
-            "--max-tokens", "600", "--seq-len", "48", "--shard-tokens", "200", "--dtype", "float32", "--no-progress")
+    r = cli(
+        "heads",
+        "extract",
+        "--target",
+        str(model_dir),
+        "--corpus",
+        str(corpus),
+        "--out",
+        str(feats),
+        "--max-tokens",
+        "600",
+        "--seq-len",
+        "48",
+        "--shard-tokens",
+        "200",
+        "--dtype",
+        "float32",
+        "--no-progress",
+    )
     assert r.returncode == 0, r.stderr
-    r = cli("heads", "train", "--kind", "eagle", "--features", str(feats), "--out", str(out), "--draft-vocab", "20",
-            "--intermediate-size", "32", "--epochs", "1", "--batch-chunks", "2", "--no-progress")
+    r = cli(
+        "heads",
+        "train",
+        "--kind",
+        "eagle",
+        "--features",
+        str(feats),
+        "--out",
+        str(out),
+        "--draft-vocab",
+        "20",
+        "--intermediate-size",
+        "32",
+        "--epochs",
+        "1",
+        "--batch-chunks",
+        "2",
+        "--no-progress",
+    )
     assert r.returncode == 0, r.stderr
     assert "tokens/step" in r.stdout
     for extra in ([], ["--tree-topk", "2", "--tree-nodes", "4"]):
-        r = cli("generate", "--target", str(model_dir), "--draft", f"eagle:{out}", "--prompt", "abc", "--dtype",
-                "float32", "--max-new-tokens", "8", "--temperature", "0", "--json", *extra)
+        r = cli(
+            "generate",
+            "--target",
+            str(model_dir),
+            "--draft",
+            f"eagle:{out}",
+            "--prompt",
+            "abc",
+            "--dtype",
+            "float32",
+            "--max-new-tokens",
+            "8",
+            "--temperature",
+            "0",
+            "--json",
+            *extra,
+        )
         assert r.returncode == 0, r.stderr
-    for bad, culprit in [(["generate", "--target", str(model_dir), "--draft", f"eagle:{tmp_path}", "--prompt", "a",
-                           "--dtype", "float32"], "EAGLE drafter directory"),
-                         (["generate", "--target", str(model_dir), "--draft", "eagle", "--prompt", "a"], "eagle:DIR"),
-                         (["heads", "train", "--kind", "eagle", "--features", str(feats), "--out", str(out),
-                           "--eagle-layers", "7"], "7")]:
+    for bad, culprit in [
+        (
+            [
+                "generate",
+                "--target",
+                str(model_dir),
+                "--draft",
+                f"eagle:{tmp_path}",
+                "--prompt",
+                "a",
+                "--dtype",
+                "float32",
+            ],
+            "EAGLE drafter directory",
+        ),
+        (["generate", "--target", str(model_dir), "--draft", "eagle", "--prompt", "a"], "eagle:DIR"),
+        (
+            ["heads", "train", "--kind", "eagle", "--features", str(feats), "--out", str(out), "--eagle-layers", "7"],
+            "7",
+        ),
+    ]:
         r = cli(*bad)
         assert r.returncode == 2 and "Traceback" not in r.stderr and culprit in r.stderr, (bad, r.stderr)
 
@@ -416,11 +500,40 @@ def test_training_runs_under_torchrun_with_two_processes(tmp_path, target, feats
     model_dir = tmp_path / "model"
     target.save_pretrained(model_dir)
     TOK.save_pretrained(model_dir)
-    r = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "specdecode.cli", "heads", "train",
-                        "--kind", "eagle", "--features", str(feats), "--out", str(tmp_path / "ddp"), "--target",
-                        str(model_dir), "--draft-vocab", "20", "--intermediate-size", "32", "--epochs", "1",
-                        "--batch-chunks", "4", "--no-progress", "--threads", "1"],
-                       capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+    r = subprocess.run(
+        [
+            torchrun,
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "specdecode.cli",
+            "heads",
+            "train",
+            "--kind",
+            "eagle",
+            "--features",
+            str(feats),
+            "--out",
+            str(tmp_path / "ddp"),
+            "--target",
+            str(model_dir),
+            "--draft-vocab",
+            "20",
+            "--intermediate-size",
+            "32",
+            "--epochs",
+            "1",
+            "--batch-chunks",
+            "4",
+            "--no-progress",
+            "--threads",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     cfg = json.loads((tmp_path / "ddp" / "config.json").read_text())
     assert cfg["training"]["world_size"] == 2

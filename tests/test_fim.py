@@ -71,9 +71,11 @@ def test_the_prompt_is_prefix_suffix_middle_in_the_models_own_tokens():
 
 
 def test_other_conventions_are_found_by_their_spelling():
-    for markers, name in ((["<fim_prefix>", "<fim_suffix>", "<fim_middle>"], "StarCoder"),
-                          (["▁<PRE>", "▁<SUF>", "▁<MID>"], "CodeLlama"),
-                          (["<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"], "DeepSeek-Coder")):
+    for markers, name in (
+        (["<fim_prefix>", "<fim_suffix>", "<fim_middle>"], "StarCoder"),
+        (["▁<PRE>", "▁<SUF>", "▁<MID>"], "CodeLlama"),
+        (["<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"], "DeepSeek-Coder"),
+    ):
         vocab = {c: i for i, c in enumerate("abc")} | {m: 3 + i for i, m in enumerate(markers)} | {"<eos>": 6}
         tok = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
         fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
@@ -99,15 +101,18 @@ def _text(tokenizer, generated: str, **kw) -> tuple[str, bool, str]:
     return it.text, it.stopped, streamed
 
 
-@pytest.mark.parametrize("generated, kept, stopped", [
-    ("return a + b\n\nprint(add(a, b))", "return a + b", True),  # a blank line, then a dedent: cut before both
-    ("return a + b\nprint(a)", "return a + b", True),
-    ("x = a\n    y = b\n    return x + y\ndef f", "x = a\n    y = b\n    return x + y", True),
-    ("if a:\n        b\n\n    c\n  d", "if a:\n        b\n\n    c", True),  # inner blank lines are kept
-    ("x\n\t\ty\nz", "x\n\t\ty", True),  # a tab is 8 columns
-    ("\n\nz", "", True),  # the first line (the rest of the cursor's line) is kept, even empty
-    ("x\n    y\n\n   ", "x\n    y\n\n   ", False),  # undecided at the end: nothing cut
-])
+@pytest.mark.parametrize(
+    "generated, kept, stopped",
+    [
+        ("return a + b\n\nprint(add(a, b))", "return a + b", True),  # a blank line, then a dedent: cut before both
+        ("return a + b\nprint(a)", "return a + b", True),
+        ("x = a\n    y = b\n    return x + y\ndef f", "x = a\n    y = b\n    return x + y", True),
+        ("if a:\n        b\n\n    c\n  d", "if a:\n        b\n\n    c", True),  # inner blank lines are kept
+        ("x\n\t\ty\nz", "x\n\t\ty", True),  # a tab is 8 columns
+        ("\n\nz", "", True),  # the first line (the rest of the cursor's line) is kept, even empty
+        ("x\n    y\n\n   ", "x\n    y\n\n   ", False),  # undecided at the end: nothing cut
+    ],
+)
 def test_block_rule_cuts_before_the_first_dedented_line(generated, kept, stopped):
     tok = make_fim_tokenizer()
     assert cursor_indent(PREFIX) == 4 and cursor_indent("a\n\t") == 8 and cursor_indent("x = f(") == 0
@@ -149,8 +154,9 @@ def test_a_fim_end_token_inside_an_accepted_block_ends_the_request_exactly():
     prompt = fim_prompt(base, PREFIX, SUFFIX)
     raw = reference(base, prompt, max_new_tokens=24, ignore_eos=True).token_ids
     firsts = {t: j for j, t in reversed(list(enumerate(raw)))}
-    candidates = [(j, t) for t, j in sorted(firsts.items(), key=lambda kv: kv[1]) if j >= 1 and t not in prompt
-                  and t != V - 1][:4]
+    candidates = [
+        (j, t) for t, j in sorted(firsts.items(), key=lambda kv: kv[1]) if j >= 1 and t not in prompt and t != V - 1
+    ][:4]
     assert candidates, raw
     inside = 0
     for j, t in candidates:
@@ -181,24 +187,40 @@ def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fim-models")
     target, draft = pair()
     dirs = {}
-    for name, model, tok in (("target", target, make_fim_tokenizer()), ("draft", draft, make_fim_tokenizer()),
-                             ("plain", make_model(32, seed=0, arch="llama"), make_tokenizer(32))):
+    for name, model, tok in (
+        ("target", target, make_fim_tokenizer()),
+        ("draft", draft, make_fim_tokenizer()),
+        ("plain", make_model(32, seed=0, arch="llama"), make_tokenizer(32)),
+    ):
         model.save_pretrained(root / name)
         tok.save_pretrained(root / name)
         dirs[name] = str(root / name)
     return dirs
 
 
-FIM_ARGS = ["--prompt", "def f(a, b):\n    x = a + b\n    y = a + b\n    ", "--suffix", "\n\nprint(f(a, b))",
-            "--max-new-tokens", "24", "--dtype", "float32", "--json"]
+FIM_ARGS = [
+    "--prompt",
+    "def f(a, b):\n    x = a + b\n    y = a + b\n    ",
+    "--suffix",
+    "\n\nprint(f(a, b))",
+    "--max-new-tokens",
+    "24",
+    "--dtype",
+    "float32",
+    "--json",
+]
 
 
-@pytest.mark.parametrize("drafting", [
-    ["-k", "3"],
-    ["-k", "3", "--tree-topk", "2", "--tree-nodes", "6"],
-    ["--draft", "ngram", "-k", "3"],
-    ["--draft", "ngram", "--draft-policy", "auto", "--max-draft-tokens", "3"],
-], ids=["chain", "tree", "ngram", "auto"])
+@pytest.mark.parametrize(
+    "drafting",
+    [
+        ["-k", "3"],
+        ["-k", "3", "--tree-topk", "2", "--tree-nodes", "6"],
+        ["--draft", "ngram", "-k", "3"],
+        ["--draft", "ngram", "--draft-policy", "auto", "--max-draft-tokens", "3"],
+    ],
+    ids=["chain", "tree", "ngram", "auto"],
+)
 def test_generate_suffix_greedy_equals_target_only(model_dirs, capsys, tmp_path, monkeypatch, drafting):
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))  # auto's cost calibration
     code, base, err = _run(capsys, "--target", model_dirs["target"], *FIM_ARGS)
@@ -217,19 +239,39 @@ def test_generate_suffix_matches_the_engine_and_the_fim_stop_rules(model_dirs, c
     prompt = fim_prompt(tok, PREFIX, SUFFIX)
     for rule in ("none", "line", "block"):
         want = reference(tok, prompt, max_new_tokens=24, **stop_fields(fim_tokens(tok), rule, PREFIX))
-        code, out, err = _run(capsys, "--target", model_dirs["target"], "--draft", model_dirs["draft"], "-k", "3",
-                              "--prompt", PREFIX, "--suffix", SUFFIX, "--fim-stop", rule, "--max-new-tokens", "24",
-                              "--dtype", "float32", "--json")
+        code, out, err = _run(
+            capsys,
+            "--target",
+            model_dirs["target"],
+            "--draft",
+            model_dirs["draft"],
+            "-k",
+            "3",
+            "--prompt",
+            PREFIX,
+            "--suffix",
+            SUFFIX,
+            "--fim-stop",
+            rule,
+            "--max-new-tokens",
+            "24",
+            "--dtype",
+            "float32",
+            "--json",
+        )
         assert code == 0, err
         got = json.loads(out)
         assert (got["token_ids"], got["text"], got["finish_reason"]) == (want.token_ids, want.text, want.finish_reason)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--prompt", "a", "--suffix", "b", "--chat"], "--chat"),
-    (["--prompt-ids", "1,2", "--suffix", "b"], "--prompt-ids"),
-    (["--prompt", "a", "--fim-stop", "line"], "--suffix"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--prompt", "a", "--suffix", "b", "--chat"], "--chat"),
+        (["--prompt-ids", "1,2", "--suffix", "b"], "--prompt-ids"),
+        (["--prompt", "a", "--fim-stop", "line"], "--suffix"),
+    ],
+)
 def test_generate_fim_flag_errors_are_one_line(model_dirs, capsys, argv, message):
     code, _, err = _run(capsys, "--target", model_dirs["target"], *argv)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
@@ -254,15 +296,16 @@ def test_server_suffix_through_the_openai_sdk_equals_target_only():
         for suffix, rule in ((SUFFIX, "none"), ("", "none"), (SUFFIX, "block"), (SUFFIX, "line"), (SUFFIX, None)):
             extra = {} if rule is None else {"extra_body": {"fim_stop": rule}}
             rule = rule or "block"
-            got = client.completions.create(model="tiny", prompt=PREFIX, suffix=suffix, max_tokens=20,
-                                            temperature=0, **extra)
-            want = reference(tok, fim_prompt(tok, PREFIX, suffix), max_new_tokens=20,
-                             **stop_fields(fim, rule, PREFIX))
+            got = client.completions.create(
+                model="tiny", prompt=PREFIX, suffix=suffix, max_tokens=20, temperature=0, **extra
+            )
+            want = reference(tok, fim_prompt(tok, PREFIX, suffix), max_new_tokens=20, **stop_fields(fim, rule, PREFIX))
             assert (got.choices[0].text, got.choices[0].finish_reason) == (want.text, want.finish_reason), rule
             assert got.usage.prompt_tokens == len(fim_prompt(tok, PREFIX, suffix))
             assert got.usage.completion_tokens == len(want.token_ids)
-            chunks = client.completions.create(model="tiny", prompt=PREFIX, suffix=suffix, max_tokens=20,
-                                               temperature=0, stream=True, **extra)
+            chunks = client.completions.create(
+                model="tiny", prompt=PREFIX, suffix=suffix, max_tokens=20, temperature=0, stream=True, **extra
+            )
             assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text  # nothing cut was streamed
         with s.http() as http:
             r = http.post("/v1/completions", json={"prompt": [1, 2], "suffix": "x", "max_tokens": 2})

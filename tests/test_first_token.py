@@ -70,8 +70,15 @@ def test_first_token_comes_from_the_target_before_any_drafter_work():
 
 def test_a_request_that_ends_at_its_first_token_never_reaches_the_drafter():
     log: list = []
-    eng = Engine(HFRunner(make_model(V, seed=2)), TOK, LoggingDrafter(log), 3, max_batch_size=2, max_context=96,
-                 first_token_from_target=True)
+    eng = Engine(
+        HFRunner(make_model(V, seed=2)),
+        TOK,
+        LoggingDrafter(log),
+        3,
+        max_batch_size=2,
+        max_context=96,
+        first_token_from_target=True,
+    )
     out = eng.generate([[1, 2, 3]], SamplingParams(max_new_tokens=1))
     assert len(out[0].token_ids) == 1 and log == []
 
@@ -91,8 +98,11 @@ def test_server_reports_queue_prefill_and_first_token_times():
         assert 0 <= usage["queue_time_s"] <= usage["time_to_first_token_s"]
         assert 0 < usage["prefill_time_s"] <= usage["time_to_first_token_s"]
         events = []
-        with c.stream("POST", "/v1/completions", json={"prompt": "abc", "max_tokens": 4, "stream": True,
-                                                        "stream_options": {"include_usage": True}}) as r:
+        with c.stream(
+            "POST",
+            "/v1/completions",
+            json={"prompt": "abc", "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}},
+        ) as r:
             events = [line for line in r.iter_lines() if '"usage"' in line]
         assert events and "time_to_first_token_s" in events[-1]
         m = s.wait_idle()
@@ -103,8 +113,18 @@ def test_load_reads_and_summarizes_the_servers_times():
     run = LevelRun("A", 1, "concurrency")
     for i, (q, p, t) in enumerate([(0.0, 0.1, 0.3), (0.2, 0.1, 0.5)]):
         record = RequestRecord(i, f"p{i}", "completion", 8, 0.0, latency_s=1.0, ttft_s=t + 0.01, output_tokens=8)
-        _read_extras({"usage": {"prompt_tokens": 3, "completion_tokens": 8, "queue_time_s": q,
-                                "prefill_time_s": p, "time_to_first_token_s": t}}, record)
+        _read_extras(
+            {
+                "usage": {
+                    "prompt_tokens": 3,
+                    "completion_tokens": 8,
+                    "queue_time_s": q,
+                    "prefill_time_s": p,
+                    "time_to_first_token_s": t,
+                }
+            },
+            record,
+        )
         assert record.server_timing == {"queue_time_s": q, "prefill_time_s": p, "time_to_first_token_s": t}
         run.records.append(record)
     run.wall_s = 2.0
@@ -118,8 +138,10 @@ def _second_and_third_token_counts(engine, sp, n, batch=250):
 
     counts = torch.zeros(VS, VS)
     for start in range(0, n, batch):
-        params = [SamplingParams(sp.temperature, sp.top_k, sp.top_p, seed=start + i, max_new_tokens=3, ignore_eos=True)
-                  for i in range(batch)]
+        params = [
+            SamplingParams(sp.temperature, sp.top_k, sp.top_p, seed=start + i, max_new_tokens=3, ignore_eos=True)
+            for i in range(batch)
+        ]
         for out in engine.generate([[1, 2, 3]] * batch, params):
             counts[out.token_ids[1], out.token_ids[2]] += 1
     return counts
@@ -144,8 +166,15 @@ def test_tokens_after_a_target_first_token_follow_the_target_law(wrong):
     from tiny import make_engine, perturbed_copy
 
     target = make_model(VS, seed=5, scale=0.5)
-    engine = make_engine(target, make_tokenizer(VS), perturbed_copy(target, noise=0.6, seed=3), k=3, num_slots=250,
-                         max_len=8, verifier=Verifier(speculative=wrong_rule) if wrong else None)
+    engine = make_engine(
+        target,
+        make_tokenizer(VS),
+        perturbed_copy(target, noise=0.6, seed=3),
+        k=3,
+        num_slots=250,
+        max_len=8,
+        verifier=Verifier(speculative=wrong_rule) if wrong else None,
+    )
     engine.first_token_from_target = True
     sp = SamplingParams(1.0)
     counts = _second_and_third_token_counts(engine, sp, 4000)
@@ -155,8 +184,15 @@ def test_tokens_after_a_target_first_token_follow_the_target_law(wrong):
 
 def test_a_request_that_opted_out_of_speculation_never_reaches_the_drafter():
     log: list = []
-    eng = Engine(HFRunner(make_model(V, seed=2)), TOK, LoggingDrafter(log), 3, max_batch_size=2, max_context=96,
-                 first_token_from_target=True)
+    eng = Engine(
+        HFRunner(make_model(V, seed=2)),
+        TOK,
+        LoggingDrafter(log),
+        3,
+        max_batch_size=2,
+        max_context=96,
+        first_token_from_target=True,
+    )
     params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
     eng.switch.opt_out("quiet")
     quiet = eng.add([1, 2, 3, 1, 2], params, request_id="quiet")
@@ -178,8 +214,15 @@ def test_an_opted_out_request_keeps_no_target_features_for_a_feature_drafter():
             self.log.append(("observe", tuple(slots)))
 
     log: list = []
-    eng = Engine(HFRunner(make_model(V, seed=2)), TOK, FeatureLogger(log), 3, max_batch_size=2, max_context=96,
-                 first_token_from_target=True)
+    eng = Engine(
+        HFRunner(make_model(V, seed=2)),
+        TOK,
+        FeatureLogger(log),
+        3,
+        max_batch_size=2,
+        max_context=96,
+        first_token_from_target=True,
+    )
     eng.switch.opt_out("quiet")
     quiet = eng.add([1, 2, 3, 1, 2], SamplingParams(max_new_tokens=12, ignore_eos=True), request_id="quiet")
     for _ in range(4):

@@ -29,8 +29,14 @@ def test_gpu_check_small_quick_on_cpu(tmp_path):
     # the documented CPU invocation; run from tmp_path so the default --out (gpu_check.json) lands there
     env = dict(os.environ, OMP_NUM_THREADS="1")  # a shared 2-core machine: one thread keeps it quick
     env.pop("SPECDECODE_TEST_DEVICE", None)
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--skip-tests", "--small"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--skip-tests", "--small"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "verification cost v(k)" in proc.stdout and "draft cost c" in proc.stdout
 
@@ -53,12 +59,21 @@ def test_gpu_check_small_quick_on_cpu(tmp_path):
     assert list(ver["by_batch"]) == batches
     for row in ver["by_batch"].values():
         assert sorted(int(k) for k in row["v"]) == ks and sorted(int(k) for k in row["v_forward"]) == ks
-        assert all(measured(x) for x in [*row["v"].values(), *row["v_forward"].values(),
-                                          *row["step_ms"].values(), *row["forward_ms"].values()])
+        assert all(
+            measured(x)
+            for x in [
+                *row["v"].values(),
+                *row["v_forward"].values(),
+                *row["step_ms"].values(),
+                *row["forward_ms"].values(),
+            ]
+        )
 
     draft = res["draft"]
     assert measured(draft["c"]) and list(draft["by_batch"]) == batches
-    assert all(measured(r["c"]) and measured(r["draft_ms"]) and measured(r["target_ms"]) for r in draft["by_batch"].values())
+    assert all(
+        measured(r["c"]) and measured(r["draft_ms"]) and measured(r["target_ms"]) for r in draft["by_batch"].values()
+    )
 
     spec = res["spec_step"]
     assert spec["k"] == 4 and spec["steps_timed"] == res["plan"]["spec_steps"]

@@ -16,8 +16,15 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from specdecode.errors import UserError
-from specdecode.grammar import (GrammarCompiler, GrammarError, GrammarProcessor, GrammarSpec, apply_bitmask_,
-                                bitmask_to_bool, compiler_for)
+from specdecode.grammar import (
+    GrammarCompiler,
+    GrammarError,
+    GrammarProcessor,
+    GrammarSpec,
+    apply_bitmask_,
+    bitmask_to_bool,
+    compiler_for,
+)
 from tiny import make_tokenizer
 
 SCHEMA = {
@@ -28,8 +35,12 @@ SCHEMA = {
         "score": {"type": "number"},
         "role": {"enum": ["dev", "ops", "pm"]},
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
-        "home": {"type": "object", "properties": {"zip": {"type": "string", "pattern": "^[0-9]{3}$"}},
-                 "required": ["zip"], "additionalProperties": False},
+        "home": {
+            "type": "object",
+            "properties": {"zip": {"type": "string", "pattern": "^[0-9]{3}$"}},
+            "required": ["zip"],
+            "additionalProperties": False,
+        },
     },
     "required": ["name", "age", "role", "home"],
     "additionalProperties": False,
@@ -41,8 +52,10 @@ def _corpus() -> list[str]:
     words = ["name", "age", "role", "tags", "home", "zip", "dev", "ops", "true", "false", "null", "score"]
     docs = []
     for _ in range(300):
-        obj = {rng.choice(words): rng.choice([rng.randint(0, 999), rng.choice(words), [rng.choice(words)], None])
-               for _ in range(rng.randint(1, 4))}
+        obj = {
+            rng.choice(words): rng.choice([rng.randint(0, 999), rng.choice(words), [rng.choice(words)], None])
+            for _ in range(rng.randint(1, 4))
+        }
         docs.append(json.dumps(obj, indent=rng.choice([None, 2])))
     return docs + [string.printable]
 
@@ -53,8 +66,12 @@ def bpe():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=385, special_tokens=["<eos>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=385,
+        special_tokens=["<eos>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(_corpus(), trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
 
@@ -108,18 +125,23 @@ def test_response_format_shapes():
     assert GrammarSpec.from_response_format({"type": "text"}) is None
     assert GrammarSpec.from_response_format({"type": "json_object"}) == GrammarSpec.json_object()
     spec = GrammarSpec.from_response_format(
-        {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}})
+        {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+    )
     assert spec == GrammarSpec.json_schema(SCHEMA) == GrammarSpec.json_schema(json.dumps(SCHEMA))
     assert hash(spec) == hash(GrammarSpec.json_schema(dict(SCHEMA)))
     reordered = {"properties": SCHEMA["properties"], "type": "object"}
-    assert GrammarSpec.json_schema(reordered) != GrammarSpec.json_schema({"type": "object",
-                                                                           "properties": SCHEMA["properties"]})
-    for bad, words in [([], "must be an object"), ({"type": "xml"}, "response_format.type"),
-                       ({"type": "json_schema"}, "json_schema must be an object"),
-                       ({"type": "json_schema", "json_schema": {"name": "x"}}, "schema is required"),
-                       ({"type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}}, "strict"),
-                       ({"type": "json_schema", "json_schema": {"schema": {}, "name": 3}}, "name"),
-                       ({"type": "json_schema", "json_schema": {"schema": [1]}}, "must be an object")]:
+    assert GrammarSpec.json_schema(reordered) != GrammarSpec.json_schema(
+        {"type": "object", "properties": SCHEMA["properties"]}
+    )
+    for bad, words in [
+        ([], "must be an object"),
+        ({"type": "xml"}, "response_format.type"),
+        ({"type": "json_schema"}, "json_schema must be an object"),
+        ({"type": "json_schema", "json_schema": {"name": "x"}}, "schema is required"),
+        ({"type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}}, "strict"),
+        ({"type": "json_schema", "json_schema": {"schema": {}, "name": 3}}, "name"),
+        ({"type": "json_schema", "json_schema": {"schema": [1]}}, "must be an object"),
+    ]:
         with pytest.raises(GrammarError, match=words):
             GrammarSpec.from_response_format(bad)
     with pytest.raises(GrammarError, match="not valid JSON"):
@@ -128,14 +150,17 @@ def test_response_format_shapes():
         GrammarSpec.regex("")
 
 
-@pytest.mark.parametrize("spec, words", [
-    (GrammarSpec.json_schema({"type": "nope"}), "Invalid type: nope"),
-    (GrammarSpec.json_schema({"properties": {"a": {"$ref": "#/defs/x"}}}), "/defs/x"),
-    (GrammarSpec.json_schema({"type": "string", "minLength": 5, "maxLength": 2}), "Unsatisfiable"),
-    (GrammarSpec.regex("a(b"), "unclosed group"),
-    (GrammarSpec.grammar("start: foo"), "unknown name"),
-    (GrammarSpec.grammar("root ::= \"a"), "grammar"),
-])
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        (GrammarSpec.json_schema({"type": "nope"}), "Invalid type: nope"),
+        (GrammarSpec.json_schema({"properties": {"a": {"$ref": "#/defs/x"}}}), "/defs/x"),
+        (GrammarSpec.json_schema({"type": "string", "minLength": 5, "maxLength": 2}), "Unsatisfiable"),
+        (GrammarSpec.regex("a(b"), "unclosed group"),
+        (GrammarSpec.grammar("start: foo"), "unknown name"),
+        (GrammarSpec.grammar("root ::= \"a"), "grammar"),
+    ],
+)
 def test_invalid_specs_raise_with_the_engines_message(compiler, spec, words):
     with pytest.raises(GrammarError, match=words) as err:
         compiler.compile(spec)
@@ -161,10 +186,11 @@ def test_compiler_cache_is_a_bounded_lru(bpe):
 
 def test_bitmask_to_bool_and_apply_in_place():
     gen = torch.Generator().manual_seed(0)
-    bits = torch.randint(-2**31, 2**31 - 1, (3, 5), dtype=torch.int32, generator=gen)
+    bits = torch.randint(-(2**31), 2**31 - 1, (3, 5), dtype=torch.int32, generator=gen)
     width = 5 * 32 + 7  # wider than the mask: the extra ids are disallowed
-    ref = torch.tensor([[(int(bits[r, t // 32]) >> (t % 32)) & 1 == 1 if t < 160 else False for t in range(width)]
-                        for r in range(3)])
+    ref = torch.tensor(
+        [[(int(bits[r, t // 32]) >> (t % 32)) & 1 == 1 if t < 160 else False for t in range(width)] for r in range(3)]
+    )
     assert torch.equal(bitmask_to_bool(bits, width), ref)
     assert torch.equal(bitmask_to_bool(bits, 100), ref[:, :100])
     logits = torch.randn(3, width, generator=gen)
@@ -204,9 +230,15 @@ def test_regex_on_a_tokenizer_llguidance_cannot_read():
     assert allowed_ids(proc, [a, b, c]) == {tok.eos_token_id}
 
 
-@pytest.mark.parametrize("spec", [GrammarSpec.json_schema(SCHEMA, "flexible"), GrammarSpec.json_object(),
-                                  GrammarSpec.grammar('start: "(" NUM ("," NUM)* ")"\nNUM: /[0-9]+/'),
-                                  GrammarSpec.grammar('root ::= "(" [0-9]+ ("," [0-9]+)* ")"')])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        GrammarSpec.json_schema(SCHEMA, "flexible"),
+        GrammarSpec.json_object(),
+        GrammarSpec.grammar('start: "(" NUM ("," NUM)* ")"\nNUM: /[0-9]+/'),
+        GrammarSpec.grammar('root ::= "(" [0-9]+ ("," [0-9]+)* ")"'),
+    ],
+)
 def test_masks_equal_the_slow_reference_along_walks(compiler, spec):
     rng = random.Random(2)
     for _ in range(3):
@@ -223,6 +255,7 @@ def test_masks_equal_the_slow_reference_along_walks(compiler, spec):
 def test_the_processor_has_the_logits_processor_protocols_shape():
     """specdecode.processors.LogitsProcessor: apply(logits, prefixes) -> Tensor; commit(tokens)."""
     import inspect
+
     assert list(inspect.signature(GrammarProcessor.apply).parameters) == ["self", "logits", "prefixes"]
     assert list(inspect.signature(GrammarProcessor.commit).parameters) == ["self", "tokens"]
 
@@ -235,7 +268,7 @@ def test_nested_and_tree_prefixes_equal_per_prefix_recomputation(compiler, bpe):
     proc = compiler.processor(spec)
     proc.commit(ids[:5])
     gen = torch.Generator().manual_seed(0)
-    chain = [tuple(ids[5:5 + j]) for j in range(8)]
+    chain = [tuple(ids[5 : 5 + j]) for j in range(8)]
     alt = [tuple(ids[5:7]) + (t,) for t in range(0, len(bpe), 37)]  # siblings: many are dead
     prefixes = chain + alt
     order = list(range(len(prefixes)))
@@ -244,7 +277,7 @@ def test_nested_and_tree_prefixes_equal_per_prefix_recomputation(compiler, bpe):
     logits = torch.randn(len(prefixes), len(bpe) + 13, generator=gen)
     together = proc.apply(logits, prefixes)
     for p, prefix in enumerate(prefixes):
-        alone = proc.apply(logits[p:p + 1], [prefix])[0]
+        alone = proc.apply(logits[p : p + 1], [prefix])[0]
         assert torch.equal(together[p], alone), prefix
     assert not torch.equal(together, logits)
 
@@ -255,7 +288,7 @@ def test_apply_leaves_the_state_and_the_input_unchanged(compiler, bpe):
     proc.commit(ids[:4])
     logits = torch.randn(6, len(bpe))
     before, saved = proc.apply(logits, [()]), logits.clone()
-    proc.apply(logits, [tuple(ids[4:4 + j]) for j in range(6)])
+    proc.apply(logits, [tuple(ids[4 : 4 + j]) for j in range(6)])
     proc.apply(logits[:2], [tuple(ids[4:]), (bpe.eos_token_id, 5)])
     assert torch.equal(proc.apply(logits, [()]), before) and torch.equal(logits, saved)
 
@@ -313,7 +346,7 @@ def test_logits_wider_than_the_vocabulary(compiler, bpe):
     proc = compiler.processor(GrammarSpec.json_object())
     width = len(bpe) + 40
     out = proc.apply(torch.zeros(2, width), [(), tuple(bpe.encode("{", add_special_tokens=False))])
-    assert out.shape == (2, width) and torch.isinf(out[:, len(bpe):]).all()
+    assert out.shape == (2, width) and torch.isinf(out[:, len(bpe) :]).all()
     assert allowed_ids(proc, (), width) == allowed_ids(proc)
 
 
@@ -342,8 +375,7 @@ def _check_by_hand(obj):
     assert type(obj["age"]) is int and 0 <= obj["age"] <= 150
     assert obj["role"] in ("dev", "ops", "pm")
     assert "score" not in obj or type(obj["score"]) in (int, float)
-    assert "tags" not in obj or (len(obj["tags"]) <= 3 and all(isinstance(t, str) and len(t) <= 6
-                                                               for t in obj["tags"]))
+    assert "tags" not in obj or (len(obj["tags"]) <= 3 and all(isinstance(t, str) and len(t) <= 6 for t in obj["tags"]))
     assert set(obj["home"]) == {"zip"} and regex.fullmatch(r"[0-9]{3}", obj["home"]["zip"])
 
 
@@ -354,8 +386,7 @@ def test_schema_walks_always_validate(compiler, bpe):
         jsonschema = None
     rng, valid = random.Random(5), 0
     for _ in range(40):
-        ids, ended = random_walk(compiler.processor(GrammarSpec.json_schema(SCHEMA)), rng,
-                                 weight=_closing_weight(bpe))
+        ids, ended = random_walk(compiler.processor(GrammarSpec.json_schema(SCHEMA)), rng, weight=_closing_weight(bpe))
         if ended:
             obj = json.loads(bpe.decode(ids))
             _check_by_hand(obj)

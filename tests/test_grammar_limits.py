@@ -45,8 +45,10 @@ def ref_chain(n: int) -> dict:
 
 
 def any_of_chain(n: int) -> dict:
-    defs = {f"d{i}": {"anyOf": [{"type": "null"}, {"type": "array", "items": {"$ref": f"#/$defs/d{i + 1}"}}]}
-            for i in range(n)}
+    defs = {
+        f"d{i}": {"anyOf": [{"type": "null"}, {"type": "array", "items": {"$ref": f"#/$defs/d{i + 1}"}}]}
+        for i in range(n)
+    }
     return {"$defs": defs | {f"d{n}": {"type": "integer"}}, "$ref": "#/$defs/d0"}
 
 
@@ -69,15 +71,18 @@ POISON_REGEXES = ["(x{2000}){500}", "a{1000000}", "((x{100}){100}){100}"]
 # --- finding 1: bounds before compiling; the sandbox --------------------------------------------------------
 
 
-@pytest.mark.parametrize("spec, bound", [
-    (GrammarSpec.json_schema(ref_chain(2500)), "max_schema_depth"),  # each of these segfaulted the process
-    (GrammarSpec.json_schema(any_of_chain(1000)), "max_schema_depth"),
-    (GrammarSpec.json_schema(properties_chain(1000)), "max_schema_depth"),
-    (GrammarSpec.grammar(lark_chain(4000)), "max_rule_depth"),
-    (GrammarSpec.grammar(gbnf_chain(4000)), "max_rule_depth"),
-    (GrammarSpec.grammar("start: %json " + json.dumps(ref_chain(500))), "max_schema_depth"),
-    (GrammarSpec.regex("a" * (200 << 10)), "max_grammar_bytes"),
-])
+@pytest.mark.parametrize(
+    "spec, bound",
+    [
+        (GrammarSpec.json_schema(ref_chain(2500)), "max_schema_depth"),  # each of these segfaulted the process
+        (GrammarSpec.json_schema(any_of_chain(1000)), "max_schema_depth"),
+        (GrammarSpec.json_schema(properties_chain(1000)), "max_schema_depth"),
+        (GrammarSpec.grammar(lark_chain(4000)), "max_rule_depth"),
+        (GrammarSpec.grammar(gbnf_chain(4000)), "max_rule_depth"),
+        (GrammarSpec.grammar("start: %json " + json.dumps(ref_chain(500))), "max_schema_depth"),
+        (GrammarSpec.regex("a" * (200 << 10)), "max_grammar_bytes"),
+    ],
+)
 def test_long_chains_and_big_specs_are_refused_before_compiling(compiler, spec, bound):
     with pytest.raises(GrammarError, match=bound):
         compiler.validate(spec)
@@ -109,7 +114,7 @@ def test_a_native_crash_in_the_sandbox_costs_the_child_only(sandboxed):
 def test_a_real_native_crash_without_the_bounds_costs_the_child_only(bpe):
     """The bounds off: a 2,500-link $ref chain overflows llguidance's native stack (1.9.1). In the sandbox
     that is a 400-worthy GrammarError, and this process goes on."""
-    limits = GrammarLimits(max_schema_depth=10 ** 9, max_rule_depth=10 ** 9, time_budget_s=30.0)
+    limits = GrammarLimits(max_schema_depth=10**9, max_rule_depth=10**9, time_budget_s=30.0)
     compiler = GrammarCompiler(bpe, limits=limits)
     compiler.start_sandbox()
     try:
@@ -176,10 +181,17 @@ def test_a_request_that_exhausts_the_lexer_leaves_the_next_one_of_the_same_spec_
 # --- finding 5: unsatisfiable and never-ending grammars ------------------------------------------------
 
 
-@pytest.mark.parametrize("spec", [
-    GrammarSpec.regex("[a&&b]"), GrammarSpec.regex(r"a[^\x00-\x{10FFFF}]"), GrammarSpec.json_schema({"$ref": "#"}),
-    GrammarSpec.json_schema({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}),
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        GrammarSpec.regex("[a&&b]"),
+        GrammarSpec.regex(r"a[^\x00-\x{10FFFF}]"),
+        GrammarSpec.json_schema({"$ref": "#"}),
+        GrammarSpec.json_schema(
+            {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+        ),
+    ],
+)
 def test_unsatisfiable_specs_are_refused_at_validation(compiler, sandboxed, spec):
     for c in (compiler, sandboxed):
         with pytest.raises(GrammarError, match=spec.kind):
@@ -210,9 +222,11 @@ def test_grammars_that_never_end_or_want_an_end_token_mid_output_end_it(draft):
     ref = make_engine(target, tok)
     prompt = [1, 2, 3]
     bystander = SamplingParams(max_new_tokens=12, grammar=GrammarSpec.regex("[a-e]+f"))
-    dead = [SamplingParams(max_new_tokens=12, grammar=GrammarSpec.grammar('start: "a" start')),
-            SamplingParams(max_new_tokens=12, grammar=GrammarSpec.grammar(f'start: "a" <[{tok.eos_token_id}]> "b"')),
-            SamplingParams(1.0, seed=4, max_new_tokens=12, grammar=GrammarSpec.grammar('start: "ab" start'))]
+    dead = [
+        SamplingParams(max_new_tokens=12, grammar=GrammarSpec.grammar('start: "a" start')),
+        SamplingParams(max_new_tokens=12, grammar=GrammarSpec.grammar(f'start: "a" <[{tok.eos_token_id}]> "b"')),
+        SamplingParams(1.0, seed=4, max_new_tokens=12, grammar=GrammarSpec.grammar('start: "ab" start')),
+    ]
     outs = engine.generate([prompt] * 4, [bystander] + dead)
     assert outs[0].token_ids == ref.generate([prompt], bystander)[0].token_ids
     for out in outs[1:]:

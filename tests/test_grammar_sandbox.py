@@ -92,8 +92,14 @@ def test_a_closed_sandbox_starts_no_child(bpe):
 
 
 def test_a_dropped_sandbox_takes_its_child_with_it(bpe):
-    sandbox = GrammarSandbox({"tokens": [b"a".hex(), b"b".hex()], "n_vocab": 2, "eos": 1}, [1], {},
-                             time_budget_s=1.0, memory_budget_bytes=0, max_matcher_bytes=1 << 30)
+    sandbox = GrammarSandbox(
+        {"tokens": [b"a".hex(), b"b".hex()], "n_vocab": 2, "eos": 1},
+        [1],
+        {},
+        time_budget_s=1.0,
+        memory_budget_bytes=0,
+        max_matcher_bytes=1 << 30,
+    )
     sandbox.start()
     pid = sandbox.pid
     del sandbox

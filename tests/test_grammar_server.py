@@ -33,27 +33,52 @@ def server():
 
 POISON = [  # (extra body fields, status, param, words in the message)
     ({"regex": "FAULT:crash"}, 400, "regex", "crashed"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": ref_chain(2500)}}},
-     400, "response_format", "max_schema_depth"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": any_of_chain(1000)}}},
-     400, "response_format", "max_schema_depth"),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": ref_chain(2500)}}},
+        400,
+        "response_format",
+        "max_schema_depth",
+    ),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": any_of_chain(1000)}}},
+        400,
+        "response_format",
+        "max_schema_depth",
+    ),
     ({"grammar": lark_chain(4000)}, 400, "grammar", "max_rule_depth"),
     ({"regex": "(x{2000}){500}"}, 400, "regex", "max_matcher_bytes"),
     ({"regex": "a{1000000}"}, 400, "regex", "max_matcher_bytes"),
     ({"regex": "((x{100}){100}){100}"}, 400, "regex", "max_matcher_bytes"),
     ({"regex": "[a&&b]"}, 400, "regex", "vocabulary"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#"}}}}, 400, "response_format", ""),
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {
-        "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}}}},
-     400, "response_format", ""),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#"}}}},
+        400,
+        "response_format",
+        "",
+    ),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "schema": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+                },
+            }
+        },
+        400,
+        "response_format",
+        "",
+    ),
     ({"response_format": {"type": "json_object"}}, 400, "response_format", "vocabulary"),  # letters: no "{"
     ({"grammar": 'start: "a" start'}, 200, None, ""),
     ({"grammar": 'start: "a" <[31]> "b"'}, 200, None, ""),  # the end token mid-output
     ({"regex": CACHE_POISON, "logit_bias": {str(A): 100}}, 200, None, ""),
 ]
-BYSTANDERS = [{"prompt": "abcab", "max_tokens": 16, "temperature": 0},
-              {"prompt": "hello", "max_tokens": 12, "temperature": 0, "regex": "[a-e]+f?"},
-              {"prompt": "cab", "max_tokens": 10, "temperature": 0.9, "seed": 7, "sampler": "coupled"}]
+BYSTANDERS = [
+    {"prompt": "abcab", "max_tokens": 16, "temperature": 0},
+    {"prompt": "hello", "max_tokens": 12, "temperature": 0, "regex": "[a-e]+f?"},
+    {"prompt": "cab", "max_tokens": 10, "temperature": 0.9, "seed": 7, "sampler": "coupled"},
+]
 
 
 def _text(r) -> str:
@@ -90,18 +115,28 @@ def test_a_request_that_exhausts_a_shared_specs_lexer_harms_no_later_request(ser
     "x") still gets a complete match. With matchers copied from one cached root, B got a 500."""
     with server.http() as c:
         for _ in range(2):
-            r = c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 12, "regex": CACHE_POISON,
-                                                "logit_bias": {str(A): 100}})
+            r = c.post(
+                "/v1/completions",
+                json={"prompt": "abc", "max_tokens": 12, "regex": CACHE_POISON, "logit_bias": {str(A): 100}},
+            )
             assert r.status_code == 200, r.text
-        r = c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 12, "regex": CACHE_POISON,
-                                            "logit_bias": {str(X): 100}})
+        r = c.post(
+            "/v1/completions",
+            json={"prompt": "abc", "max_tokens": 12, "regex": CACHE_POISON, "logit_bias": {str(X): 100}},
+        )
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
         assert choice["text"][0] == "x" and len(choice["text"]) == 4 and choice["finish_reason"] == "stop", choice
 
 
-@pytest.mark.parametrize("extra", [{"regex": "a+", "json_whitespace": "flexible"}, {"json_whitespace": "compact"},
-                                   {"response_format": {"type": "json_object"}, "json_whitespace": "loose"}])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"regex": "a+", "json_whitespace": "flexible"},
+        {"json_whitespace": "compact"},
+        {"response_format": {"type": "json_object"}, "json_whitespace": "loose"},
+    ],
+)
 def test_json_whitespace_applies_to_json_only(server, extra):
     with server.http() as c:
         r = c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 4} | extra)
@@ -126,8 +161,9 @@ def bystanders_alone(server):
     return [alone(server, b) for b in NORMAL]
 
 
-@pytest.mark.parametrize("i", range(len(POISON)), ids=[f"{status}-{next(iter(extra))}-{n}"
-                                                         for n, (extra, status, *_) in enumerate(POISON)])
+@pytest.mark.parametrize(
+    "i", range(len(POISON)), ids=[f"{status}-{next(iter(extra))}-{n}" for n, (extra, status, *_) in enumerate(POISON)]
+)
 def test_each_poison_spec_batched_with_seven_bystanders_leaves_them_unchanged(server, bystanders_alone, i):
     """Batch isolation (as tests/test_server_abuse.py's): the poison request shares every decoding step
     with seven greedy and seeded bystanders (a 400 never reaches the engine), whose texts and speculation
@@ -142,8 +178,9 @@ def test_each_poison_spec_batched_with_seven_bystanders_leaves_them_unchanged(se
     for (code, out), ref in zip(rest, bystanders_alone):
         assert code == 200, out
         assert out["choices"][0]["text"] == ref["choices"][0]["text"]
-        assert {k: out["speculation"][k] for k in ("drafted", "accepted")} == \
-               {k: ref["speculation"][k] for k in ("drafted", "accepted")}
+        assert {k: out["speculation"][k] for k in ("drafted", "accepted")} == {
+            k: ref["speculation"][k] for k in ("drafted", "accepted")
+        }
     server.wait_idle()
 
 
@@ -158,8 +195,10 @@ def test_a_known_spec_is_not_queued_behind_new_specs_waiting_on_the_sandbox(serv
         assert c.post("/v1/completions", json=known).status_code == 200
         with ThreadPoolExecutor(4) as pool:
             with sandbox._lock:
-                waiting = [pool.submit(c.post, "/v1/completions", json=known | {"regex": f"[a-e]{{{i + 2}}}g"})
-                           for i in range(3)]
+                waiting = [
+                    pool.submit(c.post, "/v1/completions", json=known | {"regex": f"[a-e]{{{i + 2}}}g"})
+                    for i in range(3)
+                ]
                 r = pool.submit(c.post, "/v1/completions", json=known).result(timeout=60)
                 assert r.status_code == 200, r.text
                 assert not any(f.done() for f in waiting)  # they did wait on the sandbox

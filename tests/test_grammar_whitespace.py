@@ -20,9 +20,16 @@ from specdecode.grammar import GrammarCompiler, GrammarError, GrammarSpec
 from specdecode.sampling import SamplingParams
 from tiny import make_engine, make_model
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"},
-                                           "n": {"type": "integer", "minimum": 0, "maximum": 99}},
-          "required": ["name", "ok", "n"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "ok": {"type": "boolean"},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["name", "ok", "n"],
+    "additionalProperties": False,
+}
 
 
 def _corpus() -> list[str]:
@@ -30,8 +37,12 @@ def _corpus() -> list[str]:
     words = ["name", "ok", "n", "id", "value", "items", "true", "false", "null", "red", "data", "type"]
     docs = []
     for _ in range(600):
-        obj = {rng.choice(words): rng.choice([rng.randint(0, 999), rng.choice(words), rng.random() < 0.5, None,
-                                              {rng.choice(words): [1, 2]}]) for _ in range(rng.randint(1, 5))}
+        obj = {
+            rng.choice(words): rng.choice(
+                [rng.randint(0, 999), rng.choice(words), rng.random() < 0.5, None, {rng.choice(words): [1, 2]}]
+            )
+            for _ in range(rng.randint(1, 5))
+        }
         docs.append(json.dumps(obj, indent=rng.choice([None, 1, 2, 4, 8, "\t", "\t\t", "    "])))
     return docs + [string.printable, " " * 32, "\t" * 16, "\n" * 8]
 
@@ -42,8 +53,12 @@ def tok() -> PreTrainedTokenizerFast:
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=["<eos>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=1024,
+        special_tokens=["<eos>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     bpe.train_from_iterator(_corpus(), trainer)
     return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
 
@@ -60,10 +75,14 @@ def test_the_whitespace_modes(tok):
     assert GrammarSpec.json_schema(SCHEMA) == bounded and GrammarSpec.json_object().whitespace == "bounded"
     tidy = json.dumps({"name": "a", "ok": True, "n": 1}, indent=2)
     deep = '{"name": "a",\n' + " " * 20 + '"ok": true, "n": 1}'
-    for text, want in [('{"name":"a","ok":true,"n":1}', (True, True, True)), (tidy, (True, True, False)),
-                       (deep, (True, True, False)), ('{"name": "a",\n' + " " * 21 + '"ok": true, "n": 1}', (False, True, False)),
-                       ('{"name": "a",\n\n\n"ok": true, "n": 1}', (False, True, False)),
-                       ('{"name": "a",  "ok": true, "n": 1}', (False, True, False))]:
+    for text, want in [
+        ('{"name":"a","ok":true,"n":1}', (True, True, True)),
+        (tidy, (True, True, False)),
+        (deep, (True, True, False)),
+        ('{"name": "a",\n' + " " * 21 + '"ok": true, "n": 1}', (False, True, False)),
+        ('{"name": "a",\n\n\n"ok": true, "n": 1}', (False, True, False)),
+        ('{"name": "a",  "ok": true, "n": 1}', (False, True, False)),
+    ]:
         got = tuple(_allows(compiler, spec, tok, text) for spec in (bounded, flexible, compact))
         assert got == want, (text, got)
     own = GrammarSpec.json_schema(SCHEMA | {"x-guidance": {"whitespace_flexible": False}})  # the schema's own wins
@@ -112,8 +131,10 @@ def test_thirty_sampled_json_requests_finish_within_64_tokens(tok):
     prompt = tok("name, ok and n as JSON: ").input_ids
     valid = {}
     for ws in ("bounded", "flexible"):
-        params = [SamplingParams(1.0, max_new_tokens=64, seed=100 + i, grammar=GrammarSpec.json_schema(SCHEMA, ws))
-                  for i in range(30)]
+        params = [
+            SamplingParams(1.0, max_new_tokens=64, seed=100 + i, grammar=GrammarSpec.json_schema(SCHEMA, ws))
+            for i in range(30)
+        ]
         valid[ws] = 0
         for out in engine.generate([prompt] * 30, params):
             try:

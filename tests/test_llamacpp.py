@@ -64,6 +64,7 @@ def test_resident_and_mapped_weights_give_the_same_logits(tiny, tmp_path):
 
     path = tmp_path / "copy.gguf"  # a file no other model in this process maps
     shutil.copyfile(tiny[4] / "t.gguf", path)
+
     def maps_it() -> bool:
         with open("/proc/self/maps") as f:
             return any(line.rstrip().endswith(str(path.resolve())) for line in f)
@@ -167,8 +168,10 @@ def test_kv_bytes_counts_the_kv_heads(tiny):
     cfg = target.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     # K and V, float16, every layer, every slot's stream (rounded up to 256 positions)
-    assert LlamaCppRunner(gguf, 3, 100).kv_bytes() == 2 * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * \
-        head_dim * 3 * 256
+    assert (
+        LlamaCppRunner(gguf, 3, 100).kv_bytes()
+        == 2 * 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 3 * 256
+    )
 
 
 def test_embeddings_are_refused_clearly(tiny):
@@ -217,7 +220,7 @@ def test_a_llamacpp_draft_model_started_late_drafts_exactly(tiny):
         out = propose(seqs, ks)
         for b, s in enumerate(seqs):
             proposed.append(len(s.token_ids) - len(s.prompt_ids))
-            truth = full[tuple(s.prompt_ids)][len(s.token_ids):]
+            truth = full[tuple(s.prompt_ids)][len(s.token_ids) :]
             hits.extend(t == u for t, u in zip(out.tokens[b, : int(out.num_tokens[b])].tolist(), truth))
         return out
 
@@ -248,8 +251,10 @@ def test_a_llamacpp_draft_model_reads_a_backlog_in_pieces(tiny, pieces):
     model.reserve(2, 80)
     multi = MultiDrafter({"model": model, "ngram": NgramDrafter()}, lambda s: "model")
     multi.start([0, 1], prompts)
-    views = [SimpleNamespace(slot=i, token_ids=p + o.token_ids[:30], params=SamplingParams(),
-                             generator=torch.Generator()) for i, (p, o) in enumerate(zip(prompts, ref))]
+    views = [
+        SimpleNamespace(slot=i, token_ids=p + o.token_ids[:30], params=SamplingParams(), generator=torch.Generator())
+        for i, (p, o) in enumerate(zip(prompts, ref))
+    ]
     if not pieces:  # the control: the backlog written one position off
         model.runner.prefill([0, 1], [v.token_ids[:1] + v.token_ids[:-2] for v in views], starts=[0, 0])
         for v in views:
@@ -277,9 +282,11 @@ def test_medusa_heads_draft_from_the_llamacpp_final_state(tiny):
     ref = Engine(LlamaCppRunner(gguf), tok, None, 0, max_batch_size=3, max_context=64).generate(prompts, sp)
     heads = tiny_heads(target, noise=0.0, draft_vocab=V)
     outs = Engine(LlamaCppRunner(gguf), tok, MedusaDrafter(heads), 3, max_batch_size=3, max_context=64).generate(
-        prompts, sp)
+        prompts, sp
+    )
     on_torch = Engine(HFRunner(target), tok, MedusaDrafter(heads), 3, max_batch_size=3, max_context=64).generate(
-        prompts, sp)
+        prompts, sp
+    )
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref] == [o.token_ids for o in on_torch]
     accepted, drafted = sum(o.stats.accepted for o in outs), sum(o.stats.drafted for o in outs)
     assert accepted > 0 and abs(accepted - sum(o.stats.accepted for o in on_torch)) <= 0.1 * drafted
@@ -319,12 +326,21 @@ def test_samples_follow_the_llamacpp_target_law(tmp_path, sp, wrong):
     gt = LlamaCppModel(write_gguf_like(target, tmp_path / "t.gguf"), threads=1)
     gd = LlamaCppModel(write_gguf_like(draft, tmp_path / "d.gguf"), threads=1)
     prompt, n, batch = [1, 2, 3], 4000, 250
-    engine = Engine(LlamaCppRunner(gt), make_tokenizer(VS), DraftModelDrafter(LlamaCppRunner(gd)), 3,
-                    max_batch_size=batch, max_context=8, verifier=Verifier(speculative=wrong_rule) if wrong else None)
+    engine = Engine(
+        LlamaCppRunner(gt),
+        make_tokenizer(VS),
+        DraftModelDrafter(LlamaCppRunner(gd)),
+        3,
+        max_batch_size=batch,
+        max_context=8,
+        verifier=Verifier(speculative=wrong_rule) if wrong else None,
+    )
     counts = torch.zeros(VS, VS)
     for start in range(0, n, batch):
-        params = [SamplingParams(sp.temperature, sp.top_k, sp.top_p, seed=start + i, max_new_tokens=2, ignore_eos=True)
-                  for i in range(batch)]
+        params = [
+            SamplingParams(sp.temperature, sp.top_k, sp.top_p, seed=start + i, max_new_tokens=2, ignore_eos=True)
+            for i in range(batch)
+        ]
         for out in engine.generate([prompt] * batch, params):
             counts[out.token_ids[0], out.token_ids[1]] += 1
     p = chi_square_p(counts, _law(LlamaCppRunner(gt, 1, 16), prompt, sp), n)
@@ -332,6 +348,7 @@ def test_samples_follow_the_llamacpp_target_law(tmp_path, sp, wrong):
 
 
 # -- commands -------------------------------------------------------------------------------------------
+
 
 def _cli(args: list[str], capsys) -> tuple[int, str, str]:
     from specdecode.cli import main
@@ -344,26 +361,68 @@ def _cli(args: list[str], capsys) -> tuple[int, str, str]:
 def test_generate_runs_on_llamacpp_and_says_so(tiny, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
     _, _, gt, gd, _ = tiny
-    code, out, err = _cli(["generate", "--backend", "llamacpp", "--target", str(gt.path), "--draft", str(gd.path),
-                           "--prompt", "xyxyx", "--max-new-tokens", "12", "--json", "--threads", "1"], capsys)
+    code, out, err = _cli(
+        [
+            "generate",
+            "--backend",
+            "llamacpp",
+            "--target",
+            str(gt.path),
+            "--draft",
+            str(gd.path),
+            "--prompt",
+            "xyxyx",
+            "--max-new-tokens",
+            "12",
+            "--json",
+            "--threads",
+            "1",
+        ],
+        capsys,
+    )
     assert code == 0, err
     result = json.loads(out)
     assert result["backend"] == "llamacpp"
-    auto_code, auto_out, auto_err = _cli(["generate", "--target", str(gt.path), "--draft", str(gd.path),
-                                          "--prompt", "xyxyx", "--max-new-tokens", "12", "--json"], capsys)
+    auto_code, auto_out, auto_err = _cli(
+        [
+            "generate",
+            "--target",
+            str(gt.path),
+            "--draft",
+            str(gd.path),
+            "--prompt",
+            "xyxyx",
+            "--max-new-tokens",
+            "12",
+            "--json",
+        ],
+        capsys,
+    )
     assert auto_code == 0, auto_err
     auto = json.loads(auto_out)  # auto: a .gguf target on llama.cpp, the same greedy tokens
     assert auto["backend"] == "llamacpp" and auto["token_ids"] == result["token_ids"]
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--dtype", "bfloat16"], "--dtype"),
-    (["--draft-quantization", "int8"], "--draft-quantization"),
-])
+@pytest.mark.parametrize(
+    "extra, message", [(["--dtype", "bfloat16"], "--dtype"), (["--draft-quantization", "int8"], "--draft-quantization")]
+)
 def test_llamacpp_refuses_what_it_cannot_run_before_loading(tiny, capsys, extra, message):
     _, _, gt, gd, _ = tiny
-    code, _, err = _cli(["generate", "--backend", "llamacpp", "--target", str(gt.path), "--draft", str(gd.path),
-                         "--prompt", "xy", *extra], capsys)
+    code, _, err = _cli(
+        [
+            "generate",
+            "--backend",
+            "llamacpp",
+            "--target",
+            str(gt.path),
+            "--draft",
+            str(gd.path),
+            "--prompt",
+            "xy",
+            *extra,
+        ],
+        capsys,
+    )
     assert code == 2 and message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
@@ -374,8 +433,9 @@ def test_a_missing_install_is_one_line_with_the_fix(tiny, capsys, monkeypatch):
     _, _, gt, _, _ = tiny
     code, _, err = _cli(["generate", "--backend", "llamacpp", "--target", str(gt.path), "--prompt", "xy"], capsys)
     assert code == 2 and "scripts/install-llamacpp.sh" in err
-    code, out, err = _cli(["generate", "--target", str(gt.path), "--prompt", "xy", "--max-new-tokens", "2",
-                           "--json"], capsys)  # auto falls back to torch
+    code, out, err = _cli(
+        ["generate", "--target", str(gt.path), "--prompt", "xy", "--max-new-tokens", "2", "--json"], capsys
+    )  # auto falls back to torch
     assert code == 0 and json.loads(out)["backend"] == "torch"
 
 
@@ -383,7 +443,9 @@ def test_a_non_gguf_target_is_refused_for_llamacpp(tiny, capsys, tmp_path):
     target, *_ = tiny
     target.save_pretrained(tmp_path / "m")
     make_tokenizer(V).save_pretrained(tmp_path / "m")
-    code, _, err = _cli(["generate", "--backend", "llamacpp", "--target", str(tmp_path / "m"), "--prompt", "xy"], capsys)
+    code, _, err = _cli(
+        ["generate", "--backend", "llamacpp", "--target", str(tmp_path / "m"), "--prompt", "xy"], capsys
+    )
     assert code == 2 and ".gguf" in err
 
 
@@ -391,9 +453,25 @@ def test_check_passes_on_llamacpp(tiny, capsys, tmp_path, monkeypatch):
     """`specdecode check` end to end on the llama.cpp pair (small settings)."""
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
     _, _, gt, gd, _ = tiny
-    code, out, err = _cli(["check", "--backend", "llamacpp", "--target", str(gt.path), "--draft", str(gd.path),
-                           "--num-prompts", "2", "--law-samples", "300", "--no-progress",
-                           "--json", str(tmp_path / "check.json")], capsys)
+    code, out, err = _cli(
+        [
+            "check",
+            "--backend",
+            "llamacpp",
+            "--target",
+            str(gt.path),
+            "--draft",
+            str(gd.path),
+            "--num-prompts",
+            "2",
+            "--law-samples",
+            "300",
+            "--no-progress",
+            "--json",
+            str(tmp_path / "check.json"),
+        ],
+        capsys,
+    )
     report = json.loads((tmp_path / "check.json").read_text())
     assert code == 0, out + err
     assert report["meta"]["backend"] == "llamacpp"
@@ -403,15 +481,27 @@ def test_check_passes_on_llamacpp(tiny, capsys, tmp_path, monkeypatch):
 def test_server_and_engine_suites_pass_with_every_engine_on_llamacpp():
     """The server and engine test modules, rerun with $SPECDECODE_TEST_BACKEND=llamacpp: every engine
     they build (tests/tiny.py make_engine) runs its models on llama.cpp over GGUF copies."""
-    modules = ["tests/test_server_e2e.py", "tests/test_server_faults.py", "tests/test_server_units.py",
-               "tests/test_engine.py", "tests/test_first_token.py", "tests/test_chunked_prefill.py"]
+    modules = [
+        "tests/test_server_e2e.py",
+        "tests/test_server_faults.py",
+        "tests/test_server_units.py",
+        "tests/test_engine.py",
+        "tests/test_first_token.py",
+        "tests/test_chunked_prefill.py",
+    ]
     env = os.environ | {"SPECDECODE_TEST_BACKEND": "llamacpp", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *modules], cwd=ROOT,
-                          env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *modules],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
 
 
 # -- a .gguf draft kept quantized on llama.cpp beside a torch target (--draft-quantization gguf|q8_0|q4_0) ----
+
 
 @pytest.mark.parametrize("wrong", [False, True], ids=["exact", "negative-control"])
 def test_torch_target_with_a_llamacpp_draft_keeps_the_target_law(tmp_path, wrong):
@@ -426,12 +516,20 @@ def test_torch_target_with_a_llamacpp_draft_keeps_the_target_law(tmp_path, wrong
     draft = perturbed_copy(target, noise=0.6, seed=3)
     gd = LlamaCppModel(write_gguf_like(draft, tmp_path / "d.gguf"), threads=1)
     sp, prompt, n, batch = SamplingParams(0.8), [1, 2, 3], 4000, 250
-    engine = Engine(HFRunner(target), make_tokenizer(VS), DraftModelDrafter(LlamaCppRunner(gd)), 3,
-                    max_batch_size=batch, max_context=8, verifier=Verifier(speculative=wrong_rule) if wrong else None)
+    engine = Engine(
+        HFRunner(target),
+        make_tokenizer(VS),
+        DraftModelDrafter(LlamaCppRunner(gd)),
+        3,
+        max_batch_size=batch,
+        max_context=8,
+        verifier=Verifier(speculative=wrong_rule) if wrong else None,
+    )
     counts = torch.zeros(VS, VS)
     for start in range(0, n, batch):
-        params = [SamplingParams(sp.temperature, seed=start + i, max_new_tokens=2, ignore_eos=True)
-                  for i in range(batch)]
+        params = [
+            SamplingParams(sp.temperature, seed=start + i, max_new_tokens=2, ignore_eos=True) for i in range(batch)
+        ]
         for out in engine.generate([prompt] * batch, params):
             counts[out.token_ids[0], out.token_ids[1]] += 1
     p = chi_square_p(counts, exact_two_token_law(target, prompt, sp), n)
@@ -465,8 +563,20 @@ def test_requantized_drafts_are_cached_and_draft_exactly(tiny, tmp_path, monkeyp
 def test_cli_runs_a_gguf_draft_on_llamacpp_beside_a_torch_target(tiny, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
     _, _, gt, gd, d = tiny
-    base = ["generate", "--backend", "torch", "--target", str(gt.path), "--prompt", "xyxyx", "--max-new-tokens", "12",
-            "--json", "--threads", "1"]
+    base = [
+        "generate",
+        "--backend",
+        "torch",
+        "--target",
+        str(gt.path),
+        "--prompt",
+        "xyxyx",
+        "--max-new-tokens",
+        "12",
+        "--json",
+        "--threads",
+        "1",
+    ]
     code, out, err = _cli(base, capsys)
     assert code == 0, err
     alone = json.loads(out)["token_ids"]
@@ -497,14 +607,36 @@ def test_bench_compares_the_gguf_draft_on_llamacpp_with_the_torch_one(tiny, tmp_
     parser = argparse.ArgumentParser()
     bench_cli.add_arguments(parser)
     out = tmp_path / "bench"
-    args = parser.parse_args(["--backend", "torch", "--target", str(gt.path), "--draft", str(gd.path), "--prompts",
-                              str(prompts), "--draft-lengths", "3", "--draft-quantization", "none,gguf,q4_0",
-                              "--max-new-tokens", "10", "--baselines", "none", "--no-progress", "--warmup-tokens", "2",
-                              "--threads", "1", "--out", str(out)])
+    args = parser.parse_args(
+        [
+            "--backend",
+            "torch",
+            "--target",
+            str(gt.path),
+            "--draft",
+            str(gd.path),
+            "--prompts",
+            str(prompts),
+            "--draft-lengths",
+            "3",
+            "--draft-quantization",
+            "none,gguf,q4_0",
+            "--max-new-tokens",
+            "10",
+            "--baselines",
+            "none",
+            "--no-progress",
+            "--warmup-tokens",
+            "2",
+            "--threads",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     assert bench_cli.main(args) == 0
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
-    assert {r["config"] for r in records if r["type"] == "run"} == {"target", "spec-k3", "spec-k3@gguf",
-                                                                     "spec-k3@q4_0"}
+    assert {r["config"] for r in records if r["type"] == "run"} == {"target", "spec-k3", "spec-k3@gguf", "spec-k3@q4_0"}
     checks = [r for r in records if r["type"] == "check" and "@" in r["config"]]
     assert len(checks) == 6 and all(c["match"] for c in checks)  # greedy: the target-only tokens
 
@@ -543,7 +675,9 @@ def test_batch_invariant_rows_equal_one_token_decodes_bit_for_bit(invariant_targ
     one = torch.cat([_fwd(r, [0], [[t]], [[4 + j]])[0] for j, t in enumerate(seq[4:])])  # one token at a time
     r.truncate(0, 0)
     r.prefill([0, 1], [seq[:4], [7, 7, 7]])
-    together = _fwd(r, [0, 1], [seq[4:], [6] * len(seq[4:])], [list(range(4, len(seq))), list(range(3, 3 + len(seq[4:])))])
+    together = _fwd(
+        r, [0, 1], [seq[4:], [6] * len(seq[4:])], [list(range(4, len(seq))), list(range(3, 3 + len(seq[4:])))]
+    )
     assert torch.equal(together[0], one)
     r.truncate(0, 0)
     r.prefill([0], [seq[:2]])
@@ -565,19 +699,29 @@ def test_coupled_speculation_on_an_invariant_target_equals_target_only(tiny, inv
     _, _, _, gguf_d, _ = tiny
     tok = make_tokenizer(V)
     prompts = [[1, 2, 3, 1, 2, 3], [4, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2]]
-    params = [SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=30, ignore_eos=True, seed=40 + i,
-                             sampler="coupled") for i in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=30, ignore_eos=True, seed=40 + i, sampler="coupled")
+        for i in range(len(prompts))
+    ]
 
     def run(drafter, k, batch):
-        eng = Engine(LlamaCppRunner(invariant_target, invariant=True), tok, drafter, k, max_batch_size=batch,
-                     max_context=64)
-        outs = [o for lo in range(0, len(prompts), batch)
-                for o in eng.generate(prompts[lo: lo + batch], params[lo: lo + batch])]
+        eng = Engine(
+            LlamaCppRunner(invariant_target, invariant=True), tok, drafter, k, max_batch_size=batch, max_context=64
+        )
+        outs = [
+            o
+            for lo in range(0, len(prompts), batch)
+            for o in eng.generate(prompts[lo : lo + batch], params[lo : lo + batch])
+        ]
         return [o.token_ids for o in outs], sum(o.stats.drafted for o in outs)
 
     ref, _ = run(None, 0, 1)
-    for drafter, k, batch in ((DraftModelDrafter(LlamaCppRunner(gguf_d)), 2, 1), (DraftModelDrafter(LlamaCppRunner(gguf_d)), 4, 3),
-                              (DraftModelDrafter(LlamaCppRunner(gguf_d)), 8, 1), (NgramDrafter(), 4, 3)):
+    for drafter, k, batch in (
+        (DraftModelDrafter(LlamaCppRunner(gguf_d)), 2, 1),
+        (DraftModelDrafter(LlamaCppRunner(gguf_d)), 4, 3),
+        (DraftModelDrafter(LlamaCppRunner(gguf_d)), 8, 1),
+        (NgramDrafter(), 4, 3),
+    ):
         outs, drafted = run(drafter, k, batch)
         assert drafted > 0
         assert outs == ref, (type(drafter).__name__, k, batch)
@@ -586,8 +730,20 @@ def test_coupled_speculation_on_an_invariant_target_equals_target_only(tiny, inv
 def test_generate_batch_invariant_on_llamacpp(tiny, capsys):
     """``--batch-invariant on`` on llama.cpp (the target loaded without repack): the same greedy tokens, drafted."""
     _, _, gt, gd, _ = tiny
-    base = ["generate", "--backend", "llamacpp", "--target", str(gt.path), "--draft", str(gd.path), "--prompt",
-            "xyxyx", "--max-new-tokens", "12", "--json"]
+    base = [
+        "generate",
+        "--backend",
+        "llamacpp",
+        "--target",
+        str(gt.path),
+        "--draft",
+        str(gd.path),
+        "--prompt",
+        "xyxyx",
+        "--max-new-tokens",
+        "12",
+        "--json",
+    ]
     runs = []
     for extra in ([], ["--batch-invariant", "on"]):
         code, out, err = _cli(base + extra, capsys)

@@ -46,10 +46,16 @@ TOKENS = [5, 9, 7, 2, 8, 4, 6]
 def _tree(runner, slots, roots, starts, tokens=TOKENS, parents=PARENTS, per_row=None):
     b = len(slots)
     rows = per_row or [tokens] * b
-    lay = tree_layout(torch.tensor(roots), torch.tensor(rows), torch.tensor([parents] * b),
-                      torch.tensor([len(parents)] * b), torch.tensor(starts))
-    out = runner.forward(torch.tensor(slots), lay.input_ids, lay.positions, write_positions=lay.write_positions,
-                         tree_mask=lay.mask)
+    lay = tree_layout(
+        torch.tensor(roots),
+        torch.tensor(rows),
+        torch.tensor([parents] * b),
+        torch.tensor([len(parents)] * b),
+        torch.tensor(starts),
+    )
+    out = runner.forward(
+        torch.tensor(slots), lay.input_ids, lay.positions, write_positions=lay.write_positions, tree_mask=lay.mask
+    )
     return runner.logits(out.hidden), lay
 
 
@@ -160,8 +166,11 @@ def test_a_drafter_grows_a_tree_level_by_level(tiny):
         for e, offs in enumerate(seen):
             mask[0, e, offs] = True
         args = (torch.tensor([0]), torch.tensor([toks]), torch.tensor([[start - 1 + depth] * len(writes)]))
-        kw = dict(write_positions=torch.tensor([[start + w for w in writes]]), tree_mask=mask,
-                  tree_start=torch.tensor([start]))
+        kw = dict(
+            write_positions=torch.tensor([[start + w for w in writes]]),
+            tree_mask=mask,
+            tree_start=torch.tensor([start]),
+        )
         a = ll.logits(ll.forward(*args, **kw).hidden)
         b = hf.logits(hf.forward(*args, **kw).hidden)
         assert (a - b).abs().max() < TOL and torch.equal(a.argmax(-1), b.argmax(-1))
@@ -203,8 +212,14 @@ def test_masks_llama_cpp_cannot_express_are_refused(tiny):
         r.forward(torch.tensor([0]), ids, pos, write_positions=writes, tree_mask=sibling)
     # a node that does not see committed position 2: llama.cpp cannot hide a sequence's own cells
     with pytest.raises(TreeUnsupported, match="one node per position"):
-        r.forward(torch.tensor([0]), torch.tensor([[4]]), torch.tensor([[3]]), write_positions=torch.tensor([[3]]),
-                  tree_mask=torch.tensor([[[1, 0, 1]]], dtype=torch.bool), tree_start=torch.tensor([1]))
+        r.forward(
+            torch.tensor([0]),
+            torch.tensor([[4]]),
+            torch.tensor([[3]]),
+            write_positions=torch.tensor([[3]]),
+            tree_mask=torch.tensor([[[1, 0, 1]]], dtype=torch.bool),
+            tree_start=torch.tensor([1]),
+        )
     assert not r._tree.held(0) and r._tree.free_ids() == MAX_SEQ - 1  # nothing was planned or taken
     ref = LlamaCppRunner(gguf, 1, 64)
     ref.prefill([0], [[1, 2, 3]])
@@ -212,15 +227,15 @@ def test_masks_llama_cpp_cannot_express_are_refused(tiny):
     chains = LlamaCppRunner(gguf, 1, 64)
     chains.prefill([0], [[1, 2, 3]])
     with pytest.raises(BackendUnsupported, match="made for chains"):
-        chains.forward(torch.tensor([0]), ids, pos, write_positions=writes,
-                       tree_mask=torch.ones(1, 3, 3, dtype=torch.bool))
+        chains.forward(
+            torch.tensor([0]), ids, pos, write_positions=writes, tree_mask=torch.ones(1, 3, 3, dtype=torch.bool)
+        )
 
 
 def test_the_node_table_counts_ids_per_leaf_and_refuses_too_many():
     table = NodeTable(num_slots=250)  # 6 ids left for tree paths
     # a chain of 4 nodes is one path: one id
-    plan = table.plan(0, 10, [10, 11, 12, 13], [1, 2, 3, 4], [10, 11, 12, 13],
-                      [set(), {10}, {10, 11}, {10, 11, 12}])
+    plan = table.plan(0, 10, [10, 11, 12, 13], [1, 2, 3, 4], [10, 11, 12, 13], [set(), {10}, {10, 11}, {10, 11, 12}])
     assert len({ids[0] for _, _, ids in plan.tokens}) == 1 and table.free_ids() == 5
     assert table.release(0) and table.free_ids() == 6
     star = [20 + i for i in range(8)]  # a root with 7 children: 7 leaves, more ids than are free
@@ -236,6 +251,7 @@ def test_the_node_table_counts_ids_per_leaf_and_refuses_too_many():
 
 # -- through the engine ----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("k,topk,nodes", [(3, 2, 6), (4, 3, 12)])
 def test_greedy_draft_model_trees_equal_llamacpp_target_only(tiny, k, topk, nodes):
     _, _, gt, gd = tiny
@@ -243,12 +259,14 @@ def test_greedy_draft_model_trees_equal_llamacpp_target_only(tiny, k, topk, node
     sp = SamplingParams(max_new_tokens=20, ignore_eos=True)
     ref = Engine(LlamaCppRunner(gt), tok, None, 0, max_batch_size=1, max_context=64).generate(PROMPTS, sp)
     drafter = DraftModelDrafter(LlamaCppRunner(gd, trees=True), tree_topk=topk, tree_nodes=nodes)
-    engine = Engine(LlamaCppRunner(gt, trees=True), tok, drafter, k, max_batch_size=3, max_context=64,
-                    max_tree_nodes=nodes)
+    engine = Engine(
+        LlamaCppRunner(gt, trees=True), tok, drafter, k, max_batch_size=3, max_context=64, max_tree_nodes=nodes
+    )
     outs = engine.generate(PROMPTS, sp)  # 3 slots, 5 prompts: ragged
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     assert sum(o.stats.accepted for o in outs) > 0 and sum(o.stats.nodes for o in outs) > sum(
-        o.stats.drafted for o in outs)  # real trees were verified
+        o.stats.drafted for o in outs
+    )  # real trees were verified
 
 
 def test_greedy_ngram_and_medusa_trees_equal_llamacpp_target_only(tiny):
@@ -261,8 +279,15 @@ def test_greedy_ngram_and_medusa_trees_equal_llamacpp_target_only(tiny):
     ref = Engine(LlamaCppRunner(gt), tok, None, 0, max_batch_size=1, max_context=64).generate(PROMPTS, sp)
     heads = tiny_heads(target, noise=0.0, draft_vocab=V)
     for drafter in (NgramDrafter(tree_topk=2, tree_nodes=8), MedusaDrafter(heads, tree_topk=2, tree_nodes=6)):
-        engine = Engine(LlamaCppRunner(gt, trees=True), tok, drafter, 3, max_batch_size=2, max_context=64,
-                        max_tree_nodes=drafter.max_tree_nodes)
+        engine = Engine(
+            LlamaCppRunner(gt, trees=True),
+            tok,
+            drafter,
+            3,
+            max_batch_size=2,
+            max_context=64,
+            max_tree_nodes=drafter.max_tree_nodes,
+        )
         outs = engine.generate(PROMPTS, sp)
         assert [o.token_ids for o in outs] == [o.token_ids for o in ref], drafter.name
         assert sum(o.stats.accepted for o in outs) > 0, drafter.name
@@ -290,16 +315,23 @@ def test_sampled_trees_on_llamacpp_follow_the_target_law(tmp_path, wrong):
     gt = LlamaCppModel(write_gguf_like(target, tmp_path / "t.gguf"), threads=1)
     gd = LlamaCppModel(write_gguf_like(draft, tmp_path / "d.gguf"), threads=1)
     prompt, n, batch, sp = [1, 2, 3], 4000, 20, SamplingParams(1.0)
-    engine = Engine(LlamaCppRunner(gt, trees=True), make_tokenizer(VS),
-                    DraftModelDrafter(LlamaCppRunner(gd, trees=True), tree_topk=3, tree_nodes=6), 3,
-                    max_batch_size=batch, max_context=8, max_tree_nodes=6,
-                    verifier=Verifier(tree=iid_rule) if wrong else None)
+    engine = Engine(
+        LlamaCppRunner(gt, trees=True),
+        make_tokenizer(VS),
+        DraftModelDrafter(LlamaCppRunner(gd, trees=True), tree_topk=3, tree_nodes=6),
+        3,
+        max_batch_size=batch,
+        max_context=8,
+        max_tree_nodes=6,
+        verifier=Verifier(tree=iid_rule) if wrong else None,
+    )
     counts = sample_pairs(engine, prompt, sp, n, batch, max_new_tokens=3)  # the first step drafts depth 2
     p = chi_square_p(counts, _law(LlamaCppRunner(gt, 1, 16), prompt, sp), n)
     assert (p < ALPHA) if wrong else (p > ALPHA)
 
 
 # -- commands -------------------------------------------------------------------------------------------
+
 
 def test_generate_and_bench_run_trees_on_llamacpp(tiny, capsys, tmp_path, monkeypatch):
     import argparse
@@ -309,8 +341,18 @@ def test_generate_and_bench_run_trees_on_llamacpp(tiny, capsys, tmp_path, monkey
 
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
     _, _, gt, gd = tiny
-    base = ["generate", "--target", str(gt.path), "--prompt", "xyxyx", "--max-new-tokens", "12", "--json",
-            "--threads", "1"]
+    base = [
+        "generate",
+        "--target",
+        str(gt.path),
+        "--prompt",
+        "xyxyx",
+        "--max-new-tokens",
+        "12",
+        "--json",
+        "--threads",
+        "1",
+    ]
     assert main(base) == 0
     alone = json.loads(capsys.readouterr().out)
     assert main(base + ["--draft", str(gd.path), "--tree-topk", "2", "--tree-nodes", "6"]) == 0
@@ -321,10 +363,33 @@ def test_generate_and_bench_run_trees_on_llamacpp(tiny, capsys, tmp_path, monkey
     parser = argparse.ArgumentParser()
     bench_cli.add_arguments(parser)
     out = tmp_path / "bench"
-    args = parser.parse_args(["--backend", "llamacpp", "--target", str(gt.path), "--draft", str(gd.path),
-                              "--prompts", str(prompts), "--max-new-tokens", "8", "--draft-lengths", "3",
-                              "--tree-shapes", "2x6", "--baselines", "none", "--no-progress", "--warmup-tokens", "2",
-                              "--threads", "1", "--out", str(out)])
+    args = parser.parse_args(
+        [
+            "--backend",
+            "llamacpp",
+            "--target",
+            str(gt.path),
+            "--draft",
+            str(gd.path),
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "8",
+            "--draft-lengths",
+            "3",
+            "--tree-shapes",
+            "2x6",
+            "--baselines",
+            "none",
+            "--no-progress",
+            "--warmup-tokens",
+            "2",
+            "--threads",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     assert bench_cli.main(args) == 0
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     assert {r["config"] for r in records if r["type"] == "run"} == {"target", "spec-k3", "spec-k3-t2n6"}

@@ -12,13 +12,7 @@ from fake_openai import Behaviour, FakeServer, free_port
 from specdecode.bench.prompts import Prompt
 from specdecode.load.client import Target
 from specdecode.load.records import SweepResult
-from specdecode.load.runner import (
-    LoadConfig,
-    NoProgress,
-    arrival_times,
-    run_sweep,
-    run_sweep_async,
-)
+from specdecode.load.runner import LoadConfig, NoProgress, arrival_times, run_sweep, run_sweep_async
 from specdecode.load.stats import summarize
 
 CHAT = Prompt("chat/0", "qa", None, [{"role": "user", "content": "hello"}], "chat")
@@ -29,26 +23,28 @@ def _chat(content: str) -> Prompt:
     return Prompt(content, "test", None, [{"role": "user", "content": content}], "chat")
 
 
-def _config(url: str, prompts: list[Prompt], model: str | None = None,
-            extra_body: dict[str, object] | None = None, **kw: object) -> LoadConfig:
+def _config(
+    url: str, prompts: list[Prompt], model: str | None = None, extra_body: dict[str, object] | None = None, **kw: object
+) -> LoadConfig:
     # Limits that no answering request or level may reach, even on a busy CI machine (they are
     # only guards there): tests that check a limit pass their own.
-    defaults: dict[str, object] = dict(levels=[1], num_requests=4, duration_s=600,
-                                       output_len=(8, 8), request_timeout_s=120)
+    defaults: dict[str, object] = dict(
+        levels=[1], num_requests=4, duration_s=600, output_len=(8, 8), request_timeout_s=120
+    )
     target = Target("A", url, model, extra_body or {})
     return LoadConfig(targets=[target], prompts=prompts, **{**defaults, **kw})  # type: ignore
 
 
 def test_timing_matches_the_server_schedule() -> None:
-    behaviour = Behaviour(first_token_s=0.05, token_interval_s=0.01,
-                          speculation={"drafted": 4, "accepted": 3, "acceptance_rate": 0.75,
-                                       "tokens_per_step": 2.0})
+    behaviour = Behaviour(
+        first_token_s=0.05,
+        token_interval_s=0.01,
+        speculation={"drafted": 4, "accepted": 3, "acceptance_rate": 0.75, "tokens_per_step": 2.0},
+    )
     with FakeServer(behaviour) as server:
-        result = run_sweep(_config(server.url, [CHAT, CODE], levels=[1, 2],
-                                   extra_body={"temperature": 0}))
+        result = run_sweep(_config(server.url, [CHAT, CODE], levels=[1, 2], extra_body={"temperature": 0}))
     assert result.endpoints["A"]["model"] == "fake-model"
-    assert [(run.level, run.issued, run.cancelled) for run in result.levels] == [(1, 4, 0),
-                                                                                (2, 4, 0)]
+    assert [(run.level, run.issued, run.cancelled) for run in result.levels] == [(1, 4, 0), (2, 4, 0)]
     records = [r for run in result.levels for r in run.records]
     assert len(records) == 8 and all(r.ok for r in records)
     for r in records:
@@ -66,7 +62,9 @@ def test_timing_matches_the_server_schedule() -> None:
     for r in records:
         assert r.tpot_s == pytest.approx((r.latency_s - r.ttft_s) / (r.output_tokens - 1))
         assert 0 <= sum(r.itl_s) <= r.latency_s - r.ttft_s + 1e-9  # gaps between chunks, within the decode
-    assert summary.tpot is not None and summary.tpot["p50"] == pytest.approx(float(np.median([r.tpot_s for r in level])))
+    assert summary.tpot is not None and summary.tpot["p50"] == pytest.approx(
+        float(np.median([r.tpot_s for r in level]))
+    )
     assert summary.itl is not None and summary.itl["p50"] >= 0
     assert {r.kind for r in records} == {"chat", "completion"}
     body = behaviour.bodies[0]
@@ -90,15 +88,17 @@ def test_errors_are_classified() -> None:
     with FakeServer(Behaviour(first_token_s=0, token_interval_s=0)) as server:
         # A generous timeout for the requests that answer (a busy CI machine can take seconds to
         # open five connections); a short one only where the server never answers.
-        result = run_sweep(_config(server.url, prompts, levels=[4], num_requests=4,
-                                   request_timeout_s=60))
-        hung = run_sweep(_config(server.url, [_chat("hang")], num_requests=1,
-                                 request_timeout_s=0.3))
+        result = run_sweep(_config(server.url, prompts, levels=[4], num_requests=4, request_timeout_s=60))
+        hung = run_sweep(_config(server.url, [_chat("hang")], num_requests=1, request_timeout_s=0.3))
     errors = {r.prompt_id: r.error for r in result.levels[0].records + hung.levels[0].records}
-    assert errors == {"status:500": "http_500", "status:429": "http_429",
-                      "stream-error": "stream_error", "hang": "timeout", "fine": None}
-    down = run_sweep(_config(f"http://127.0.0.1:{free_port()}", [CHAT], model="m",
-                             num_requests=2))
+    assert errors == {
+        "status:500": "http_500",
+        "status:429": "http_429",
+        "stream-error": "stream_error",
+        "hang": "timeout",
+        "fine": None,
+    }
+    down = run_sweep(_config(f"http://127.0.0.1:{free_port()}", [CHAT], model="m", num_requests=2))
     assert [r.error for r in down.levels[0].records] == ["connection", "connection"]
 
 
@@ -111,8 +111,11 @@ def test_level_stops_at_its_duration_and_the_run_at_its_time_limit() -> None:
     # (setup < 8 s, any unloaded machine) or the first is already the one the limit cuts.
     slow = Behaviour(first_token_s=0.01, token_interval_s=1.5)
     with FakeServer(slow) as server:
-        result = run_sweep(_config(server.url, [CHAT], model="m", levels=[2, 4, 8], num_requests=1000,
-                                   duration_s=10.0, time_limit_s=18.0))
+        result = run_sweep(
+            _config(
+                server.url, [CHAT], model="m", levels=[2, 4, 8], num_requests=1000, duration_s=10.0, time_limit_s=18.0
+            )
+        )
     levels = [r.level for r in result.levels]
     assert levels in ([2, 4], [2]), [(r.level, r.stopped_by) for r in result.levels]
     # every level but the last stopped at its own duration; the last was cut by the run's limit
@@ -132,8 +135,7 @@ def test_open_loop_follows_seeded_poisson_arrivals() -> None:
     # later is the machine's business (no upper bound: a busy machine wakes late).
     expected = arrival_times(40, 6, seed=0)
     with FakeServer(Behaviour(first_token_s=0, token_interval_s=0, hold_until=6)) as server:
-        result = run_sweep(_config(server.url, [CODE], mode="open", levels=[40], num_requests=6,
-                                   request_timeout_s=60))
+        result = run_sweep(_config(server.url, [CODE], mode="open", levels=[40], num_requests=6, request_timeout_s=60))
     records = sorted(result.levels[0].records, key=lambda r: r.index)
     assert [r.index for r in records] == list(range(6)) and all(r.ok for r in records), records
     assert all(r.start_s >= at - 1e-3 for r, at in zip(records, expected)), [r.start_s for r in records]
@@ -207,8 +209,17 @@ def test_rounds_alternate_the_endpoints_slice_by_slice(mode: str, level: float) 
     prompts = [_chat(f"p{i}") for i in range(7)]
     with FakeServer(Behaviour(first_token_s=0, token_interval_s=0)) as server:
         targets = [Target(label, server.url, "m", {"tag": label}) for label in ("A", "B")]
-        config = LoadConfig(targets=targets, prompts=prompts, mode=mode, levels=[level], num_requests=7,
-                            rounds=3, duration_s=600, output_len=(2, 2), request_timeout_s=120)
+        config = LoadConfig(
+            targets=targets,
+            prompts=prompts,
+            mode=mode,
+            levels=[level],
+            num_requests=7,
+            rounds=3,
+            duration_s=600,
+            output_len=(2, 2),
+            request_timeout_s=120,
+        )
         result = run_sweep(config)
         bodies = server.behaviour.bodies
     # slices of 3, 2 and 2 requests: A's first, B's first, A's second, ...
@@ -216,7 +227,9 @@ def test_rounds_alternate_the_endpoints_slice_by_slice(mode: str, level: float) 
     assert tags == ["A"] * 3 + ["B"] * 3 + ["A"] * 2 + ["B"] * 2 + ["A"] * 2 + ["B"] * 2
     # one level run per endpoint holding every slice; request i is the same prompt for both
     assert [(run.label, run.level, run.issued, run.cancelled) for run in result.levels] == [
-        ("A", level, 7, 0), ("B", level, 7, 0)]
+        ("A", level, 7, 0),
+        ("B", level, 7, 0),
+    ]
     a, b = ({r.index: r.prompt_id for r in run.records} for run in result.levels)
     assert a == b and sorted(a) == list(range(7))
     for run in result.levels:
@@ -236,8 +249,9 @@ def test_a_slow_slice_takes_time_from_the_later_ones_not_the_whole_level(monkeyp
 
     async def uneven(client, target, prompt, max_tokens, index, t0, timeout):
         await asyncio.sleep(2.0 if index < 2 else 0.0)
-        return RequestRecord(index, prompt.id, prompt.kind, max_tokens, 0.0, latency_s=0.01, ttft_s=0.01,
-                             output_tokens=1)
+        return RequestRecord(
+            index, prompt.id, prompt.kind, max_tokens, 0.0, latency_s=0.01, ttft_s=0.01, output_tokens=1
+        )
 
     async def no_model(client):
         return "m"
@@ -258,8 +272,17 @@ def test_a_slow_slice_takes_time_from_the_later_ones_not_the_whole_level(monkeyp
 def test_one_round_issues_each_endpoints_level_in_one_stretch() -> None:
     with FakeServer(Behaviour(first_token_s=0, token_interval_s=0)) as server:
         targets = [Target(label, server.url, "m", {"tag": label}) for label in ("A", "B")]
-        result = run_sweep(LoadConfig(targets=targets, prompts=[CHAT], levels=[1], num_requests=3,
-                                      duration_s=600, output_len=(2, 2), request_timeout_s=120))
+        result = run_sweep(
+            LoadConfig(
+                targets=targets,
+                prompts=[CHAT],
+                levels=[1],
+                num_requests=3,
+                duration_s=600,
+                output_len=(2, 2),
+                request_timeout_s=120,
+            )
+        )
         assert [b["tag"] for b in server.behaviour.bodies] == ["A"] * 3 + ["B"] * 3
     assert [len(run.records) for run in result.levels] == [3, 3]
 

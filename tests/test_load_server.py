@@ -6,17 +6,25 @@ from specdecode.load.runner import LoadConfig, run_sweep
 from specdecode.load.stats import summarize
 from test_server_harness import KEY, engine, one_torch_thread, serve  # noqa: F401  (fixture)
 
-PROMPTS = [Prompt(id=f"p{i}", category="tiny", text=text, messages=None, kind="completion", max_new_tokens=None)
-           for i, text in enumerate(["abc", "hello", "xyzxyz", "aaaa", "Q1w2"])]
+PROMPTS = [
+    Prompt(id=f"p{i}", category="tiny", text=text, messages=None, kind="completion", max_new_tokens=None)
+    for i, text in enumerate(["abc", "hello", "xyzxyz", "aaaa", "Q1w2"])
+]
 
 
 def test_sweep_speculation_on_vs_off_against_our_server():
     with serve(engine(k=3, slots=4)) as served:
         config = LoadConfig(
-            targets=[Target("off", served.url, extra_body={"speculation": False, "ignore_eos": True, "temperature": 0}),
-                     Target("on", served.url, extra_body={"ignore_eos": True, "temperature": 0})],
-            prompts=PROMPTS, levels=[1, 4], num_requests=8, output_len=(12, 12),
-            duration_s=600, time_limit_s=3600,  # guards only: every level must finish all 8 requests
+            targets=[
+                Target("off", served.url, extra_body={"speculation": False, "ignore_eos": True, "temperature": 0}),
+                Target("on", served.url, extra_body={"ignore_eos": True, "temperature": 0}),
+            ],
+            prompts=PROMPTS,
+            levels=[1, 4],
+            num_requests=8,
+            output_len=(12, 12),
+            duration_s=600,
+            time_limit_s=3600,  # guards only: every level must finish all 8 requests
             api_key=KEY,
         )
         result = run_sweep(config)

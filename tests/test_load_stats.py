@@ -9,11 +9,23 @@ from specdecode.load.records import LevelRun, RequestRecord
 from specdecode.load.stats import Slo, compare, crossover, distribution, median_ci, paired, summarize
 
 
-def _record(ttft: float, latency: float, tokens: int, itl: list[float] | None = None,
-            error: str | None = None, **extra: object) -> RequestRecord:
-    return RequestRecord(index=0, prompt_id="p", kind="chat", max_tokens=tokens, start_s=0.0,
-                         latency_s=latency, ttft_s=ttft, itl_s=itl or [], output_tokens=tokens,
-                         token_source="usage", error=error, **extra)  # type: ignore[arg-type]
+def _record(
+    ttft: float, latency: float, tokens: int, itl: list[float] | None = None, error: str | None = None, **extra: object
+) -> RequestRecord:
+    return RequestRecord(
+        index=0,
+        prompt_id="p",
+        kind="chat",
+        max_tokens=tokens,
+        start_s=0.0,
+        latency_s=latency,
+        ttft_s=ttft,
+        itl_s=itl or [],
+        output_tokens=tokens,
+        token_source="usage",
+        error=error,
+        **extra,
+    )  # type: ignore[arg-type]
 
 
 def test_distribution_uses_linear_interpolation() -> None:
@@ -30,10 +42,10 @@ def test_tpot_definition() -> None:
 
 def test_summarize_level() -> None:
     records = [
-        _record(0.1, 1.0, 10, itl=[0.1, 0.2]),   # TPOT 0.1
-        _record(0.3, 2.3, 21, itl=[0.4]),        # TPOT 0.1
-        _record(0.2, 1.2, 5),                    # TPOT 0.25
-        _record(0.9, 1.0, 1),                    # TPOT undefined
+        _record(0.1, 1.0, 10, itl=[0.1, 0.2]),  # TPOT 0.1
+        _record(0.3, 2.3, 21, itl=[0.4]),  # TPOT 0.1
+        _record(0.2, 1.2, 5),  # TPOT 0.25
+        _record(0.9, 1.0, 1),  # TPOT undefined
         _record(0.0, 0.5, 0, error="http_500"),
         _record(0.0, 0.5, 0, error="http_500"),
         _record(0.0, 9.0, 0, error="timeout"),
@@ -57,17 +69,19 @@ def test_summarize_level() -> None:
 
 def test_slo_edge_cases() -> None:
     slo = Slo(ttft_s=0.5, tpot_s=0.05)
-    assert slo.met(_record(0.5, 0.6, 1))       # at the target counts; no TPOT for one token
+    assert slo.met(_record(0.5, 0.6, 1))  # at the target counts; no TPOT for one token
     assert not slo.met(_record(0.51, 0.6, 1))
     assert not Slo(ttft_s=1.0).met(_record(0.1, 0.2, 2, error="timeout"))
 
 
 def test_speculation_totals() -> None:
     records = [
-        _record(0.1, 1.0, 10, speculation={"drafted": 8, "accepted": 6, "acceptance_rate": 0.75,
-                                           "tokens_per_step": 2.0}),
-        _record(0.1, 1.0, 30, speculation={"drafted": 12, "accepted": 4, "acceptance_rate": 1 / 3,
-                                           "tokens_per_step": 3.0}),
+        _record(
+            0.1, 1.0, 10, speculation={"drafted": 8, "accepted": 6, "acceptance_rate": 0.75, "tokens_per_step": 2.0}
+        ),
+        _record(
+            0.1, 1.0, 30, speculation={"drafted": 12, "accepted": 4, "acceptance_rate": 1 / 3, "tokens_per_step": 3.0}
+        ),
         _record(0.1, 1.0, 7),
     ]
     spec = summarize(LevelRun("B", 1, "closed", records=records, wall_s=1.0)).speculation
@@ -77,13 +91,16 @@ def test_speculation_totals() -> None:
     assert spec["tokens_per_step"] == pytest.approx(40 / (10 / 2.0 + 30 / 3.0))
 
 
-@pytest.mark.parametrize("ratios, expected", [
-    ([1.5, 1.2, 0.9, 0.8], 4),
-    ([1.5, 1.2, 1.1, 1.01], None),
-    ([0.8, 0.9, 1.1, 1.3], 4),
-    ([None, 1.0, 1.2, 0.7], 8),
-    ([1.0, 1.0, 1.0, 1.0], None),
-])
+@pytest.mark.parametrize(
+    "ratios, expected",
+    [
+        ([1.5, 1.2, 0.9, 0.8], 4),
+        ([1.5, 1.2, 1.1, 1.01], None),
+        ([0.8, 0.9, 1.1, 1.3], 4),
+        ([None, 1.0, 1.2, 0.7], 8),
+        ([1.0, 1.0, 1.0, 1.0], None),
+    ],
+)
 def test_crossover(ratios: list[float | None], expected: float | None) -> None:
     assert crossover([1, 2, 4, 8], ratios) == expected
 
@@ -103,10 +120,10 @@ def test_compare_ratios_per_level() -> None:
     assert comparison.ratios["latency.p50"] == pytest.approx([1.0, 1.0, 1.0])
     assert comparison.crossover["latency.p50"] is None
     # the tail latencies chunked prefill trades: first token and the longest gaps between chunks
-    stalls = compare([summarize(LevelRun("a", 1, "closed", records=[_record(2.0, 9.0, 10, itl=[0.5, 8.0])],
-                                         wall_s=9.0, issued=1))],
-                     [summarize(LevelRun("b", 1, "closed", records=[_record(3.0, 9.0, 10, itl=[1.0, 2.0])],
-                                         wall_s=9.0, issued=1))])
+    stalls = compare(
+        [summarize(LevelRun("a", 1, "closed", records=[_record(2.0, 9.0, 10, itl=[0.5, 8.0])], wall_s=9.0, issued=1))],
+        [summarize(LevelRun("b", 1, "closed", records=[_record(3.0, 9.0, 10, itl=[1.0, 2.0])], wall_s=9.0, issued=1))],
+    )
     assert stalls.ratios["ttft.p99"] == pytest.approx([1.5])
     assert stalls.ratios["itl.p99"] == pytest.approx([(1.0 + 0.99 * 1.0) / (0.5 + 0.99 * 7.5)])
     partial = compare(off, on[:2])  # the candidate never ran level 4
@@ -125,8 +142,14 @@ def test_paired_ratios_match_requests_by_plan_index_not_by_rank() -> None:
 
     ttfts = [1.0, 5.0, 1.1, 5.1, 1.2, 5.2]
     base = LevelRun("off", 1, "closed", records=[rec(i, t) for i, t in enumerate(ttfts)], wall_s=30.0, issued=6)
-    cand = LevelRun("on", 1, "closed", issued=6, wall_s=30.0,
-                    records=[rec(i, t * 1.02, error="http_500" if i == 0 else None) for i, t in enumerate(ttfts)])
+    cand = LevelRun(
+        "on",
+        1,
+        "closed",
+        issued=6,
+        wall_s=30.0,
+        records=[rec(i, t * 1.02, error="http_500" if i == 0 else None) for i, t in enumerate(ttfts)],
+    )
     cand.records.reverse()  # completion order does not matter, the index does
     ratio_of_p50 = (summarize(cand).metric("ttft.p50") or 0) / (summarize(base).metric("ttft.p50") or 1)
     assert ratio_of_p50 > 1.5  # the artefact the pairing removes
@@ -137,8 +160,18 @@ def test_paired_ratios_match_requests_by_plan_index_not_by_rank() -> None:
     assert pairs["tpot"] == pytest.approx(1.0)  # 3 s over 3 later tokens in both
     assert pairs["ttft_lo"] is None and pairs["ttft_hi"] is None  # 5 pairs: too few for a 95 % interval
     empty = paired(base, LevelRun("on", 1, "closed"))
-    assert empty == {"n": 0.0, "ttft": None, "tpot": None, "latency": None, "ttft_lo": None, "ttft_hi": None,
-                     "tpot_lo": None, "tpot_hi": None, "latency_lo": None, "latency_hi": None}
+    assert empty == {
+        "n": 0.0,
+        "ttft": None,
+        "tpot": None,
+        "latency": None,
+        "ttft_lo": None,
+        "ttft_hi": None,
+        "tpot_lo": None,
+        "tpot_hi": None,
+        "latency_lo": None,
+        "latency_hi": None,
+    }
 
 
 def test_paired_ratios_carry_the_order_statistic_interval_of_their_median() -> None:

@@ -240,8 +240,14 @@ def _model(vocab_rows: int) -> int:
     """The token rows of a model padded to ``vocab_rows`` (what the torch backend reads off the module)."""
     from specdecode.models.backends.pytorch import token_rows
 
-    config = Qwen2Config(vocab_size=vocab_rows, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1)
+    config = Qwen2Config(
+        vocab_size=vocab_rows,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     return token_rows(Qwen2ForCausalLM(config))
 
 

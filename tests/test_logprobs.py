@@ -17,8 +17,15 @@ import specdecode.engine as engine_module
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.engine import Engine
-from specdecode.logprobs import (LOGPROBS_MAX, REPORTED_FLOOR, TokenLogprob, TokenSpeller, law_logprobs, text_offsets,
-                                 token_logprobs)
+from specdecode.logprobs import (
+    LOGPROBS_MAX,
+    REPORTED_FLOOR,
+    TokenLogprob,
+    TokenSpeller,
+    law_logprobs,
+    text_offsets,
+    token_logprobs,
+)
 from specdecode.models.hf import HFRunner
 from specdecode.processors import build_processors
 from specdecode.sampling import SamplingError, SamplingParams
@@ -46,10 +53,10 @@ def reference_logprobs(model, prompt: list[int], output: list[int], params: Samp
     sequence at once (teacher forcing), each position's logits through fresh processors that have
     committed the output before it, then :func:`law_logprobs`."""
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1: -1].float()  # [N, V]
+        logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1].float()  # [N, V]
     rows = []
     for i in range(len(output)):
-        row = logits[i: i + 1]
+        row = logits[i : i + 1]
         procs = build_processors(params, prompt, V)
         for proc in procs:
             proc.commit(output[:i])
@@ -64,12 +71,17 @@ def assert_logprobs_match(outs, refs) -> None:
     for o, r in zip(outs, refs):
         assert o.token_ids == r.token_ids
         assert [e.token_id for e in o.logprobs] == o.token_ids
-        assert torch.allclose(torch.tensor([e.logprob for e in o.logprobs]), torch.tensor([e.logprob for e in r.logprobs]),
-                              atol=ATOL, rtol=0)
+        assert torch.allclose(
+            torch.tensor([e.logprob for e in o.logprobs]),
+            torch.tensor([e.logprob for e in r.logprobs]),
+            atol=ATOL,
+            rtol=0,
+        )
         for e, f in zip(o.logprobs, r.logprobs):
             assert [i for i, _ in e.top] == [i for i, _ in f.top]
-            assert torch.allclose(torch.tensor([v for _, v in e.top]), torch.tensor([v for _, v in f.top]),
-                                  atol=ATOL, rtol=0)
+            assert torch.allclose(
+                torch.tensor([v for _, v in e.top]), torch.tensor([v for _, v in f.top]), atol=ATOL, rtol=0
+            )
 
 
 def assert_equals_reference(model, prompts, outs, params_list) -> None:
@@ -90,10 +102,24 @@ def spec_engines(target, draft):
         "draft-k3": make_engine(target, TOK, draft, k=3, num_slots=3),
         "draft-k5": make_engine(target, TOK, draft, k=5, num_slots=3),
         "ngram-k4": Engine(HFRunner(target), TOK, NgramDrafter(), 4, max_batch_size=3, max_context=64),
-        "draft-tree": Engine(HFRunner(target), TOK, DraftModelDrafter(HFRunner(draft), tree_topk=2, tree_nodes=8), 4,
-                             max_batch_size=3, max_context=64, max_tree_nodes=8),
-        "ngram-tree": Engine(HFRunner(target), TOK, NgramDrafter(tree_topk=2, tree_nodes=8), 4, max_batch_size=3,
-                             max_context=64, max_tree_nodes=8),
+        "draft-tree": Engine(
+            HFRunner(target),
+            TOK,
+            DraftModelDrafter(HFRunner(draft), tree_topk=2, tree_nodes=8),
+            4,
+            max_batch_size=3,
+            max_context=64,
+            max_tree_nodes=8,
+        ),
+        "ngram-tree": Engine(
+            HFRunner(target),
+            TOK,
+            NgramDrafter(tree_topk=2, tree_nodes=8),
+            4,
+            max_batch_size=3,
+            max_context=64,
+            max_tree_nodes=8,
+        ),
     }
 
 
@@ -114,8 +140,9 @@ def test_served_engine_first_token_from_target_and_chunked_prefill(pair):
     target, draft = pair
     params = greedy(16, 2)
     base = make_engine(target, TOK, num_slots=1).generate(PROMPTS, params)
-    served = make_engine(target, TOK, draft, k=3, num_slots=3, first_token_from_target=True,
-                         max_num_batched_tokens=4).generate(PROMPTS, params)
+    served = make_engine(
+        target, TOK, draft, k=3, num_slots=3, first_token_from_target=True, max_num_batched_tokens=4
+    ).generate(PROMPTS, params)
     assert sum(o.stats.accepted for o in served) > 0
     assert_logprobs_match(served, base)
 
@@ -125,11 +152,15 @@ def test_the_law_is_after_processors_and_temperature_before_truncation(pair):
     the values are the processed logits' log-softmax at the temperature, whatever the truncation, and
     the coupled sampler reproduces target-only decoding's tokens and values under speculation."""
     target, draft = pair
-    laws = [dict(temperature=0.7, top_k=5, logit_bias={3: 2.0, 7: -1.5}, presence_penalty=0.5, frequency_penalty=0.3),
-            dict(temperature=1.3, top_p=0.8, repetition_penalty=1.2),
-            dict(temperature=0.5, min_p=0.1)]
-    params = [SamplingParams(max_new_tokens=16, ignore_eos=True, logprobs=4, seed=i, sampler="coupled",
-                             **laws[i % len(laws)]) for i in range(len(PROMPTS))]
+    laws = [
+        dict(temperature=0.7, top_k=5, logit_bias={3: 2.0, 7: -1.5}, presence_penalty=0.5, frequency_penalty=0.3),
+        dict(temperature=1.3, top_p=0.8, repetition_penalty=1.2),
+        dict(temperature=0.5, min_p=0.1),
+    ]
+    params = [
+        SamplingParams(max_new_tokens=16, ignore_eos=True, logprobs=4, seed=i, sampler="coupled", **laws[i % len(laws)])
+        for i in range(len(PROMPTS))
+    ]
     base = make_engine(target, TOK, num_slots=2).generate(PROMPTS, params)
     spec = make_engine(target, TOK, draft, k=3, num_slots=3).generate(PROMPTS, params)
     assert sum(o.stats.accepted for o in spec) > 0
@@ -203,8 +234,9 @@ def byte_level_tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|end|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(["héllo wörld 你好 世界 def f():\n\treturn 1", "naïve café ∮ 🙂 hello world"] * 20, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>")
 
@@ -245,8 +277,20 @@ def test_under_a_grammar_masked_tokens_are_never_listed(pair):
 def test_generate_prints_logprobs_in_its_json_output(model_dirs, capsys):
     from test_cli_generate import run
 
-    common = ["--target", model_dirs["target"], "--prompt-ids", "1,2,3", "--max-new-tokens", "12", "--ignore-eos",
-              "--dtype", "float32", "--json", "--logprobs", "2"]
+    common = [
+        "--target",
+        model_dirs["target"],
+        "--prompt-ids",
+        "1,2,3",
+        "--max-new-tokens",
+        "12",
+        "--ignore-eos",
+        "--dtype",
+        "float32",
+        "--json",
+        "--logprobs",
+        "2",
+    ]
     code, base, _ = run(capsys, *common)
     assert code == 0
     code, spec, _ = run(capsys, *common, "--draft", model_dirs["draft"], "-k", "3")

@@ -31,8 +31,9 @@ def target_only(prompt_ids: list[int], top: int, max_new_tokens: int):
 
 def chat_ids(messages: list[dict]) -> list[int]:
     tok = tokenizer()
-    return tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
-               add_special_tokens=False).input_ids
+    return tok(
+        tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+    ).input_ids
 
 
 def spelled(token_id: int) -> str:
@@ -48,7 +49,7 @@ def check_completion_logprobs(lp: dict, text: str, ref) -> None:
         assert top.keys() == want.keys() and list(top.values()) == pytest.approx(list(want.values()), abs=ATOL)
     offsets = lp["text_offset"] + [len(text)]
     for i, token in enumerate(lp["tokens"]):
-        assert text[offsets[i]: offsets[i + 1]] == ("" if token == EOS else token)
+        assert text[offsets[i] : offsets[i + 1]] == ("" if token == EOS else token)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -62,8 +63,9 @@ def test_completions_logprobs_equal_target_only_streamed_or_not(srv, prompt):
     assert r.model_extra["speculation"]["drafted"] > 0 or r.usage.completion_tokens <= 2  # (its second step drafts)
     merged = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     text = ""
-    for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, logprobs=2,
-                                           stream=True):
+    for chunk in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=24, temperature=0, logprobs=2, stream=True
+    ):
         for c in chunk.choices:
             text += c.text
             if c.logprobs is not None:
@@ -88,8 +90,9 @@ def check_chat_logprobs(content: list, text: str, ref, top: int) -> None:
 def test_chat_logprobs_equal_target_only_streamed_or_not(srv, content):
     client = srv.openai()
     messages = [{"role": "user", "content": content}]
-    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0, logprobs=True,
-                                       top_logprobs=3)
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=24, temperature=0, logprobs=True, top_logprobs=3
+    )
     choice = r.choices[0]
     ref = target_only(chat_ids(messages), 3, 24)
     assert choice.message.content == ref.text
@@ -97,8 +100,9 @@ def test_chat_logprobs_equal_target_only_streamed_or_not(srv, content):
     check_chat_logprobs(got, choice.message.content, ref, 3)
     assert r.model_extra["speculation"]["drafted"] > 0
     streamed, text = [], ""
-    for chunk in client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
-                                                logprobs=True, top_logprobs=3, stream=True):
+    for chunk in client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=24, temperature=0, logprobs=True, top_logprobs=3, stream=True
+    ):
         for c in chunk.choices:
             text += c.delta.content or ""
             if c.logprobs is not None:
@@ -115,30 +119,39 @@ def test_chat_logprobs_without_top_entries_and_requests_without_logprobs(srv):
     with srv.http() as c:
         plain = c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 4}).json()
         assert plain["choices"][0]["logprobs"] is None
-        events = sse_events(c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 4,
-                                                                  "stream": True}))
+        events = sse_events(
+            c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 4, "stream": True})
+        )
         assert all(c["logprobs"] is None for e in events if e != "[DONE]" for c in json.loads(e)["choices"])
 
 
 def test_sampled_request_reports_finite_values_for_every_token(srv):
     """A truncated law (top-k 2 at T = 1.5): values are before truncation, so always finite."""
     with srv.http() as c:
-        body = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 16, "temperature": 1.5, "top_k": 2,
-                                               "logprobs": 5, "seed": 3}).json()
+        body = c.post(
+            "/v1/completions",
+            json={"prompt": "hello", "max_tokens": 16, "temperature": 1.5, "top_k": 2, "logprobs": 5, "seed": 3},
+        ).json()
     lp = body["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == body["usage"]["completion_tokens"]
     assert all(v <= 0 for v in lp["token_logprobs"]) and all(len(t) in (5, 6) for t in lp["top_logprobs"])
 
 
-@pytest.mark.parametrize("path,body,param", [
-    ("/v1/completions", {"prompt": "abc", "logprobs": 6}, "logprobs"),
-    ("/v1/completions", {"prompt": "abc", "logprobs": -1}, "logprobs"),
-    ("/v1/completions", {"prompt": "abc", "logprobs": True}, "logprobs"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
-     "top_logprobs"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
-])
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/completions", {"prompt": "abc", "logprobs": 6}, "logprobs"),
+        ("/v1/completions", {"prompt": "abc", "logprobs": -1}, "logprobs"),
+        ("/v1/completions", {"prompt": "abc", "logprobs": True}, "logprobs"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
+    ],
+)
 def test_out_of_range_logprobs_get_a_400_naming_the_parameter(srv, path, body, param):
     with srv.http() as c:
         r = c.post(path, json=body)
@@ -148,11 +161,13 @@ def test_out_of_range_logprobs_get_a_400_naming_the_parameter(srv, path, body, p
 def test_a_stop_string_cuts_the_text_and_every_generated_token_is_still_listed(srv):
     """Tokens of a stop string are generated (usage counts them) and listed; the text ends before them."""
     with srv.http() as c:
-        full = c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 24, "temperature": 0,
-                                               "logprobs": 1}).json()["choices"][0]
+        full = c.post(
+            "/v1/completions", json={"prompt": "abc", "max_tokens": 24, "temperature": 0, "logprobs": 1}
+        ).json()["choices"][0]
         stop = full["text"][5:7]  # a stop string that completes inside the run
-        cut = c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 24, "temperature": 0, "logprobs": 1,
-                                              "stop": stop}).json()
+        cut = c.post(
+            "/v1/completions", json={"prompt": "abc", "max_tokens": 24, "temperature": 0, "logprobs": 1, "stop": stop}
+        ).json()
     choice = cut["choices"][0]
     assert choice["text"] == full["text"][: full["text"].index(stop)] and choice["finish_reason"] == "stop"
     n = cut["usage"]["completion_tokens"]

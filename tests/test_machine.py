@@ -20,8 +20,9 @@ def cores(monkeypatch):
     return busy
 
 
-@pytest.mark.parametrize("busy, threads", [([0, 0], 2), ([10, 30], 2), ([100, 100], 1), ([60, 70], 1),
-                                           ([100, 0], 1), ([40, 0], 2)])
+@pytest.mark.parametrize(
+    "busy, threads", [([0, 0], 2), ([10, 30], 2), ([100, 100], 1), ([60, 70], 1), ([100, 0], 1), ([40, 0], 2)]
+)
 def test_the_default_is_the_idle_cores(cores, busy, threads):
     cores[:] = busy
     got, why = machine.default_threads()
@@ -39,8 +40,24 @@ def test_a_command_on_a_busy_machine_uses_one_thread_and_says_so(cores, capsys):
     assert main(["generate", "--backend", "toy", "--target", "toy:0", "--prompt", "ab", "--max-new-tokens", "2"]) == 0
     assert "threads:" not in capsys.readouterr().err and torch.get_num_threads() == 2
     cores[:] = [100, 100]  # --threads wins, nothing measured or said
-    assert main(["generate", "--backend", "toy", "--target", "toy:0", "--prompt", "ab", "--max-new-tokens", "2",
-                 "--threads", "2"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--backend",
+                "toy",
+                "--target",
+                "toy:0",
+                "--prompt",
+                "ab",
+                "--max-new-tokens",
+                "2",
+                "--threads",
+                "2",
+            ]
+        )
+        == 0
+    )
     assert "threads:" not in capsys.readouterr().err and torch.get_num_threads() == 2
 
 

@@ -47,12 +47,17 @@ def tiny_heads(target, num_heads=3, draft_vocab=None, seed=0, noise=0.5) -> Medu
     draft_vocab = draft_vocab or vocab - 4
     gen = torch.Generator().manual_seed(seed)
     id_map = torch.randperm(vocab, generator=gen)[:draft_vocab].sort().values
-    cfg = MedusaConfig(num_heads, runner.hidden_size, vocab, draft_vocab,
-                       target={"spec": "tiny", "fingerprint": F.model_fingerprint(runner)})
+    cfg = MedusaConfig(
+        num_heads,
+        runner.hidden_size,
+        vocab,
+        draft_vocab,
+        target={"spec": "tiny", "fingerprint": F.model_fingerprint(runner)},
+    )
     heads = MedusaHeads(cfg, id_map, target.get_output_embeddings().weight[id_map].detach().float())
     with torch.no_grad():
         for block in heads.blocks:
-            block[0].linear.weight.normal_(0, noise / runner.hidden_size ** 0.5, generator=gen)
+            block[0].linear.weight.normal_(0, noise / runner.hidden_size**0.5, generator=gen)
     return heads.eval()
 
 
@@ -127,9 +132,14 @@ def test_zero_blocks_draft_the_targets_next_token_so_greedy_accepts_repeats():
 def test_medusa_keeps_the_target_law(sp, tree):
     model = make_model(VS, seed=4, hidden=32)
     heads = tiny_heads(model, num_heads=2, draft_vocab=VS - 2, noise=2.0)
-    engine = Engine(HFRunner(model), make_tokenizer(VS), MedusaDrafter(heads, tree_topk=3 if tree else 1,
-                                                                         tree_nodes=5 if tree else 0),
-                    2, max_batch_size=50, max_context=32)
+    engine = Engine(
+        HFRunner(model),
+        make_tokenizer(VS),
+        MedusaDrafter(heads, tree_topk=3 if tree else 1, tree_nodes=5 if tree else 0),
+        2,
+        max_batch_size=50,
+        max_context=32,
+    )
     prompt = [1, 2, 3]
     n = 3000
     counts = sample_pairs(engine, prompt, sp, n, batch=50)
@@ -159,19 +169,20 @@ def test_typical_acceptance_accepts_plausible_tokens_without_rejection_sampling(
 
 def test_check_fails_typical_acceptance_and_passes_exact(target):
     heads = tiny_heads(target, noise=0.0, draft_vocab=V)  # drafts the target's own top tokens: typical takes them
-    cfg = CheckConfig(num_draft_tokens=3, parts=(1, 2), law_contexts=2, law_samples=1500, e2e_samples=250,
-                      e2e_batch=50)
+    cfg = CheckConfig(num_draft_tokens=3, parts=(1, 2), law_contexts=2, law_samples=1500, e2e_samples=250, e2e_batch=50)
 
     def factory_for(verifier):
         def factory(k, batch):
             drafter = MedusaDrafter(heads) if k else None
             return Engine(HFRunner(target), TOK, drafter, k, max_batch_size=batch, max_context=64, verifier=verifier)
+
         return factory
 
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
     exact = run_check(factory_for(None), prompts, cfg)
-    assert {p.part: p.status for p in exact.parts if p.part in (1, 2)} == {1: PASS, 2: PASS}, \
-        [p.summary for p in exact.parts]
+    assert {p.part: p.status for p in exact.parts if p.part in (1, 2)} == {1: PASS, 2: PASS}, [
+        p.summary for p in exact.parts
+    ]
     lossy = run_check(factory_for(typical_verifier()), prompts, cfg)
     assert FAIL in {p.status for p in lossy.parts}, [p.summary for p in lossy.parts]
 
@@ -188,8 +199,9 @@ def write_corpus(root, files=16, length=160, seed=0):
     return root
 
 
-SETTINGS = F.ExtractSettings(layers=(FINAL,), seq_len=48, max_tokens=900, topk=4, shard_tokens=100, max_doc_tokens=96,
-                            min_chunk=8)
+SETTINGS = F.ExtractSettings(
+    layers=(FINAL,), seq_len=48, max_tokens=900, topk=4, shard_tokens=100, max_doc_tokens=96, min_chunk=8
+)
 
 
 def run_extract(target, corpus, out, settings=SETTINGS):
@@ -250,8 +262,9 @@ def test_extraction_refuses_another_runs_directory_and_benchmark_prompts(tmp_pat
 def train_tiny(target, feats, out, **kw):
     settings = TrainSettings(**{"num_heads": 2, "draft_vocab": 24, "epochs": 3, "batch_size": 32, "lr": 3e-3, **kw})
     rows = lambda id_map: target.get_output_embeddings().weight[id_map].detach().float().clone()  # noqa: E731
-    return train(F.FeatureSet(feats), out, settings, "tiny", checkpoint_every=5, evals=3, progress=False,
-                 output_rows=rows)
+    return train(
+        F.FeatureSet(feats), out, settings, "tiny", checkpoint_every=5, evals=3, progress=False, output_rows=rows
+    )
 
 
 @pytest.fixture(scope="module")
@@ -345,34 +358,117 @@ def model_dir(tmp_path_factory, target):
 
 
 def cli(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "specdecode.cli", *args], capture_output=True, text=True,
-                          timeout=SUBPROCESS_TIMEOUT_S, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "specdecode.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
+        **kw,
+    )
 
 
 def test_cli_extract_train_generate_round_trip(tmp_path, model_dir):
     corpus = write_corpus(tmp_path / "corpus")
     feats, heads = tmp_path / "feats", tmp_path / "heads"
-    r = cli("heads", "extract", "--target", str(model_dir), "--corpus", str(corpus), "--out", str(feats),
-            "--max-tokens", "600", "--seq-len", "48", "--shard-tokens", "200", "--dtype", "float32", "--no-progress")
+    r = cli(
+        "heads",
+        "extract",
+        "--target",
+        str(model_dir),
+        "--corpus",
+        str(corpus),
+        "--out",
+        str(feats),
+        "--max-tokens",
+        "600",
+        "--seq-len",
+        "48",
+        "--shard-tokens",
+        "200",
+        "--dtype",
+        "float32",
+        "--no-progress",
+    )
     assert r.returncode == 0, r.stderr
-    r = cli("heads", "train", "--features", str(feats), "--out", str(heads), "--num-heads", "2", "--draft-vocab", "20",
-            "--epochs", "1", "--batch-size", "32", "--no-progress")
+    r = cli(
+        "heads",
+        "train",
+        "--features",
+        str(feats),
+        "--out",
+        str(heads),
+        "--num-heads",
+        "2",
+        "--draft-vocab",
+        "20",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "32",
+        "--no-progress",
+    )
     assert r.returncode == 0, r.stderr
     assert "held-out top-1" in r.stdout
-    r = cli("generate", "--target", str(model_dir), "--draft", f"medusa:{heads}", "--prompt", "abc", "--dtype",
-            "float32", "--max-new-tokens", "8", "--temperature", "0", "--json")
+    r = cli(
+        "generate",
+        "--target",
+        str(model_dir),
+        "--draft",
+        f"medusa:{heads}",
+        "--prompt",
+        "abc",
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "8",
+        "--temperature",
+        "0",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.splitlines()[0])["lossy"] is False
-    r = cli("generate", "--target", str(model_dir), "--draft", f"medusa:{heads}", "--prompt", "abc", "--dtype",
-            "float32", "--max-new-tokens", "8", "--temperature", "1", "--acceptance", "typical", "--json")
+    r = cli(
+        "generate",
+        "--target",
+        str(model_dir),
+        "--draft",
+        f"medusa:{heads}",
+        "--prompt",
+        "abc",
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "8",
+        "--temperature",
+        "1",
+        "--acceptance",
+        "typical",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.splitlines()[0])
     assert out["lossy"] is True and "typical" in out["lossy_because"]["acceptance"]
-    for bad, culprit in [(["heads", "train", "--features", str(tmp_path / "nope"), "--out", str(heads)], "nope"),
-                         (["heads", "extract", "--target", str(model_dir), "--corpus", str(tmp_path / "nope"),
-                           "--out", str(feats)], "nope"),
-                         (["generate", "--target", str(model_dir), "--draft", f"medusa:{tmp_path}", "--prompt", "a",
-                           "--dtype", "float32"], "heads directory")]:
+    for bad, culprit in [
+        (["heads", "train", "--features", str(tmp_path / "nope"), "--out", str(heads)], "nope"),
+        (
+            ["heads", "extract", "--target", str(model_dir), "--corpus", str(tmp_path / "nope"), "--out", str(feats)],
+            "nope",
+        ),
+        (
+            [
+                "generate",
+                "--target",
+                str(model_dir),
+                "--draft",
+                f"medusa:{tmp_path}",
+                "--prompt",
+                "a",
+                "--dtype",
+                "float32",
+            ],
+            "heads directory",
+        ),
+    ]:
         r = cli(*bad)
         assert r.returncode == 2 and "Traceback" not in r.stderr and culprit in r.stderr, (bad, r.stderr)
 
@@ -382,11 +478,38 @@ def test_training_runs_under_torchrun_with_two_processes(tmp_path, feats, model_
     if torchrun is None:
         pytest.skip("torchrun is not installed")
     # features of the tiny model saved in model_dir: the manifest names "tiny", so name the target
-    r = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "specdecode.cli", "heads", "train",
-                        "--features", str(feats), "--out", str(tmp_path / "ddp"), "--target", str(model_dir),
-                        "--num-heads", "2", "--draft-vocab", "20", "--epochs", "1", "--batch-size", "32",
-                        "--no-progress", "--threads", "1"], capture_output=True, text=True,
-                       timeout=SUBPROCESS_TIMEOUT_S)
+    r = subprocess.run(
+        [
+            torchrun,
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "specdecode.cli",
+            "heads",
+            "train",
+            "--features",
+            str(feats),
+            "--out",
+            str(tmp_path / "ddp"),
+            "--target",
+            str(model_dir),
+            "--num-heads",
+            "2",
+            "--draft-vocab",
+            "20",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "32",
+            "--no-progress",
+            "--threads",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     cfg = json.loads((tmp_path / "ddp" / "config.json").read_text())
     assert cfg["training"]["world_size"] == 2

@@ -14,8 +14,16 @@ import torch
 from specdecode.logprobs import REPORTED_FLOOR, law_logprobs
 from specdecode.processors import apply_all, build_processors
 from specdecode.sampling import (
-    LOGIT_BIAS_MAX, PENALTY_MAX, REPETITION_PENALTY_MAX, REPETITION_PENALTY_MIN, TEMPERATURE_MAX, SamplingError,
-    SamplingParams, warp, warp_tensors)
+    LOGIT_BIAS_MAX,
+    PENALTY_MAX,
+    REPETITION_PENALTY_MAX,
+    REPETITION_PENALTY_MIN,
+    TEMPERATURE_MAX,
+    SamplingError,
+    SamplingParams,
+    warp,
+    warp_tensors,
+)
 from test_server_harness import one_torch_thread  # noqa: F401 (autouse fixture)
 from test_server_harness import V, engine, serve
 
@@ -27,20 +35,44 @@ OUTSIDE = {
     "min_p": [-TINY, math.nextafter(1.0, 2.0), math.inf],
     "presence_penalty": [math.nextafter(PENALTY_MAX, 3.0), -3.0, math.nan],
     "frequency_penalty": [math.nextafter(-PENALTY_MAX, -3.0), 2.5, -math.inf],
-    "repetition_penalty": [1e-39, TINY, 0.0, -1.0, math.nextafter(REPETITION_PENALTY_MIN, 0.0),
-                           math.nextafter(REPETITION_PENALTY_MAX, 3.0), 1e30, math.inf],
+    "repetition_penalty": [
+        1e-39,
+        TINY,
+        0.0,
+        -1.0,
+        math.nextafter(REPETITION_PENALTY_MIN, 0.0),
+        math.nextafter(REPETITION_PENALTY_MAX, 3.0),
+        1e30,
+        math.inf,
+    ],
 }
 # in range, at the bounds: each alone, then all of them pushing the same way
 EDGES = [
-    {"repetition_penalty": REPETITION_PENALTY_MIN}, {"repetition_penalty": REPETITION_PENALTY_MAX},
+    {"repetition_penalty": REPETITION_PENALTY_MIN},
+    {"repetition_penalty": REPETITION_PENALTY_MAX},
     {"presence_penalty": -PENALTY_MAX, "frequency_penalty": -PENALTY_MAX},
     {"presence_penalty": PENALTY_MAX, "frequency_penalty": PENALTY_MAX},
-    {"logit_bias": {t: LOGIT_BIAS_MAX for t in range(3)}}, {"logit_bias": {t: -LOGIT_BIAS_MAX for t in range(V)}},
-    {"top_p": TINY}, {"min_p": 1.0}, {"min_p": TINY}, {"top_k": 1}, {"top_k": 2**63 - 1},
-    {"repetition_penalty": REPETITION_PENALTY_MIN, "logit_bias": {t: LOGIT_BIAS_MAX for t in range(V // 2)},
-     "presence_penalty": -PENALTY_MAX, "frequency_penalty": -PENALTY_MAX, "min_p": TINY, "top_p": TINY},
-    {"repetition_penalty": REPETITION_PENALTY_MAX, "logit_bias": {t: -LOGIT_BIAS_MAX for t in range(V // 2)},
-     "presence_penalty": PENALTY_MAX, "frequency_penalty": PENALTY_MAX},
+    {"logit_bias": {t: LOGIT_BIAS_MAX for t in range(3)}},
+    {"logit_bias": {t: -LOGIT_BIAS_MAX for t in range(V)}},
+    {"top_p": TINY},
+    {"min_p": 1.0},
+    {"min_p": TINY},
+    {"top_k": 1},
+    {"top_k": 2**63 - 1},
+    {
+        "repetition_penalty": REPETITION_PENALTY_MIN,
+        "logit_bias": {t: LOGIT_BIAS_MAX for t in range(V // 2)},
+        "presence_penalty": -PENALTY_MAX,
+        "frequency_penalty": -PENALTY_MAX,
+        "min_p": TINY,
+        "top_p": TINY,
+    },
+    {
+        "repetition_penalty": REPETITION_PENALTY_MAX,
+        "logit_bias": {t: -LOGIT_BIAS_MAX for t in range(V // 2)},
+        "presence_penalty": PENALTY_MAX,
+        "frequency_penalty": PENALTY_MAX,
+    },
 ]
 TEMPERATURES = [0.0, 1e-5, 1.0, TEMPERATURE_MAX]  # greedy, the smallest sampled one, 1, the largest
 
@@ -104,15 +136,21 @@ def test_the_server_answers_every_bound_with_finite_logprobs_and_every_value_pas
     with srv.http() as c:
         for edge in EDGES:
             for temperature in TEMPERATURES:
-                body = {"prompt": "abc", "max_tokens": 8, "ignore_eos": True, "logprobs": 5, "seed": 1,
-                        "temperature": temperature} | edge
+                body = {
+                    "prompt": "abc",
+                    "max_tokens": 8,
+                    "ignore_eos": True,
+                    "logprobs": 5,
+                    "seed": 1,
+                    "temperature": temperature,
+                } | edge
                 if "logit_bias" in edge:
                     body["logit_bias"] = {str(t): b for t, b in edge["logit_bias"].items()}
                 r = c.post("/v1/completions", json=body)
                 assert r.status_code == 200 and _finite_logprobs(r.json()), (body, r.text)
         for field, values in OUTSIDE.items():
             for value in values:
-                for temperature in ((0.0, 1.0) if field != "temperature" else (None,)):
+                for temperature in (0.0, 1.0) if field != "temperature" else (None,):
                     body = {"prompt": "abc", "max_tokens": 4, "logprobs": 1, field: value}
                     body |= {"temperature": temperature} if temperature is not None else {}
                     r = c.post("/v1/completions", content=_dumps(body), headers={"content-type": "application/json"})

@@ -58,8 +58,13 @@ def test_adaptive_drafts_grow_with_acceptance_and_keep_greedy_output():
 
 def _confident_engine(target, draft, k, confidence, slots=3, max_len=128):
     runner = lambda m: HFRunner(m, slots, max_len + k + 1)  # noqa: E731
-    return Engine(runner(target), TOK, DraftModelDrafter(runner(draft), confidence=confidence),
-                  FixedPolicy(k), max_context=max_len)
+    return Engine(
+        runner(target),
+        TOK,
+        DraftModelDrafter(runner(draft), confidence=confidence),
+        FixedPolicy(k),
+        max_context=max_len,
+    )
 
 
 def test_draft_confidence_shortens_chains_and_keeps_greedy_output():

@@ -16,8 +16,7 @@ from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.engine import RequestError
 from specdecode.processors import build_processors, chain_prefixes, tree_prefixes
-from specdecode.sampling import (SamplingError, SamplingParams, params_tensors, parse_setting, warp,
-                                 warp_tensors)
+from specdecode.sampling import SamplingError, SamplingParams, params_tensors, parse_setting, warp, warp_tensors
 from specdecode.verify import Verifier
 from tiny import make_engine, make_model, make_tokenizer, perturbed_copy, runner_for
 
@@ -90,18 +89,30 @@ def test_neutral_parameters_build_nothing_and_plain_requests_never_reach_process
 
     target, draft = pair
     out = make_engine(target, TOK, draft, k=3, verifier=Verifier(process=boom)).generate(
-        PROMPTS, SamplingParams(max_new_tokens=10))
+        PROMPTS, SamplingParams(max_new_tokens=10)
+    )
     assert all(len(o.token_ids) == 10 or o.finish_reason == "stop" for o in out)
 
 
 # -- parameters -----------------------------------------------------------------------------------------
 def test_sampling_params_validate_and_normalise():
     p = SamplingParams(1.0, logit_bias={5: 1, 2: -100})
-    assert p.logit_bias == ((2, -100.0), (5, 1.0)) and hash(p) == hash(SamplingParams(1.0, logit_bias=((2, -100), (5, 1))))
-    for bad in (dict(min_p=1.5), dict(min_p=-0.1), dict(presence_penalty=2.5), dict(frequency_penalty=-3),
-                dict(repetition_penalty=0), dict(repetition_penalty=float("nan")), dict(logit_bias={1: 101}),
-                dict(logit_bias={-1: 1}), dict(logit_bias={"1": 1}), dict(logit_bias=((1, 1), (1, 2))),
-                dict(logit_bias={1: True})):
+    assert p.logit_bias == ((2, -100.0), (5, 1.0)) and hash(p) == hash(
+        SamplingParams(1.0, logit_bias=((2, -100), (5, 1)))
+    )
+    for bad in (
+        dict(min_p=1.5),
+        dict(min_p=-0.1),
+        dict(presence_penalty=2.5),
+        dict(frequency_penalty=-3),
+        dict(repetition_penalty=0),
+        dict(repetition_penalty=float("nan")),
+        dict(logit_bias={1: 101}),
+        dict(logit_bias={-1: 1}),
+        dict(logit_bias={"1": 1}),
+        dict(logit_bias=((1, 1), (1, 2))),
+        dict(logit_bias={1: True}),
+    ):
         with pytest.raises(SamplingError):
             SamplingParams(1.0, **bad)
 
@@ -109,8 +120,10 @@ def test_sampling_params_validate_and_normalise():
 def test_min_p_warp_keeps_tokens_at_least_min_p_times_the_most_likely_and_is_row_wise():
     torch.manual_seed(0)
     logits = torch.randn(6, 50) * 2
-    params = [SamplingParams(t, top_k=k, min_p=m) for t, k, m in
-              [(1.0, 0, 0.1), (0.7, 0, 0.3), (1.3, 10, 0.05), (1.0, 0, 0.0), (2.0, 0, 1.0), (0.0, 0, 0.5)]]
+    params = [
+        SamplingParams(t, top_k=k, min_p=m)
+        for t, k, m in [(1.0, 0, 0.1), (0.7, 0, 0.3), (1.3, 10, 0.05), (1.0, 0, 0.0), (2.0, 0, 1.0), (0.0, 0, 0.5)]
+    ]
     got = warp(logits, *warp_tensors(params))
     for row, (sp, x) in enumerate(zip(params, logits)):
         if sp.greedy:
@@ -138,8 +151,10 @@ def test_a_bias_outside_the_vocabulary_is_refused_at_admission(pair):
 # -- greedy equality with speculation on ----------------------------------------------------------------
 def _greedy(pair, drafter_kind: str, features: dict, sampler: str = "rejection", temperature: float = 0.0):
     target, draft = pair
-    params = [SamplingParams(temperature, seed=7 + i, max_new_tokens=24, ignore_eos=True, sampler=sampler, **features)
-              for i in range(len(PROMPTS))]
+    params = [
+        SamplingParams(temperature, seed=7 + i, max_new_tokens=24, ignore_eos=True, sampler=sampler, **features)
+        for i in range(len(PROMPTS))
+    ]
     ref = make_engine(target, TOK, sampler=sampler).generate(PROMPTS, params)
     if drafter_kind == "ngram":
         drafter = NgramDrafter()
@@ -205,7 +220,7 @@ def test_the_grammar_reference_mask_is_regex_matching_of_token_texts():
 
     tok = make_tokenizer(VS)
     texts = TokenTexts(tok, VS + 2)  # logits wider than the vocabulary, as Qwen's
-    assert texts.texts[:3] == ["a", "b", "c"] and texts.texts[VS - 1:] == [None, None, None]  # <eos>, past it
+    assert texts.texts[:3] == ["a", "b", "c"] and texts.texts[VS - 1 :] == [None, None, None]  # <eos>, past it
     end = [VS - 1]
     before = reference_mask("(ab|c)[ -;=?-~]*", texts, "", end)
     assert before.nonzero().flatten().tolist() == [0, 2]  # a (a prefix of ab) and c; no end yet
@@ -222,20 +237,35 @@ def test_the_grammar_reference_mask_is_regex_matching_of_token_texts():
 def test_server_accepts_the_fields_and_answers_400_for_bad_values():
     from test_server_harness import engine, serve
 
-    good = {"prompt": "abc", "max_tokens": 6, "temperature": 0, "logit_bias": {"3": 5, "7": -100},
-            "presence_penalty": 0.5, "frequency_penalty": 1, "repetition_penalty": 1.2, "min_p": 0.1}
-    bad = [({"logit_bias": {"40": 1}}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias"),
-           ({"logit_bias": {"3": 101}}, "logit_bias"), ({"presence_penalty": 2.5}, "presence_penalty"),
-           ({"frequency_penalty": -3}, "frequency_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
-           ({"min_p": 1.5}, "min_p")]
+    good = {
+        "prompt": "abc",
+        "max_tokens": 6,
+        "temperature": 0,
+        "logit_bias": {"3": 5, "7": -100},
+        "presence_penalty": 0.5,
+        "frequency_penalty": 1,
+        "repetition_penalty": 1.2,
+        "min_p": 0.1,
+    }
+    bad = [
+        ({"logit_bias": {"40": 1}}, "logit_bias"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"3": 101}}, "logit_bias"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+    ]
     with serve(engine()) as s, s.http() as c:
         for body, param in bad:
             r = c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3} | body)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
         r = c.post("/v1/completions", json=good)
         assert r.status_code == 200, r.text
-        chat = c.post("/v1/chat/completions", json={k: v for k, v in good.items() if k != "prompt"}
-                      | {"messages": [{"role": "user", "content": "ab"}]})
+        chat = c.post(
+            "/v1/chat/completions",
+            json={k: v for k, v in good.items() if k != "prompt"} | {"messages": [{"role": "user", "content": "ab"}]},
+        )
         assert chat.status_code == 200, chat.text
         s.wait_idle()
 
@@ -250,24 +280,34 @@ def test_the_openai_client_sends_the_fields_unchanged_and_speculation_equals_tar
     prompt = "abcab"
     fields = dict(logit_bias={"3": 5, "7": -100}, presence_penalty=0.5, frequency_penalty=1.0)
     extra = {"repetition_penalty": 1.2, "min_p": 0.1}
-    params = dict(max_new_tokens=12, logit_bias=((3, 5.0), (7, -100.0)), presence_penalty=0.5, frequency_penalty=1.0,
-                  repetition_penalty=1.2, min_p=0.1)
+    params = dict(
+        max_new_tokens=12,
+        logit_bias=((3, 5.0), (7, -100.0)),
+        presence_penalty=0.5,
+        frequency_penalty=1.0,
+        repetition_penalty=1.2,
+        min_p=0.1,
+    )
     with serve(engine()) as s:
         client = s.openai()
-        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body=extra,
-                                      **fields)
+        r = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body=extra, **fields
+        )
         text, finish, _ = reference(tok(prompt).input_ids, **params)
         assert (r.choices[0].text, r.choices[0].finish_reason) == (text, finish)
         assert r.model_extra["speculation"]["drafted"] > 0
         assert text != reference(tok(prompt).input_ids, max_new_tokens=12)[0]  # the fields changed the output
-        streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True,
-                                             extra_body=extra, **fields)
+        streamed = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True, extra_body=extra, **fields
+        )
         assert "".join(c.choices[0].text for c in streamed if c.choices) == text
         messages = [{"role": "user", "content": "ab"}]
-        chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
-                                              extra_body=extra, **fields)
-        chat_ids = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
-                       add_special_tokens=False).input_ids
+        chat = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=12, temperature=0, extra_body=extra, **fields
+        )
+        chat_ids = tok(
+            tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+        ).input_ids
         assert chat.choices[0].message.content == reference(chat_ids, **params)[0]
         s.wait_idle()
 
@@ -287,16 +327,42 @@ def model_dirs(tmp_path_factory):
 def test_generate_flags(model_dirs, capsys):
     from specdecode.cli import main
 
-    common = ["generate", "--target", model_dirs["target"], "--prompt-ids", "1,2,3", "--max-new-tokens", "12",
-              "--ignore-eos", "--dtype", "float32", "--json", "--logit-bias", "3=4", "--logit-bias", "25=-100",
-              "--presence-penalty", "0.5", "--frequency-penalty", "0.5", "--repetition-penalty", "1.3", "--min-p", "0.1"]
+    common = [
+        "generate",
+        "--target",
+        model_dirs["target"],
+        "--prompt-ids",
+        "1,2,3",
+        "--max-new-tokens",
+        "12",
+        "--ignore-eos",
+        "--dtype",
+        "float32",
+        "--json",
+        "--logit-bias",
+        "3=4",
+        "--logit-bias",
+        "25=-100",
+        "--presence-penalty",
+        "0.5",
+        "--frequency-penalty",
+        "0.5",
+        "--repetition-penalty",
+        "1.3",
+        "--min-p",
+        "0.1",
+    ]
     assert main(common) == 0
     base = json.loads(capsys.readouterr().out)
     assert main(common + ["--draft", model_dirs["draft"], "-k", "3"]) == 0
     spec = json.loads(capsys.readouterr().out)
     assert spec["token_ids"] == base["token_ids"] and 25 not in base["token_ids"] and spec["stats"]["drafted"] > 0
-    for extra, message in ((["--logit-bias", "99=1"], "outside the vocabulary"), (["--logit-bias", "3"], "ID=BIAS"),
-                           (["--presence-penalty", "3"], "presence_penalty"), (["--min-p", "2"], "min_p")):
+    for extra, message in (
+        (["--logit-bias", "99=1"], "outside the vocabulary"),
+        (["--logit-bias", "3"], "ID=BIAS"),
+        (["--presence-penalty", "3"], "presence_penalty"),
+        (["--min-p", "2"], "min_p"),
+    ):
         assert main(common + extra) == 2
         assert message in capsys.readouterr().err
 
@@ -309,11 +375,18 @@ def test_a_draft_identical_to_the_target_is_always_accepted_under_processors(pai
     processors, or with the state of the last committed token, frequency penalties of 2 would reject some.)"""
     target, _ = pair
     same = perturbed_copy(target, 0.0)
+
     def drafter():  # (a tree of 16 nodes keeps the whole top-1 path of depth 4: nothing pruned)
         return DraftModelDrafter(runner_for(same), tree_topk=2 if tree else 1, tree_nodes=16 if tree else 0)
 
-    params = SamplingParams(max_new_tokens=30, ignore_eos=True, frequency_penalty=2.0, presence_penalty=1.0,
-                            repetition_penalty=1.5, logit_bias={3: 3.0})
+    params = SamplingParams(
+        max_new_tokens=30,
+        ignore_eos=True,
+        frequency_penalty=2.0,
+        presence_penalty=1.0,
+        repetition_penalty=1.5,
+        logit_bias={3: 3.0},
+    )
     out = make_engine(target, TOK, drafter=drafter(), k=4).generate(PROMPTS, params)
     assert sum(o.stats.drafted for o in out) > 30
     assert all(o.stats.accepted == o.stats.drafted for o in out)

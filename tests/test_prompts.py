@@ -19,12 +19,10 @@ def _write_jsonl(path: Path, rows: list[object]) -> Path:
 def _spec_bench_rows() -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     qid = 0
-    for category in ["writing", "coding", "translation", "qa", "summarization", "math_reasoning",
-                     "rag"]:
+    for category in ["writing", "coding", "translation", "qa", "summarization", "math_reasoning", "rag"]:
         for _ in range(5):
             qid += 1
-            rows.append({"question_id": qid, "category": category,
-                         "turns": [f"first {qid}", f"second {qid}"]})
+            rows.append({"question_id": qid, "category": category, "turns": [f"first {qid}", f"second {qid}"]})
     return rows
 
 
@@ -42,9 +40,7 @@ def test_spec_bench_maps_categories_and_uses_first_turn(spec_bench: Path) -> Non
     assert first.messages == [{"role": "user", "content": "first 1"}]
 
 
-def test_spec_bench_sampling_is_seeded_and_independent_of_file_order(
-    spec_bench: Path, tmp_path: Path
-) -> None:
+def test_spec_bench_sampling_is_seeded_and_independent_of_file_order(spec_bench: Path, tmp_path: Path) -> None:
     shuffled = _write_jsonl(tmp_path / "shuffled.jsonl", _spec_bench_rows()[::-1])
     a = P.load_spec_bench(spec_bench, n_per_category=2, seed=3)
     b = P.load_spec_bench(shuffled, n_per_category=2, seed=3)
@@ -52,13 +48,11 @@ def test_spec_bench_sampling_is_seeded_and_independent_of_file_order(
     assert len(a) == 12
     only_qa = P.load_spec_bench(spec_bench, categories=["qa"], n_per_category=2, seed=3)
     assert [p.id for p in only_qa] == [p.id for p in a if p.category == "qa"]
-    seeds = {tuple(p.id for p in P.load_spec_bench(spec_bench, n_per_category=2, seed=s))
-             for s in range(6)}
+    seeds = {tuple(p.id for p in P.load_spec_bench(spec_bench, n_per_category=2, seed=s)) for s in range(6)}
     assert len(seeds) > 1
 
 
-def test_spec_bench_env_var_and_missing_file(spec_bench: Path, tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_spec_bench_env_var_and_missing_file(spec_bench: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(P.SPEC_BENCH_ENV, str(spec_bench))
     assert len(P.load_prompt_set("spec-bench", n=1)) == 6
     monkeypatch.setenv(P.SPEC_BENCH_ENV, str(tmp_path / "nope.jsonl"))
@@ -69,8 +63,7 @@ def test_spec_bench_env_var_and_missing_file(spec_bench: Path, tmp_path: Path,
 def test_spec_bench_errors(spec_bench: Path, tmp_path: Path) -> None:
     with pytest.raises(PromptSetError, match=r"unknown category \['poetry'\].*mt_bench"):
         P.load_spec_bench(spec_bench, categories=["poetry"])
-    bad = _write_jsonl(tmp_path / "bad.jsonl", [{"question_id": 1, "category": "limericks",
-                                                  "turns": ["x"]}])
+    bad = _write_jsonl(tmp_path / "bad.jsonl", [{"question_id": 1, "category": "limericks", "turns": ["x"]}])
     with pytest.raises(PromptSetError, match=r"bad\.jsonl:1: unknown Spec-Bench category"):
         P.load_spec_bench(bad)
     with pytest.raises(PromptSetError, match="must be positive"):
@@ -98,11 +91,13 @@ def test_humaneval() -> None:
 
 
 def test_jsonl_prompts(tmp_path: Path) -> None:
-    path = _write_jsonl(tmp_path / "mine.jsonl", [
-        {"prompt": "def f():"},
-        {"messages": [{"role": "user", "content": "hi"}], "id": "greet", "category": "chat",
-         "max_new_tokens": 7},
-    ])
+    path = _write_jsonl(
+        tmp_path / "mine.jsonl",
+        [
+            {"prompt": "def f():"},
+            {"messages": [{"role": "user", "content": "hi"}], "id": "greet", "category": "chat", "max_new_tokens": 7},
+        ],
+    )
     completion, chat = P.load_jsonl(path)
     assert completion == Prompt("mine/1", "custom", "def f():", None, "completion")
     assert chat.kind == "chat" and chat.id == "greet" and chat.max_new_tokens == 7
@@ -111,14 +106,17 @@ def test_jsonl_prompts(tmp_path: Path) -> None:
         P.load_prompt_set(str(path), categories=["qa"])
 
 
-@pytest.mark.parametrize("line, message", [
-    ("{not json", r"bad\.jsonl:2: invalid JSON"),
-    ("[1, 2]", r"bad\.jsonl:2: expected a JSON object"),
-    ('{"text": "x"}', r"bad\.jsonl:2: needs exactly one of 'prompt' or 'messages'"),
-    ('{"prompt": "a", "messages": []}', r"bad\.jsonl:2: needs exactly one"),
-    ('{"messages": [{"role": "user"}]}', r"bad\.jsonl:2: messages\[0\] must be"),
-    ('{"prompt": "a", "max_new_tokens": -1}', r"bad\.jsonl:2: 'max_new_tokens' must be"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("{not json", r"bad\.jsonl:2: invalid JSON"),
+        ("[1, 2]", r"bad\.jsonl:2: expected a JSON object"),
+        ('{"text": "x"}', r"bad\.jsonl:2: needs exactly one of 'prompt' or 'messages'"),
+        ('{"prompt": "a", "messages": []}', r"bad\.jsonl:2: needs exactly one"),
+        ('{"messages": [{"role": "user"}]}', r"bad\.jsonl:2: messages\[0\] must be"),
+        ('{"prompt": "a", "max_new_tokens": -1}', r"bad\.jsonl:2: 'max_new_tokens' must be"),
+    ],
+)
 def test_jsonl_errors_name_file_and_line(tmp_path: Path, line: str, message: str) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "ok"}\n' + line + "\n", encoding="utf-8")

@@ -79,8 +79,9 @@ def test_greedy_with_a_quantized_draft_equals_target_only(mode):
     target = make_model(V, seed=0, hidden=64)
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     reference = make_engine(target, TOK, num_slots=2).generate(PROMPTS, params)
-    engine = Engine(HFRunner(target), TOK, DraftModelDrafter(HFRunner(quantized(target, mode))), 4,
-                    max_batch_size=2, max_context=64)
+    engine = Engine(
+        HFRunner(target), TOK, DraftModelDrafter(HFRunner(quantized(target, mode))), 4, max_batch_size=2, max_context=64
+    )
     outs = engine.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
     assert sum(o.stats.accepted for o in outs) > 0
@@ -91,8 +92,9 @@ def test_quantized_draft_keeps_the_target_law(sp):
     """4000 samples of the first two tokens; the draft is the int8 copy of a perturbed target."""
     target = make_model(VS, seed=5, scale=0.5)
     draft = Q.quantize_model(perturbed_copy(target, noise=0.6, seed=3), "int8")
-    engine = Engine(HFRunner(target), make_tokenizer(VS), DraftModelDrafter(HFRunner(draft)), 3, max_batch_size=250,
-                    max_context=8)
+    engine = Engine(
+        HFRunner(target), make_tokenizer(VS), DraftModelDrafter(HFRunner(draft)), 3, max_batch_size=250, max_context=8
+    )
     counts = sample_pairs(engine, [1, 2, 3], sp, 4000, 250)
     assert chi_square_p(counts, exact_two_token_law(target, [1, 2, 3], sp), 4000) > ALPHA
 

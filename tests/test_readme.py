@@ -38,8 +38,11 @@ SKIPPED = ("pip install", "scripts/install-llamacpp.sh", "python -m pytest", "sp
 def needs_llamacpp(command: str) -> bool:
     """A README line that runs a model on llama.cpp whatever else is installed: ``--backend llamacpp``, or a
     ``.gguf`` draft kept in its quantization (``@gguf|@q8_0|@q4_0``, ``--draft-quantization gguf``)."""
-    return ("--backend llamacpp" in command or re.search(r"@(gguf|q8_0|q4_0)\b", command) is not None
-            or "--draft-quantization gguf" in command)
+    return (
+        "--backend llamacpp" in command
+        or re.search(r"@(gguf|q8_0|q4_0)\b", command) is not None
+        or "--draft-quantization gguf" in command
+    )
 
 
 def llamacpp_installed() -> bool:
@@ -79,17 +82,24 @@ def world(tmp_path_factory):
     fetch.register_model("qwen2.5-coder-1.5b", target)
     fetch.register_model("qwen2.5-coder-0.5b", draft)
     fetch.register_pair("qwen2.5-coder", draft="qwen2.5-coder-0.5b", target="qwen2.5-coder-1.5b")
-    names = {"T": str(target), "D": str(draft), "D.gguf": str(draft), "F": str(root / "features"),
-             "H": str(root / "medusa"), "E": str(root / "eagle"),
-             "SMALL": str(draft)}  # xvocab:SMALL reads text: any tokenizer, this one included
+    names = {
+        "T": str(target),
+        "D": str(draft),
+        "D.gguf": str(draft),
+        "F": str(root / "features"),
+        "H": str(root / "medusa"),
+        "E": str(root / "eagle"),
+        "SMALL": str(draft),
+    }  # xvocab:SMALL reads text: any tokenizer, this one included
     yield names
     mp.undo()
 
 
 def _ansi_c(command: str) -> str:
     """bash's ``$'...'`` quoting (``\\n`` is a newline there), which shlex does not know, as plain quoting."""
-    return re.sub(r"\$'((?:[^'\\]|\\.)*)'",
-                  lambda m: shlex.quote(m.group(1).encode().decode("unicode_escape")), command)
+    return re.sub(
+        r"\$'((?:[^'\\]|\\.)*)'", lambda m: shlex.quote(m.group(1).encode().decode("unicode_escape")), command
+    )
 
 
 def _argv(command: str, names: dict[str, str]) -> list[str]:
@@ -157,8 +167,10 @@ def _run_readme(world, capsys, monkeypatch, selected) -> tuple[list[str], list[s
                 continue
             if missing and needs_llamacpp(command):
                 if code != 2 or "scripts/install-llamacpp.sh" not in out.err or "Traceback" in out.err:
-                    failures.append(f"{command}: without llama.cpp expected exit 2 naming scripts/install-llamacpp.sh,"
-                                    f" got {code}: {out.err[-2000:]}")
+                    failures.append(
+                        f"{command}: without llama.cpp expected exit 2 naming scripts/install-llamacpp.sh,"
+                        f" got {code}: {out.err[-2000:]}"
+                    )
                 continue
             if code != 0:
                 failures.append(f"{command}: exit {code}: {out.err[-2000:]}")
@@ -174,8 +186,7 @@ def test_every_readme_command_runs_as_written(world, capsys, monkeypatch):
     """Every line that runs without llama.cpp; where it is not installed, the lines that need it fail
     the way a user sees it (one line naming the install script, exit 2)."""
     missing = not llamacpp_installed()
-    ran, failures, servers = _run_readme(world, capsys, monkeypatch,
-                                         lambda c: missing or not needs_llamacpp(c))
+    ran, failures, servers = _run_readme(world, capsys, monkeypatch, lambda c: missing or not needs_llamacpp(c))
     assert not failures, "\n\n".join(failures)
     assert len(ran) >= 20 and any(c.startswith("specdecode load") for c in ran) and servers, ran
 
@@ -193,5 +204,7 @@ def test_the_readme_lines_that_need_llamacpp_are_the_ones_named():
     """The split above is by what the lines say: the install line's generate, and the GGUF draft kept quantized."""
     named = [c for c in readme_commands() if needs_llamacpp(c)]
     assert any("--backend llamacpp" in c for c in named) and any("@q4_0" in c for c in named), named
-    assert not any(c.startswith("specdecode generate --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b "
-                                "--num-draft-tokens") for c in named)  # the main job runs anywhere
+    assert not any(
+        c.startswith("specdecode generate --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --num-draft-tokens")
+        for c in named
+    )  # the main job runs anywhere

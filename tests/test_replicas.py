@@ -27,12 +27,30 @@ import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
 from specdecode.server.app import ServerConfig  # noqa: E402
-from specdecode.server.replicas import (APP_NAME, INGRESS_HEADER, REPLICA_HEADER, Route,  # noqa: E402
-                                        aggregate_metrics, build_app, rank_replicas, ring_owner, routing_key)
+from specdecode.server.replicas import (
+    APP_NAME,
+    INGRESS_HEADER,
+    REPLICA_HEADER,
+    Route,  # noqa: E402
+    aggregate_metrics,
+    build_app,
+    rank_replicas,
+    ring_owner,
+    routing_key,
+)
 from test_server_harness import one_torch_thread  # noqa: E402,F401 (autouse fixture)
 from test_server_harness import serve as serve_one  # noqa: E402
-from test_server_harness import (CLIENT_TIMEOUT_S, KEY, MODEL, engine, reference, scrape, sse_events,  # noqa: E402
-                                 tokenizer, until)
+from test_server_harness import (
+    CLIENT_TIMEOUT_S,
+    KEY,
+    MODEL,
+    engine,
+    reference,
+    scrape,
+    sse_events,  # noqa: E402
+    tokenizer,
+    until,
+)
 
 GATE_ENV = "SPECDECODE_TEST_REPLICA_GATE"
 STEPS_BEFORE_HOLD = 4  # engine steps a replica takes after the gate appears, before it waits
@@ -74,8 +92,11 @@ def test_routing_key_is_the_prompt_prefix():
     assert routing_key("/v1/completions", body({"prompt": "abcdefghij"}), 4) == "abcd"
     assert routing_key("/v1/completions", body({"prompt": ["abcdefghij"]}), 4) == "abcd"
     assert routing_key("/v1/completions", body({"prompt": [5, 6, 7]}), 4) == "5,6,"
-    chat = routing_key("/v1/chat/completions", body({"messages": [{"role": "system", "content": "be brief"},
-                                                                   {"role": "user", "content": "hi"}]}), 64)
+    chat = routing_key(
+        "/v1/chat/completions",
+        body({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}),
+        64,
+    )
     assert chat.startswith("system\x00be brief\x00user\x00hi")
     assert routing_key("/v1/models", b"", 4) is None
     assert routing_key("/v1/completions", b"{not json", 4) is None
@@ -83,17 +104,21 @@ def test_routing_key_is_the_prompt_prefix():
 
 
 def test_aggregate_metrics_sums_counters_and_labels_what_does_not_sum():
-    a = ('# HELP specdecode_requests_total r\n# TYPE specdecode_requests_total counter\n'
-         'specdecode_requests_total{finish_reason="stop"} 2.0\n'
-         '# HELP specdecode_queue_depth q\n# TYPE specdecode_queue_depth gauge\nspecdecode_queue_depth 1.0\n'
-         '# HELP specdecode_speculation_enabled s\n# TYPE specdecode_speculation_enabled gauge\n'
-         'specdecode_speculation_enabled 1.0\n')
+    a = (
+        '# HELP specdecode_requests_total r\n# TYPE specdecode_requests_total counter\n'
+        'specdecode_requests_total{finish_reason="stop"} 2.0\n'
+        '# HELP specdecode_queue_depth q\n# TYPE specdecode_queue_depth gauge\nspecdecode_queue_depth 1.0\n'
+        '# HELP specdecode_speculation_enabled s\n# TYPE specdecode_speculation_enabled gauge\n'
+        'specdecode_speculation_enabled 1.0\n'
+    )
     b = a.replace("} 2.0", "} 5.0").replace("depth 1.0", "depth 3.0").replace("enabled 1.0", "enabled 0.0")
     m = scrape(aggregate_metrics({"r0": a, "r1": b, "r2": None}).decode())
     assert m['specdecode_requests_total{finish_reason="stop"}'] == 7.0
     assert m["specdecode_queue_depth"] == 4.0
-    assert (m['specdecode_speculation_enabled{replica="r0"}'], m['specdecode_speculation_enabled{replica="r1"}']) \
-        == (1.0, 0.0)
+    assert (m['specdecode_speculation_enabled{replica="r0"}'], m['specdecode_speculation_enabled{replica="r1"}']) == (
+        1.0,
+        0.0,
+    )
     assert [m[f'specdecode_replica_up{{replica="{r}"}}'] for r in ("r0", "r1", "r2")] == [1.0, 1.0, 0.0]
 
 
@@ -142,8 +167,13 @@ class Cluster:
     def openai(self):
         import openai
 
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, timeout=CLIENT_TIMEOUT_S,
-                             http_client=httpx.Client(trust_env=False))
+        return openai.OpenAI(
+            base_url=self.url + "/v1",
+            api_key=KEY,
+            max_retries=0,
+            timeout=CLIENT_TIMEOUT_S,
+            http_client=httpx.Client(trust_env=False),
+        )
 
 
 @pytest.fixture(scope="module")
@@ -157,8 +187,14 @@ def cluster(tmp_path_factory):
     try:
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        app = build_app(gated_engine, ServerConfig(model_name=MODEL, api_key=KEY), replicas=2, replica_cpus=1,
-                        graceful_timeout_s=2, prefix_chars=PREFIX_CHARS)
+        app = build_app(
+            gated_engine,
+            ServerConfig(model_name=MODEL, api_key=KEY),
+            replicas=2,
+            replica_cpus=1,
+            graceful_timeout_s=2,
+            prefix_chars=PREFIX_CHARS,
+        )
         serve.run(app, name=APP_NAME, route_prefix="/")
         yield Cluster(f"http://127.0.0.1:{port}", gate)
     finally:
@@ -191,23 +227,37 @@ def test_completions_and_chat_match_the_target_alone(cluster):
     messages = [{"role": "system", "content": "bq"}, {"role": "user", "content": "hello"}]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0)
     tok = tokenizer()
-    chat_ids = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
-                   add_special_tokens=False).input_ids
+    chat_ids = tok(
+        tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+    ).input_ids
     assert r.choices[0].message.content == reference(chat_ids, max_new_tokens=30)[0]
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
 def test_streaming_matches_the_target_alone(cluster):
     client = cluster.openai()
-    chunks = list(client.completions.create(model=MODEL, prompt="hello", max_tokens=24, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="hello",
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text, finish, n = reference(ids("hello"), max_new_tokens=24)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == finish
     assert chunks[-1].usage.completion_tokens == n
-    with cluster.http() as c, c.stream("POST", "/v1/chat/completions",
-                                       json={"messages": [{"role": "user", "content": "abc"}], "max_tokens": 10,
-                                             "temperature": 0, "stream": True}) as r:
+    with (
+        cluster.http() as c,
+        c.stream(
+            "POST",
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "abc"}], "max_tokens": 10, "temperature": 0, "stream": True},
+        ) as r,
+    ):
         assert r.headers["content-type"].startswith("text/event-stream")
         events = sse_events(r)
     assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] in ("stop", "length")
@@ -271,9 +321,12 @@ def test_requests_sharing_a_prefix_meet_the_same_replica(cluster):
 def _stream(cluster: Cluster, prompt: str, out: dict) -> None:
     """One streamed completion: out gets the replica header, the events, or the non-200 answer."""
     try:
-        with cluster.http() as c, c.stream("POST", "/v1/completions",
-                                           json={"prompt": prompt, "max_tokens": 80, "ignore_eos": True,
-                                                 "stream": True}) as r:
+        with (
+            cluster.http() as c,
+            c.stream(
+                "POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 80, "ignore_eos": True, "stream": True}
+            ) as r,
+        ):
             out["status"], out["replica"], out["ingress"] = r.status_code, r.headers.get(HEADER), r.headers.get(INGRESS)
             if r.status_code != 200:
                 out["body"] = json.loads(r.read())
@@ -281,7 +334,7 @@ def _stream(cluster: Cluster, prompt: str, out: dict) -> None:
             out["events"] = []
             for line in r.iter_lines():
                 if line.startswith("data: "):
-                    out["events"].append(line[len("data: "):])
+                    out["events"].append(line[len("data: ") :])
     except Exception as exc:  # noqa: BLE001 (the assertion below says what happened)
         out["exception"] = repr(exc)
 
@@ -325,8 +378,10 @@ def test_a_replica_killed_mid_stream(cluster):
     plain = [{} for _ in range(6)]  # non-streaming: nothing reaches the client before the end
     cluster.gate.write_text(uuid.uuid4().hex)
     threads = [threading.Thread(target=_stream, args=(cluster, p, o), daemon=True) for p, o in zip(prompts, outs)]
-    threads += [threading.Thread(target=_complete, args=(cluster, f"{c * 8}plain", o), daemon=True)
-                for c, o in zip("abcdef", plain)]
+    threads += [
+        threading.Thread(target=_complete, args=(cluster, f"{c * 8}plain", o), daemon=True)
+        for c, o in zip("abcdef", plain)
+    ]
     try:
         for t in threads:
             t.start()
@@ -352,8 +407,11 @@ def test_a_replica_killed_mid_stream(cluster):
 
 
 def _ingress_replicas() -> list[str]:
-    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a["namespace"] == "serve" and f"#{APP_NAME}#Ingress#" in f"#{a['name'].split('::')[-1]}")
+    return sorted(
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == "serve" and f"#{APP_NAME}#Ingress#" in f"#{a['name'].split('::')[-1]}"
+    )
 
 
 def test_an_ingress_replica_killed_leaves_the_other_serving(cluster):

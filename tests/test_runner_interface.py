@@ -27,9 +27,15 @@ TOK = make_tokenizer(V)
 
 # -- the pure tree layout -----------------------------------------------------------------------------
 
+
 def test_chain_layout_is_the_causal_chain():
-    lay = tree_layout(torch.tensor([7, 8]), torch.tensor([[1, 2, 3], [4, 5, 0]]), chain_parents(2, 3),
-                      torch.tensor([3, 2]), torch.tensor([10, 4]))
+    lay = tree_layout(
+        torch.tensor([7, 8]),
+        torch.tensor([[1, 2, 3], [4, 5, 0]]),
+        chain_parents(2, 3),
+        torch.tensor([3, 2]),
+        torch.tensor([10, 4]),
+    )
     assert lay.input_ids.tolist() == [[7, 1, 2, 3], [8, 4, 5, 0]]
     assert lay.positions[0].tolist() == [10, 11, 12, 13] and lay.positions[1, :3].tolist() == [4, 5, 6]
     assert lay.write_positions[1].tolist() == [4, 5, 6, 7]
@@ -53,7 +59,9 @@ def test_tree_layout_depths_masks_and_paths():
     assert paths == {(0, 1, 3), (0, 1, 4), (0, 2, 5)}
     assert path_writes(3, [0, 2, 5]) == [5, 8]
     with pytest.raises(ValueError, match="earlier node"):
-        tree_layout(torch.tensor([9]), torch.tensor([[1, 2]]), torch.tensor([[1, -1]]), torch.tensor([2]), torch.tensor([0]))
+        tree_layout(
+            torch.tensor([9]), torch.tensor([[1, 2]]), torch.tensor([[1, -1]]), torch.tensor([2]), torch.tensor([0])
+        )
 
 
 def random_tree(rng: random.Random, n: int) -> list[int]:
@@ -61,6 +69,7 @@ def random_tree(rng: random.Random, n: int) -> list[int]:
 
 
 # -- tree forward == chain forward of each node's path -----------------------------------------------
+
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_tree_forward_logits_equal_chain_forward_of_each_path(arch):
@@ -78,8 +87,9 @@ def test_tree_forward_logits_equal_chain_forward_of_each_path(arch):
         parents[b, :n] = torch.tensor(random_tree(rng, n), dtype=torch.long)
     start = torch.tensor([len(p) - 1 for p in prompts])
     lay = tree_layout(torch.tensor([p[-1] for p in prompts]), tokens, parents, torch.tensor(sizes), start)
-    out = runner.forward(torch.arange(bsz), lay.input_ids, lay.positions, write_positions=lay.write_positions,
-                         tree_mask=lay.mask)
+    out = runner.forward(
+        torch.arange(bsz), lay.input_ids, lay.positions, write_positions=lay.write_positions, tree_mask=lay.mask
+    )
     tree_logits = runner.logits(out.hidden)  # [B, 1+K, V]
     for b, n in enumerate(sizes):
         for node in range(n + 1):
@@ -87,8 +97,9 @@ def test_tree_forward_logits_equal_chain_forward_of_each_path(arch):
             chain = lay.input_ids[b, path].tolist()
             ref_slot = 4 + b
             ids = prompts[b][:-1] + chain
-            ref = runner.logits(runner.forward(torch.tensor([ref_slot]), torch.tensor([ids]),
-                                               torch.arange(len(ids))[None]).hidden)[0, -1]
+            ref = runner.logits(
+                runner.forward(torch.tensor([ref_slot]), torch.tensor([ids]), torch.arange(len(ids))[None]).hidden
+            )[0, -1]
             torch.testing.assert_close(tree_logits[b, node], ref, atol=1e-4, rtol=1e-4)
 
 
@@ -103,8 +114,9 @@ def test_compacted_branch_continues_exactly_like_a_chain_run():
     start = len(prompt) - 1
     lay = tree_layout(torch.tensor([prompt[-1]]), tokens, parents, torch.tensor([7]), torch.tensor([start]))
     runner.prefill([0], [prompt[:-1]])
-    runner.forward(torch.tensor([0]), lay.input_ids, lay.positions, write_positions=lay.write_positions,
-                   tree_mask=lay.mask)
+    runner.forward(
+        torch.tensor([0]), lay.input_ids, lay.positions, write_positions=lay.write_positions, tree_mask=lay.mask
+    )
     path = [0, 1, 3, 5]  # root, n0, n2, n4
     runner.compact(0, path_writes(start, path), start + 1)
     branch = lay.input_ids[0, path].tolist()
@@ -113,7 +125,11 @@ def test_compacted_branch_continues_exactly_like_a_chain_run():
         out = []
         for _ in range(n):
             pos = torch.tensor([[cached]])
-            tok = int(runner.logits(runner.forward(torch.tensor([slot]), torch.tensor([[ids[-1]]]), pos).hidden)[0, 0].argmax())
+            tok = int(
+                runner.logits(runner.forward(torch.tensor([slot]), torch.tensor([[ids[-1]]]), pos).hidden)[
+                    0, 0
+                ].argmax()
+            )
             ids, cached = ids + [tok], cached + 1
             out.append(tok)
         return out
@@ -125,6 +141,7 @@ def test_compacted_branch_continues_exactly_like_a_chain_run():
 
 
 # -- features reach the drafter ------------------------------------------------------------------------
+
 
 class RecordingDrafter(DrafterBase):
     """n-gram proposals (so steps accept some, reject some), recording the features it is handed."""
@@ -186,11 +203,12 @@ def test_a_drafter_without_feature_layers_is_never_observed():
 
 # -- a second runner drives the engine through the protocol alone --------------------------------------
 
+
 def reference_greedy(runner: ToyRunner, prompt: list[int], n: int) -> list[int]:
     ids = list(prompt)
     for _ in range(n):
         ids.append(int(runner.reference_logits(ids).argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 @pytest.mark.parametrize("drafter_kind", ["model", "ngram"])
@@ -227,6 +245,7 @@ def test_engine_sizes_runner_caches_from_the_policy():
 
 # -- devices and dtypes --------------------------------------------------------------------------------
 
+
 def test_device_and_dtype_resolution():
     assert resolve_device("cpu").type == "cpu"
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
@@ -242,12 +261,19 @@ def test_device_and_dtype_resolution():
 
 def test_engine_tensors_follow_the_runner_device():
     model = make_model(V, seed=1)
-    engine = Engine(HFRunner(model), TOK, DraftModelDrafter(HFRunner(perturbed_copy(model, 0.2))), 3,
-                    max_batch_size=2, max_context=32)
+    engine = Engine(
+        HFRunner(model),
+        TOK,
+        DraftModelDrafter(HFRunner(perturbed_copy(model, 0.2))),
+        3,
+        max_batch_size=2,
+        max_context=32,
+    )
     assert engine.device == next(model.parameters()).device
 
 
 # -- the drafter registry ------------------------------------------------------------------------------
+
 
 def test_draft_specs():
     assert parse_draft("ngram").kind == "ngram" and parse_draft("ngram:2-4").arg == "2-4"
@@ -265,6 +291,7 @@ def test_draft_specs():
 
 
 # -- ragged prefill ------------------------------------------------------------------------------------------------
+
 
 def test_pack_rows_bounds_padding_and_keeps_every_row_once():
     from specdecode.models.hf import pack_rows
@@ -305,5 +332,9 @@ def test_a_ragged_prefill_computes_no_long_padding_and_equals_rows_prefilled_alo
         torch.testing.assert_close(feats[slot][FINAL], ref[0][FINAL], atol=1e-5, rtol=1e-5)
         pos = torch.tensor([[starts[slot] + len(prompts[slot])]])
         nxt = torch.tensor([[7]])
-        torch.testing.assert_close(runner.logits(forward(torch.tensor([slot]), nxt, pos).hidden),
-                                   alone.logits(alone.forward(torch.tensor([0]), nxt, pos).hidden), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            runner.logits(forward(torch.tensor([slot]), nxt, pos).hidden),
+            alone.logits(alone.forward(torch.tensor([0]), nxt, pos).hidden),
+            atol=1e-5,
+            rtol=1e-5,
+        )

@@ -6,8 +6,15 @@ import pytest
 import torch
 
 from specdecode.sampling import (
-    SamplingError, SamplingParams, SamplingSetting, make_generator, params_tensors, parse_setting, sample,
-    top_p_threshold, warp,
+    SamplingError,
+    SamplingParams,
+    SamplingSetting,
+    make_generator,
+    params_tensors,
+    parse_setting,
+    sample,
+    top_p_threshold,
+    warp,
 )
 
 
@@ -31,7 +38,9 @@ def reference_warp(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
     return torch.softmax(masked, 0).float()
 
 
-@pytest.mark.parametrize("t,k,p", [(1.0, 0, 1.0), (0.7, 0, 0.9), (1.0, 5, 1.0), (1.3, 3, 0.8), (0.0, 0, 1.0), (0.5, 50, 0.5)])
+@pytest.mark.parametrize(
+    "t,k,p", [(1.0, 0, 1.0), (0.7, 0, 0.9), (1.0, 5, 1.0), (1.3, 3, 0.8), (0.0, 0, 1.0), (0.5, 50, 0.5)]
+)
 def test_warp_matches_reference(t, k, p):
     torch.manual_seed(0)
     logits = torch.randn(6, 40) * 3
@@ -61,7 +70,7 @@ def test_top_p_ladder_equals_one_full_sort():
     fast = top_p_threshold(rows, p)
     assert torch.equal(fast, top_p_threshold(rows, p, ladder=()))
     assert torch.equal(fast, top_p_threshold(rows, p, ladder=(16, 64, 256)))
-    alone = torch.cat([top_p_threshold(rows[i:i + 1], p[:1]) for i in range(rows.shape[0])])
+    alone = torch.cat([top_p_threshold(rows[i : i + 1], p[:1]) for i in range(rows.shape[0])])
     assert torch.equal(fast, alone)  # a row's cut does not depend on its batch
 
 
@@ -121,8 +130,18 @@ def test_generators_are_reproducible():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(temperature=-0.1), dict(temperature=float("nan")), dict(temperature=float("inf")), dict(top_p=0.0),
-     dict(top_p=1.5), dict(top_k=-1), dict(top_k=2.5), dict(max_new_tokens=0), dict(stop=("",)), dict(seed="x")],
+    [
+        dict(temperature=-0.1),
+        dict(temperature=float("nan")),
+        dict(temperature=float("inf")),
+        dict(top_p=0.0),
+        dict(top_p=1.5),
+        dict(top_k=-1),
+        dict(top_k=2.5),
+        dict(max_new_tokens=0),
+        dict(stop=("",)),
+        dict(seed="x"),
+    ],
 )
 def test_impossible_arguments_are_refused(kwargs):
     with pytest.raises(SamplingError):
@@ -130,6 +149,7 @@ def test_impossible_arguments_are_refused(kwargs):
 
 
 # -- settings and their parser -----------------------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     "spec,fields,name",
@@ -206,8 +226,13 @@ def test_bad_setting_specs_name_the_problem(spec, message):
 
 
 def test_settings_are_validated_through_sampling_params():
-    for kwargs in (dict(temperature=-1.0), dict(temperature=1.0, top_k=-1), dict(temperature=1.0, top_p=0.0),
-                   dict(temperature=1.0, label=""), dict(temperature=1.0, label=3)):
+    for kwargs in (
+        dict(temperature=-1.0),
+        dict(temperature=1.0, top_k=-1),
+        dict(temperature=1.0, top_p=0.0),
+        dict(temperature=1.0, label=""),
+        dict(temperature=1.0, label=3),
+    ):
         with pytest.raises(SamplingError):
             SamplingSetting(**kwargs)
     assert SamplingSetting(0.7, label="mine").name == "mine"

@@ -24,8 +24,20 @@ from specdecode.engine import Engine
 from specdecode.models.hf import HFRunner
 from specdecode.sampling import SamplingParams
 from specdecode.policy import BudgetPolicy
-from specdecode.selector import (AutoPolicy, Counts, SelectorSettings, auto_drafting, could_pay, estimate,
-                                 expected_tokens, look_first, pays_back, seconds_per_token, shadow_score, steps_to_read)
+from specdecode.selector import (
+    AutoPolicy,
+    Counts,
+    SelectorSettings,
+    auto_drafting,
+    could_pay,
+    estimate,
+    expected_tokens,
+    look_first,
+    pays_back,
+    seconds_per_token,
+    shadow_score,
+    steps_to_read,
+)
 from test_engine import ALPHA, VS, chi_square_p, exact_two_token_law, sample_pairs
 from tiny import make_model, make_tokenizer, perturbed_copy, serving
 
@@ -52,6 +64,7 @@ class Seq:
 @dataclass(eq=False)
 class Req(Seq):
     """A request: the pay-back reads its tokens left, ``params.max_new_tokens - len(output_ids)``."""
+
     output_ids: list = field(default_factory=list)
 
 
@@ -80,8 +93,15 @@ class FakeParts:
 def auto(drafters, cost, parts=None, *, max_k=8, catch_up_tokens=64, history=None, **settings):
     """An :class:`AutoPolicy` with ``settings`` (SelectorSettings fields) and ``history`` (drafter -> its
     counts from earlier requests: as if it had drafted, or been scored, on them)."""
-    return AutoPolicy(drafters, cost, parts, max_k=max_k, catch_up_tokens=catch_up_tokens,
-                      settings=SelectorSettings(**settings), history=history)
+    return AutoPolicy(
+        drafters,
+        cost,
+        parts,
+        max_k=max_k,
+        catch_up_tokens=catch_up_tokens,
+        settings=SelectorSettings(**settings),
+        history=history,
+    )
 
 
 USELESS = Counts(0.0, 10.0, 10.0, 10.0)  # a history of nothing but rejections
@@ -122,8 +142,9 @@ def test_after_a_busy_calibration_one_timed_step_replaces_its_cell():
     width or draft length replaces it (a quiet one counts as two observations and is blended). Seen on
     a real run: with a moving average from the busy prior, a width timed twice kept a 3.4x error, and a
     draft length the prior made look dear was never drafted again to be corrected."""
-    busy = CostModel({1: {1: 1.0, 2: 3.0, 5: 4.0}}, {"d": {1: {1: 2.0, 2: 4.0}}},
-                     noise=costmodel.Noise(others_cpu=0.8, spread=1.5))
+    busy = CostModel(
+        {1: {1: 1.0, 2: 3.0, 5: 4.0}}, {"d": {1: {1: 2.0, 2: 4.0}}}, noise=costmodel.Noise(others_cpu=0.8, spread=1.5)
+    )
     busy.record("verify", 1, 1, 0.14)
     busy.record("verify", 1, 2, 0.15)
     busy.record("d", 1, 1, 0.2)
@@ -158,6 +179,7 @@ def test_a_busy_calibration_is_a_prior_never_cached_and_a_contradicted_one_is_me
         def run():
             measured.append(noise)
             return CostModel({1: {1: 1.0, 2: 1.2}}, {"d": {1: {1: 0.5}}}, noise=noise)
+
         return run
 
     model = costmodel.cached("k", measure(busy), tmp_path, say=said.append)
@@ -184,8 +206,11 @@ def test_after_a_busy_calibration_auto_explores_and_drafts_when_drafting_pays():
     true_verify = {1: {w: 1.0 + 0.1 * (w - 1) for w in (1, 2, 3, 5, 9)}}
 
     def calibration(noise):
-        return CostModel({b: {w: 2.5 * s for w, s in row.items()} for b, row in true_verify.items()},
-                         {"model": {1: {k: 2.4 * k for k in (1, 2, 4, 8)}}}, noise=noise)
+        return CostModel(
+            {b: {w: 2.5 * s for w, s in row.items()} for b, row in true_verify.items()},
+            {"model": {1: {k: 2.4 * k for k in (1, 2, 4, 8)}}},
+            noise=noise,
+        )
 
     def run(cost, steps=60):
         policy = auto(["model"], cost, max_k=8, explore_every=16)
@@ -213,8 +238,11 @@ def test_after_a_busy_calibration_a_width_never_timed_is_tried_and_then_timed():
     true_verify = {1: {w: 1.0 + 0.01 * (w - 1) for w in (1, 2, 3, 5, 9, 17)}}
 
     def run(noise, steps=40):
-        cost = CostModel({1: {1: 1.0, 2: 1.07, 3: 1.1, 5: 4.15, 9: 4.15, 17: 4.2}}, {"d": {1: {k: 0.0 for k in (1, 2, 4, 8, 16)}}},
-                         noise=noise)
+        cost = CostModel(
+            {1: {1: 1.0, 2: 1.07, 3: 1.1, 5: 4.15, 9: 4.15, 17: 4.2}},
+            {"d": {1: {k: 0.0 for k in (1, 2, 4, 8, 16)}}},
+            noise=noise,
+        )
         policy = auto(["d"], cost, max_k=16, explore_every=0)
         seq, widths, gen = Req(params=SamplingParams(max_new_tokens=1000)), [], torch.Generator().manual_seed(0)
         teach(policy, seq, "d", [3] * 20, k=4)  # a free drafter right 75 % of the time a token
@@ -237,8 +265,15 @@ def test_after_a_busy_calibration_a_draft_model_that_must_read_first_is_still_ex
     from specdecode.selector import Outlook, exploration
 
     cost = flat_cost(verify_per_token=0.05, drafts={"model": 3.0})  # 3 steps a drafted token: never pays
-    o = Outlook(known={"model": (0.5, 0.8)}, lag={"model": 200}, catch_up={"model": 60.0}, delay={"model": 0},
-                ready=1.0, looking=False, remaining=200)
+    o = Outlook(
+        known={"model": (0.5, 0.8)},
+        lag={"model": 200},
+        catch_up={"model": 60.0},
+        delay={"model": 0},
+        ready=1.0,
+        looking=False,
+        remaining=200,
+    )
     args = (["model"], o, (None, 0), {"model": 0}, {}, 0.1, cost, 1, (1, 2, 4), 2, SelectorSettings())
     assert exploration(*args, first=["model"], unproven=["model"])[0] == ("model", 2)
     assert exploration(*args, first=["model"])[0] is None  # control: the prior says it cannot pay
@@ -253,8 +288,14 @@ def test_calibrated_costs_never_fall_with_more_tokens():
 def test_calibration_measures_every_grid_point_through_the_protocols():
     target = HFRunner(make_model(V, seed=0))
     draft = DraftModelDrafter(HFRunner(perturbed_copy(make_model(V, seed=0), 0.1)))
-    engine = Engine(target, TOK, MultiDrafter(Parts({"m": draft, "ngram": NgramDrafter()}), lambda s: "m"), 4,
-                    max_batch_size=4, max_context=100)
+    engine = Engine(
+        target,
+        TOK,
+        MultiDrafter(Parts({"m": draft, "ngram": NgramDrafter()}), lambda s: "m"),
+        4,
+        max_batch_size=4,
+        max_context=100,
+    )
     cm = costmodel.calibrate(engine.target, engine.drafter.parts, 4, 5, 4, 40, reps=1, prompt_len=16)
     assert sorted(cm.verify) == [1, 2, 4] and sorted(cm.verify[4]) == [1, 2, 3, 5]
     assert sorted(cm.draft) == ["m", "ngram"] and sorted(cm.draft["m"][2]) == [1, 2, 4]
@@ -286,11 +327,17 @@ def test_calibration_proposals_are_real_for_every_kind_of_drafter():
         drafter.propose = propose
         return drafter
 
-    parts = {"m": counting("m", DraftModelDrafter(HFRunner(perturbed_copy(model, 0.1)))),
-             "medusa": counting("medusa", MedusaDrafter(tiny_heads(model)))}
-    engine = Engine(HFRunner(model), TOK, MultiDrafter(Parts(parts), lambda s: "m"), 3, max_batch_size=2, max_context=60)
+    parts = {
+        "m": counting("m", DraftModelDrafter(HFRunner(perturbed_copy(model, 0.1)))),
+        "medusa": counting("medusa", MedusaDrafter(tiny_heads(model))),
+    }
+    engine = Engine(
+        HFRunner(model), TOK, MultiDrafter(Parts(parts), lambda s: "m"), 3, max_batch_size=2, max_context=60
+    )
     cm = costmodel.calibrate(engine.target, engine.drafter.parts, 2, 4, 3, 60, reps=2, prompt_len=24)
-    assert len(proposed["m"]) == len(proposed["medusa"]) == 2 * (1 + 3 * 2)  # per row count: a warm-up + 3 lengths x 2 reps
+    assert (
+        len(proposed["m"]) == len(proposed["medusa"]) == 2 * (1 + 3 * 2)
+    )  # per row count: a warm-up + 3 lengths x 2 reps
     assert min(proposed["m"]) >= 1 and min(proposed["medusa"]) >= 1
     assert {r: sorted(row) for r, row in cm.draft["medusa"].items()} == {1: [1, 2, 3], 2: [1, 2, 3]}
 
@@ -308,8 +355,16 @@ def test_the_cost_cache_is_keyed_by_model_device_and_dtype(tmp_path, monkeypatch
     monkeypatch.setattr(costmodel, "calibrate", lambda *a, **kw: calls.append(1) or real(*a, **{**kw, "reps": 1}))
 
     def build(**kw):  # float32 unless asked: --dtype auto is bfloat16 on a CPU with native bf16
-        cfg = EngineConfig(str(root / "target"), str(root / "draft"), extra_drafts=("ngram",), draft_policy="auto",
-                           max_draft_tokens=4, max_context=64, backend="torch", **{"dtype": "float32", **kw})
+        cfg = EngineConfig(
+            str(root / "target"),
+            str(root / "draft"),
+            extra_drafts=("ngram",),
+            draft_policy="auto",
+            max_draft_tokens=4,
+            max_context=64,
+            backend="torch",
+            **{"dtype": "float32", **kw},
+        )
         return build_engine(cfg)
 
     build()
@@ -376,8 +431,7 @@ def test_the_selector_switches_when_acceptance_drifts():
 
 def test_the_selector_stops_drafting_when_verification_stops_being_free():
     # at batch 1 a wider verify costs little; at batch 16 every extra token costs its full share
-    verify = {1: {w: 1.0 + 0.02 * (w - 1) for w in (1, 2, 3, 5, 9, 17)},
-              16: {w: 1.0 * w for w in (1, 2, 3, 5, 9, 17)}}
+    verify = {1: {w: 1.0 + 0.02 * (w - 1) for w in (1, 2, 3, 5, 9, 17)}, 16: {w: 1.0 * w for w in (1, 2, 3, 5, 9, 17)}}
     cost = CostModel(verify, {"d": {r: {k: 0.01 * k for k in (1, 2, 4, 8, 16)} for r in (1, 16)}})
     policy = auto(["d"], cost, max_k=16, explore_every=8)
     seqs = [Seq(slot=i) for i in range(16)]
@@ -415,8 +469,10 @@ def test_exploration_costs_the_batch_at_most_its_share():
     tokens for 1.4 steps), but one row exploring at k = 2 would make the whole step 80 % longer, so it
     does not explore; at batch 1 it does, every ``explore_every`` steps; and at batch 16 it still may
     explore inside a verify that another drafter has already made that wide."""
-    verify = {1: {w: 1.0 + 0.02 * (w - 1) for w in (1, 2, 3, 5, 9)},
-              16: {w: 1.0 + 0.4 * (w - 1) for w in (1, 2, 3, 5, 9)}}
+    verify = {
+        1: {w: 1.0 + 0.02 * (w - 1) for w in (1, 2, 3, 5, 9)},
+        16: {w: 1.0 + 0.4 * (w - 1) for w in (1, 2, 3, 5, 9)},
+    }
     draft = {name: {r: {k: 0.001 * k for k in (1, 2, 4, 8)} for r in (1, 16)} for name in ("a", "b")}
     policy = auto(["a", "b"], CostModel(verify, draft), max_k=8, explore_every=4)
     assert could_pay(policy.cost, "b", 16, policy.lengths, policy.settings.margin)
@@ -458,7 +514,6 @@ def test_history_gives_new_sequences_a_prior():
     assert policy.route(fresh) == "b"
 
 
-
 def _fixed_length_efficiency(alpha, prior_weight, seed, requests=40, steps=12):
     """Requests of ``steps`` steps whose acceptance is i.i.d. per token at ``alpha`` (seeded): the
     mean expected tokens per second of the lengths the selector chose, over the best fixed length's.
@@ -466,8 +521,12 @@ def _fixed_length_efficiency(alpha, prior_weight, seed, requests=40, steps=12):
     import random
 
     cost = flat_cost(verify_per_token=0.03, drafts={"d": 0.06})
-    rate = {k: expected_tokens(alpha, 1.0, k) / (cost.verify_s(1, k + 1) + cost.draft_s("d", 1, k)) if k else
-            1 / cost.verify_s(1, 1) for k in range(0, 9)}
+    rate = {
+        k: expected_tokens(alpha, 1.0, k) / (cost.verify_s(1, k + 1) + cost.draft_s("d", 1, k))
+        if k
+        else 1 / cost.verify_s(1, 1)
+        for k in range(0, 9)
+    }
     rng = random.Random(seed)
     policy = auto(["d"], cost, max_k=8, explore_every=0, prior_weight=prior_weight)
     got = []
@@ -504,7 +563,9 @@ def test_a_drafter_never_tried_is_explored_at_the_first_chance():
 
     def fresh(drafters, history={}):
         # lookup: right ~90 % of the time
-        return auto(drafters, cost, max_k=8, explore_every=16, history={"ngram": Counts(30.0, 3.0, 36.0, 40.0), **history})
+        return auto(
+            drafters, cost, max_k=8, explore_every=16, history={"ngram": Counts(30.0, 3.0, 36.0, 40.0), **history}
+        )
 
     def routes(policy, steps=8):
         seq, out = Seq(), []
@@ -605,11 +666,15 @@ def test_a_late_start_drafts_what_an_early_start_would():
     assert late.lag(Seq(slot=1, token_ids=histories[1] + [5])) == 40  # 42 to read, 2 of them as always
     for sp in (SamplingParams(), SamplingParams(0.8, top_p=0.9)):
         histories = [h + [5] for h in histories]  # each proposal follows at least one new token, as in the engine
-        views = [Seq(slot=i, token_ids=list(h), params=sp, generator=torch.Generator().manual_seed(i))
-                 for i, h in enumerate(histories)]
+        views = [
+            Seq(slot=i, token_ids=list(h), params=sp, generator=torch.Generator().manual_seed(i))
+            for i, h in enumerate(histories)
+        ]
         a = early.propose(views, [4, 4])
-        views = [Seq(slot=i, token_ids=list(h), params=sp, generator=torch.Generator().manual_seed(i))
-                 for i, h in enumerate(histories)]
+        views = [
+            Seq(slot=i, token_ids=list(h), params=sp, generator=torch.Generator().manual_seed(i))
+            for i, h in enumerate(histories)
+        ]
         b = late.propose(views, [4, 4])
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.num_tokens, b.num_tokens)
         if sp.greedy:
@@ -625,8 +690,14 @@ def test_a_catch_up_is_paid_only_when_it_pays_back():
     cost = flat_cost(verify_per_token=0.02, drafts={"model": 0.05, "ngram": 0.001})
     cost.catch_up = {"model": 0.01}
     lags = {}
-    policy = auto(["model", "ngram"], cost, FakeParts(lag=lambda s, d: lags.get((id(s), d), 0)), max_k=8,
-                  catch_up_tokens=None, explore_every=2)  # (read whole: see the in-pieces tests below)
+    policy = auto(
+        ["model", "ngram"],
+        cost,
+        FakeParts(lag=lambda s, d: lags.get((id(s), d), 0)),
+        max_k=8,
+        catch_up_tokens=None,
+        explore_every=2,
+    )  # (read whole: see the in-pieces tests below)
 
     def request(max_new):
         seq = Req(params=SamplingParams(max_new_tokens=max_new))
@@ -659,10 +730,15 @@ def test_late_starts_are_reported_as_catch_up_apart_from_proposals():
     through prefill) as catch-up, and times the proposal without it."""
     target = make_model(V, seed=0)
     caught, timed = [], []
-    parts = Parts({"model": DraftModelDrafter(HFRunner(perturbed_copy(target, 0.1))), "ngram": NgramDrafter()},
-                  on_catch_up=lambda name, tokens, sec: caught.append((name, tokens)))
-    multi = MultiDrafter(parts, lambda s: "model" if len(s.output_ids) >= 25 else "ngram",
-                         on_timing=lambda name, rows, k, sec: timed.append((name, sec)))
+    parts = Parts(
+        {"model": DraftModelDrafter(HFRunner(perturbed_copy(target, 0.1))), "ngram": NgramDrafter()},
+        on_catch_up=lambda name, tokens, sec: caught.append((name, tokens)),
+    )
+    multi = MultiDrafter(
+        parts,
+        lambda s: "model" if len(s.output_ids) >= 25 else "ngram",
+        on_timing=lambda name, rows, k, sec: timed.append((name, sec)),
+    )
     engine = Engine(HFRunner(target), TOK, multi, 2, max_batch_size=1, max_context=80)
     prompt = [4, 5, 6, 7, 8, 9, 10]
     out = engine.generate([prompt], SamplingParams(max_new_tokens=40, ignore_eos=True))[0]
@@ -680,8 +756,12 @@ def test_through_the_engine_a_draft_model_runs_only_when_its_catch_up_pays(per_t
     runner = CountingRunner(HFRunner(perturbed_copy(target, 0.1)))
     cost = flat_cost(verify_per_token=0.001, drafts={"model": 0.02, "ngram": 0.001})
     cost.catch_up = {"model": per_token}
-    multi, policy = auto_drafting({"model": DraftModelDrafter(runner), "ngram": NgramDrafter()}, cost, max_k=4,
-                                  settings=SelectorSettings(explore_every=1))
+    multi, policy = auto_drafting(
+        {"model": DraftModelDrafter(runner), "ngram": NgramDrafter()},
+        cost,
+        max_k=4,
+        settings=SelectorSettings(explore_every=1),
+    )
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
     prompts = [p for p in PROMPTS if len(p) > 1]  # (a one-token prompt leaves nothing to read at the first step)
     outs = Engine(HFRunner(target), TOK, multi, policy, max_batch_size=2, max_context=80).generate(prompts, params)
@@ -710,8 +790,13 @@ def test_a_long_backlog_is_read_in_pieces_while_others_wait():
             budget -= n
         return 0
 
-    policy = auto(["model", "ngram"], cost, FakeParts(lag=lambda s, d: lags.get((id(s), d), 0), read=read), max_k=8,
-                  explore_every=100)
+    policy = auto(
+        ["model", "ngram"],
+        cost,
+        FakeParts(lag=lambda s, d: lags.get((id(s), d), 0), read=read),
+        max_k=8,
+        explore_every=100,
+    )
 
     def request():
         seq = Req(params=SamplingParams(max_new_tokens=200))
@@ -759,8 +844,15 @@ def test_an_exploration_that_must_read_first_reads_in_pieces_and_stays_due():
             lags[(id(s), drafter)] -= min(lags[(id(s), drafter)], budget)
         return 0
 
-    policy = auto(["model", "ngram"], cost, FakeParts(lag=lambda s, d: lags.get((id(s), d), 0), read=read), max_k=4,
-                  explore_every=2, catch_up_margin=0.0, history={"model": USELESS})  # its history: useless
+    policy = auto(
+        ["model", "ngram"],
+        cost,
+        FakeParts(lag=lambda s, d: lags.get((id(s), d), 0), read=read),
+        max_k=4,
+        explore_every=2,
+        catch_up_margin=0.0,
+        history={"model": USELESS},
+    )  # its history: useless
 
     seq, other = Req(params=SamplingParams(max_new_tokens=200)), Req(params=SamplingParams(max_new_tokens=200))
     teach(policy, seq, "ngram", [1] * 6)  # lookup half right: a draft model always right would beat it
@@ -778,7 +870,9 @@ def test_an_exploration_that_must_read_first_reads_in_pieces_and_stays_due():
     lags[(id(short), "model")] = 1000
     cost.catch_up = {"model": 0.009}  # 18 s of the batch; ~0.8 s saved a token: 30 tokens would pay, 14 not
     # (30 tokens left, read whole: it would pay back)
-    assert pays_back(9.0, 30, cost.verify_s(2, 1), seconds_per_token(cost, "model", (0.999, 1.0), 2, policy.lengths), 2, 0.0)
+    assert pays_back(
+        9.0, 30, cost.verify_s(2, 1), seconds_per_token(cost, "model", (0.999, 1.0), 2, policy.lengths), 2, 0.0
+    )
     for _ in range(4):
         policy.plan([short, other], 2)
         policy.observe(short, 0, 0)
@@ -830,10 +924,20 @@ def test_a_draft_model_reading_in_pieces_drafts_what_an_early_start_would():
     assert parts.lag(views[0], "model") == 0 and parts.lag(views[1], "model") == 0
     for sp in (SamplingParams(), SamplingParams(0.8, top_p=0.9)):
         histories = [h + [5] for h in histories]
-        a = early.propose([Seq(slot=i, token_ids=list(h), params=sp, generator=torch.Generator().manual_seed(i))
-                           for i, h in enumerate(histories)], [4, 4])
-        b = late.propose([Seq(slot=i, token_ids=list(h), params=sp, generator=torch.Generator().manual_seed(i))
-                          for i, h in enumerate(histories)], [4, 4])
+        a = early.propose(
+            [
+                Seq(slot=i, token_ids=list(h), params=sp, generator=torch.Generator().manual_seed(i))
+                for i, h in enumerate(histories)
+            ],
+            [4, 4],
+        )
+        b = late.propose(
+            [
+                Seq(slot=i, token_ids=list(h), params=sp, generator=torch.Generator().manual_seed(i))
+                for i, h in enumerate(histories)
+            ],
+            [4, 4],
+        )
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.num_tokens, b.num_tokens)
         if not sp.greedy:
             assert torch.allclose(a.probs, b.probs, atol=1e-5)
@@ -848,10 +952,19 @@ def test_through_the_engine_late_starts_read_in_pieces_and_stay_exact():
     cost = flat_cost(verify_per_token=0.001, drafts={"model": 0.02, "ngram": 0.001})
     # built by hand (auto_drafting's three steps) to hear the catch-ups and give n-gram lookup a
     # history that never helps: the model is the only choice
-    parts = Parts({"model": DraftModelDrafter(HFRunner(perturbed_copy(target, 0.1))), "ngram": NgramDrafter()},
-                  on_catch_up=lambda name, tokens, sec: caught.append(tokens))
-    policy = AutoPolicy(list(parts), cost, parts, max_k=4, catch_up_tokens=8, settings=SelectorSettings(explore_every=2),
-                        history={"ngram": USELESS})
+    parts = Parts(
+        {"model": DraftModelDrafter(HFRunner(perturbed_copy(target, 0.1))), "ngram": NgramDrafter()},
+        on_catch_up=lambda name, tokens, sec: caught.append(tokens),
+    )
+    policy = AutoPolicy(
+        list(parts),
+        cost,
+        parts,
+        max_k=4,
+        catch_up_tokens=8,
+        settings=SelectorSettings(explore_every=2),
+        history={"ngram": USELESS},
+    )
     multi = MultiDrafter(parts, policy.route, cost.record)
     engine = Engine(HFRunner(target), TOK, multi, policy, max_batch_size=2, max_context=80)
     gen = torch.Generator().manual_seed(3)
@@ -882,11 +995,21 @@ PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 7, 8, 9, 10], [11], [20, 21, 22, 
 
 def auto_engine(target, draft, slots, cost=None, explore_every=3, max_context=80, catch_up_tokens=4):
     """(selector, engine). (Backlogs over ``catch_up_tokens`` are read in pieces when the batch holds others, as in build.)"""
-    multi, policy = auto_drafting({"model": DraftModelDrafter(HFRunner(draft)), "ngram": NgramDrafter()},
-                                  cost or flat_cost(verify_per_token=0.001, drafts={"model": 0.02, "ngram": 0.001}),
-                                  max_k=6, catch_up_tokens=catch_up_tokens, settings=SelectorSettings(explore_every=explore_every))
-    return policy, Engine(HFRunner(target), TOK if target.config.vocab_size == V else make_tokenizer(target.config.vocab_size),
-                  multi, policy, max_batch_size=slots, max_context=max_context)
+    multi, policy = auto_drafting(
+        {"model": DraftModelDrafter(HFRunner(draft)), "ngram": NgramDrafter()},
+        cost or flat_cost(verify_per_token=0.001, drafts={"model": 0.02, "ngram": 0.001}),
+        max_k=6,
+        catch_up_tokens=catch_up_tokens,
+        settings=SelectorSettings(explore_every=explore_every),
+    )
+    return policy, Engine(
+        HFRunner(target),
+        TOK if target.config.vocab_size == V else make_tokenizer(target.config.vocab_size),
+        multi,
+        policy,
+        max_batch_size=slots,
+        max_context=max_context,
+    )
 
 
 def test_greedy_auto_over_a_model_and_ngram_equals_target_only():
@@ -976,9 +1099,12 @@ def test_check_passes_with_the_selector_over_a_model_and_ngram():
     def factory(k, batch):
         if not k:
             return Engine(HFRunner(target), CHECK_TOK, None, 0, max_batch_size=batch, max_context=64)
-        multi, policy = auto_drafting({"model": DraftModelDrafter(HFRunner(draft)), "ngram": NgramDrafter()},
-                                      flat_cost(verify_per_token=0.001, drafts={"model": 0.02, "ngram": 0.001}),
-                                      max_k=k, settings=SelectorSettings(explore_every=2))
+        multi, policy = auto_drafting(
+            {"model": DraftModelDrafter(HFRunner(draft)), "ngram": NgramDrafter()},
+            flat_cost(verify_per_token=0.001, drafts={"model": 0.02, "ngram": 0.001}),
+            max_k=k,
+            settings=SelectorSettings(explore_every=2),
+        )
         return Engine(HFRunner(target), CHECK_TOK, multi, policy, max_batch_size=batch, max_context=64)
 
     report = run_check(factory, CHECK_PROMPTS, CheckConfig(**{**CFG.__dict__, "parts": (1, 3)}))
@@ -991,12 +1117,16 @@ def test_the_server_reports_the_choices_and_keeps_greedy_outputs_under_concurren
     from test_server_harness import MODEL, pair, reference, serve, tokenizer
 
     target, draft = pair()
-    multi, policy = auto_drafting({"model": DraftModelDrafter(HFRunner(draft)), "ngram": NgramDrafter()},
-                                  flat_cost(verify_per_token=0.001, drafts={"model": 0.02, "ngram": 0.001}),
-                                  max_k=4, settings=SelectorSettings(explore_every=3))
+    multi, policy = auto_drafting(
+        {"model": DraftModelDrafter(HFRunner(draft)), "ngram": NgramDrafter()},
+        flat_cost(verify_per_token=0.001, drafts={"model": 0.02, "ngram": 0.001}),
+        max_k=4,
+        settings=SelectorSettings(explore_every=3),
+    )
     eng = Engine(HFRunner(target), tokenizer(), multi, policy, max_batch_size=4, max_context=96, **serving())
     prompts = ["abcabcab", "hello", "xyzzy", "kitten", "q", "mmmm"]
     with serve(eng) as s:
+
         def ask(p):
             with s.http() as c:
                 r = c.post("/v1/completions", json={"model": MODEL, "prompt": p, "max_tokens": 16, "temperature": 0})
@@ -1016,7 +1146,9 @@ def test_the_server_reports_the_choices_and_keeps_greedy_outputs_under_concurren
 
 
 def test_the_catch_up_tokens_reach_the_selector():
-    _, policy = auto_drafting({"ngram": NgramDrafter()}, flat_cost(drafts={"ngram": 0.001}), max_k=4, catch_up_tokens=17)
+    _, policy = auto_drafting(
+        {"ngram": NgramDrafter()}, flat_cost(drafts={"ngram": 0.001}), max_k=4, catch_up_tokens=17
+    )
     assert policy.catch_up_tokens == 17
     with pytest.raises(ValueError, match="catch_up_tokens"):
         auto(["ngram"], flat_cost(), catch_up_tokens=0)
@@ -1028,8 +1160,12 @@ def test_the_multi_drafter_and_its_selector_are_built_complete():
     cost = flat_cost(verify_per_token=0.001, drafts={"model": 0.02, "ngram": 0.001})
     cost.catch_up = {"model": 0.001}
     target = make_model(V, seed=0)
-    multi, policy = auto_drafting({"model": DraftModelDrafter(HFRunner(perturbed_copy(target, 0.1))),
-                                   "ngram": NgramDrafter()}, cost, max_k=4, catch_up_tokens=8)
+    multi, policy = auto_drafting(
+        {"model": DraftModelDrafter(HFRunner(perturbed_copy(target, 0.1))), "ngram": NgramDrafter()},
+        cost,
+        max_k=4,
+        catch_up_tokens=8,
+    )
     assert multi.route == policy.route and policy.parts is multi.parts and policy.free == ("ngram",)
     assert policy.cost is cost and policy.drafters == ["model", "ngram"]
     capped = BudgetPolicy(policy, 12)  # under a verify budget, nobody unwraps it
@@ -1050,7 +1186,7 @@ def test_a_free_drafter_is_scored_every_step_without_drafting(shadowed):
 
     def shadow(seqs, drafter, k):
         assert drafter == "ngram"
-        return [truth[len(s.token_ids) - 3: len(s.token_ids) - 3 + k] for s in seqs]
+        return [truth[len(s.token_ids) - 3 : len(s.token_ids) - 3 + k] for s in seqs]
 
     parts = FakeParts(shadow=shadow, free=("ngram",) if shadowed else ())
     policy = auto(["model", "ngram"], cost, parts, max_k=4, explore_every=0, history={"ngram": USELESS})
@@ -1061,7 +1197,7 @@ def test_a_free_drafter_is_scored_every_step_without_drafting(shadowed):
         k = policy.plan([seq], 1)[0]
         routes.append(policy.route(seq))
         accepted = min(k, 2) if routes[-1] == "model" else k  # the model gets 2 right, n-gram all
-        seq.token_ids = seq.token_ids + truth[len(seq.token_ids) - 3: len(seq.token_ids) - 3 + accepted + 1]
+        seq.token_ids = seq.token_ids + truth[len(seq.token_ids) - 3 : len(seq.token_ids) - 3 + accepted + 1]
         policy.observe(seq, k, accepted)
     assert routes[0] == "model"
     if shadowed:
@@ -1071,9 +1207,11 @@ def test_a_free_drafter_is_scored_every_step_without_drafting(shadowed):
 
 
 def test_shadow_scoring_counts_the_matched_prefix_and_censors_past_the_emitted():
-    cases = [([5, 6, 7], [5, 9], (1, 1, 3, 3)),  # a mismatch at the second: 1 accepted, 1 rejection
-             ([5, 6, 7], [5], (1, 0, 3, 3)),  # only one emitted: 1 accepted, the rest not judged
-             ([], [5], (0, 0, 0, 3))]  # nothing found: fill falls, acceptance unchanged
+    cases = [
+        ([5, 6, 7], [5, 9], (1, 1, 3, 3)),  # a mismatch at the second: 1 accepted, 1 rejection
+        ([5, 6, 7], [5], (1, 0, 3, 3)),  # only one emitted: 1 accepted, the rest not judged
+        ([], [5], (0, 0, 0, 3)),
+    ]  # nothing found: fill falls, acceptance unchanged
     for tokens, emitted, expected in cases:
         matched, compared = shadow_score(tokens, emitted)
         c = Counts().add(3, len(tokens), matched, 1.0, compared)
@@ -1082,8 +1220,15 @@ def test_shadow_scoring_counts_the_matched_prefix_and_censors_past_the_emitted()
     # the step's emitted tokens score that proposal (here a mismatch at the second token)
     asked = []
     parts = FakeParts(shadow=lambda seqs, d, k: asked.extend(seqs) or [[5, 6, 7] for _ in seqs], free=("ngram",))
-    policy = auto(["model", "ngram"], flat_cost(drafts={"model": 0.05, "ngram": 0.001}), parts, max_k=4,
-                  decay=1.0, prior_decay=1.0, history={"model": Counts(9.0, 1.0, 10.0, 10.0), "ngram": USELESS})
+    policy = auto(
+        ["model", "ngram"],
+        flat_cost(drafts={"model": 0.05, "ngram": 0.001}),
+        parts,
+        max_k=4,
+        decay=1.0,
+        prior_decay=1.0,
+        history={"model": Counts(9.0, 1.0, 10.0, 10.0), "ngram": USELESS},
+    )
     seq = Seq(token_ids=[1, 2, 3])
     k = policy.plan([seq], 1)[0]
     assert policy.route(seq) == "model" and asked == [seq]
@@ -1102,7 +1247,9 @@ def test_the_acceptance_estimate_is_own_counts_plus_the_history_at_its_weight():
     assert estimate(Counts(5.0, 0.0, 9.0, 5.0), Counts(1.0, 0.0, 2.0, 1.0), 10.0) == (0.999, 1.0)  # capped
     assert Counts(1.0, 1.0, 1.0, 1.0).add(4, 3, 2, 0.5) == Counts(2.5, 1.5, 3.5, 4.5)
     assert vars(Counts.guess(0.5, 0.8, 3.0)) == pytest.approx(vars(Counts(1.5, 1.5, 2.4, 3.0)))
-    assert expected_tokens(0.5, 1.0, 3) == pytest.approx(1.875) and expected_tokens(0.5, 0.5, 3) == pytest.approx(1.4375)
+    assert expected_tokens(0.5, 1.0, 3) == pytest.approx(1.875) and expected_tokens(0.5, 0.5, 3) == pytest.approx(
+        1.4375
+    )
 
 
 def test_the_step_cost_of_a_plan_and_the_exploration_allowance():
@@ -1112,7 +1259,9 @@ def test_the_step_cost_of_a_plan_and_the_exploration_allowance():
     rows = plan_rows([("a", 4), (None, 0), ("a", 4), ("b", 2)])
     assert rows == {("a", 4): 2, ("b", 2): 1}
     # one verify as wide as the longest chain, each drafter's proposal for its rows
-    assert step_seconds(cost, 4, rows) == pytest.approx(cost.verify_s(4, 5) + cost.draft_s("a", 2, 4) + cost.draft_s("b", 1, 2))
+    assert step_seconds(cost, 4, rows) == pytest.approx(
+        cost.verify_s(4, 5) + cost.draft_s("a", 2, 4) + cost.draft_s("b", 1, 2)
+    )
     assert moved(rows, ("b", 2), ("a", 8)) == {("a", 4): 2, ("a", 8): 1} and rows == {("a", 4): 2, ("b", 2): 1}
     assert step_seconds(cost, 4, {}) == cost.verify_s(4, 1)
     assert exploration_allowance(2.0, 4, 0.05, 16) == pytest.approx(0.4)  # 5 % of the time, 4 rows sharing it
@@ -1125,7 +1274,9 @@ def test_a_catch_up_must_beat_what_the_sequence_has_without_one():
     cost = flat_cost(verify_per_token=0.02, drafts={"model": 0.05, "ngram": 0.001})
     cost.catch_up = {"model": 0.05}
     lags = {}
-    policy = auto(["model", "ngram"], cost, FakeParts(lag=lambda s, d: lags.get((id(s), d), 0)), max_k=8, explore_every=0)
+    policy = auto(
+        ["model", "ngram"], cost, FakeParts(lag=lambda s, d: lags.get((id(s), d), 0)), max_k=8, explore_every=0
+    )
 
     good, poor = Req(params=SamplingParams(max_new_tokens=100)), Req(params=SamplingParams(max_new_tokens=100))
     for seq, ngram in ((good, [4, 3, 4, 3, 4, 3]), (poor, [0] * 6)):
@@ -1157,11 +1308,12 @@ def test_a_dear_catch_up_waits_until_lookup_has_been_watched(lookup_matches, loo
     lags = {}
 
     def shadow(seqs, drafter, k):
-        return [truth[len(s.token_ids) - 3: len(s.token_ids) - 3 + k] if lookup_matches else [7] * k for s in seqs]
+        return [truth[len(s.token_ids) - 3 : len(s.token_ids) - 3 + k] if lookup_matches else [7] * k for s in seqs]
 
     parts = FakeParts(lag=lambda s, d: lags.get((id(s), d), 0), shadow=shadow, free=("ngram",))
-    policy = auto(["model", "ngram"], cost, parts, max_k=8, explore_every=0, look_steps=look_steps,
-                  history={"ngram": USELESS})  # lookup's history: useless
+    policy = auto(
+        ["model", "ngram"], cost, parts, max_k=8, explore_every=0, look_steps=look_steps, history={"ngram": USELESS}
+    )  # lookup's history: useless
     teach(policy, Seq(), "model", [4] * 6)  # the draft model's: good
 
     seq = Req(params=SamplingParams(max_new_tokens=40))
@@ -1173,7 +1325,7 @@ def test_a_dear_catch_up_waits_until_lookup_has_been_watched(lookup_matches, loo
         if routes[-1] == "model":
             lags[(id(seq), "model")] = 0  # (read inside the step)
         accepted = {"model": min(k, 3), "ngram": k if lookup_matches else 0}.get(routes[-1], 0)
-        seq.token_ids = seq.token_ids + truth[len(seq.token_ids) - 3: len(seq.token_ids) - 3 + accepted + 1]
+        seq.token_ids = seq.token_ids + truth[len(seq.token_ids) - 3 : len(seq.token_ids) - 3 + accepted + 1]
         policy.observe(seq, k, accepted)
     if not look_steps:
         assert routes[0] == "model", routes
@@ -1207,8 +1359,14 @@ def test_a_catch_up_is_judged_against_the_whole_request_not_its_last_steps():
     rest of the request against what lookup did over all of it, and does not."""
     cost = flat_cost(verify_per_token=0.02, drafts={"model": 0.05, "ngram": 0.001})
     cost.catch_up = {"model": 0.01}
-    policy = auto(["model", "ngram"], cost, FakeParts(lag=lambda s, d: 600 if d == "model" else 0), max_k=8,
-                  explore_every=0, catch_up_margin=0.0)
+    policy = auto(
+        ["model", "ngram"],
+        cost,
+        FakeParts(lag=lambda s, d: 600 if d == "model" else 0),
+        max_k=8,
+        explore_every=0,
+        catch_up_margin=0.0,
+    )
     teach(policy, Seq(), "model", [4] * 6)
     teach(policy, Seq(), "ngram", [0, 1, 0, 0, 0, 0])  # lookup did poorly on earlier requests
 
@@ -1231,8 +1389,14 @@ def test_exploration_never_tries_a_catch_up_that_cannot_beat_what_the_sequence_h
     (against plain decoding, which the sequence no longer needs, it would have been)."""
     cost = flat_cost(verify_per_token=0.001, drafts={"model": 0.002, "ngram": 0.001})
     cost.catch_up = {"model": 0.01}
-    policy = auto(["model", "ngram"], cost, FakeParts(lag=lambda s, d: 150 if d == "model" else 0), max_k=4,
-                  explore_every=2, history={"model": USELESS})
+    policy = auto(
+        ["model", "ngram"],
+        cost,
+        FakeParts(lag=lambda s, d: 150 if d == "model" else 0),
+        max_k=4,
+        explore_every=2,
+        history={"model": USELESS},
+    )
 
     seq = Req(params=SamplingParams(max_new_tokens=30))
     teach(policy, seq, "ngram", [4] * 6)

@@ -28,10 +28,18 @@ from test_server_harness import one_torch_thread  # noqa: F401 (autouse fixture)
 from test_server_harness import CLIENT_TIMEOUT_S, KEY, HeldSteps, engine, serve, sse_events, until
 
 # the 7 bystanders: greedy and seeded samples, all long enough to share many steps with the poison
-NORMAL = [{"prompt": p, "max_tokens": 24, "ignore_eos": True} | extra for p, extra in [
-    ("abc", {"temperature": 0}), ("hello", {"temperature": 0.9, "seed": 1}), ("xyzzy", {"temperature": 0}),
-    ("AbCdEf", {"temperature": 0.7, "top_p": 0.9, "seed": 2}), ("mmmm", {"temperature": 0}),
-    ("kitten", {"temperature": 1.0, "top_k": 5, "seed": 3}), ("rst", {"temperature": 0})]]
+NORMAL = [
+    {"prompt": p, "max_tokens": 24, "ignore_eos": True} | extra
+    for p, extra in [
+        ("abc", {"temperature": 0}),
+        ("hello", {"temperature": 0.9, "seed": 1}),
+        ("xyzzy", {"temperature": 0}),
+        ("AbCdEf", {"temperature": 0.7, "top_p": 0.9, "seed": 2}),
+        ("mmmm", {"temperature": 0}),
+        ("kitten", {"temperature": 1.0, "top_k": 5, "seed": 3}),
+        ("rst", {"temperature": 0}),
+    ]
+]
 POISON_PROMPT = "Qqq"
 
 
@@ -44,8 +52,11 @@ def _json(r: httpx.Response):
 
 async def _send(client: httpx.AsyncClient, body) -> tuple[int, object]:
     if isinstance(body, str):  # raw text (invalid JSON, lone surrogates)
-        r = await client.post("/v1/completions", content=body.encode("utf-8", "surrogatepass"),
-                              headers={"content-type": "application/json"})
+        r = await client.post(
+            "/v1/completions",
+            content=body.encode("utf-8", "surrogatepass"),
+            headers={"content-type": "application/json"},
+        )
     else:
         r = await client.post("/v1/completions", json=body)
     return r.status_code, _json(r)
@@ -61,8 +72,9 @@ def co_batched(s, bodies: list, queued: int) -> list[tuple[int, object]]:
         return sum(map(s.scheduler.state().get, ("queued", "running"))) >= n
 
     async def run():
-        async with httpx.AsyncClient(base_url=s.url, headers={"Authorization": f"Bearer {KEY}"},
-                                     timeout=CLIENT_TIMEOUT_S, trust_env=False) as client:
+        async with httpx.AsyncClient(
+            base_url=s.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=CLIENT_TIMEOUT_S, trust_env=False
+        ) as client:
             first = asyncio.ensure_future(_send(client, bodies[0]))
             await asyncio.to_thread(until, lambda: waiting(1), "the first request in")
             rest = [asyncio.ensure_future(_send(client, b)) for b in bodies[1:]]
@@ -111,9 +123,16 @@ def _poison_drafter(s):
 POISONS = {  # name: (body, expected status of the poisoned request)
     "top_k 2**63": ({"prompt": POISON_PROMPT, "max_tokens": 16, "temperature": 0.8, "top_k": 2**63, "seed": 5}, 200),
     "temperature 1e-40": ({"prompt": POISON_PROMPT, "max_tokens": 16, "temperature": 1e-40}, 200),
-    "16 stop strings of the longest length": ({"prompt": POISON_PROMPT, "max_tokens": 16, "temperature": 0.5,
-                                               "seed": 7, "stop": ["Z" * (MAX_STOP_CHARS - 1) + str(i % 10)
-                                                                   for i in range(P.MAX_STOP_STRINGS)]}, 200),
+    "16 stop strings of the longest length": (
+        {
+            "prompt": POISON_PROMPT,
+            "max_tokens": 16,
+            "temperature": 0.5,
+            "seed": 7,
+            "stop": ["Z" * (MAX_STOP_CHARS - 1) + str(i % 10) for i in range(P.MAX_STOP_STRINGS)],
+        },
+        200,
+    ),
     "a lone surrogate": ('{"prompt": "Qq\\ud800", "max_tokens": 16}', 400),
     "nested JSON": ('{"prompt": "Qq", "stop": ' + "[" * 5000 + "]" * 5000 + "}", 400),
     "a fault in its sampling": ({"prompt": POISON_PROMPT, "max_tokens": 16, "temperature": 0.37}, 500),
@@ -137,8 +156,9 @@ def test_a_poisoned_request_never_hurts_the_seven_it_is_batched_with(poison, mon
             assert st == 200, out
             assert out["choices"][0]["text"] == ref["choices"][0]["text"]
             # the bystanders drafted as they do alone (a drafter fault of the poison is retried per row)
-            assert {k: out["speculation"][k] for k in ("drafted", "accepted")} == \
-                   {k: ref["speculation"][k] for k in ("drafted", "accepted")}
+            assert {k: out["speculation"][k] for k in ("drafted", "accepted")} == {
+                k: ref["speculation"][k] for k in ("drafted", "accepted")
+            }
         assert sum(out["speculation"]["drafted"] for _, out in rest) > 0  # speculation was exercised
         if status == 400:
             assert set(got["error"]) == {"message", "type", "param", "code"}
@@ -167,25 +187,32 @@ def test_subnormal_temperatures_are_greedy_and_nan_never_reaches_sampling():
     assert warp(logits[:1], t[:1], k[:1], p[:1]).sum().item() == pytest.approx(1.0)  # control: a finite row
     # a top_k past any tensor's range is the same law as off (clamped by params_tensors, never overflows)
     from specdecode.sampling import params_tensors
+
     x = torch.randn(1, 8)
     huge, off = params_tensors([SamplingParams(temperature=1.0, top_k=2**63)]), params_tensors([SamplingParams(1.0)])
     assert torch.equal(warp(x, *huge), warp(x, *off))
 
 
-@pytest.mark.parametrize("path,raw,code", [
-    ("/v1/completions", "[" * 5000 + "]" * 5000, "invalid_json"),  # RecursionError in the parser
-    ("/v1/completions", '{"prompt": "a", "stop": ' + "[" * 40 + "]" * 40 + "}", "invalid_json"),
-    ("/v1/completions", '{"prompt": "ab\\ud800"}', "invalid_unicode"),
-    ("/v1/completions", '{"prompt": "ab", "stop": "\\udfff"}', "invalid_unicode"),
-    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "invalid_unicode"),
-])
+@pytest.mark.parametrize(
+    "path,raw,code",
+    [
+        ("/v1/completions", "[" * 5000 + "]" * 5000, "invalid_json"),  # RecursionError in the parser
+        ("/v1/completions", '{"prompt": "a", "stop": ' + "[" * 40 + "]" * 40 + "}", "invalid_json"),
+        ("/v1/completions", '{"prompt": "ab\\ud800"}', "invalid_unicode"),
+        ("/v1/completions", '{"prompt": "ab", "stop": "\\udfff"}', "invalid_unicode"),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "invalid_unicode"),
+    ],
+)
 def test_request_caused_errors_are_400_not_500(path, raw, code):
     with serve(engine(k=3)) as s, s.http() as c:
         r = c.post(path, content=raw, headers={"content-type": "application/json"})
         assert r.status_code == 400, r.text
         assert r.json()["error"]["code"] == code and set(r.json()["error"]) == {"message", "type", "param", "code"}
-        assert c.post(path, content=raw.replace("\\ud800", "").replace("\\udfff", "x"),
-                      headers={"content-type": "application/json"}).status_code in (200, 400)
+        assert c.post(
+            path,
+            content=raw.replace("\\ud800", "").replace("\\udfff", "x"),
+            headers={"content-type": "application/json"},
+        ).status_code in (200, 400)
 
 
 class _Records(logging.Handler):
@@ -236,10 +263,13 @@ class _HeldTokenizer:
         return self.inner(text, *args, **kwargs)
 
 
-@pytest.mark.parametrize("path,body", [
-    ("/v1/completions", {"prompt": "HOLDabc", "max_tokens": 3}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "HOLDabc"}], "max_tokens": 3}),
-])
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/completions", {"prompt": "HOLDabc", "max_tokens": 3}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "HOLDabc"}], "max_tokens": 3}),
+    ],
+)
 def test_tokenizing_never_stalls_the_event_loop(path, body):
     """While one request's text is being tokenized, /health and other requests are answered (an
     ordering: the tokenizer is released only after they return)."""
@@ -360,8 +390,11 @@ def test_connections_past_the_cap_are_closed_at_once():
 def test_a_slow_body_gets_408():
     with serve(engine(k=3), body_timeout_s=0.3) as s:
         sock = socket.create_connection(("127.0.0.1", _port(s)))
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + KEY.encode()
-                     + b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+            + KEY.encode()
+            + b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\""
+        )
         sock.settimeout(CLIENT_TIMEOUT_S)
         reply = b""
         while b'"body_timeout"' not in reply:  # the head and the body may arrive in separate reads
@@ -407,8 +440,10 @@ def test_past_the_graceful_timeout_open_requests_get_a_503_and_streams_end_prope
                 replies["plain"] = c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 50})
 
         def stream():
-            with s.http() as c, c.stream("POST", "/v1/completions",
-                                         json={"prompt": "hello", "max_tokens": 50, "stream": True}) as r:
+            with (
+                s.http() as c,
+                c.stream("POST", "/v1/completions", json={"prompt": "hello", "max_tokens": 50, "stream": True}) as r,
+            ):
                 replies["stream"] = (r.status_code, sse_events(r))
 
         threads = [threading.Thread(target=plain), threading.Thread(target=stream)]
@@ -437,14 +472,25 @@ def test_the_served_model_name_shows_no_local_path(tmp_path):
     assert served_model_name("Qwen/Qwen2.5-Coder-1.5B") == "Qwen/Qwen2.5-Coder-1.5B"  # a hub id
 
 
-@pytest.mark.parametrize("host,allowed,status", [
-    ("127.0.0.1:8000", (), 200), ("localhost", (), 200), ("[::1]:8000", (), 200), ("127.0.0.2", (), 200),
-    ("evil.example", (), 400), ("evil.example:8000", (), 400), ("10.0.0.5:8000", (), 400),
-    ("api.example:443", ("api.example",), 200), ("evil.example", ("*",), 200),
-])
+@pytest.mark.parametrize(
+    "host,allowed,status",
+    [
+        ("127.0.0.1:8000", (), 200),
+        ("localhost", (), 200),
+        ("[::1]:8000", (), 200),
+        ("127.0.0.2", (), 200),
+        ("evil.example", (), 400),
+        ("evil.example:8000", (), 400),
+        ("10.0.0.5:8000", (), 400),
+        ("api.example:443", ("api.example",), 200),
+        ("evil.example", ("*",), 200),
+    ],
+)
 def test_without_an_api_key_only_loopback_hosts_are_answered(host, allowed, status):
-    with serve(engine(k=3), api_key=None, allowed_hosts=allowed) as s, \
-            httpx.Client(base_url=s.url, timeout=CLIENT_TIMEOUT_S, trust_env=False) as c:
+    with (
+        serve(engine(k=3), api_key=None, allowed_hosts=allowed) as s,
+        httpx.Client(base_url=s.url, timeout=CLIENT_TIMEOUT_S, trust_env=False) as c,
+    ):
         r = c.get("/v1/models", headers={"host": host})
         assert r.status_code == status, r.text
         if status == 400:
@@ -455,7 +501,9 @@ def test_without_an_api_key_only_loopback_hosts_are_answered(host, allowed, stat
 def test_with_an_api_key_the_key_decides_not_the_host():
     with serve(engine(k=3)) as s, httpx.Client(base_url=s.url, timeout=CLIENT_TIMEOUT_S, trust_env=False) as c:
         assert c.get("/v1/models", headers={"host": "evil.example"}).status_code == 401
-        assert c.get("/v1/models", headers={"host": "evil.example", "Authorization": f"Bearer {KEY}"}).status_code == 200
+        assert (
+            c.get("/v1/models", headers={"host": "evil.example", "Authorization": f"Bearer {KEY}"}).status_code == 200
+        )
 
 
 class _RowDrafter(DrafterBase):

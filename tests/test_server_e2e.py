@@ -16,8 +16,19 @@ import pytest
 
 from tiny import serving
 from test_server_harness import one_torch_thread  # noqa: F401 (autouse fixture)
-from test_server_harness import (CLIENT_TIMEOUT_S, KEY, MAX_LEN, MODEL, HeldSteps, engine, reference, serve,
-                                 sse_events, tokenizer, until)
+from test_server_harness import (
+    CLIENT_TIMEOUT_S,
+    KEY,
+    MAX_LEN,
+    MODEL,
+    HeldSteps,
+    engine,
+    reference,
+    serve,
+    sse_events,
+    tokenizer,
+    until,
+)
 
 PROMPTS = ["abc", "hello", "xyzzy", "q", "AbCdEf", "mmmm", "zyx", "Qq", "hi", "kitten", "B", "rst"]
 
@@ -41,8 +52,9 @@ def ids(text: str) -> list[int]:
 
 def chat_ids(messages: list[dict]) -> list[int]:
     tok = tokenizer()
-    return tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
-               add_special_tokens=False).input_ids
+    return tok(
+        tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+    ).input_ids
 
 
 # -- the openai client ----------------------------------------------------------------------------
@@ -69,16 +81,20 @@ def test_chat_completion_uses_the_chat_template(srv):
     r = srv.openai().chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0)
     text, finish, n = reference(chat_ids(messages), max_new_tokens=30)
     assert r.object == "chat.completion"
-    assert (r.choices[0].message.role, r.choices[0].message.content, r.choices[0].finish_reason) == \
-        ("assistant", text, finish)
+    assert (r.choices[0].message.role, r.choices[0].message.content, r.choices[0].finish_reason) == (
+        "assistant",
+        text,
+        finish,
+    )
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(chat_ids(messages)), n)
     assert "speculation" in r.model_extra
 
 
 def test_chat_default_max_tokens_is_the_rest_of_the_context(srv):
     messages = [{"role": "user", "content": "abc"}]
-    r = srv.openai().chat.completions.create(model=MODEL, messages=messages, temperature=0,
-                                             extra_body={"ignore_eos": True})
+    r = srv.openai().chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].finish_reason == "length"
     assert r.usage.prompt_tokens + r.usage.completion_tokens == MAX_LEN
 
@@ -86,8 +102,16 @@ def test_chat_default_max_tokens_is_the_rest_of_the_context(srv):
 def test_streaming_completion_equals_non_streaming(srv):
     client = srv.openai()
     full = client.completions.create(model=MODEL, prompt="kitten", max_tokens=40, temperature=0)
-    chunks = list(client.completions.create(model=MODEL, prompt="kitten", max_tokens=40, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="kitten",
+            max_tokens=40,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
     assert chunks[-1].choices == []
@@ -99,14 +123,17 @@ def test_streaming_completion_equals_non_streaming(srv):
 
 def test_streaming_chat_and_done_marker(srv):
     messages = [{"role": "user", "content": "xyz"}]
-    chunks = list(srv.openai().chat.completions.create(model=MODEL, messages=messages, max_tokens=25,
-                                                       temperature=0, stream=True))
+    chunks = list(
+        srv.openai().chat.completions.create(model=MODEL, messages=messages, max_tokens=25, temperature=0, stream=True)
+    )
     text, finish, _ = reference(chat_ids(messages), max_new_tokens=25)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
     assert chunks[-1].choices[0].finish_reason == finish and "speculation" in chunks[-1].model_extra
-    with srv.http() as c, c.stream("POST", "/v1/chat/completions",
-                                   json={"messages": messages, "max_tokens": 5, "stream": True}) as r:
+    with (
+        srv.http() as c,
+        c.stream("POST", "/v1/chat/completions", json={"messages": messages, "max_tokens": 5, "stream": True}) as r,
+    ):
         assert r.headers["content-type"].startswith("text/event-stream")
         events = sse_events(r)
     assert events[-1] == "[DONE]" and all("error" not in json.loads(e) for e in events[:-1])
@@ -142,10 +169,14 @@ def test_n_greedy_chat_choices_are_identical_and_stream_per_index(srv):
     messages = [{"role": "user", "content": "abc"}]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0, n=2)
     assert [c.index for c in r.choices] == [0, 1]
-    assert r.choices[0].message.content == r.choices[1].message.content == reference(chat_ids(messages),
-                                                                                      max_new_tokens=10)[0]
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0, n=2,
-                                                 stream=True))
+    assert (
+        r.choices[0].message.content
+        == r.choices[1].message.content
+        == reference(chat_ids(messages), max_new_tokens=10)[0]
+    )
+    chunks = list(
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0, n=2, stream=True)
+    )
     roles = [c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.role == "assistant"]
     assert sorted(roles) == [0, 1]  # each choice opens with its role
     texts = ["", ""]
@@ -166,8 +197,14 @@ def test_models_route_and_unknown_model(srv):
 
 def test_sampling_with_seed_is_reproducible(srv):
     client = srv.openai()
-    runs = [client.completions.create(model=MODEL, prompt="abc", max_tokens=30, temperature=1.0, top_p=0.9,
-                                      seed=7, extra_body={"top_k": 20}).choices[0].text for _ in range(2)]
+    runs = [
+        client.completions.create(
+            model=MODEL, prompt="abc", max_tokens=30, temperature=1.0, top_p=0.9, seed=7, extra_body={"top_k": 20}
+        )
+        .choices[0]
+        .text
+        for _ in range(2)
+    ]
     assert runs[0] == runs[1]
 
 
@@ -218,8 +255,12 @@ BAD_CHAT = [
     ("empty messages", '{"messages": []}', 400, "messages"),
     ("bad role", '{"messages": [{"role": "wizard", "content": "x"}]}', 400, "messages.0.role"),
     ("chat logprobs as a number", '{"messages": [{"role": "user", "content": "x"}], "logprobs": 1}', 400, "logprobs"),
-    ("chat top_logprobs without logprobs", '{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}',
-     400, "top_logprobs"),
+    (
+        "chat top_logprobs without logprobs",
+        '{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}',
+        400,
+        "top_logprobs",
+    ),
 ]
 
 
@@ -233,9 +274,11 @@ def _assert_error(r: httpx.Response, status: int, param=None) -> dict:
     return err
 
 
-@pytest.mark.parametrize("path,case,body,status,param",
-                         [("/v1/completions", *c) for c in BAD] + [("/v1/chat/completions", *c) for c in BAD_CHAT],
-                         ids=[c[0] for c in BAD + BAD_CHAT])
+@pytest.mark.parametrize(
+    "path,case,body,status,param",
+    [("/v1/completions", *c) for c in BAD] + [("/v1/chat/completions", *c) for c in BAD_CHAT],
+    ids=[c[0] for c in BAD + BAD_CHAT],
+)
 def test_bad_requests_get_openai_errors(srv, path, case, body, status, param):
     with srv.http() as c:
         _assert_error(c.post(path, content=body, headers={"content-type": "application/json"}), status, param)
@@ -261,8 +304,16 @@ def test_content_type_body_size_and_unknown_route(srv):
         assert c.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 200
 
 
-@pytest.mark.parametrize("method,path", [("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"),
-                                         ("POST", "/v1/chat/completions"), ("GET", "/no-such-route")])
+@pytest.mark.parametrize(
+    "method,path",
+    [
+        ("GET", "/v1/models"),
+        ("GET", "/metrics"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/no-such-route"),
+    ],
+)
 @pytest.mark.parametrize("key", [None, "wrong-key", KEY + "x", ""])
 def test_api_key_required_except_health(srv, method, path, key):
     with srv.http(key=key) as c:
@@ -284,7 +335,7 @@ def _cases() -> list[dict]:
         if i % 4 == 2:
             text, _, _ = reference(ids(prompt), max_new_tokens=40, ignore_eos=True)
             start = rng.randint(1, max(1, len(text) - 3))
-            case["stop"] = [text[start:start + rng.randint(1, 3)], "ZZZZ"]
+            case["stop"] = [text[start : start + rng.randint(1, 3)], "ZZZZ"]
             case["ignore_eos"] = True
         if i % 5 == 3:
             case["speculation"] = False
@@ -293,8 +344,12 @@ def _cases() -> list[dict]:
 
 
 def _expected(case: dict) -> tuple[str, str, int]:
-    return reference(ids(case["prompt"]), max_new_tokens=case["max_tokens"], stop=tuple(case.get("stop", ())),
-                     ignore_eos=case.get("ignore_eos", False))
+    return reference(
+        ids(case["prompt"]),
+        max_new_tokens=case["max_tokens"],
+        stop=tuple(case.get("stop", ())),
+        ignore_eos=case.get("ignore_eos", False),
+    )
 
 
 async def _post(client: httpx.AsyncClient, path: str, body: dict) -> tuple[int, dict | str]:
@@ -308,13 +363,17 @@ async def _post(client: httpx.AsyncClient, path: str, body: dict) -> tuple[int, 
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert all("error" not in c for c in chunks), chunks
-    return 200, {"text": "".join(c["choices"][0]["text"] for c in chunks if c["choices"]),
-                 "finish_reason": chunks[-1]["choices"][0]["finish_reason"], "speculation": chunks[-1]["speculation"]}
+    return 200, {
+        "text": "".join(c["choices"][0]["text"] for c in chunks if c["choices"]),
+        "finish_reason": chunks[-1]["choices"][0]["finish_reason"],
+        "speculation": chunks[-1]["speculation"],
+    }
 
 
 def _client(srv) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=srv.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=CLIENT_TIMEOUT_S,
-                             trust_env=False)
+    return httpx.AsyncClient(
+        base_url=srv.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=CLIENT_TIMEOUT_S, trust_env=False
+    )
 
 
 @pytest.mark.parametrize("server", ["srv", "chunked"])
@@ -326,8 +385,9 @@ def test_concurrent_greedy_requests_equal_each_request_alone(server, request):
 
     async def run():
         async with _client(srv) as client:
-            return await asyncio.gather(*[_post(client, "/v1/completions", c | {"stream": s})
-                                          for c, s in zip(cases, stream)])
+            return await asyncio.gather(
+                *[_post(client, "/v1/completions", c | {"stream": s}) for c, s in zip(cases, stream)]
+            )
 
     results = asyncio.run(run())
     accepted = 0
@@ -347,8 +407,10 @@ def test_concurrent_greedy_requests_equal_each_request_alone(server, request):
 
 
 def test_seeded_samples_under_concurrency_and_chunked_prefill_equal_each_request_alone(chunked):
-    bodies = [{"prompt": p * 3, "max_tokens": 20, "temperature": 0.9, "top_p": 0.95, "seed": i, "ignore_eos": True}
-              for i, p in enumerate(PROMPTS[:8])]
+    bodies = [
+        {"prompt": p * 3, "max_tokens": 20, "temperature": 0.9, "top_p": 0.95, "seed": i, "ignore_eos": True}
+        for i, p in enumerate(PROMPTS[:8])
+    ]
     with chunked.http() as c:
         alone = [c.post("/v1/completions", json=b).json()["choices"][0]["text"] for b in bodies]
 
@@ -367,8 +429,13 @@ def test_many_requests_with_random_cancels_leave_no_trace(srv):
     rng = random.Random(1)
 
     async def one(client, i):
-        body = {"prompt": rng.choice(PROMPTS), "max_tokens": rng.randint(1, 60), "stream": rng.random() < 0.5,
-                "temperature": rng.choice([0, 0.8]), "ignore_eos": rng.random() < 0.5}
+        body = {
+            "prompt": rng.choice(PROMPTS),
+            "max_tokens": rng.randint(1, 60),
+            "stream": rng.random() < 0.5,
+            "temperature": rng.choice([0, 0.8]),
+            "ignore_eos": rng.random() < 0.5,
+        }
         path = "/v1/completions"
         if i % 4 == 0:
             path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": body.pop("prompt")}]
@@ -471,9 +538,15 @@ def test_disconnect_while_streaming_or_queued_frees_the_slot():
                 assert s.metrics()["specdecode_queue_depth"] <= 1
             # both clients are gone; once the server has seen it, the engine may go on
             running = s.scheduler._running
-            until(lambda: s.metrics()["specdecode_queue_depth"] == 0 and s.metrics().get(aborts) == 1
-                  and len(running) == 1 and all(h.cancelled for h in list(running.values())),
-                  "the server did not notice both clients leaving")
+            until(
+                lambda: (
+                    s.metrics()["specdecode_queue_depth"] == 0
+                    and s.metrics().get(aborts) == 1
+                    and len(running) == 1
+                    and all(h.cancelled for h in list(running.values()))
+                ),
+                "the server did not notice both clients leaving",
+            )
         finally:
             held.release()
         # the stream is aborted between steps and the queued one never runs
@@ -551,7 +624,9 @@ def test_long_prompt_is_prefilled_in_chunks_while_a_stream_decodes(budget, per_s
             b = asyncio.ensure_future(client.post("/v1/completions", json=long))
             # queued, or already given a slot by a loop iteration that began before the gate closed (its
             # prefill has not started either way: the engine is held before its next step)
-            await arrived(lambda: s.scheduler.state()["queued"] == 1 or eng.prefilling, "the long request did not arrive")
+            await arrived(
+                lambda: s.scheduler.state()["queued"] == 1 or eng.prefilling, "the long request did not arrive"
+            )
             gate.set()
             return await asyncio.gather(a, b)
 
@@ -560,8 +635,10 @@ def test_long_prompt_is_prefilled_in_chunks_while_a_stream_decodes(budget, per_s
             responses = asyncio.run(run(s))
         finally:
             gate.set()
-    assert responses[0].json()["choices"][0]["text"] == reference(ids("abc"), max_new_tokens=MAX_LEN - 3,
-                                                                 ignore_eos=True)[0]
+    assert (
+        responses[0].json()["choices"][0]["text"]
+        == reference(ids("abc"), max_new_tokens=MAX_LEN - 3, ignore_eos=True)[0]
+    )
     assert responses[1].json()["choices"][0]["text"] == reference(ids(prompt), max_new_tokens=12, ignore_eos=True)[0]
     chunks = [(n, running[0]) for n, running in log[1:]]  # after the first request's own prefill
     bound = max(budget, 2 * per_seq)
@@ -601,14 +678,24 @@ def test_a_tree_drafting_server_answers_concurrent_greedy_requests_like_target_o
     from test_server_harness import pair
 
     target, draft = pair()
-    eng = Engine(HFRunner(target), tokenizer(), DraftModelDrafter(HFRunner(draft), tree_topk=2, tree_nodes=6), 3,
-                 max_batch_size=3, max_context=MAX_LEN, **serving())
+    eng = Engine(
+        HFRunner(target),
+        tokenizer(),
+        DraftModelDrafter(HFRunner(draft), tree_topk=2, tree_nodes=6),
+        3,
+        max_batch_size=3,
+        max_context=MAX_LEN,
+        **serving(),
+    )
     prompts = ["abc", "hello", "xyz", "tree"]
     with serve(eng) as s:
         client = s.openai()
         with ThreadPoolExecutor(len(prompts)) as pool:  # concurrent: the batch holds several trees at once
-            responses = list(pool.map(lambda p: client.completions.create(model=MODEL, prompt=p, max_tokens=16,
-                                                                          temperature=0), prompts))
+            responses = list(
+                pool.map(
+                    lambda p: client.completions.create(model=MODEL, prompt=p, max_tokens=16, temperature=0), prompts
+                )
+            )
     for p, r in zip(prompts, responses):
         assert r.choices[0].text == reference(ids(p), max_new_tokens=16)[0]
     assert sum(r.model_extra["speculation"]["nodes"] for r in responses) > 0

@@ -54,6 +54,7 @@ def _error_of(payload: str) -> dict:
 @pytest.mark.parametrize("where", ["propose", "start"])
 def test_drafter_failure_falls_back_to_target_only(where):
     with serve(engine(k=3)) as s:
+
         def boom(*args, **kwargs):
             raise RuntimeError("draft model exploded")
 
@@ -147,8 +148,11 @@ def test_health_reports_a_wedged_engine():
         runner.forward = stuck
         with s.http() as c:
             result = {}
-            t = threading.Thread(target=lambda: result.update(r=s.http().post(
-                "/v1/completions", json={"prompt": "abc", "max_tokens": 3})))
+            t = threading.Thread(
+                target=lambda: result.update(
+                    r=s.http().post("/v1/completions", json={"prompt": "abc", "max_tokens": 3})
+                )
+            )
             t.start()
             assert entered.wait(120)
             time.sleep(0.4)  # a lower bound: the engine call has lasted longer than wedge_timeout_s
@@ -163,6 +167,7 @@ def test_health_reports_a_wedged_engine():
 
 def test_dead_engine_loop_fails_requests_fast_and_health_says_so():
     with serve(engine(k=3)) as s:
+
         def broken():
             raise RuntimeError("engine state corrupted")
 
@@ -190,9 +195,11 @@ def test_client_gone_during_prefill_never_gets_a_step():
         body = json.dumps({"prompt": "abc", "max_tokens": 50}).encode()
         host, port = s.url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=30) as sock:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
-                         + body)
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
             assert entered.wait(30)
         gone.set()  # the client has closed its connection while the prefill runs
         m = s.wait_idle()
@@ -206,8 +213,28 @@ def test_specdecode_serve_sigterm_drains_in_flight_streams(tmp_path):
     target, _ = pair()
     target.save_pretrained(tmp_path)
     tokenizer().save_pretrained(tmp_path)
-    cmd = [sys.executable, "-m", "specdecode.cli", "serve", "--target", str(tmp_path), "--draft", "ngram", "-k", "3",
-           "--dtype", "float32", "--max-context", "256", "--port", "0", "--api-key", KEY, "--graceful-timeout", "600"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "specdecode.cli",
+        "serve",
+        "--target",
+        str(tmp_path),
+        "--draft",
+        "ngram",
+        "-k",
+        "3",
+        "--dtype",
+        "float32",
+        "--max-context",
+        "256",
+        "--port",
+        "0",
+        "--api-key",
+        KEY,
+        "--graceful-timeout",
+        "600",
+    ]
     env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True, env=env)
     log: list[str] = []
@@ -225,10 +252,19 @@ def test_specdecode_serve_sigterm_drains_in_flight_streams(tmp_path):
     try:
         assert started.wait(600), "".join(log)  # generous: a busy machine imports torch slowly
         url = f"http://127.0.0.1:{port[0]}"
-        body = {"model": tmp_path.name, "prompt": "abc", "max_tokens": 240, "ignore_eos": True, "temperature": 0,
-                "stream": True, "stream_options": {"include_usage": True}}
-        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
-                          trust_env=False) as c, c.stream("POST", "/v1/completions", json=body) as r:
+        body = {
+            "model": tmp_path.name,
+            "prompt": "abc",
+            "max_tokens": 240,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        with (
+            httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60, trust_env=False) as c,
+            c.stream("POST", "/v1/completions", json=body) as r,
+        ):
             lines = r.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
             proc.send_signal(signal.SIGTERM)

@@ -89,38 +89,135 @@ def rarely(common: st.SearchStrategy, rare: st.SearchStrategy, one_in: int = 4) 
     return st.sampled_from(range(one_in)).flatmap(lambda i: rare if i == one_in - 1 else common)
 
 
-HUGE_INTS = [2**31 - 1, 2**31, -(2**31), 2**53 + 1, 2**63 - 1, 2**63, -(2**63), -(2**63) - 1, 2**64 - 1, 2**64,
-             2**80, -(2**80), 10**30]
+HUGE_INTS = [
+    2**31 - 1,
+    2**31,
+    -(2**31),
+    2**53 + 1,
+    2**63 - 1,
+    2**63,
+    -(2**63),
+    -(2**63) - 1,
+    2**64 - 1,
+    2**64,
+    2**80,
+    -(2**80),
+    10**30,
+]
 EDGE_INTS = [0, 1, -1, 2, 31, 32, 127, 128, *HUGE_INTS]
-EDGE_FLOATS = [0.0, -0.0, 5e-324, 1e-40, -1e-40, 1e-300, 1e-12, 1e-6, 1e-5, 0.5, 0.9999999999999999, 1.0,
-               1.0000000000000002, 2.0, 2.0000000000000004, 100.0, 1e308, -1e308, 1.7976931348623157e308]
-RAW_NUMBERS = [Raw(x) for x in ("NaN", "-NaN", "Infinity", "-Infinity", "1e400", "-1e400", "1e-400", "-0",
-                                "1E2", "1.0", "0e0", "1" * 5000, "0." + "0" * 400 + "1")]
-HOSTILE_STRINGS = ["", " ", "\x00", "a\x00b", "\ud800", "\udfff", "a\ud800b", "\udc00\ud800", "\ufeff", "\u2028",
-                   "\uffff", "\U0010ffff", "é", "日本語", "😀" * 50, "<eos>", "a<eos>b", "{{ messages }}",
-                   "{% for x in range(10**9) %}", "\r\n", "\\", '"', "abc" * 3000, "\x1b[31m", "null"]
+EDGE_FLOATS = [
+    0.0,
+    -0.0,
+    5e-324,
+    1e-40,
+    -1e-40,
+    1e-300,
+    1e-12,
+    1e-6,
+    1e-5,
+    0.5,
+    0.9999999999999999,
+    1.0,
+    1.0000000000000002,
+    2.0,
+    2.0000000000000004,
+    100.0,
+    1e308,
+    -1e308,
+    1.7976931348623157e308,
+]
+RAW_NUMBERS = [
+    Raw(x)
+    for x in (
+        "NaN",
+        "-NaN",
+        "Infinity",
+        "-Infinity",
+        "1e400",
+        "-1e400",
+        "1e-400",
+        "-0",
+        "1E2",
+        "1.0",
+        "0e0",
+        "1" * 5000,
+        "0." + "0" * 400 + "1",
+    )
+]
+HOSTILE_STRINGS = [
+    "",
+    " ",
+    "\x00",
+    "a\x00b",
+    "\ud800",
+    "\udfff",
+    "a\ud800b",
+    "\udc00\ud800",
+    "\ufeff",
+    "\u2028",
+    "\uffff",
+    "\U0010ffff",
+    "é",
+    "日本語",
+    "😀" * 50,
+    "<eos>",
+    "a<eos>b",
+    "{{ messages }}",
+    "{% for x in range(10**9) %}",
+    "\r\n",
+    "\\",
+    '"',
+    "abc" * 3000,
+    "\x1b[31m",
+    "null",
+]
 
 
 def deep(depth: int, open_: str, close: str) -> Raw:
     return Raw(open_ * depth + "1" + close * depth)
 
 
-DEEP = [deep(33, "[", "]"), deep(100, "[", "]"), deep(1000, "[", "]"), deep(3000, '{"a":', "}"),
-        deep(5000, "[", "]")]  # shallowest first: shrinking keeps the shallowest that fails
+DEEP = [
+    deep(33, "[", "]"),
+    deep(100, "[", "]"),
+    deep(1000, "[", "]"),
+    deep(3000, '{"a":', "}"),
+    deep(5000, "[", "]"),
+]  # shallowest first: shrinking keeps the shallowest that fails
 
 vocab_text = st.text(VOCAB_CHARS, min_size=1, max_size=30)
-strings = st.one_of(vocab_text, st.text(max_size=40), st.sampled_from(HOSTILE_STRINGS),
-                    rarely(st.text(max_size=20), st.text(st.characters(codec=None), max_size=20)))  # + surrogates
+strings = st.one_of(
+    vocab_text,
+    st.text(max_size=40),
+    st.sampled_from(HOSTILE_STRINGS),
+    rarely(st.text(max_size=20), st.text(st.characters(codec=None), max_size=20)),
+)  # + surrogates
 ints = st.one_of(st.integers(-3, 40), st.sampled_from(EDGE_INTS), st.integers())
 floats = st.one_of(st.floats(-3, 3), st.sampled_from(EDGE_FLOATS), st.floats())  # NaN, inf: written raw
 numbers = st.one_of(ints, floats, st.sampled_from(RAW_NUMBERS))
 scalars = st.one_of(st.none(), st.booleans(), numbers, strings)
 # any JSON value: the wrong type for a field, an unknown key's value; sometimes deeply nested
-nested = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(strings, inner, max_size=4),
-                      max_leaves=8)
+nested = st.recursive(
+    scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(strings, inner, max_size=4), max_leaves=8
+)
 junk = rarely(nested, st.sampled_from(DEEP), one_in=10)
-unknown_keys = st.one_of(st.sampled_from(["functions", "tools", "response_format", "logit_bias ", "Prompt", "",
-                                          "__proto__", "max_tokens\x00", "\ud800", "prompt_ids"]), strings)
+unknown_keys = st.one_of(
+    st.sampled_from(
+        [
+            "functions",
+            "tools",
+            "response_format",
+            "logit_bias ",
+            "Prompt",
+            "",
+            "__proto__",
+            "max_tokens\x00",
+            "\ud800",
+            "prompt_ids",
+        ]
+    ),
+    strings,
+)
 
 token_ids = st.lists(st.integers(0, 31), min_size=1, max_size=12)
 odd_prompts = st.one_of(
@@ -136,13 +233,21 @@ prompts = rarely(st.one_of(vocab_text, token_ids, st.lists(vocab_text, min_size=
 # small most of the time (every token costs time), sometimes anything
 max_tokens = rarely(st.integers(1, 8), st.one_of(st.integers(-2, 200), st.sampled_from(EDGE_INTS)))
 TINY_FLOATS = [5e-324, 1e-300, 1e-45, 1e-40, 1e-39, 1.1754942e-38, 1.2e-38, 1e-30, 1e-12]  # float32: subnormal, 0
-temperatures = rarely(st.one_of(st.floats(0, 2), st.sampled_from([0, 1, 2, -0.0]), st.sampled_from(TINY_FLOATS)),
-                      floats)
-stops = rarely(st.one_of(st.none(), vocab_text, st.lists(st.text(VOCAB_CHARS, min_size=1, max_size=3), max_size=4)),
-               st.one_of(strings, st.lists(strings, max_size=20), st.lists(st.text(max_size=2000), max_size=3)))
+temperatures = rarely(
+    st.one_of(st.floats(0, 2), st.sampled_from([0, 1, 2, -0.0]), st.sampled_from(TINY_FLOATS)), floats
+)
+stops = rarely(
+    st.one_of(st.none(), vocab_text, st.lists(st.text(VOCAB_CHARS, min_size=1, max_size=3), max_size=4)),
+    st.one_of(strings, st.lists(strings, max_size=20), st.lists(st.text(max_size=2000), max_size=3)),
+)
 stream_options = rarely(st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}), junk)
-logit_bias = rarely(st.just({}), st.one_of(st.dictionaries(st.integers(-5, 40).map(str), st.integers(-100, 100),
-                                                           max_size=3), st.dictionaries(strings, junk, max_size=3)))
+logit_bias = rarely(
+    st.just({}),
+    st.one_of(
+        st.dictionaries(st.integers(-5, 40).map(str), st.integers(-100, 100), max_size=3),
+        st.dictionaries(strings, junk, max_size=3),
+    ),
+)
 
 
 def neutral(value: Any, other: st.SearchStrategy) -> st.SearchStrategy:
@@ -166,55 +271,111 @@ def rule_chain(n: int, gbnf: bool) -> str:
 
 
 chain_lengths = st.one_of(st.integers(0, 80), st.sampled_from([100, 500, 1000, 2500, 4000]))
-vocab_regex = st.lists(st.sampled_from(["a", "b", "c", "[a-e]", "[A-E]+", "(ab|cd)", "x?", "[a-z]{1,4}", "E*"]),
-                       min_size=1, max_size=5).map("".join)
-REGEX_BLOWUPS = ["(x{2000}){500}", "a{1000000}", "((x{100}){100}){100}", "x[A-C]{3}|a(b{1000}){1000}",
-                 "(a|aa)*b", "(a*)*b", "[a-z]{0,100000}", "(.{1,1000}){1,1000}"]
+vocab_regex = st.lists(
+    st.sampled_from(["a", "b", "c", "[a-e]", "[A-E]+", "(ab|cd)", "x?", "[a-z]{1,4}", "E*"]), min_size=1, max_size=5
+).map("".join)
+REGEX_BLOWUPS = [
+    "(x{2000}){500}",
+    "a{1000000}",
+    "((x{100}){100}){100}",
+    "x[A-C]{3}|a(b{1000}){1000}",
+    "(a|aa)*b",
+    "(a*)*b",
+    "[a-z]{0,100000}",
+    "(.{1,1000}){1,1000}",
+]
 UNSATISFIABLE_REGEXES = ["[a&&b]", r"a[^\x00-\x{10FFFF}]", "[^\\s\\S]", "0", "\\d+", "{}"]  # digits: no such token
 regexes = st.one_of(
-    vocab_regex, st.sampled_from(REGEX_BLOWUPS + UNSATISFIABLE_REGEXES + ["(ab", "a)", "\\", "(?<=a)b", "\\1"]),
-    st.builds(lambda c, a, b: f"({c}{{{a}}}){{{b}}}", st.sampled_from("abx"), st.integers(0, 5000), st.integers(0, 5000)),
+    vocab_regex,
+    st.sampled_from(REGEX_BLOWUPS + UNSATISFIABLE_REGEXES + ["(ab", "a)", "\\", "(?<=a)b", "\\1"]),
+    st.builds(
+        lambda c, a, b: f"({c}{{{a}}}){{{b}}}", st.sampled_from("abx"), st.integers(0, 5000), st.integers(0, 5000)
+    ),
     st.builds(lambda n: "(" * n + "a" + ")" * n, st.integers(1, 600)),
-    strings)
+    strings,
+)
 small_schemas = st.recursive(
-    st.one_of(st.fixed_dictionaries({"type": st.sampled_from(["string", "integer", "number", "boolean", "null"])}),
-              st.fixed_dictionaries({"type": st.just("string")}, optional={
-                  "minLength": st.integers(-1, 100), "maxLength": st.integers(-1, 100),
-                  "pattern": st.one_of(vocab_regex, st.sampled_from(REGEX_BLOWUPS))}),
-              st.fixed_dictionaries({"type": st.just("integer")}, optional={"minimum": ints, "maximum": ints}),
-              st.fixed_dictionaries({"enum": st.lists(scalars, max_size=3)}), st.booleans()),
+    st.one_of(
+        st.fixed_dictionaries({"type": st.sampled_from(["string", "integer", "number", "boolean", "null"])}),
+        st.fixed_dictionaries(
+            {"type": st.just("string")},
+            optional={
+                "minLength": st.integers(-1, 100),
+                "maxLength": st.integers(-1, 100),
+                "pattern": st.one_of(vocab_regex, st.sampled_from(REGEX_BLOWUPS)),
+            },
+        ),
+        st.fixed_dictionaries({"type": st.just("integer")}, optional={"minimum": ints, "maximum": ints}),
+        st.fixed_dictionaries({"enum": st.lists(scalars, max_size=3)}),
+        st.booleans(),
+    ),
     lambda inner: st.one_of(
-        st.fixed_dictionaries({"type": st.just("object"), "properties": st.dictionaries(vocab_text, inner, max_size=3)},
-                              optional={"required": st.lists(vocab_text, max_size=3),
-                                        "additionalProperties": st.booleans()}),
+        st.fixed_dictionaries(
+            {"type": st.just("object"), "properties": st.dictionaries(vocab_text, inner, max_size=3)},
+            optional={"required": st.lists(vocab_text, max_size=3), "additionalProperties": st.booleans()},
+        ),
         st.fixed_dictionaries({"type": st.just("array"), "items": inner}, optional={"minItems": st.integers(0, 50)}),
-        st.fixed_dictionaries({"anyOf": st.lists(inner, max_size=3)})),
-    max_leaves=6)
-HOSTILE_SCHEMAS = [{"$ref": "#"}, {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
-                   {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, {"$ref": "#/nope"},
-                   {"$ref": "http://example.com/schema"}, {"type": "string", "minLength": 5, "maxLength": 2},
-                   {"enum": []}, {"allOf": [{"type": "string"}, {"type": "integer"}]}, {"type": "object"},
-                   {"x-guidance": {"whitespace_pattern": "(a{1000}){1000}"}, "type": "object"},
-                   {"x-guidance": {"whitespace_pattern": "("}, "type": "object"}]
-schemas = st.one_of(small_schemas, st.sampled_from(HOSTILE_SCHEMAS),
-                    st.builds(ref_chain, chain_lengths), st.builds(lambda n: ref_chain(n, any_of_link), chain_lengths),
-                    nested)
+        st.fixed_dictionaries({"anyOf": st.lists(inner, max_size=3)}),
+    ),
+    max_leaves=6,
+)
+HOSTILE_SCHEMAS = [
+    {"$ref": "#"},
+    {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+    {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+    {"$ref": "#/nope"},
+    {"$ref": "http://example.com/schema"},
+    {"type": "string", "minLength": 5, "maxLength": 2},
+    {"enum": []},
+    {"allOf": [{"type": "string"}, {"type": "integer"}]},
+    {"type": "object"},
+    {"x-guidance": {"whitespace_pattern": "(a{1000}){1000}"}, "type": "object"},
+    {"x-guidance": {"whitespace_pattern": "("}, "type": "object"},
+]
+schemas = st.one_of(
+    small_schemas,
+    st.sampled_from(HOSTILE_SCHEMAS),
+    st.builds(ref_chain, chain_lengths),
+    st.builds(lambda n: ref_chain(n, any_of_link), chain_lengths),
+    nested,
+)
 response_formats = st.one_of(
     st.fixed_dictionaries({"type": st.sampled_from(["json_object", "text"])}),
-    st.fixed_dictionaries({"type": st.just("json_schema"),
-                           "json_schema": st.fixed_dictionaries({"schema": schemas},
-                                                                optional={"name": strings, "strict": st.booleans()})}),
-    junk)
+    st.fixed_dictionaries(
+        {
+            "type": st.just("json_schema"),
+            "json_schema": st.fixed_dictionaries(
+                {"schema": schemas}, optional={"name": strings, "strict": st.booleans()}
+            ),
+        }
+    ),
+    junk,
+)
 EOS_ID = len(VOCAB_CHARS)
 grammars = st.one_of(
-    st.builds(lambda r: f"start: /{r}/", vocab_regex), st.builds(lambda r: f'root ::= "{r}"+', vocab_text),
+    st.builds(lambda r: f"start: /{r}/", vocab_regex),
+    st.builds(lambda r: f'root ::= "{r}"+', vocab_text),
     st.builds(rule_chain, chain_lengths, st.booleans()),
-    st.sampled_from(['start: "a" start', 'root ::= "a" root', f'start: "a" <[{EOS_ID}]> "b"', f"start: <[{EOS_ID}]>",
-                     'start: "a" <[99999]>', "start: missing", "start: " + "(" * 3000 + '"a"' + ")" * 3000,
-                     "start: %json " + json.dumps(ref_chain(2500)), 'start: "9"', "root ::= [^\\x00-\\U0010FFFF]"]),
-    strings)
+    st.sampled_from(
+        [
+            'start: "a" start',
+            'root ::= "a" root',
+            f'start: "a" <[{EOS_ID}]> "b"',
+            f"start: <[{EOS_ID}]>",
+            'start: "a" <[99999]>',
+            "start: missing",
+            "start: " + "(" * 3000 + '"a"' + ")" * 3000,
+            "start: %json " + json.dumps(ref_chain(2500)),
+            'start: "9"',
+            "root ::= [^\\x00-\\U0010FFFF]",
+        ]
+    ),
+    strings,
+)
 GRAMMAR_FIELDS = {
-    "response_format": response_formats, "regex": regexes, "grammar": grammars,
+    "response_format": response_formats,
+    "regex": regexes,
+    "grammar": grammars,
     "json_whitespace": rarely(st.sampled_from(["bounded", "flexible", "compact"]), strings),
 }
 
@@ -223,8 +384,10 @@ COMMON = {  # the fields of both endpoints: right types and edges mostly; the ho
     "model": neutral(MODEL, strings),
     "max_tokens": max_tokens,
     "temperature": temperatures,
-    "top_p": rarely(st.one_of(st.floats(0, 1, exclude_min=True), st.sampled_from(TINY_FLOATS)),
-                    st.one_of(st.sampled_from([0, -0.0, 1.0000001]), floats)),
+    "top_p": rarely(
+        st.one_of(st.floats(0, 1, exclude_min=True), st.sampled_from(TINY_FLOATS)),
+        st.one_of(st.sampled_from([0, -0.0, 1.0000001]), floats),
+    ),
     "top_k": rarely(st.integers(-1, 40), st.sampled_from(HUGE_INTS)),
     "seed": rarely(st.integers(0, 2**32), st.one_of(st.sampled_from(HUGE_INTS), st.integers())),
     "stop": stops,
@@ -245,18 +408,41 @@ COMPLETION_FIELDS = COMMON | {
     "best_of": neutral(1, ints),
     "suffix": neutral("", strings),
 }
-parts = st.lists(st.one_of(st.fixed_dictionaries({"type": st.just("text"), "text": strings}),
-                           st.fixed_dictionaries({"type": st.sampled_from(["image_url", "input_audio", "TEXT", ""]),
-                                                  "text": strings}, optional={"image_url": junk}),
-                           junk), max_size=3)
-roles = rarely(st.sampled_from(["system", "developer", "user", "assistant"]),
-               st.one_of(st.sampled_from(["tool", "function", "", "USER", "user\x00", "\ud800"]), strings), one_in=8)
+parts = st.lists(
+    st.one_of(
+        st.fixed_dictionaries({"type": st.just("text"), "text": strings}),
+        st.fixed_dictionaries(
+            {"type": st.sampled_from(["image_url", "input_audio", "TEXT", ""]), "text": strings},
+            optional={"image_url": junk},
+        ),
+        junk,
+    ),
+    max_size=3,
+)
+roles = rarely(
+    st.sampled_from(["system", "developer", "user", "assistant"]),
+    st.one_of(st.sampled_from(["tool", "function", "", "USER", "user\x00", "\ud800"]), strings),
+    one_in=8,
+)
 message = rarely(
-    st.fixed_dictionaries({"role": roles, "content": rarely(st.text(VOCAB_CHARS, max_size=20),
-                                                            st.one_of(strings, parts, st.none(), junk))}),
-    st.fixed_dictionaries({}, optional={"role": roles, "content": st.one_of(strings, parts, junk), "name": junk,
-                                        "tool_calls": junk, "tool_call_id": strings}),
-    one_in=8)
+    st.fixed_dictionaries(
+        {
+            "role": roles,
+            "content": rarely(st.text(VOCAB_CHARS, max_size=20), st.one_of(strings, parts, st.none(), junk)),
+        }
+    ),
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "role": roles,
+            "content": st.one_of(strings, parts, junk),
+            "name": junk,
+            "tool_calls": junk,
+            "tool_call_id": strings,
+        },
+    ),
+    one_in=8,
+)
 messages = rarely(st.lists(message, min_size=1, max_size=3), st.one_of(st.lists(message, max_size=0), junk), one_in=10)
 CHAT_FIELDS = COMMON | {
     "messages": messages,
@@ -311,30 +497,70 @@ def structured_bodies(draw, fields: dict[str, st.SearchStrategy], required: str)
     return body
 
 
-structured_cases = st.one_of(api_cases("/v1/completions", structured_bodies(COMPLETION_FIELDS, "prompt")),
-                             api_cases("/v1/chat/completions", structured_bodies(CHAT_FIELDS, "messages")))
+structured_cases = st.one_of(
+    api_cases("/v1/completions", structured_bodies(COMPLETION_FIELDS, "prompt")),
+    api_cases("/v1/chat/completions", structured_bodies(CHAT_FIELDS, "messages")),
+)
 
-RAW_BODIES = [b"", b" ", b"not json", b"{", b"}", b"null", b"[]", b"{}", b"42", b'"abc"', b"true", b"\xff\xfe\x00",
-              b"\xef\xbb\xbf{\"prompt\": \"abc\"}", '{"prompt": "abc"}'.encode("utf-16"),
-              b'{"prompt": "abc", "max_tokens": 1, "max_tokens": "x"}', b'{"prompt": "abc"} trailing',
-              b'{"prompt": "abc", "max_tokens": 1,}', b"{'prompt': 'abc'}", b'{"prompt": "\\ud800", "max_tokens": 1}',
-              b'{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 1}', b'{"prompt": "a\\u0000b"}',
-              b'{"prompt": "abc", "max_tokens": NaN}', b'{"prompt": "abc", "temperature": NaN, "max_tokens": 1}',
-              b'{"prompt": "abc", "temperature": 1e-400, "max_tokens": 1}', b"[" * 5000 + b"]" * 5000,
-              b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", b"[" * 100000, b'"' + b"a" * 200 + b'"',
-              b'{"prompt": "' + b"a" * (1 << 20) + b'"}']  # the last is over the body limit
-raw_bodies = st.one_of(st.sampled_from(RAW_BODIES), st.binary(max_size=100),
-                       st.text(max_size=100).map(lambda t: t.encode("utf-8", "surrogatepass")))
+RAW_BODIES = [
+    b"",
+    b" ",
+    b"not json",
+    b"{",
+    b"}",
+    b"null",
+    b"[]",
+    b"{}",
+    b"42",
+    b'"abc"',
+    b"true",
+    b"\xff\xfe\x00",
+    b"\xef\xbb\xbf{\"prompt\": \"abc\"}",
+    '{"prompt": "abc"}'.encode("utf-16"),
+    b'{"prompt": "abc", "max_tokens": 1, "max_tokens": "x"}',
+    b'{"prompt": "abc"} trailing',
+    b'{"prompt": "abc", "max_tokens": 1,}',
+    b"{'prompt': 'abc'}",
+    b'{"prompt": "\\ud800", "max_tokens": 1}',
+    b'{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 1}',
+    b'{"prompt": "a\\u0000b"}',
+    b'{"prompt": "abc", "max_tokens": NaN}',
+    b'{"prompt": "abc", "temperature": NaN, "max_tokens": 1}',
+    b'{"prompt": "abc", "temperature": 1e-400, "max_tokens": 1}',
+    b"[" * 5000 + b"]" * 5000,
+    b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+    b"[" * 100000,
+    b'"' + b"a" * 200 + b'"',
+    b'{"prompt": "' + b"a" * (1 << 20) + b'"}',
+]  # the last is over the body limit
+raw_bodies = st.one_of(
+    st.sampled_from(RAW_BODIES),
+    st.binary(max_size=100),
+    st.text(max_size=100).map(lambda t: t.encode("utf-8", "surrogatepass")),
+)
 raw_cases = st.builds(
     Case,
-    path=rarely(st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
-                st.sampled_from(["/v1/completions/", "/v1/embeddings", "/", "/v1/models", "/health", "/v1/%00",
-                                 "/v1/" + "x" * 3000])),
+    path=rarely(
+        st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+        st.sampled_from(
+            ["/v1/completions/", "/v1/embeddings", "/", "/v1/models", "/health", "/v1/%00", "/v1/" + "x" * 3000]
+        ),
+    ),
     body=raw_bodies,
     method=rarely(st.just("POST"), st.sampled_from(["GET", "PUT", "DELETE", "OPTIONS", "PATCH", "HEAD"])),
-    content_type=rarely(st.sampled_from(["application/json", "application/json; charset=utf-8", "APPLICATION/JSON"]),
-                        st.sampled_from([None, "", "text/plain", "application/x-www-form-urlencoded",
-                                         "multipart/form-data", "application/json-patch+json"])),
+    content_type=rarely(
+        st.sampled_from(["application/json", "application/json; charset=utf-8", "APPLICATION/JSON"]),
+        st.sampled_from(
+            [
+                None,
+                "",
+                "text/plain",
+                "application/x-www-form-urlencoded",
+                "multipart/form-data",
+                "application/json-patch+json",
+            ]
+        ),
+    ),
     auth=rarely(st.just(True), st.just(False), one_in=10),
 )
 
@@ -372,7 +598,7 @@ def error_shape(payload: Any) -> str | None:
 
 
 def _events(response: httpx.Response) -> list[str]:
-    return [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+    return [line[len("data: ") :] for line in response.text.splitlines() if line.startswith("data: ")]
 
 
 def _stream_problems(response: httpx.Response) -> list[str]:
@@ -435,12 +661,19 @@ def check(http: httpx.Client, case: Case) -> tuple[httpx.Response, list[str]]:
     response = send(http, case)
     problems = problems_of(response)
     value = case.value
-    if (not problems and response.status_code == 200 and isinstance(value, dict)
-            and type(value.get("temperature")) is float and 0 < value["temperature"] < 1e-10):
+    if (
+        not problems
+        and response.status_code == 200
+        and isinstance(value, dict)
+        and type(value.get("temperature")) is float
+        and 0 < value["temperature"] < 1e-10
+    ):
         greedy = send(http, json_case(case.path, value | {"temperature": 0}))
         if greedy.status_code != 200 or generated_text(greedy) != generated_text(response):
-            problems.append(f"temperature {value['temperature']!r} answered {generated_text(response)!r}, "
-                            f"temperature 0 answered {greedy.status_code} {greedy.text[:300]!r}")
+            problems.append(
+                f"temperature {value['temperature']!r} answered {generated_text(response)!r}, "
+                f"temperature 0 answered {greedy.status_code} {greedy.text[:300]!r}"
+            )
     return response, problems
 
 
@@ -463,9 +696,18 @@ def fuzzed():
         yield Fuzzed(http, greedy_probe(http))
 
 
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, print_blob=True,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much,
-                                       HealthCheck.large_base_example])
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.filter_too_much,
+        HealthCheck.large_base_example,
+    ],
+)
 
 
 def _holds(fuzzed: Fuzzed, case: Case) -> None:

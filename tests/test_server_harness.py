@@ -29,8 +29,9 @@ KEY = "test-key"
 # for requests that must succeed: only a guard against a hang (a busy CI machine can be many times slower)
 CLIENT_TIMEOUT_S = 300
 # role initial, content; the generation prompt is "A" (every character is one token of the tiny vocabulary)
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}{{ m['content'] }}{% endfor %}"
-                 "{% if add_generation_prompt %}A{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'][0] }}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}A{% endif %}"
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -57,13 +58,22 @@ def pair():
     return target, perturbed_copy(target, noise=0.15)
 
 
-def engine(k: int = 3, slots: int = 4, max_len: int = MAX_LEN, draft: bool = True, backend: str | None = None,
-           **budget):
+def engine(
+    k: int = 3, slots: int = 4, max_len: int = MAX_LEN, draft: bool = True, backend: str | None = None, **budget
+):
     """A tiny engine built for serving (tiny.serving; ``budget``: its step budget) on $SPECDECODE_TEST_BACKEND
     (torch by default; see tiny.runner_for) or ``backend``."""
     target, draft_model = pair()
-    return make_engine(target, tokenizer(), draft_model if draft and k else None, k=k if draft else 0,
-                       num_slots=slots, max_len=max_len, backend=backend, **serving(**budget))
+    return make_engine(
+        target,
+        tokenizer(),
+        draft_model if draft and k else None,
+        k=k if draft else 0,
+        num_slots=slots,
+        max_len=max_len,
+        backend=backend,
+        **serving(**budget),
+    )
 
 
 @functools.cache
@@ -92,8 +102,13 @@ class Served:
         return httpx.Client(base_url=self.url, headers=headers, timeout=CLIENT_TIMEOUT_S, trust_env=False, **kw)
 
     def openai(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, timeout=CLIENT_TIMEOUT_S,
-                             http_client=httpx.Client(trust_env=False))
+        return openai.OpenAI(
+            base_url=self.url + "/v1",
+            api_key=KEY,
+            max_retries=0,
+            timeout=CLIENT_TIMEOUT_S,
+            http_client=httpx.Client(trust_env=False),
+        )
 
     def metrics(self) -> dict[str, float]:
         with self.http() as c:
@@ -101,8 +116,13 @@ class Served:
 
     def wait_idle(self, timeout: float = 60.0) -> dict[str, float]:
         """Metrics once nothing is queued, running or holding KV (fails after ``timeout``)."""
-        names = ("specdecode_queue_depth", "specdecode_running_requests", "specdecode_kv_slots_used",
-                 "specdecode_kv_tokens_used", "specdecode_draft_slots_used")
+        names = (
+            "specdecode_queue_depth",
+            "specdecode_running_requests",
+            "specdecode_kv_slots_used",
+            "specdecode_kv_tokens_used",
+            "specdecode_draft_slots_used",
+        )
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
@@ -153,16 +173,18 @@ def scrape(text: str) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def serve(eng, limits: ConnectionLimits = ConnectionLimits(), graceful_timeout_s: float = 5.0,
-          **config) -> Iterator[Served]:
+def serve(
+    eng, limits: ConnectionLimits = ConnectionLimits(), graceful_timeout_s: float = 5.0, **config
+) -> Iterator[Served]:
     """A real uvicorn server on 127.0.0.1 (a free port) in a background thread, configured as
     `specdecode serve` configures it (connection limits, drain at shutdown)."""
     config = {"model_name": MODEL, "api_key": KEY} | config
     app = create_app(eng, ServerConfig(**config))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = DrainingServer(uvicorn_config(app, limits=limits, graceful_timeout_s=graceful_timeout_s,
-                                           log_level="warning"))
+    server = DrainingServer(
+        uvicorn_config(app, limits=limits, graceful_timeout_s=graceful_timeout_s, log_level="warning")
+    )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 120  # generous; ends as soon as the server is up
@@ -179,4 +201,4 @@ def serve(eng, limits: ConnectionLimits = ConnectionLimits(), graceful_timeout_s
 
 def sse_events(response: httpx.Response) -> list[str]:
     """The ``data:`` payloads of a streamed response, in order."""
-    return [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    return [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]

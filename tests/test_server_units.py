@@ -115,8 +115,10 @@ def test_sampling_defaults_follow_openai():
     params = P.sampling_params(req, req.max_tokens, P.COMPLETIONS_DEFAULT_MAX_TOKENS)
     assert (params.temperature, params.top_p, params.top_k, params.max_new_tokens) == (1.0, 1.0, 0, 16)
     parts = [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]
-    chat = P.parse(P.ChatCompletionRequest, {"messages": [{"role": "user", "content": parts}],
-                                             "max_completion_tokens": 5, "top_k": -1})
+    chat = P.parse(
+        P.ChatCompletionRequest,
+        {"messages": [{"role": "user", "content": parts}], "max_completion_tokens": 5, "top_k": -1},
+    )
     assert P.chat_messages(chat) == [{"role": "user", "content": "hi"}]
     assert P.sampling_params(chat, P.requested_max_tokens(chat), 99).max_new_tokens == 5
 
@@ -124,8 +126,25 @@ def test_sampling_defaults_follow_openai():
 def test_cli_flags():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["--target", "t", "--draft", "d", "-k", "5", "--max-batch-size", "16",
-                              "--max-queue", "4", "--api-key", "k", "--no-speculation", "--max-num-batched-tokens", "64"])
+    args = parser.parse_args(
+        [
+            "--target",
+            "t",
+            "--draft",
+            "d",
+            "-k",
+            "5",
+            "--max-batch-size",
+            "16",
+            "--max-queue",
+            "4",
+            "--api-key",
+            "k",
+            "--no-speculation",
+            "--max-num-batched-tokens",
+            "64",
+        ]
+    )
     assert check_arguments(args) is None
     cfg = server_config(args)
     assert (cfg.model_name, cfg.api_key, cfg.max_queue, cfg.speculation) == ("t", "k", 4, False)
@@ -149,8 +168,20 @@ def test_cli_connection_and_host_flags():
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["--target", "t", "--allowed-hosts", "api.example, other.example", "--max-connections",
-                              "100", "--header-timeout", "5", "--body-timeout", "7"])
+    args = parser.parse_args(
+        [
+            "--target",
+            "t",
+            "--allowed-hosts",
+            "api.example, other.example",
+            "--max-connections",
+            "100",
+            "--header-timeout",
+            "5",
+            "--body-timeout",
+            "7",
+        ]
+    )
     assert check_arguments(args) is None
     cfg, limits = server_config(args), connection_limits(args)
     assert cfg.allowed_hosts == ("api.example", "other.example") and cfg.body_timeout_s == 7

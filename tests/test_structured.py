@@ -115,8 +115,10 @@ def test_greedy_constrained_speculation_equals_constrained_target_only(pair, dra
 def test_seeded_coupled_samples_under_a_grammar_equal_target_only(pair, drafter):
     """The coupled sampler makes a seeded sample a function of (seed, target, prompt) under the grammar too."""
     target, draft = pair
-    params = [SamplingParams(0.9, seed=11 + i, max_new_tokens=20, sampler="coupled", grammar=SPECS["regex"])
-              for i in range(len(PROMPTS))]
+    params = [
+        SamplingParams(0.9, seed=11 + i, max_new_tokens=20, sampler="coupled", grammar=SPECS["regex"])
+        for i in range(len(PROMPTS))
+    ]
     ref = make_engine(target, TOK, sampler="coupled").generate(PROMPTS, params)
     out = make_engine(target, TOK, drafter=drafter_of(drafter, draft), k=3, sampler="coupled").generate(PROMPTS, params)
     assert [o.token_ids for o in out] == [r.token_ids for r in ref]
@@ -134,8 +136,11 @@ def test_greedy_under_a_grammar_with_medusa_and_eagle_equals_target_only(kind, t
     target = make_model(V, seed=3, hidden=32)
     params = SamplingParams(max_new_tokens=20, grammar=SPECS["regex"])
     ref = make_engine(target, TOK).generate(PROMPTS, params)
-    engine = (medusa_engine(target, tiny_heads(target), k=3, topk=topk, nodes=nodes) if kind == "medusa"
-              else eagle_engine(target, tiny_eagle(target), k=3, topk=topk, nodes=nodes))
+    engine = (
+        medusa_engine(target, tiny_heads(target), k=3, topk=topk, nodes=nodes)
+        if kind == "medusa"
+        else eagle_engine(target, tiny_eagle(target), k=3, topk=topk, nodes=nodes)
+    )
     out = engine.generate(PROMPTS, params)
     assert [o.token_ids for o in out] == [r.token_ids for r in ref]
     assert sum(o.stats.drafted for o in out) > 0 and sum(o.stats.accepted for o in out) > 0
@@ -151,6 +156,7 @@ LAW_TOKENS = 4
 def exact_law(target, prompt: list[int], eos: int) -> dict[tuple[int, ...], float]:
     """Every output of at most LAW_TOKENS tokens and its probability under target-only sampling at T = 1 with
     the grammar's mask, computed from the model's logits one history at a time (not by the engine)."""
+
     def allowed(history: tuple[int, ...]) -> list[int]:
         text = "".join(ALPHABET[t] for t in history)
         out = [t for t in range(VS - 1) if regex.fullmatch(LAW_REGEX, text + ALPHABET[t], partial=True)]
@@ -204,10 +210,12 @@ def test_the_constrained_law_under_speculation_and_its_negative_control():
 
     engines = {
         "engine": make_engine(target, tok, drafter=drafter(), k=3, num_slots=8, max_len=32),
-        "draft ignores the grammar": make_engine(target, tok, drafter=DraftSees(drafter(), {"grammar": None}, VS),
-                                                 k=3, num_slots=8, max_len=32),
-        "control: stale grammar state": make_engine(target, tok, drafter=drafter(), k=3, num_slots=8, max_len=32,
-                                                    verifier=Verifier(process=stale_process)),
+        "draft ignores the grammar": make_engine(
+            target, tok, drafter=DraftSees(drafter(), {"grammar": None}, VS), k=3, num_slots=8, max_len=32
+        ),
+        "control: stale grammar state": make_engine(
+            target, tok, drafter=drafter(), k=3, num_slots=8, max_len=32, verifier=Verifier(process=stale_process)
+        ),
     }
     level = 1e-3 / len(engines)
     results = {}
@@ -230,8 +238,10 @@ def _corpus() -> list[str]:
     words = ["name", "ok", "n", "c", "red", "green", "true", "false", "null", "tags"]
     docs = []
     for _ in range(300):
-        obj = {rng.choice(words): rng.choice([rng.randint(0, 99), rng.choice(words), rng.random() < 0.5, None])
-               for _ in range(rng.randint(1, 4))}
+        obj = {
+            rng.choice(words): rng.choice([rng.randint(0, 99), rng.choice(words), rng.random() < 0.5, None])
+            for _ in range(rng.randint(1, 4))
+        }
         docs.append(json.dumps(obj, indent=rng.choice([None, 2]), separators=rng.choice([None, (",", ":")])))
     return docs + [string.printable]
 
@@ -242,21 +252,30 @@ def json_tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=385, special_tokens=["<eos>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=385,
+        special_tokens=["<eos>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(_corpus(), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
     fast.add_special_tokens({"additional_special_tokens": ["<|end|>"]})
-    fast.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                          "{% if add_generation_prompt %}assistant: {% endif %}")
+    fast.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
     return fast
 
 
 SCHEMA = {  # compact JSON and bounded values: a tiny random model completes it within ~30 tokens
     "x-guidance": {"whitespace_flexible": False},
     "type": "object",
-    "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99},
-                   "c": {"enum": ["red", "green"]}},
+    "properties": {
+        "ok": {"type": "boolean"},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        "c": {"enum": ["red", "green"]},
+    },
     "required": ["ok", "n", "c"],
     "additionalProperties": False,
 }
@@ -293,8 +312,11 @@ def test_a_thousand_sampled_json_requests_all_validate(json_pair, drafter):
     time: every output ends by itself (the grammar completes, never the token cap), parses and validates; tokens
     were drafted and accepted."""
     tok, target, draft = json_pair
-    engine = (make_engine(target, tok, draft, k=3, num_slots=16, max_len=128) if drafter == "model" else
-              make_engine(target, tok, drafter=NgramDrafter(), k=3, num_slots=16, max_len=128))
+    engine = (
+        make_engine(target, tok, draft, k=3, num_slots=16, max_len=128)
+        if drafter == "model"
+        else make_engine(target, tok, drafter=NgramDrafter(), k=3, num_slots=16, max_len=128)
+    )
     params = SamplingParams(1.0, max_new_tokens=96, grammar=GrammarSpec.json_schema(SCHEMA))
     prompt = tok('{"ok":true,"n":5,"c":"red"} {"ok":false,"n":12,"c":"green"} ').input_ids  # n-gram finds these
     invalid, drafted, accepted = 0, 0, 0
@@ -338,8 +360,13 @@ def test_server_json_schema_through_the_openai_client(json_server, json_pair):
     drafted = []
 
     def chat(q: str, stream: bool) -> str:
-        kw = dict(model="tiny", messages=[{"role": "user", "content": q}], temperature=0, max_tokens=60,
-                  response_format=RESPONSE_FORMAT)
+        kw = dict(
+            model="tiny",
+            messages=[{"role": "user", "content": q}],
+            temperature=0,
+            max_tokens=60,
+            response_format=RESPONSE_FORMAT,
+        )
         if not stream:
             r = client.chat.completions.create(**kw)
             assert r.choices[0].finish_reason == "stop"
@@ -356,23 +383,39 @@ def test_server_json_schema_through_the_openai_client(json_server, json_pair):
     reference = make_engine(target, tok)
     for q, text in zip(questions, texts):
         jsonschema.validate(json.loads(text), PLAIN_SCHEMA)
-        prompt = tok(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                             add_generation_prompt=True), add_special_tokens=False).input_ids
+        prompt = tok(
+            tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False,
+        ).input_ids
         want = reference.generate([prompt], SamplingParams(max_new_tokens=60, grammar=GrammarSpec.json_schema(SCHEMA)))
         assert text == want[0].text
-    r = client.completions.create(model="tiny", prompt='{"n": 1}', max_tokens=60, temperature=0,
-                                  extra_body={"response_format": RESPONSE_FORMAT})
+    r = client.completions.create(
+        model="tiny", prompt='{"n": 1}', max_tokens=60, temperature=0, extra_body={"response_format": RESPONSE_FORMAT}
+    )
     jsonschema.validate(json.loads(r.choices[0].text), PLAIN_SCHEMA)
-    r = client.completions.create(model="tiny", prompt="x", max_tokens=30, temperature=0.8, seed=3,
-                                  extra_body={"regex": "(yes|no)(, (yes|no)){0,3}"})
+    r = client.completions.create(
+        model="tiny",
+        prompt="x",
+        max_tokens=30,
+        temperature=0.8,
+        seed=3,
+        extra_body={"regex": "(yes|no)(, (yes|no)){0,3}"},
+    )
     assert regex.fullmatch("(yes|no)(, (yes|no)){0,3}", r.choices[0].text) and r.choices[0].finish_reason == "stop"
     assert json_server.scheduler.engine.drafter is not None
     json_server.wait_idle()
 
 
 BAD = [  # (extra fields, param)
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {
-        "type": "string", "minLength": 5, "maxLength": 2}}}}, "response_format"),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"schema": {"type": "string", "minLength": 5, "maxLength": 2}},
+            }
+        },
+        "response_format",
+    ),
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
     ({"response_format": "json"}, "response_format"),
@@ -421,8 +464,18 @@ def test_generate_structured_flags(json_model_dirs, capsys):
     from specdecode.cli import main
 
     root = json_model_dirs
-    common = ["generate", "--target", str(root / "target"), "--prompt", '{"n": 3', "--max-new-tokens", "60",
-              "--dtype", "float32", "--json"]
+    common = [
+        "generate",
+        "--target",
+        str(root / "target"),
+        "--prompt",
+        '{"n": 3',
+        "--max-new-tokens",
+        "60",
+        "--dtype",
+        "float32",
+        "--json",
+    ]
     assert main(common + ["--json-schema", str(root / "schema.json")]) == 0
     base = json.loads(capsys.readouterr().out)
     assert main(common + ["--json-schema", str(root / "schema.json"), "--draft", str(root / "draft"), "-k", "3"]) == 0
@@ -433,11 +486,13 @@ def test_generate_structured_flags(json_model_dirs, capsys):
     assert regex.fullmatch("(yes|no)(,(yes|no))*", json.loads(capsys.readouterr().out)["text"], partial=True)
     assert main(common + ["--regex", "[0-9]{3}"]) == 0
     assert regex.fullmatch("[0-9]{3}", json.loads(capsys.readouterr().out)["text"])
-    for extra, message in ((["--json-schema", str(root / "bad.json")], "minLength"),
-                           (["--json-schema", str(root / "missing.json")], "cannot read"),
-                           (["--regex", "(ab"], "invalid regex"),
-                           (["--grammar", str(root / "schema.json")], "invalid grammar"),
-                           (["--regex", "a+", "--ignore-eos"], "ignore_eos")):
+    for extra, message in (
+        (["--json-schema", str(root / "bad.json")], "minLength"),
+        (["--json-schema", str(root / "missing.json")], "cannot read"),
+        (["--regex", "(ab"], "invalid regex"),
+        (["--grammar", str(root / "schema.json")], "invalid grammar"),
+        (["--regex", "a+", "--ignore-eos"], "ignore_eos"),
+    ):
         assert main(common + extra) == 2, extra
         assert message in capsys.readouterr().err, extra
     with pytest.raises(SystemExit):  # argparse: at most one of them
@@ -457,13 +512,31 @@ def test_load_sends_each_prompts_response_format(json_server):
     assert body["response_format"] == shipped.response_format
     _, body = request_body(Target("A", "http://x", response_format=False), shipped, 64)
     assert "response_format" not in body
-    prompts = [Prompt(id=f"j{i}", category="json", text=None, messages=[{"role": "user", "content": q}], kind="chat",
-                      max_new_tokens=60, response_format=RESPONSE_FORMAT) for i, q in enumerate(["a", "bb", "n=3"])]
-    config = LoadConfig(targets=[Target("json", json_server.url, extra_body={"temperature": 0}),
-                                 Target("free", json_server.url, extra_body={"temperature": 0, "ignore_eos": True},
-                                        response_format=False)],
-                        prompts=prompts, levels=[2], num_requests=3, output_len=(60, 60), duration_s=600,
-                        time_limit_s=3600, api_key=KEY)
+    prompts = [
+        Prompt(
+            id=f"j{i}",
+            category="json",
+            text=None,
+            messages=[{"role": "user", "content": q}],
+            kind="chat",
+            max_new_tokens=60,
+            response_format=RESPONSE_FORMAT,
+        )
+        for i, q in enumerate(["a", "bb", "n=3"])
+    ]
+    config = LoadConfig(
+        targets=[
+            Target("json", json_server.url, extra_body={"temperature": 0}),
+            Target("free", json_server.url, extra_body={"temperature": 0, "ignore_eos": True}, response_format=False),
+        ],
+        prompts=prompts,
+        levels=[2],
+        num_requests=3,
+        output_len=(60, 60),
+        duration_s=600,
+        time_limit_s=3600,
+        api_key=KEY,
+    )
     result = run_sweep(config)
     json_server.wait_idle()
     constrained, free = result.levels
@@ -482,17 +555,41 @@ def test_bench_applies_each_prompts_grammar_and_reports_valid_json(json_model_di
     from specdecode.bench import cli
 
     root = json_model_dirs
-    rows = [{"id": f"j{i}", "category": "json", "prompt": p, "max_new_tokens": 40, "response_format": RESPONSE_FORMAT}
-            for i, p in enumerate(['{"n": 3', "ok: "])]
+    rows = [
+        {"id": f"j{i}", "category": "json", "prompt": p, "max_new_tokens": 40, "response_format": RESPONSE_FORMAT}
+        for i, p in enumerate(['{"n": 3', "ok: "])
+    ]
     (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     def bench(out, *extra):
         parser = argparse.ArgumentParser()
         cli.add_arguments(parser)
-        return cli.main(parser.parse_args([
-            "--target", str(root / "target"), "--draft", str(root / "draft"), "--dtype", "float32",
-            "--prompts", str(root / "prompts.jsonl"), "--draft-lengths", "3", "--baselines", "hf",
-            "--no-progress", "--warmup-tokens", "2", "--threads", "1", "--out", str(out), *extra]))
+        return cli.main(
+            parser.parse_args(
+                [
+                    "--target",
+                    str(root / "target"),
+                    "--draft",
+                    str(root / "draft"),
+                    "--dtype",
+                    "float32",
+                    "--prompts",
+                    str(root / "prompts.jsonl"),
+                    "--draft-lengths",
+                    "3",
+                    "--baselines",
+                    "hf",
+                    "--no-progress",
+                    "--warmup-tokens",
+                    "2",
+                    "--threads",
+                    "1",
+                    "--out",
+                    str(out),
+                    *extra,
+                ]
+            )
+        )
 
     def runs(out):
         return [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]

@@ -54,8 +54,12 @@ def bpe():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<eos>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=["<eos>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator([json.dumps(r["reference"]) for r in rows()], trainer)
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
     hf.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
@@ -75,7 +79,8 @@ def test_the_shipped_files_are_small_and_name_every_source_with_its_license():
         assert f"{package} {version}" in notice and meta["sha256"] in notice
     pinned = {s.name: s for s in C.SOURCES}
     assert {p: (m["version"], m["sha256"]) for p, m in sources().items()} == {
-        p: (s.version, s.sha256) for p, s in pinned.items()}
+        p: (s.version, s.sha256) for p, s in pinned.items()
+    }
 
 
 def test_rows_have_their_fields_and_each_split_every_shape():
@@ -154,10 +159,15 @@ def test_each_record_is_what_the_script_computes_from_its_stored_excerpt():
 
 
 def test_the_cut_is_deterministic_and_seeded():
-    pool = [C.Excerpt(r["shape"], r["source"]["package"], r["source"]["version"], r["source"]["file"], r["input"])
-            for r in rows()]
-    pool += [C.Excerpt("changelog", "flask", "3.0.3", "CHANGES.rst", r["input"]) for r in rows()
-             if r["shape"] == "changelog" and r["source"]["package"] != "flask"][:1]
+    pool = [
+        C.Excerpt(r["shape"], r["source"]["package"], r["source"]["version"], r["source"]["file"], r["input"])
+        for r in rows()
+    ]
+    pool += [
+        C.Excerpt("changelog", "flask", "3.0.3", "CHANGES.rst", r["input"])
+        for r in rows()
+        if r["shape"] == "changelog" and r["source"]["package"] != "flask"
+    ][:1]
     first = C.cut(pool, C.SEED)
     assert C.cut(list(reversed(pool)), C.SEED) == first  # the input order does not matter
     assert C.cut(pool, C.SEED) == first
@@ -165,48 +175,76 @@ def test_the_cut_is_deterministic_and_seeded():
 
 
 def test_parsers_on_small_inputs():
-    header = ("Metadata-Version: 2.1\nName: demo\nVersion: 1.0\nSummary: A demo\nLicense: Apache 2.0\n"
-              "Classifier: Development Status :: 4 - Beta\nClassifier: License :: OSI Approved :: MIT License\n"
-              "Classifier: Typing :: Typed\nClassifier: Programming Language :: Python :: 3 :: Only\n"
-              "Classifier: Programming Language :: Python :: 3.12\n"
-              "Classifier: Programming Language :: Python :: Implementation :: PyPy\n"
-              "Requires-Dist: foo (>=1.0)\nRequires-Dist: bar[x]<2,>=1; python_version < '3.11'\n"
-              "Provides-Extra: test\nRequires-Dist: baz; extra == 'test'\n"
-              "Requires-Dist: qux>=2; (os_name == 'nt') and extra == 'test'\n")
+    header = (
+        "Metadata-Version: 2.1\nName: demo\nVersion: 1.0\nSummary: A demo\nLicense: Apache 2.0\n"
+        "Classifier: Development Status :: 4 - Beta\nClassifier: License :: OSI Approved :: MIT License\n"
+        "Classifier: Typing :: Typed\nClassifier: Programming Language :: Python :: 3 :: Only\n"
+        "Classifier: Programming Language :: Python :: 3.12\n"
+        "Classifier: Programming Language :: Python :: Implementation :: PyPy\n"
+        "Requires-Dist: foo (>=1.0)\nRequires-Dist: bar[x]<2,>=1; python_version < '3.11'\n"
+        "Provides-Extra: test\nRequires-Dist: baz; extra == 'test'\n"
+        "Requires-Dist: qux>=2; (os_name == 'nt') and extra == 'test'\n"
+    )
     assert C.package_card(header) == {
-        "name": "demo", "version": "1.0", "summary": "A demo", "license": "Apache 2.0", "requires_python": None,
-        "development_status": "Beta", "typed": True, "requirement_count": 4, "extras": ["test"]}
+        "name": "demo",
+        "version": "1.0",
+        "summary": "A demo",
+        "license": "Apache 2.0",
+        "requires_python": None,
+        "development_status": "Beta",
+        "typed": True,
+        "requirement_count": 4,
+        "extras": ["test"],
+    }
     assert C.dependencies(header) == {
-        "runtime": [{"name": "foo", "specifier": ">=1.0", "marker": None},
-                    {"name": "bar", "specifier": "<2,>=1", "marker": "python_version < '3.11'"}],
-        "extras": [{"extra": "test", "packages": ["baz", "qux"]}]}
-    assert C.classifiers(header)["python"] == {"versions": ["3.12"], "implementations": ["PyPy"],
-                                               "only_python_3": True}
-    section = ("Version 1.2\n-----------\n\nReleased 2024-01-02\n\n-   Fix ``a``. :issue:`12`\n"
-               "-   Add b, see #7 and\n    :pr:`9`, again #7.\n")
-    assert C.changelog(section) == {"version": "1.2", "released": "2024-01-02", "changes": [
-        {"category": None, "text": "Fix ``a``. :issue:`12`", "references": [12]},
-        {"category": None, "text": "Add b, see #7 and :pr:`9`, again #7.", "references": [7, 9]}]}
+        "runtime": [
+            {"name": "foo", "specifier": ">=1.0", "marker": None},
+            {"name": "bar", "specifier": "<2,>=1", "marker": "python_version < '3.11'"},
+        ],
+        "extras": [{"extra": "test", "packages": ["baz", "qux"]}],
+    }
+    assert C.classifiers(header)["python"] == {"versions": ["3.12"], "implementations": ["PyPy"], "only_python_3": True}
+    section = (
+        "Version 1.2\n-----------\n\nReleased 2024-01-02\n\n-   Fix ``a``. :issue:`12`\n"
+        "-   Add b, see #7 and\n    :pr:`9`, again #7.\n"
+    )
+    assert C.changelog(section) == {
+        "version": "1.2",
+        "released": "2024-01-02",
+        "changes": [
+            {"category": None, "text": "Fix ``a``. :issue:`12`", "references": [12]},
+            {"category": None, "text": "Add b, see #7 and :pr:`9`, again #7.", "references": [7, 9]},
+        ],
+    }
     assert C.changelog(section + "    -   nested\n") is None
     assert C.changelog("Release 7.3.7 (released Apr 19, 2024)\n====\n\nBugs fixed\n----------\n\n* a\n* b\n") == {
-        "version": "7.3.7", "released": "2024-04-19",
-        "changes": [{"category": "Bugs fixed", "text": t, "references": []} for t in "ab"]}
-    toml = '[tool.pytest.ini_options]\ntestpaths = ["tests"]\nxfail_strict = true\nother = 1\n\n' \
-           '[tool.mypy]\nstrict = true\nfiles = "src"\n'
+        "version": "7.3.7",
+        "released": "2024-04-19",
+        "changes": [{"category": "Bugs fixed", "text": t, "references": []} for t in "ab"],
+    }
+    toml = (
+        '[tool.pytest.ini_options]\ntestpaths = ["tests"]\nxfail_strict = true\nother = 1\n\n'
+        '[tool.mypy]\nstrict = true\nfiles = "src"\n'
+    )
     assert C.toml_tables(toml + "\n[tool.ruff]\nx = 1\n", ("tool.pytest.ini_options", "tool.mypy")) == toml
-    assert C.tool_config(toml) == {"pytest": {"testpaths": ["tests"], "xfail_strict": True},
-                                   "mypy": {"files": "src", "strict": True}}
+    assert C.tool_config(toml) == {
+        "pytest": {"testpaths": ["tests"], "xfail_strict": True},
+        "mypy": {"files": "src", "strict": True},
+    }
 
 
-@pytest.mark.skipif(not all((SDISTS / s.filename).is_file() for s in C.SOURCES),
-                    reason="the pinned sdists are not in ~/.cache/specdecode/sdists (run scripts/cut_structured.py)")
+@pytest.mark.skipif(
+    not all((SDISTS / s.filename).is_file() for s in C.SOURCES),
+    reason="the pinned sdists are not in ~/.cache/specdecode/sdists (run scripts/cut_structured.py)",
+)
 def test_recutting_from_the_pinned_sdists_gives_the_shipped_files_byte_for_byte(tmp_path):
     pool, texts = [], {}
     for s in C.SOURCES:
         data = C.fetch(s, SDISTS)
         assert hashlib.sha256(data).hexdigest() == s.sha256
-        files = C.read_members(data, ["PKG-INFO", "pyproject.toml", *([s.changelog] if s.changelog else []),
-                                      *s.notices])
+        files = C.read_members(
+            data, ["PKG-INFO", "pyproject.toml", *([s.changelog] if s.changelog else []), *s.notices]
+        )
         pool += C.excerpts(s, files)
         texts[s.name] = "\n".join(f"--- {n} ---\n{files[n].strip()}\n" for n in s.notices)
     C.write(tmp_path, C.cut(pool, C.SEED), C.SEED, texts)
@@ -224,19 +262,28 @@ def test_load_prompt_set_by_name_and_split():
     for p in everything:
         r = by_id[p.id]
         assert (p.kind, p.category, p.text, p.messages, p.max_new_tokens, p.response_format) == (
-            "chat", "json_extract", None, r["messages"], r["max_new_tokens"], r["response_format"])
+            "chat",
+            "json_extract",
+            None,
+            r["messages"],
+            r["max_new_tokens"],
+            r["response_format"],
+        )
     two = load_prompt_set("json_extract:dev", n=2, seed=3)
     assert len(two) == 2 and two == load_prompt_set("json_extract:dev", n=2, seed=3)
     assert {p.id for p in two} <= {p.id for p in dev}
     assert all(p.response_format is None for p in load_prompt_set("code_edit:dev", n=2))
 
 
-@pytest.mark.parametrize("spec, kw, message", [
-    ("json_extract:train", {}, "json_extract:dev or json_extract:test"),
-    ("json_extract", {"categories": ["x"]}, "no categories"),
-    ("json_extract:dev", {"n": 0}, "positive"),
-    ("json", {}, "json_extract"),
-])
+@pytest.mark.parametrize(
+    "spec, kw, message",
+    [
+        ("json_extract:train", {}, "json_extract:dev or json_extract:test"),
+        ("json_extract", {"categories": ["x"]}, "no categories"),
+        ("json_extract:dev", {"n": 0}, "positive"),
+        ("json", {}, "json_extract"),
+    ],
+)
 def test_bad_specs_are_clear_errors(spec, kw, message):
     with pytest.raises(PromptSetError, match=message):
         load_prompt_set(spec, **kw)

@@ -48,8 +48,11 @@ def brute_match(text, ctx, depth, base=0):
     """The reference: the longest suffix of ``ctx`` (<= depth) that ends at a live position of ``text``
     followed by a token, and every such position."""
     for length in range(min(depth, len(ctx)), 0, -1):
-        ends = [p for p in range(len(text) - 1) if p - length + 1 >= base and text[p + 1] != SEP
-                and text[p - length + 1:p + 1] == ctx[-length:]]
+        ends = [
+            p
+            for p in range(len(text) - 1)
+            if p - length + 1 >= base and text[p + 1] != SEP and text[p - length + 1 : p + 1] == ctx[-length:]
+        ]
         if ends:
             return length, ends
     return 0, []
@@ -269,8 +272,13 @@ def test_the_spec_parses_and_refuses_bad_options():
 
 
 # -- through the engine ----------------------------------------------------------------------------------------
-PROMPTS = [[1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2], [4, 5, 6, 7, 8, 9, 10], [11],
-           [20, 21, 22, 5, 6, 20, 21, 22, 5], [3, 3, 3, 3, 3]]
+PROMPTS = [
+    [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2],
+    [4, 5, 6, 7, 8, 9, 10],
+    [11],
+    [20, 21, 22, 5, 6, 20, 21, 22, 5],
+    [3, 3, 3, 3, 3],
+]
 
 
 def greedy(n=30):
@@ -309,8 +317,15 @@ def test_the_history_drafts_a_repeated_request_and_only_with_history(target):
 
 @pytest.mark.parametrize("topk,nodes", [(2, 6), (3, 12)])
 def test_greedy_trees_equal_target_only(target, reference, topk, nodes):
-    engine = Engine(HFRunner(target), TOK, SuffixDrafter(tree_topk=topk, tree_nodes=nodes, min_prob=0.05), 4,
-                    max_batch_size=2, max_context=80, max_tree_nodes=nodes)
+    engine = Engine(
+        HFRunner(target),
+        TOK,
+        SuffixDrafter(tree_topk=topk, tree_nodes=nodes, min_prob=0.05),
+        4,
+        max_batch_size=2,
+        max_context=80,
+        max_tree_nodes=nodes,
+    )
     outs = engine.generate(PROMPTS, greedy())
     assert [o.token_ids for o in outs] == reference
     assert sum(o.stats.accepted for o in outs) > 0
@@ -328,10 +343,18 @@ def flat_cost(names, per_token):
 def test_auto_beside_a_draft_model_and_ngram_equals_target_only(target, reference):
     from tiny import perturbed_copy
 
-    parts = {"model": DraftModelDrafter(HFRunner(perturbed_copy(target, 0.2))), "ngram": NgramDrafter(),
-             "suffix": SuffixDrafter()}
-    multi, policy = auto_drafting(parts, flat_cost(parts, {"model": 0.02, "ngram": 0.001, "suffix": 0.001}), max_k=6,
-                                  catch_up_tokens=4, settings=SelectorSettings(explore_every=3))
+    parts = {
+        "model": DraftModelDrafter(HFRunner(perturbed_copy(target, 0.2))),
+        "ngram": NgramDrafter(),
+        "suffix": SuffixDrafter(),
+    }
+    multi, policy = auto_drafting(
+        parts,
+        flat_cost(parts, {"model": 0.02, "ngram": 0.001, "suffix": 0.001}),
+        max_k=6,
+        catch_up_tokens=4,
+        settings=SelectorSettings(explore_every=3),
+    )
     engine = Engine(HFRunner(target), TOK, multi, policy, max_batch_size=2, max_context=80)
     outs = engine.generate(PROMPTS, greedy())
     assert [o.token_ids for o in outs] == reference
@@ -343,8 +366,19 @@ def test_auto_beside_a_draft_model_and_ngram_equals_target_only(target, referenc
 def test_generate_with_suffix_beside_ngram_under_auto_keeps_the_greedy_output(capsys):
     from specdecode.cli import main
 
-    common = ["generate", "--backend", "toy", "--target", "toy:1", "--prompt", "abcabcabcab", "--max-new-tokens", "24",
-              "--ignore-eos", "--json"]
+    common = [
+        "generate",
+        "--backend",
+        "toy",
+        "--target",
+        "toy:1",
+        "--prompt",
+        "abcabcabcab",
+        "--max-new-tokens",
+        "24",
+        "--ignore-eos",
+        "--json",
+    ]
     assert main(common) == 0
     base = json.loads(capsys.readouterr().out)
     assert main([*common, "--draft", "suffix", "--draft", "ngram", "--draft-policy", "auto"]) == 0
@@ -374,14 +408,23 @@ class Counting(SuffixDrafter):
         p = super().propose(seqs, num_tokens)
         self.drafted += int(p.num_tokens.sum())
         if p.parents is not None:
-            self.trees += int(((p.parents == -1) & (torch.arange(p.tokens.shape[1]) < p.num_tokens[:, None]))
-                              .sum(1).gt(1).sum())
+            self.trees += int(
+                ((p.parents == -1) & (torch.arange(p.tokens.shape[1]) < p.num_tokens[:, None])).sum(1).gt(1).sum()
+            )
         return p
 
 
 def law_engine(model, drafter, verifier=None, nodes=0):
-    return Engine(HFRunner(model), make_tokenizer(VS), drafter, 2, max_batch_size=250, max_context=16,
-                  max_tree_nodes=nodes, verifier=verifier)
+    return Engine(
+        HFRunner(model),
+        make_tokenizer(VS),
+        drafter,
+        2,
+        max_batch_size=250,
+        max_context=16,
+        max_tree_nodes=nodes,
+        verifier=verifier,
+    )
 
 
 @pytest.mark.parametrize("sp", [SamplingParams(1.0), SamplingParams(0.7, top_p=0.9)], ids=["T1", "T0.7-p0.9"])

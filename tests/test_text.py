@@ -9,7 +9,10 @@ from transformers import PreTrainedTokenizerFast
 from specdecode.server.protocol import MAX_STOP_STRINGS as MAX_STOP_PIECES
 from specdecode.text import MAX_STOP_CHARS, IncrementalText, StopMatcher
 
-CORPUS = ["déjà vu — naïve café, 日本語のテキスト 🙂🚀 and plain ascii words " * 3, "def f(x):\n    return x ** 2  # ünïcödé"]
+CORPUS = [
+    "déjà vu — naïve café, 日本語のテキスト 🙂🚀 and plain ascii words " * 3,
+    "def f(x):\n    return x ** 2  # ünïcödé",
+]
 
 
 @pytest.fixture(scope="module")
@@ -17,8 +20,12 @@ def tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        CORPUS,
+        trainers.BpeTrainer(
+            vocab_size=300, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
 
 
@@ -88,7 +95,7 @@ def test_stop_matcher_equals_brute_force_on_random_texts():
         text = "".join(rng.choice("abc") for _ in range(rng.randrange(0, 25)))
         matcher, fed, found = StopMatcher(stops), 0, None
         while fed < len(text) and found is None:
-            piece = text[fed: fed + rng.randrange(1, 5)]
+            piece = text[fed : fed + rng.randrange(1, 5)]
             found, matcher.states = matcher.feed(piece, fed)
             fed += len(piece)
         first, held = _reference(text[:fed], stops)
@@ -113,8 +120,9 @@ def test_stop_matching_cost_does_not_grow_with_the_text_or_the_stop_length(token
     stop that does not occur. Counted reads, not time."""
     unit = "naïve café "
     half = MAX_STOP_PIECES // 2
-    stops = tuple(_CountingStr((unit * MAX_STOP_CHARS)[: MAX_STOP_CHARS - 2] + "X" + str(i)) for i in range(half)) + \
-        tuple(_CountingStr("Z" * (MAX_STOP_CHARS - 1) + str(i)) for i in range(half))
+    stops = tuple(
+        _CountingStr((unit * MAX_STOP_CHARS)[: MAX_STOP_CHARS - 2] + "X" + str(i)) for i in range(half)
+    ) + tuple(_CountingStr("Z" * (MAX_STOP_CHARS - 1) + str(i)) for i in range(half))
     text_in = unit * 150
     ids = tokenizer(text_in).input_ids
     text = IncrementalText(tokenizer, stops)
@@ -131,6 +139,6 @@ def test_stop_matching_cost_does_not_grow_with_the_text_or_the_stop_length(token
 
 def test_a_long_stop_across_tokens_and_an_unfinished_character(tokenizer):
     s = CORPUS[0]
-    stop = s[10:10 + 60]  # spans many tokens and multi-byte characters
+    stop = s[10 : 10 + 60]  # spans many tokens and multi-byte characters
     text, streamed = feed(tokenizer, tokenizer(s).input_ids, (stop, "never-there"))
     assert text.stopped and text.text == streamed == s[:10]

@@ -31,8 +31,16 @@ def pair():
 
 def tree_engine(target, draft, k, topk, nodes, slots=3, max_len=64, verifier=None):
     drafter = DraftModelDrafter(HFRunner(draft), tree_topk=topk, tree_nodes=nodes)
-    return Engine(HFRunner(target), TOK if target.config.vocab_size == V else make_tokenizer(VS), drafter, k,
-                  max_batch_size=slots, max_context=max_len, max_tree_nodes=nodes, verifier=verifier)
+    return Engine(
+        HFRunner(target),
+        TOK if target.config.vocab_size == V else make_tokenizer(VS),
+        drafter,
+        k,
+        max_batch_size=slots,
+        max_context=max_len,
+        max_tree_nodes=nodes,
+        verifier=verifier,
+    )
 
 
 @pytest.mark.parametrize("k,topk,nodes", [(3, 2, 6), (4, 3, 12), (5, 2, 16), (2, 4, 4)])
@@ -51,8 +59,15 @@ def test_greedy_ngram_trees_equal_target_only(pair, topk, nodes):
     target, _ = pair
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     reference = make_engine(target, TOK, num_slots=2).generate(PROMPTS, params)
-    engine = Engine(HFRunner(target), TOK, NgramDrafter(tree_topk=topk, tree_nodes=nodes), 4, max_batch_size=2,
-                    max_context=64, max_tree_nodes=nodes)
+    engine = Engine(
+        HFRunner(target),
+        TOK,
+        NgramDrafter(tree_topk=topk, tree_nodes=nodes),
+        4,
+        max_batch_size=2,
+        max_context=64,
+        max_tree_nodes=nodes,
+    )
     outs = engine.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
     assert sum(o.stats.nodes for o in outs) > sum(o.stats.drafted for o in outs)  # some steps were real trees
@@ -64,7 +79,8 @@ def test_trees_on_the_toy_runner_equal_target_only():
     engine = Engine(target, TOK, drafter, 4, max_batch_size=2, max_context=64, max_tree_nodes=10)
     outs = engine.generate([[1, 2, 3], [4, 5, 6, 7], [9]], SamplingParams(max_new_tokens=15, ignore_eos=True))
     reference = Engine(ToyRunner(V, seed=0), TOK, None, 0, max_batch_size=1, max_context=64).generate(
-        [[1, 2, 3], [4, 5, 6, 7], [9]], SamplingParams(max_new_tokens=15, ignore_eos=True))
+        [[1, 2, 3], [4, 5, 6, 7], [9]], SamplingParams(max_new_tokens=15, ignore_eos=True)
+    )
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
 
 
@@ -83,13 +99,16 @@ def test_draft_kv_after_compaction_equals_a_fresh_prefill(pair):
             cached = drafter._cached[seq.slot]
             compacted += len(cached) > drafter._floor[seq.slot]
             fresh.prefill([0], [cached])
-            for (k1, v1), (k2, v2) in zip(drafter.runner.export_kv(seq.slot, len(cached)), fresh.export_kv(0, len(cached))):
+            for (k1, v1), (k2, v2) in zip(
+                drafter.runner.export_kv(seq.slot, len(cached)), fresh.export_kv(0, len(cached))
+            ):
                 torch.testing.assert_close(k1, k2, atol=1e-5, rtol=1e-4)
                 torch.testing.assert_close(v1, v2, atol=1e-5, rtol=1e-4)
     assert compacted > 0  # some accepted branches were adopted rather than fed again
 
 
 # -- the sampled law through the engine -------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def small_pair():
@@ -119,8 +138,15 @@ def test_sampled_ngram_trees_follow_the_target_law(small_pair):
     target, _ = small_pair
     sp = SamplingParams(1.0)
     prompt = [1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2]
-    engine = Engine(HFRunner(target), make_tokenizer(VS), NgramDrafter(max_ngram=2, tree_topk=3, tree_nodes=6), 2,
-                    max_batch_size=250, max_context=16, max_tree_nodes=6)
+    engine = Engine(
+        HFRunner(target),
+        make_tokenizer(VS),
+        NgramDrafter(max_ngram=2, tree_topk=3, tree_nodes=6),
+        2,
+        max_batch_size=250,
+        max_context=16,
+        max_tree_nodes=6,
+    )
     counts = sample_first_two(engine, prompt, sp, 4000, 250)
     assert chi_square_p(counts, exact_two_token_law(target, prompt, sp), 4000) > ALPHA
 

@@ -31,7 +31,9 @@ def test_greedy_matches_reference():
     for _ in range(50):
         b, k = 5, 4
         target_argmax = torch.randint(0, 3, (b, k + 1), generator=g)
-        draft = torch.where(torch.rand(b, k, generator=g) < 0.7, target_argmax[:, :k], torch.randint(0, 3, (b, k), generator=g))
+        draft = torch.where(
+            torch.rand(b, k, generator=g) < 0.7, target_argmax[:, :k], torch.randint(0, 3, (b, k), generator=g)
+        )
         num_draft = torch.randint(0, k + 1, (b,), generator=g)
         res = verify_greedy(draft, target_argmax, num_draft)
         for r in range(b):
@@ -45,7 +47,9 @@ def test_speculative_with_one_hot_distributions_equals_greedy():
     b, k, v = 64, 5, 7
     target_logits = torch.randn(b, k + 1, v, generator=g)
     target_argmax = target_logits.argmax(-1)
-    draft = torch.where(torch.rand(b, k, generator=g) < 0.6, target_argmax[:, :k], torch.randint(0, v, (b, k), generator=g))
+    draft = torch.where(
+        torch.rand(b, k, generator=g) < 0.6, target_argmax[:, :k], torch.randint(0, v, (b, k), generator=g)
+    )
     one_hot = lambda ids: torch.nn.functional.one_hot(ids, v).float()  # noqa: E731
     num_draft = torch.randint(0, k + 1, (b,), generator=g)
     uniforms = torch.rand(b, k + 1, generator=g)
@@ -67,7 +71,9 @@ def _chain(n: int, k: int, v: int, seed: int, point_mass: bool):
         draft_tokens = target_probs[:k].argmax(-1).repeat(n, 1)
         dp = None
     else:
-        draft_tokens = torch.stack([sample(draft_probs[j].repeat(n, 1), torch.rand(n, generator=g)) for j in range(k)], 1)
+        draft_tokens = torch.stack(
+            [sample(draft_probs[j].repeat(n, 1), torch.rand(n, generator=g)) for j in range(k)], 1
+        )
         dp = draft_probs.repeat(n, 1, 1)
     uniforms = torch.rand(n, k + 1, generator=g)
     num_draft = torch.full((n,), k)

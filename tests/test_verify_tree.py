@@ -26,6 +26,7 @@ WIDTH = (3, 2)  # children of the root, children of each first-level node
 
 # -- greedy ------------------------------------------------------------------------------------------
 
+
 def test_greedy_tree_follows_the_argmax_chain():
     #   root -> n0 (5), n1 (2); n0 -> n2 (1), n3 (4); n1 -> n4 (3)
     parents = torch.tensor([[-1, -1, 0, 0, 1]])
@@ -54,11 +55,14 @@ def test_width_one_trees_equal_the_chain_verifier_for_the_same_draws():
                 n = int(chain.num_accepted[r])
                 assert chain.tokens[r, : n + 1].tolist() == tree.tokens[r, : n + 1].tolist()
         argmax = target_probs.argmax(-1)
-        assert torch.equal(verify_greedy(drafts, argmax, num).num_accepted,
-                           verify_tree_greedy(drafts, chain_parents(b, k), num, argmax).num_accepted)
+        assert torch.equal(
+            verify_greedy(drafts, argmax, num).num_accepted,
+            verify_tree_greedy(drafts, chain_parents(b, k), num, argmax).num_accepted,
+        )
 
 
 # -- the batched walk against a slow, obviously-correct reference ------------------------------------
+
 
 def reference_walk(tokens, parents, n, draft_probs, target_probs, u, rule):
     """One row, the module docstring's walk in plain Python: (emitted tokens, accepted path)."""
@@ -104,8 +108,9 @@ def test_batched_walk_equals_the_reference(rule):
     g = torch.Generator().manual_seed(3)
     b, k = 200, 7
     for _ in range(3):
-        parents = torch.stack([torch.tensor([int(torch.randint(-1, i, (1,), generator=g)) for i in range(k)])
-                               for _ in range(b)])
+        parents = torch.stack(
+            [torch.tensor([int(torch.randint(-1, i, (1,), generator=g)) for i in range(k)]) for _ in range(b)]
+        )
         num = torch.randint(0, k + 1, (b,), generator=g)
         target_probs = torch.softmax(2 * torch.randn(b, k + 1, V, generator=g), -1)
         draft_probs = torch.softmax(2 * torch.randn(b, k, V, generator=g), -1)
@@ -113,13 +118,15 @@ def test_batched_walk_equals_the_reference(rule):
         u = torch.rand(b, k + 1, generator=g)
         res = verify_tree(tokens, parents, num, draft_probs, target_probs, u, rule)
         for r in range(b):
-            out, path = reference_walk(tokens[r].tolist(), parents[r].tolist(), int(num[r]), draft_probs[r],
-                                       target_probs[r], u[r], rule)
+            out, path = reference_walk(
+                tokens[r].tolist(), parents[r].tolist(), int(num[r]), draft_probs[r], target_probs[r], u[r], rule
+            )
             n = int(res.num_accepted[r])
             assert (res.tokens[r, : n + 1].tolist(), res.path[r, : n + 1].tolist()) == (out, path)
 
 
 # -- the sampled law, per rule -------------------------------------------------------------------------
+
 
 def laws(seed: int):
     """Target and draft laws of a 2-level toy: root, after each first token, after each pair."""
@@ -152,8 +159,9 @@ def run_trials(drawn: str, rule: str, seed: int = 0) -> tuple[torch.Tensor, torc
     tokens = torch.cat([level1, level2.flatten(1)], dim=1)  # nodes 0..m0-1, then each one's children
     parents = torch.tensor([-1] * m0 + [i for i in range(m0) for _ in range(m1)]).expand(N, -1)
     draft_probs = torch.cat([q0.expand(N, m0, V), q1[level1].repeat_interleave(m1, dim=1)], dim=1)  # [N, k, V]
-    target = torch.cat([p0.expand(N, 1, V), p1[level1],
-                        p2[level1.repeat_interleave(m1, dim=1), level2.flatten(1)]], dim=1)  # [N, 1+k, V]
+    target = torch.cat(
+        [p0.expand(N, 1, V), p1[level1], p2[level1.repeat_interleave(m1, dim=1), level2.flatten(1)]], dim=1
+    )  # [N, 1+k, V]
     uniforms = torch.rand(N, k + 1, generator=g)
     res = verify_tree(tokens, parents, torch.full((N,), k), draft_probs, target, uniforms, rule)
     first = res.tokens[:, 0]
@@ -171,11 +179,14 @@ def test_each_rule_follows_the_target_law(how):
     assert chi_square_p(c2, law2, N) > ALPHA
 
 
-@pytest.mark.parametrize("drawn,wrong_rule", [
-    (WITHOUT_REPLACEMENT, IID),  # rule (a)'s residual on siblings drawn without replacement
-    (IID, WITHOUT_REPLACEMENT),  # rule (b)'s removal on independent siblings
-    (DETERMINISTIC, WITHOUT_REPLACEMENT),  # top-k siblings treated as draws from the draft's law
-])
+@pytest.mark.parametrize(
+    "drawn,wrong_rule",
+    [
+        (WITHOUT_REPLACEMENT, IID),  # rule (a)'s residual on siblings drawn without replacement
+        (IID, WITHOUT_REPLACEMENT),  # rule (b)'s removal on independent siblings
+        (DETERMINISTIC, WITHOUT_REPLACEMENT),  # top-k siblings treated as draws from the draft's law
+    ],
+)
 def test_negative_controls_the_wrong_rule_is_detected(drawn, wrong_rule):
     c1, c2, law1, law2 = run_trials(drawn, wrong_rule)
     assert min(chi_square_p(c1, law1, N), chi_square_p(c2, law2, N)) < ALPHA

@@ -11,13 +11,7 @@ import pytest
 from fake_openai import Behaviour, FakeServer
 
 from specdecode.bench import runner as R
-from specdecode.bench.prompts import (
-    CODE_WORKLOADS_DIR,
-    Prompt,
-    PromptSetError,
-    load_jsonl,
-    load_prompt_set,
-)
+from specdecode.bench.prompts import CODE_WORKLOADS_DIR, Prompt, PromptSetError, load_jsonl, load_prompt_set
 from specdecode.fim import fim_prompt, fim_tokens, stop_fields
 from specdecode.load.client import Target, request_body
 from specdecode.load.runner import LoadConfig, run_sweep
@@ -110,27 +104,38 @@ def test_dev_and_test_share_no_prompt_and_no_source_file(name):
 def test_load_prompt_set_by_name_and_split():
     fim, dev, test = (load_prompt_set(s) for s in ("fim", "fim:dev", "fim:test"))
     assert {p.id for p in dev} | {p.id for p in test} == {p.id for p in fim} and not {p.id for p in dev} & {
-        p.id for p in test}
+        p.id for p in test
+    }
     assert len(dev) >= 16 and len(test) >= 16
     first = rows("fim")[0]
     p = next(p for p in fim if p.id == first["id"])
     assert (p.kind, p.text, p.suffix, p.fim_stop, p.max_new_tokens, p.category) == (
-        "completion", first["prefix"], first["suffix"], first["fim_stop"], first["max_new_tokens"], "fim")
+        "completion",
+        first["prefix"],
+        first["suffix"],
+        first["fim_stop"],
+        first["max_new_tokens"],
+        "fim",
+    )
     assert p.is_fim and p.messages is None
     edits, edev, etest = (load_prompt_set(s) for s in ("code_edit", "code_edit:dev", "code_edit:test"))
     assert len(edev) >= 16 and len(etest) >= 16 and len(edits) == len(edev) + len(etest)
     assert all(p.kind == "chat" and not p.is_fim and p.category == "code_edit" for p in edits)
     two = load_prompt_set("fim:dev", n=2, seed=3)
-    assert len(two) == 2 and two == load_prompt_set("fim:dev", n=2, seed=3) and {p.id for p in two} <= {
-        p.id for p in dev}
+    assert (
+        len(two) == 2 and two == load_prompt_set("fim:dev", n=2, seed=3) and {p.id for p in two} <= {p.id for p in dev}
+    )
 
 
-@pytest.mark.parametrize("spec, kw, message", [
-    ("fim:train", {}, "fim:dev or fim:test"),
-    ("code_edit:", {}, "code_edit:dev"),
-    ("fim", {"categories": ["python"]}, "no categories"),
-    ("fim:dev", {"n": 0}, "positive"),
-])
+@pytest.mark.parametrize(
+    "spec, kw, message",
+    [
+        ("fim:train", {}, "fim:dev or fim:test"),
+        ("code_edit:", {}, "code_edit:dev"),
+        ("fim", {"categories": ["python"]}, "no categories"),
+        ("fim:dev", {"n": 0}, "positive"),
+    ],
+)
 def test_bad_code_workload_specs_are_clear_errors(spec, kw, message):
     with pytest.raises(PromptSetError, match=message):
         load_prompt_set(spec, **kw)
@@ -138,15 +143,21 @@ def test_bad_code_workload_specs_are_clear_errors(spec, kw, message):
 
 def test_user_jsonl_takes_a_suffix(tmp_path):
     file = tmp_path / "p.jsonl"
-    file.write_text(json.dumps({"id": "a", "prompt": "def f(", "suffix": ")\n", "fim_stop": "line"}) + "\n"
-                    + json.dumps({"id": "b", "prompt": "x = "}) + "\n")
+    file.write_text(
+        json.dumps({"id": "a", "prompt": "def f(", "suffix": ")\n", "fim_stop": "line"})
+        + "\n"
+        + json.dumps({"id": "b", "prompt": "x = "})
+        + "\n"
+    )
     a, b = load_jsonl(file)
     assert (a.text, a.suffix, a.fim_stop, a.is_fim) == ("def f(", ")\n", "line", True)
     assert (b.suffix, b.fim_stop, b.is_fim) == (None, None, False)
-    for bad, message in (({"messages": [{"role": "user", "content": "x"}], "suffix": "y"}, "'suffix'"),
-                         ({"prompt": "x", "suffix": 3}, "'suffix'"),
-                         ({"prompt": "x", "fim_stop": "line"}, "'fim_stop'"),
-                         ({"prompt": "x", "suffix": "y", "fim_stop": "word"}, "'fim_stop'")):
+    for bad, message in (
+        ({"messages": [{"role": "user", "content": "x"}], "suffix": "y"}, "'suffix'"),
+        ({"prompt": "x", "suffix": 3}, "'suffix'"),
+        ({"prompt": "x", "fim_stop": "line"}, "'fim_stop'"),
+        ({"prompt": "x", "suffix": "y", "fim_stop": "word"}, "'fim_stop'"),
+    ):
         file.write_text(json.dumps(bad) + "\n")
         with pytest.raises(PromptSetError, match=message):
             load_jsonl(file)
@@ -186,18 +197,25 @@ def test_bench_runs_fim_prompts_with_their_stop_rules_and_greedy_outputs_agree(t
     tok = make_fim_tokenizer()
     fim = fim_tokens(tok)
     engines = {0: make_engine(target, tok, num_slots=1), 3: make_engine(target, tok, draft, k=3, num_slots=1)}
-    backend = R.Backend(engine_for=lambda c: engines[c.k], hf_for=None, target_logits=None,
-                        eos_token_ids=[tok.eos_token_id], logit_eps=1e-6)
+    backend = R.Backend(
+        engine_for=lambda c: engines[c.k],
+        hf_for=None,
+        target_logits=None,
+        eos_token_ids=[tok.eos_token_id],
+        logit_eps=1e-6,
+    )
     rules = ("none", "line", "block")
     prompts, _ = R.tokenize_prompts([fim_prompt_of(f"fim/{rule}", rule=rule, new=24) for rule in rules], tok, 8, 4096)
     store = R.RecordStore(tmp_path / "records.jsonl")
-    R.BenchRunner(backend, prompts, R.make_configs([3], []), [SamplingSetting(0.0)], 1, store,
-                  warmup_tokens=2, progress=False).run()
+    R.BenchRunner(
+        backend, prompts, R.make_configs([3], []), [SamplingSetting(0.0)], 1, store, warmup_tokens=2, progress=False
+    ).run()
     runs = {(r["prompt_id"], r["config"]): r for r in store.records if r["type"] == "run"}
     for rule in ("none", "line", "block"):
         want = make_engine(target, tok, num_slots=1).generate(
             [fim_prompt(tok, PREFIX, SUFFIX)],
-            SamplingSetting(0.0).params(max_new_tokens=24, ignore_eos=True, **stop_fields(fim, rule, PREFIX)))[0]
+            SamplingSetting(0.0).params(max_new_tokens=24, ignore_eos=True, **stop_fields(fim, rule, PREFIX)),
+        )[0]
         for config in (R.TARGET, "spec-k3"):
             run = runs[(f"fim/{rule}", config)]
             assert run["token_ids"] == want.token_ids and run["finish_reason"] == want.finish_reason
@@ -230,8 +248,17 @@ def test_load_sends_the_suffix_to_an_openai_endpoint():
     prompts = load_prompt_set("fim:dev", n=3)
     behaviour = Behaviour(first_token_s=0.0, token_interval_s=0.0)
     with FakeServer(behaviour) as server:
-        result = run_sweep(LoadConfig(targets=[Target("A", server.url)], prompts=prompts, levels=[1],
-                                      num_requests=3, duration_s=600, output_len=None, request_timeout_s=120))
+        result = run_sweep(
+            LoadConfig(
+                targets=[Target("A", server.url)],
+                prompts=prompts,
+                levels=[1],
+                num_requests=3,
+                duration_s=600,
+                output_len=None,
+                request_timeout_s=120,
+            )
+        )
     assert all(r.ok for run in result.levels for r in run.records)
     sent = {b["prompt"]: b for b in behaviour.bodies}
     assert len(sent) == 3
@@ -247,10 +274,22 @@ def test_load_fim_prompts_against_our_server():
     prompts = [fim_prompt_of("p/0", rule="line"), fim_prompt_of("p/1", "x = a + b\n", "\nprint(x)\n", "block")]
     eng = make_engine(target, tok, draft, k=3, num_slots=2, **serving())
     with serve(eng) as served:
-        targets = [Target(label, served.url, extra_body={"temperature": 0}, fim_stop=label == "fim_stop")
-                   for label in ("stop", "fim_stop")]
-        result = run_sweep(LoadConfig(targets=targets, prompts=prompts, levels=[2], num_requests=4, duration_s=600,
-                                      output_len=(12, 12), request_timeout_s=120, api_key=KEY))
+        targets = [
+            Target(label, served.url, extra_body={"temperature": 0}, fim_stop=label == "fim_stop")
+            for label in ("stop", "fim_stop")
+        ]
+        result = run_sweep(
+            LoadConfig(
+                targets=targets,
+                prompts=prompts,
+                levels=[2],
+                num_requests=4,
+                duration_s=600,
+                output_len=(12, 12),
+                request_timeout_s=120,
+                api_key=KEY,
+            )
+        )
         served.wait_idle()
     records = [r for run in result.levels for r in run.records]
     assert len(records) == 8 and all(r.ok for r in records), [r.error_detail for r in records]

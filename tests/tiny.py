@@ -27,17 +27,32 @@ def make_tokenizer(vocab_size: int = 32) -> PreTrainedTokenizerFast:
     return fast
 
 
-def make_model(vocab_size: int = 32, seed: int = 0, layers: int = 2, hidden: int = 32, arch: str = "qwen2",
-               dtype: torch.dtype = torch.float32, scale: float = 1.0):
+def make_model(
+    vocab_size: int = 32,
+    seed: int = 0,
+    layers: int = 2,
+    hidden: int = 32,
+    arch: str = "qwen2",
+    dtype: torch.dtype = torch.float32,
+    scale: float = 1.0,
+):
     """A random tiny causal LM. ``scale`` multiplies the output embedding (sharper logits when > 1).
 
     The weights are drawn on the CPU (equal on every device), then moved to ``$SPECDECODE_TEST_DEVICE``
     (default ``cpu``; ``scripts/gpu_check.py --tests`` sets ``cuda``).
     """
     torch.manual_seed(seed)
-    kw = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-              eos_token_id=vocab_size - 1, tie_word_embeddings=False)
+    kw = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=vocab_size - 1,
+        tie_word_embeddings=False,
+    )
     cfg = Qwen2Config(**kw) if arch == "qwen2" else LlamaConfig(**kw)
     cfg._attn_implementation = "sdpa"
     model = (Qwen2ForCausalLM if arch == "qwen2" else LlamaForCausalLM)(cfg).to(dtype).eval()
@@ -87,19 +102,40 @@ def runner_for(model, backend: str | None = None):
     return LlamaCppRunner(_GGUF_COPIES[id(model)][1])
 
 
-def make_engine(target, tokenizer, draft=None, k: int = 0, num_slots: int = 4, max_len: int = 256, drafter=None,
-                verifier=None, backend: str | None = None, **engine_kwargs):
+def make_engine(
+    target,
+    tokenizer,
+    draft=None,
+    k: int = 0,
+    num_slots: int = 4,
+    max_len: int = 256,
+    drafter=None,
+    verifier=None,
+    backend: str | None = None,
+    **engine_kwargs,
+):
     """An engine on tiny models; it sizes both runners' caches itself (see :func:`runner_for`);
     ``engine_kwargs`` go to :class:`Engine` (``serving()`` gives a server's)."""
     from specdecode.drafters.draft_model import DraftModelDrafter
 
     if draft is not None:
         drafter = DraftModelDrafter(runner_for(draft, backend))
-    return Engine(runner_for(target, backend), tokenizer, drafter, k, max_batch_size=num_slots, max_context=max_len,
-                  verifier=verifier, **engine_kwargs)
+    return Engine(
+        runner_for(target, backend),
+        tokenizer,
+        drafter,
+        k,
+        max_batch_size=num_slots,
+        max_context=max_len,
+        verifier=verifier,
+        **engine_kwargs,
+    )
 
 
 def serving(max_num_batched_tokens: int = 512, batched_tokens_per_seq: int = 0) -> dict:
     """Engine arguments of an engine built for serving, as `specdecode serve` builds it by default."""
-    return dict(first_token_from_target=True, max_num_batched_tokens=max_num_batched_tokens,
-                batched_tokens_per_seq=batched_tokens_per_seq)
+    return dict(
+        first_token_from_target=True,
+        max_num_batched_tokens=max_num_batched_tokens,
+        batched_tokens_per_seq=batched_tokens_per_seq,
+    )

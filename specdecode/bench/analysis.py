@@ -229,9 +229,16 @@ def per_prompt(records: Iterable[dict[str, Any]]) -> dict[tuple[str, str, str], 
             counts.add_run(r)
         tok_s = statistics.median(r["new_tokens"] / r["wall_s"] for r in runs)
         tokens = statistics.median(r["new_tokens"] for r in runs)
-        out[key] = {"tok_s": tok_s, "tokens": tokens, "seconds": tokens / tok_s, "repeats": len(runs),
-                    "category": runs[0]["category"], "k": runs[0]["k"], "counts": counts,
-                    "latency_s": statistics.median(r["wall_s"] for r in runs)}
+        out[key] = {
+            "tok_s": tok_s,
+            "tokens": tokens,
+            "seconds": tokens / tok_s,
+            "repeats": len(runs),
+            "category": runs[0]["category"],
+            "k": runs[0]["k"],
+            "counts": counts,
+            "latency_s": statistics.median(r["wall_s"] for r in runs),
+        }
     return out
 
 
@@ -239,14 +246,26 @@ def prompt_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (sampling, config, prompt): median tok/s, speedup over target-only, acceptance, α, tokens/step."""
     prompts = per_prompt(records)
     rows = []
-    for (sampling, config, pid), p in sorted(prompts.items(), key=lambda kv: (kv[0][0], kv[0][2], _config_order(kv[0][1]))):
+    for (sampling, config, pid), p in sorted(
+        prompts.items(), key=lambda kv: (kv[0][0], kv[0][2], _config_order(kv[0][1]))
+    ):
         base, counts = prompts.get((sampling, TARGET, pid)), p["counts"]
-        rows.append({"sampling": sampling, "config": config, "prompt_id": pid, "category": p["category"], "k": p["k"],
-                     "repeats": p["repeats"], "tokens": p["tokens"], "tok_s": p["tok_s"],
-                     "speedup": p["tok_s"] / base["tok_s"] if base else None,
-                     "acceptance_rate": counts.acceptance_rate if p["k"] else None,
-                     "alpha": counts.alpha if p["k"] else None,
-                     "tokens_per_step": counts.tokens_per_step if p["k"] else None})
+        rows.append(
+            {
+                "sampling": sampling,
+                "config": config,
+                "prompt_id": pid,
+                "category": p["category"],
+                "k": p["k"],
+                "repeats": p["repeats"],
+                "tokens": p["tokens"],
+                "tok_s": p["tok_s"],
+                "speedup": p["tok_s"] / base["tok_s"] if base else None,
+                "acceptance_rate": counts.acceptance_rate if p["k"] else None,
+                "alpha": counts.alpha if p["k"] else None,
+                "tokens_per_step": counts.tokens_per_step if p["k"] else None,
+            }
+        )
     return rows
 
 
@@ -318,8 +337,18 @@ def fill_speculation(cell: Cell, counts: Counts, base_counts: Counts) -> None:
 
 
 def _merge(into: Counts, other: Counts) -> None:
-    for name in ("runs", "steps", "drafted", "accepted", "rejections", "emitted", "draft_s", "verify_s", "step_s",
-                 "nodes"):
+    for name in (
+        "runs",
+        "steps",
+        "drafted",
+        "accepted",
+        "rejections",
+        "emitted",
+        "draft_s",
+        "verify_s",
+        "step_s",
+        "nodes",
+    ):
         setattr(into, name, getattr(into, name) + getattr(other, name))
     into.drafted_at = _add_lists(into.drafted_at, other.drafted_at)
     into.accepted_at = _add_lists(into.accepted_at, other.accepted_at)
@@ -365,14 +394,27 @@ def by_context(records: list[dict[str, Any]]) -> list[BucketCell]:
             counts[(r["sampling"], r["config"], bucket_of(step[0]))].add_step(step)
     order = {label: i for i, (_, _, label) in enumerate(BUCKETS)}
     cells = []
-    for (sampling, config, bucket), c in sorted(counts.items(), key=lambda kv: (kv[0][0], _config_order(kv[0][1]), order[kv[0][2]])):
+    for (sampling, config, bucket), c in sorted(
+        counts.items(), key=lambda kv: (kv[0][0], _config_order(kv[0][1]), order[kv[0][2]])
+    ):
         if not c.step_s:
             continue
         base = counts.get((sampling, TARGET, bucket))
         rate = c.emitted / c.step_s
         base_rate = base.emitted / base.step_s if base and base.step_s else None
-        cells.append(BucketCell(sampling, config, bucket, c.steps, c.emitted, rate,
-                                rate / base_rate if base_rate else None, c.acceptance_rate, c.alpha))
+        cells.append(
+            BucketCell(
+                sampling,
+                config,
+                bucket,
+                c.steps,
+                c.emitted,
+                rate,
+                rate / base_rate if base_rate else None,
+                c.acceptance_rate,
+                c.alpha,
+            )
+        )
     return cells
 
 
@@ -402,8 +444,9 @@ class LatencyCell:
     p99_ratio: float | None = None
 
 
-def latency_cells(records: list[dict[str, Any]], group_by_category: bool = True,
-                  after_prefill: bool = False) -> list[LatencyCell]:
+def latency_cells(
+    records: list[dict[str, Any]], group_by_category: bool = True, after_prefill: bool = False
+) -> list[LatencyCell]:
     """p50 / p99 request latency for every (sampling, config) over each category and over all prompts;
     ``after_prefill``: the latency after prefill (runs that time no prefill, the ``hf`` baselines, left out)."""
     walls: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
@@ -475,7 +518,9 @@ def break_even_table(records: list[dict[str, Any]], category: str | None = None)
     and got, latency and the speedup. Trees get the drafter-agnostic columns only (no chain formula)."""
     prompts = per_prompt(records)
     rows = []
-    for (sampling, config, pid), p in sorted(prompts.items(), key=lambda kv: (kv[0][0], _config_order(kv[0][1]), kv[0][2])):
+    for (sampling, config, pid), p in sorted(
+        prompts.items(), key=lambda kv: (kv[0][0], _config_order(kv[0][1]), kv[0][2])
+    ):
         if p["k"] < 1 or (category is not None and p["category"] != category):
             continue
         base = prompts.get((sampling, TARGET, pid))
@@ -489,10 +534,25 @@ def break_even_table(records: list[dict[str, Any]], category: str | None = None)
         needed = None
         if counts.steps and base_counts.steps and base_counts.step_s:
             needed = (counts.step_s / counts.steps) / (base_counts.step_s / base_counts.steps)
-        rows.append(BreakEven(sampling, config, cell.k, pid, cell.alpha, cell.acceptance_rate, cell.c, cell.v,
-                              be, be_v, p["tok_s"] / base["tok_s"] if base else None,
-                              counts.tokens_per_step, needed, p["latency_s"],
-                              p["latency_s"] / base["latency_s"] if base else None))
+        rows.append(
+            BreakEven(
+                sampling,
+                config,
+                cell.k,
+                pid,
+                cell.alpha,
+                cell.acceptance_rate,
+                cell.c,
+                cell.v,
+                be,
+                be_v,
+                p["tok_s"] / base["tok_s"] if base else None,
+                counts.tokens_per_step,
+                needed,
+                p["latency_s"],
+                p["latency_s"] / base["latency_s"] if base else None,
+            )
+        )
     return rows
 
 

@@ -27,8 +27,9 @@ class HFRun:
     wall_s: float
 
 
-def generation_config(temperature: float, top_p: float, max_new_tokens: int, eos_token_ids: list[int] | None,
-                      pad_token_id: int | None):
+def generation_config(
+    temperature: float, top_p: float, max_new_tokens: int, eos_token_ids: list[int] | None, pad_token_id: int | None
+):
     from transformers import GenerationConfig
 
     sampled = temperature > 0
@@ -53,8 +54,15 @@ class HFBaseline:
         self._assistant_config = copy.deepcopy(assistant.generation_config) if assistant is not None else None
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], temperature: float, top_p: float, max_new_tokens: int, seed: int,
-                 eos_token_ids: list[int] | None) -> HFRun:
+    def generate(
+        self,
+        prompt_ids: list[int],
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        seed: int,
+        eos_token_ids: list[int] | None,
+    ) -> HFRun:
         cfg = generation_config(temperature, top_p, max_new_tokens, eos_token_ids, self.pad_token_id)
         kwargs = {}
         if self.assistant is not None:
@@ -63,7 +71,8 @@ class HFBaseline:
         input_ids = torch.tensor([prompt_ids])  # [1, prompt_len]
         torch.manual_seed(seed)  # HF samples from the global generator
         t0 = time.perf_counter()
-        out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=cfg,
-                                  **kwargs)  # [1, prompt_len + new]
+        out = self.model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), generation_config=cfg, **kwargs
+        )  # [1, prompt_len + new]
         wall = time.perf_counter() - t0
-        return HFRun(out[0, len(prompt_ids):].tolist(), wall)
+        return HFRun(out[0, len(prompt_ids) :].tolist(), wall)

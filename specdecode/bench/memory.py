@@ -36,8 +36,9 @@ def long_prompt(tokenizer, length: int) -> list[int]:
     raise ValueError(f"HumanEval holds fewer than {length} tokens")
 
 
-def measure(target: str, draft: str | None, dtype: str, context: int, k: int, new_tokens: int,
-            bound: float = 1.2) -> dict[str, Any]:
+def measure(
+    target: str, draft: str | None, dtype: str, context: int, k: int, new_tokens: int, bound: float = 1.2
+) -> dict[str, Any]:
     import psutil
 
     from specdecode.bench.runner import run_engine
@@ -45,8 +46,15 @@ def measure(target: str, draft: str | None, dtype: str, context: int, k: int, ne
     from specdecode.sampling import SamplingParams
 
     rss_start = psutil.Process().memory_info().rss
-    cfg = EngineConfig(target, draft, num_draft_tokens=k if draft else 0, dtype=dtype, max_batch_size=1,
-                       max_context=context, backend="torch")  # the torch backend's memory: its modules are counted
+    cfg = EngineConfig(
+        target,
+        draft,
+        num_draft_tokens=k if draft else 0,
+        dtype=dtype,
+        max_batch_size=1,
+        max_context=context,
+        backend="torch",
+    )  # the torch backend's memory: its modules are counted
     pair = load_pair(cfg, "torch")
     weights = weight_bytes(pair.target.hf_model) + (weight_bytes(pair.draft.hf_model) if pair.draft is not None else 0)
     engine = engine_from_pair(pair, cfg)
@@ -57,11 +65,22 @@ def measure(target: str, draft: str | None, dtype: str, context: int, k: int, ne
     wall = time.perf_counter() - t0
     peak = env.peak_rss_gib() * 2**30
     return {
-        "target": target, "draft": draft, "dtype": dtype, "batch": 1, "context": context, "k": k,
-        "prompt_tokens": len(prompt), "new_tokens": len(out["token_ids"]), "wall_s": wall,
+        "target": target,
+        "draft": draft,
+        "dtype": dtype,
+        "batch": 1,
+        "context": context,
+        "k": k,
+        "prompt_tokens": len(prompt),
+        "new_tokens": len(out["token_ids"]),
+        "wall_s": wall,
         "prefill_s": out["prefill_s"],
-        "weights_gib": weights / 2**30, "kv_cache_gib": cache / 2**30,
-        "rss_before_load_gib": rss_start / 2**30, "peak_rss_gib": peak / 2**30,
-        "peak_over_weights": peak / weights, "bound": bound, "within_bound": peak <= bound * weights,
+        "weights_gib": weights / 2**30,
+        "kv_cache_gib": cache / 2**30,
+        "rss_before_load_gib": rss_start / 2**30,
+        "peak_rss_gib": peak / 2**30,
+        "peak_over_weights": peak / weights,
+        "bound": bound,
+        "within_bound": peak <= bound * weights,
         "acceptance_rate": out["stats"]["acceptance_rate"],
     }

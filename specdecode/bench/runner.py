@@ -62,8 +62,10 @@ def bench_setting(spec: str) -> SamplingSetting:
     from specdecode.sampling import parse_setting
 
     if "=" in spec:
-        raise BenchInputError(f"unknown sampling setting {spec!r}: bench takes 'greedy' or t<T>[-p<top_p>], "
-                              "e.g. t0.7-p0.95 (t=,k=,p= settings are for check)")
+        raise BenchInputError(
+            f"unknown sampling setting {spec!r}: bench takes 'greedy' or t<T>[-p<top_p>], "
+            "e.g. t0.7-p0.95 (t=,k=,p= settings are for check)"
+        )
     try:
         return parse_setting(spec)
     except ValueError as exc:
@@ -90,7 +92,9 @@ def parse_tree_shape(spec: str) -> tuple[int, int]:
     except ValueError:
         shape = None
     if not sep or shape is None or shape[0] < 2 or shape[1] < 1:
-        raise BenchInputError(f"bad tree shape {spec!r}: use TxN with T >= 2 children per node and N >= 1 nodes, e.g. 2x8")
+        raise BenchInputError(
+            f"bad tree shape {spec!r}: use TxN with T >= 2 children per node and N >= 1 nodes, e.g. 2x8"
+        )
     return shape
 
 
@@ -115,9 +119,15 @@ def parse_extra_draft(text: str, draft_lengths: list[int], shapes: list[tuple[in
     return spec, ks, own_shapes
 
 
-def make_configs(draft_lengths: list[int], baselines: list[str], tree_shapes: list[str] = (),
-                 quantizations: list[str] = ("none",), extra_drafts: list[str] = (),
-                 main_draft: bool = True, auto_k: int = 0) -> list[RunConfig]:
+def make_configs(
+    draft_lengths: list[int],
+    baselines: list[str],
+    tree_shapes: list[str] = (),
+    quantizations: list[str] = ("none",),
+    extra_drafts: list[str] = (),
+    main_draft: bool = True,
+    auto_k: int = 0,
+) -> list[RunConfig]:
     """target, then for each k: the main drafter (``spec-k<k>``, trees, quantizations) and each extra
     drafter (``spec-k<k>[<label>]`` and its trees, at its own lengths/shapes if its spec names them),
     then, with ``auto_k``, the selector choosing among all of them (``auto``, drafts of up to
@@ -138,18 +148,25 @@ def make_configs(draft_lengths: list[int], baselines: list[str], tree_shapes: li
         for q in quantizations if main_draft and k in draft_lengths else ():
             suffix = "" if q == "none" else f"@{q}"
             configs.append(RunConfig(f"spec-k{k}{suffix}", "engine", k, quantization=q))
-            configs += [RunConfig(f"spec-k{k}-t{t}n{n}{suffix}", "engine", k, tree=(t, n), quantization=q)
-                        for t, n in shapes]
+            configs += [
+                RunConfig(f"spec-k{k}-t{t}n{n}{suffix}", "engine", k, tree=(t, n), quantization=q) for t, n in shapes
+            ]
         for label, spec, ks, own in extras:
             if k not in ks:
                 continue
             configs.append(RunConfig(f"spec-k{k}[{label}]", "engine", k, draft=spec))
-            configs += [RunConfig(f"spec-k{k}-t{t}n{n}[{label}]", "engine", k, tree=(t, n), draft=spec)
-                        for t, n in own]
+            configs += [RunConfig(f"spec-k{k}-t{t}n{n}[{label}]", "engine", k, tree=(t, n), draft=spec) for t, n in own]
     if auto_k:
         # the draft model in the quantization the run compares, when it compares one
-        configs.append(RunConfig("auto", "engine", auto_k, auto=True,
-                                 quantization=quantizations[0] if len(quantizations) == 1 else "none"))
+        configs.append(
+            RunConfig(
+                "auto",
+                "engine",
+                auto_k,
+                auto=True,
+                quantization=quantizations[0] if len(quantizations) == 1 else "none",
+            )
+        )
     for name in baselines:
         if name not in ("hf", "hf-assisted"):
             raise BenchInputError(f"unknown baseline {name!r}: use hf, hf-assisted")
@@ -176,8 +193,9 @@ class BenchPrompt:
     grammar: GrammarSpec | None = None  # what the engine configs enforce (None: unconstrained, bench --no-grammar)
 
 
-def tokenize_prompts(prompts, tokenizer, max_new_tokens: int, max_context: int,
-                     skip_too_long: bool = False, grammar: bool = True) -> tuple[list[BenchPrompt], list[str]]:
+def tokenize_prompts(
+    prompts, tokenizer, max_new_tokens: int, max_context: int, skip_too_long: bool = False, grammar: bool = True
+) -> tuple[list[BenchPrompt], list[str]]:
     """Chat prompts through the chat template, completion prompts raw, FIM prompts (with a suffix) in
     the model's FIM format; check they fit the context. A prompt's ``response_format`` becomes the grammar
     its engine runs enforce (unless ``grammar`` is False: bench ``--no-grammar``); its outputs are checked
@@ -192,8 +210,9 @@ def tokenize_prompts(prompts, tokenizer, max_new_tokens: int, max_context: int,
     for p in prompts:
         stops, rule = {}, None
         if p.kind == "chat":
-            ids = list(tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False))
+            ids = list(
+                tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+            )
         elif p.suffix is not None:
             try:
                 fim = fim or fim_tokens(tokenizer)
@@ -220,7 +239,8 @@ def tokenize_prompts(prompts, tokenizer, max_new_tokens: int, max_context: int,
         raise BenchInputError(
             f"{len(too_long)} prompt(s) do not fit the context of {max_context} tokens (prompt + max new tokens): "
             f"{', '.join(too_long[:5])}{' ...' if len(too_long) > 5 else ''}; pass --skip-too-long to leave them out "
-            f"or lower --max-new-tokens")
+            f"or lower --max-new-tokens"
+        )
     if not out:
         raise BenchInputError("no prompt fits the context")
     return out, too_long
@@ -312,8 +332,16 @@ def run_engine(engine, prompt_ids: list[int], params) -> dict[str, Any]:
             ts = time.perf_counter()
             events = [ev for ev in engine.step() if ev.seq is seq]
             dt = time.perf_counter() - ts
-            steps.append([ctx, sum(len(ev.new_token_ids) for ev in events), sum(ev.drafted for ev in events),
-                          sum(ev.accepted for ev in events), dt, sum(ev.nodes for ev in events)])
+            steps.append(
+                [
+                    ctx,
+                    sum(len(ev.new_token_ids) for ev in events),
+                    sum(ev.drafted for ev in events),
+                    sum(ev.accepted for ev in events),
+                    dt,
+                    sum(ev.nodes for ev in events),
+                ]
+            )
     finally:
         if not seq.finished:
             engine.abort(seq)
@@ -321,9 +349,16 @@ def run_engine(engine, prompt_ids: list[int], params) -> dict[str, Any]:
     masks = [p for p in seq.processors if hasattr(p, "mask_s")]  # a grammar's: its masks' time (target and draft)
     grammar = {"mask_s": sum(p.mask_s for p in masks), "mask_rows": sum(p.mask_rows for p in masks)} if masks else {}
     why = engine.policy.explain()  # --draft-policy auto: the costs and acceptance its choices rest on
-    return {"token_ids": seq.output_ids, "wall_s": wall, "prefill_s": seq.stats.prefill_s,
-            "finish_reason": seq.finish_reason, "stats": seq.stats.to_dict(), "steps": steps, **grammar,
-            **({"policy": why} if why else {})}
+    return {
+        "token_ids": seq.output_ids,
+        "wall_s": wall,
+        "prefill_s": seq.stats.prefill_s,
+        "finish_reason": seq.finish_reason,
+        "stats": seq.stats.to_dict(),
+        "steps": steps,
+        **grammar,
+        **({"policy": why} if why else {}),
+    }
 
 
 # -- the loop ------------------------------------------------------------------------------------------
@@ -348,10 +383,20 @@ def rotated(items: list, offset: int) -> list:
 
 
 class BenchRunner:
-    def __init__(self, backend: Backend, prompts: list[BenchPrompt], configs: list[RunConfig],
-                 samplings: list[SamplingSetting], repeats: int, store: RecordStore, seed: int = 0,
-                 ignore_eos: bool = True, warmup_tokens: int = 4, progress: bool = True,
-                 on_run: Callable[[dict[str, Any]], None] | None = None) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        prompts: list[BenchPrompt],
+        configs: list[RunConfig],
+        samplings: list[SamplingSetting],
+        repeats: int,
+        store: RecordStore,
+        seed: int = 0,
+        ignore_eos: bool = True,
+        warmup_tokens: int = 4,
+        progress: bool = True,
+        on_run: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
         if repeats < 1:
             raise BenchInputError(f"--repeats must be >= 1, got {repeats}")
         self.backend, self.prompts, self.configs, self.samplings = backend, prompts, configs, samplings
@@ -377,8 +422,15 @@ class BenchRunner:
         todo = self.pending()
         if todo and self.warmup_tokens:
             self.warmup()
-        bar = tqdm(total=len(plan), initial=len(plan) - len(todo), desc="bench", unit="run", mininterval=2.0,
-                   disable=not self.progress, dynamic_ncols=True)
+        bar = tqdm(
+            total=len(plan),
+            initial=len(plan) - len(todo),
+            desc="bench",
+            unit="run",
+            mininterval=2.0,
+            disable=not self.progress,
+            dynamic_ncols=True,
+        )
         engines = {cfg.name for cfg in self.configs if cfg.kind == "engine"}
         backlog: dict[str, list[list[int]]] = {}  # config -> skipped outputs its engine has yet to remember
         live: set[str] = set()  # configs whose engine has started this pass (forgotten, backlog remembered)
@@ -414,8 +466,9 @@ class BenchRunner:
 
     def warmup(self) -> None:
         prompt = self.prompts[0]
-        short = BenchPrompt(prompt.id, prompt.category, prompt.kind, prompt.ids[:16], self.warmup_tokens,
-                            prompt.stops, prompt.fim_stop)
+        short = BenchPrompt(
+            prompt.id, prompt.category, prompt.kind, prompt.ids[:16], self.warmup_tokens, prompt.stops, prompt.fim_stop
+        )
         for s in self.samplings:
             for c in self.configs:
                 self.run_one(short, 0, s, c)
@@ -427,26 +480,51 @@ class BenchRunner:
         if end_ids:
             eos = sorted(set(eos or ()) | set(end_ids))
         if config.kind == "engine":  # a grammar says where its output ends: no ignore_eos with one
-            params = sampling.params(seed=seed, max_new_tokens=prompt.max_new_tokens, grammar=prompt.grammar,
-                                     ignore_eos=self.ignore_eos and prompt.grammar is None, **prompt.stops)
+            params = sampling.params(
+                seed=seed,
+                max_new_tokens=prompt.max_new_tokens,
+                grammar=prompt.grammar,
+                ignore_eos=self.ignore_eos and prompt.grammar is None,
+                **prompt.stops,
+            )
             out = run_engine(self.backend.engine_for(config), prompt.ids, params)
         else:
             hf = self.backend.hf_for(config.assisted).generate(
-                prompt.ids, sampling.temperature, sampling.top_p, prompt.max_new_tokens, seed, eos)
-            out = {"token_ids": hf.token_ids, "wall_s": hf.wall_s, "prefill_s": None, "finish_reason": None,
-                   "stats": None, "steps": None}
+                prompt.ids, sampling.temperature, sampling.top_p, prompt.max_new_tokens, seed, eos
+            )
+            out = {
+                "token_ids": hf.token_ids,
+                "wall_s": hf.wall_s,
+                "prefill_s": None,
+                "finish_reason": None,
+                "stats": None,
+                "steps": None,
+            }
         fim = {"fim_stop": prompt.fim_stop} if prompt.fim_stop else {}
         structured = {}  # a structured prompt's: whether its grammar was on, whether the output is what it asks
         if prompt.response_format is not None and self.backend.decode is not None:
             ids = out["token_ids"]  # up to the first end token (an unconstrained run may go on past it)
             ids = ids[: next((i for i, t in enumerate(ids) if t in self.backend.eos_token_ids), len(ids))]
             structured = {"grammar": prompt.grammar is not None and config.kind == "engine"} | check_structured(
-                self.backend.decode(ids), prompt.response_format)
-        return {"type": "run", "prompt_id": prompt.id, "category": prompt.category, "prompt_kind": prompt.kind,
-                **fim, **structured, "sampling": sampling.name, "config": config.name, "k": config.k,
-                "repeat": repeat, "seed": seed,
-                "prompt_tokens": len(prompt.ids), "new_tokens": len(out["token_ids"]), **out,
-                "finished_at": time.time()}
+                self.backend.decode(ids), prompt.response_format
+            )
+        return {
+            "type": "run",
+            "prompt_id": prompt.id,
+            "category": prompt.category,
+            "prompt_kind": prompt.kind,
+            **fim,
+            **structured,
+            "sampling": sampling.name,
+            "config": config.name,
+            "k": config.k,
+            "repeat": repeat,
+            "seed": seed,
+            "prompt_tokens": len(prompt.ids),
+            "new_tokens": len(out["token_ids"]),
+            **out,
+            "finished_at": time.time(),
+        }
 
     # -- greedy exactness ------------------------------------------------------------------------
     def check_prompt(self, prompt: BenchPrompt) -> None:
@@ -466,10 +544,17 @@ class BenchRunner:
                         continue  # the transformers baselines cannot apply the grammar: nothing to compare
                     self.store.append(self.compare(prompt, s.name, c.name, r, base["token_ids"], run["token_ids"]))
 
-    def compare(self, prompt: BenchPrompt, sampling: str, config: str, repeat: int,
-                expected: list[int], got: list[int]) -> dict[str, Any]:
-        rec: dict[str, Any] = {"type": "check", "prompt_id": prompt.id, "category": prompt.category,
-                               "sampling": sampling, "config": config, "repeat": repeat}
+    def compare(
+        self, prompt: BenchPrompt, sampling: str, config: str, repeat: int, expected: list[int], got: list[int]
+    ) -> dict[str, Any]:
+        rec: dict[str, Any] = {
+            "type": "check",
+            "prompt_id": prompt.id,
+            "category": prompt.category,
+            "sampling": sampling,
+            "config": config,
+            "repeat": repeat,
+        }
         pos = first_difference(expected, got)
         rec["match"] = pos is None
         rec["first_diff"] = pos
@@ -482,12 +567,16 @@ class BenchRunner:
         logits = self.backend.target_logits(prompt.ids + expected[:pos]).float()  # [V]
         top2 = logits.topk(2)
         want, have = expected[pos], got[pos]
-        rec.update({
-            "expected_token": want, "got_token": have,
-            "top1_token": int(top2.indices[0]), "top2_token": int(top2.indices[1]),
-            "top2_margin": float(top2.values[0] - top2.values[1]),
-            "logit_gap": float(logits[want] - logits[have]),
-            "top1_logit": float(top2.values[0]),
-        })
+        rec.update(
+            {
+                "expected_token": want,
+                "got_token": have,
+                "top1_token": int(top2.indices[0]),
+                "top2_token": int(top2.indices[1]),
+                "top2_margin": float(top2.values[0] - top2.values[1]),
+                "logit_gap": float(logits[want] - logits[have]),
+                "top1_logit": float(top2.values[0]),
+            }
+        )
         rec["near_tie"] = is_near_tie(abs(rec["logit_gap"]), rec["top1_logit"], self.backend.logit_eps)
         return rec

@@ -11,4 +11,12 @@ from specdecode.check.report import CheckReport, PartResult
 from specdecode.check.runner import run_check
 from specdecode.sampling import SamplingSetting
 
-__all__ = ["CheckConfig", "CheckReport", "EngineFactory", "PartResult", "SamplingSetting", "parse_settings", "run_check"]
+__all__ = [
+    "CheckConfig",
+    "CheckReport",
+    "EngineFactory",
+    "PartResult",
+    "SamplingSetting",
+    "parse_settings",
+    "run_check",
+]

@@ -33,56 +33,126 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_model_arguments(parser, draft_required=True)
     g = parser.add_argument_group("check")
-    g.add_argument("--prompts", default=None,
-                   help="a .jsonl prompt file, 'spec-bench' or 'humaneval' (default: the first --num-prompts of six "
-                        "short built-in prompts)")
+    g.add_argument(
+        "--prompts",
+        default=None,
+        help="a .jsonl prompt file, 'spec-bench' or 'humaneval' (default: the first --num-prompts of six "
+        "short built-in prompts)",
+    )
     g.add_argument("--num-prompts", type=int, default=4, help="prompts used, from whichever set (default 4)")
-    g.add_argument("--max-prompt-tokens", type=int, default=64, help="keep the last N tokens of each prompt (default 64)")
-    g.add_argument("--parts", default=None,
-                   help="parts to run, e.g. 1,3 (default 1-5, and 6 with --sampler coupled; 7: logit bias, penalties, "
-                        "min-p and a regex grammar under speculation)")
-    g.add_argument("--alpha", type=float, default=_DEFAULTS.alpha,
-                   help=f"false-alarm probability of the whole check, split over parts 1-2 (default {_DEFAULTS.alpha:g})")
+    g.add_argument(
+        "--max-prompt-tokens", type=int, default=64, help="keep the last N tokens of each prompt (default 64)"
+    )
+    g.add_argument(
+        "--parts",
+        default=None,
+        help="parts to run, e.g. 1,3 (default 1-5, and 6 with --sampler coupled; 7: logit bias, penalties, "
+        "min-p and a regex grammar under speculation)",
+    )
+    g.add_argument(
+        "--alpha",
+        type=float,
+        default=_DEFAULTS.alpha,
+        help=f"false-alarm probability of the whole check, split over parts 1-2 (default {_DEFAULTS.alpha:g})",
+    )
     g.add_argument("--seed", type=int, default=0, help="seed of every random draw the check makes (default 0)")
     g.add_argument("--json", metavar="PATH", default=None, help="write the full evidence as JSON")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
 
     b = parser.add_argument_group("budgets")
-    b.add_argument("--law-contexts", type=int, default=_DEFAULTS.law_contexts, help="part 1: contexts (default %(default)s)")
-    b.add_argument("--law-samples", type=int, default=_DEFAULTS.law_samples,
-                   help="part 1: verification steps per context and setting (default %(default)s)")
-    b.add_argument("--law-settings", default=_names(DEFAULT_LAW_SETTINGS),
-                   help="part 1: ';'-separated settings, 'greedy' or t=..,k=..,p=.. (default %(default)r)")
-    b.add_argument("--e2e-prompts", type=int, default=_DEFAULTS.e2e_prompts, help="part 2: prompts (default %(default)s)")
-    b.add_argument("--e2e-samples", type=int, default=_DEFAULTS.e2e_samples,
-                   help="part 2: samples per group, prompt and setting (default %(default)s)")
-    b.add_argument("--e2e-tokens", type=int, default=_DEFAULTS.e2e_tokens, help="part 2: tokens per sample (default %(default)s)")
-    b.add_argument("--e2e-batch", type=int, default=_DEFAULTS.e2e_batch, help="part 2: batch size (default %(default)s)")
-    b.add_argument("--e2e-settings", default=_names(DEFAULT_E2E_SETTINGS), help="part 2: settings (default %(default)r)")
-    b.add_argument("--greedy-tokens", type=int, default=_DEFAULTS.greedy_tokens,
-                   help="part 3: tokens per prompt (default %(default)s)")
-    b.add_argument("--greedy-batch", type=int, default=_DEFAULTS.greedy_batch,
-                   help="part 3: batch size > 1 (default %(default)s)")
-    b.add_argument("--stop-tokens", type=int, default=_DEFAULTS.stop_tokens,
-                   help="part 4: learning-run tokens (default %(default)s)")
-    b.add_argument("--seed-tokens", type=int, default=_DEFAULTS.seed_tokens,
-                   help="part 5: tokens per request (default %(default)s)")
-    b.add_argument("--seed-batch", type=int, default=_DEFAULTS.seed_batch, help="part 5: batch size (default %(default)s)")
-    b.add_argument("--coupled-tokens", type=int, default=_DEFAULTS.coupled_tokens,
-                   help="part 6: tokens per seeded request (default %(default)s)")
-    b.add_argument("--coupled-draft-lengths", default=",".join(map(str, _DEFAULTS.coupled_ks)),
-                   help="part 6: draft lengths compared with target-only decoding (default %(default)s)")
+    b.add_argument(
+        "--law-contexts", type=int, default=_DEFAULTS.law_contexts, help="part 1: contexts (default %(default)s)"
+    )
+    b.add_argument(
+        "--law-samples",
+        type=int,
+        default=_DEFAULTS.law_samples,
+        help="part 1: verification steps per context and setting (default %(default)s)",
+    )
+    b.add_argument(
+        "--law-settings",
+        default=_names(DEFAULT_LAW_SETTINGS),
+        help="part 1: ';'-separated settings, 'greedy' or t=..,k=..,p=.. (default %(default)r)",
+    )
+    b.add_argument(
+        "--e2e-prompts", type=int, default=_DEFAULTS.e2e_prompts, help="part 2: prompts (default %(default)s)"
+    )
+    b.add_argument(
+        "--e2e-samples",
+        type=int,
+        default=_DEFAULTS.e2e_samples,
+        help="part 2: samples per group, prompt and setting (default %(default)s)",
+    )
+    b.add_argument(
+        "--e2e-tokens", type=int, default=_DEFAULTS.e2e_tokens, help="part 2: tokens per sample (default %(default)s)"
+    )
+    b.add_argument(
+        "--e2e-batch", type=int, default=_DEFAULTS.e2e_batch, help="part 2: batch size (default %(default)s)"
+    )
+    b.add_argument(
+        "--e2e-settings", default=_names(DEFAULT_E2E_SETTINGS), help="part 2: settings (default %(default)r)"
+    )
+    b.add_argument(
+        "--greedy-tokens",
+        type=int,
+        default=_DEFAULTS.greedy_tokens,
+        help="part 3: tokens per prompt (default %(default)s)",
+    )
+    b.add_argument(
+        "--greedy-batch", type=int, default=_DEFAULTS.greedy_batch, help="part 3: batch size > 1 (default %(default)s)"
+    )
+    b.add_argument(
+        "--stop-tokens",
+        type=int,
+        default=_DEFAULTS.stop_tokens,
+        help="part 4: learning-run tokens (default %(default)s)",
+    )
+    b.add_argument(
+        "--seed-tokens",
+        type=int,
+        default=_DEFAULTS.seed_tokens,
+        help="part 5: tokens per request (default %(default)s)",
+    )
+    b.add_argument(
+        "--seed-batch", type=int, default=_DEFAULTS.seed_batch, help="part 5: batch size (default %(default)s)"
+    )
+    b.add_argument(
+        "--coupled-tokens",
+        type=int,
+        default=_DEFAULTS.coupled_tokens,
+        help="part 6: tokens per seeded request (default %(default)s)",
+    )
+    b.add_argument(
+        "--coupled-draft-lengths",
+        default=",".join(map(str, _DEFAULTS.coupled_ks)),
+        help="part 6: draft lengths compared with target-only decoding (default %(default)s)",
+    )
     b.add_argument("--coupled-setting", default="t=0.7", help="part 6: the sampling setting (default %(default)r)")
-    b.add_argument("--coupled-samples", type=int, default=_DEFAULTS.coupled_samples,
-                   help="part 6: seeds per context and setting of the law test (default %(default)s)")
-    b.add_argument("--processor-samples", type=int, default=PROCESSOR_SAMPLES,
-                   help="part 7: requests per prompt, setting and engine (default %(default)s)")
+    b.add_argument(
+        "--coupled-samples",
+        type=int,
+        default=_DEFAULTS.coupled_samples,
+        help="part 6: seeds per context and setting of the law test (default %(default)s)",
+    )
+    b.add_argument(
+        "--processor-samples",
+        type=int,
+        default=PROCESSOR_SAMPLES,
+        help="part 7: requests per prompt, setting and engine (default %(default)s)",
+    )
 
 
 def _names(settings: tuple[SamplingSetting, ...]) -> str:
-    return ";".join("greedy" if s.greedy else ",".join(
-        [f"t={s.temperature:g}"] + ([f"k={s.top_k}"] if s.top_k else []) + ([f"p={s.top_p:g}"] if s.top_p < 1 else []))
-        for s in settings)
+    return ";".join(
+        "greedy"
+        if s.greedy
+        else ",".join(
+            [f"t={s.temperature:g}"]
+            + ([f"k={s.top_k}"] if s.top_k else [])
+            + ([f"p={s.top_p:g}"] if s.top_p < 1 else [])
+        )
+        for s in settings
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> CheckConfig:
@@ -106,9 +176,24 @@ def config_from_args(args: argparse.Namespace) -> CheckConfig:
     coupled_setting = parse_setting(args.coupled_setting)
     if coupled_setting.greedy:
         raise ValueError("--coupled-setting must sample (T > 0): greedy decoding is part 3's")
-    for name in ("law_contexts", "law_samples", "e2e_prompts", "e2e_samples", "e2e_tokens", "e2e_batch",
-                 "greedy_tokens", "greedy_batch", "stop_tokens", "seed_tokens", "seed_batch", "num_prompts",
-                 "max_prompt_tokens", "coupled_tokens", "coupled_samples", "processor_samples"):
+    for name in (
+        "law_contexts",
+        "law_samples",
+        "e2e_prompts",
+        "e2e_samples",
+        "e2e_tokens",
+        "e2e_batch",
+        "greedy_tokens",
+        "greedy_batch",
+        "stop_tokens",
+        "seed_tokens",
+        "seed_batch",
+        "num_prompts",
+        "max_prompt_tokens",
+        "coupled_tokens",
+        "coupled_samples",
+        "processor_samples",
+    ):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 < args.alpha < 1:
@@ -116,13 +201,27 @@ def config_from_args(args: argparse.Namespace) -> CheckConfig:
     if args.num_draft_tokens < 1:
         raise ValueError("--num-draft-tokens must be >= 1: the check compares speculation with target-only decoding")
     return CheckConfig(
-        num_draft_tokens=args.num_draft_tokens, parts=parts, alpha=args.alpha, seed=args.seed,
-        law_contexts=args.law_contexts, law_samples=args.law_samples, law_settings=parse_settings(args.law_settings),
-        e2e_prompts=args.e2e_prompts, e2e_samples=args.e2e_samples, e2e_tokens=args.e2e_tokens,
-        e2e_batch=args.e2e_batch, e2e_settings=parse_settings(args.e2e_settings),
-        greedy_tokens=args.greedy_tokens, greedy_batch=args.greedy_batch, stop_tokens=args.stop_tokens,
-        seed_tokens=args.seed_tokens, seed_batch=args.seed_batch, coupled_tokens=args.coupled_tokens,
-        coupled_ks=ks, coupled_setting=coupled_setting, coupled_samples=args.coupled_samples,
+        num_draft_tokens=args.num_draft_tokens,
+        parts=parts,
+        alpha=args.alpha,
+        seed=args.seed,
+        law_contexts=args.law_contexts,
+        law_samples=args.law_samples,
+        law_settings=parse_settings(args.law_settings),
+        e2e_prompts=args.e2e_prompts,
+        e2e_samples=args.e2e_samples,
+        e2e_tokens=args.e2e_tokens,
+        e2e_batch=args.e2e_batch,
+        e2e_settings=parse_settings(args.e2e_settings),
+        greedy_tokens=args.greedy_tokens,
+        greedy_batch=args.greedy_batch,
+        stop_tokens=args.stop_tokens,
+        seed_tokens=args.seed_tokens,
+        seed_batch=args.seed_batch,
+        coupled_tokens=args.coupled_tokens,
+        coupled_ks=ks,
+        coupled_setting=coupled_setting,
+        coupled_samples=args.coupled_samples,
     )
 
 
@@ -131,8 +230,9 @@ def encode_prompts(tokenizer, prompts, max_tokens: int) -> list[list[int]]:
     out = []
     for p in prompts:
         if p.kind == "chat":
-            ids = tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True,
-                                                return_dict=True)["input_ids"]
+            ids = tokenizer.apply_chat_template(
+                p.messages, add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
         else:
             ids = tokenizer(p.text)["input_ids"]
         ids = list(ids)[-max_tokens:]
@@ -147,8 +247,10 @@ def load_prompts(spec: str | None, n: int, seed: int):
     from specdecode.bench.prompts import Prompt, load_prompt_set
 
     if spec is None:
-        return [Prompt(id=f"builtin/{i}", category="builtin", text=t, messages=None, kind="completion")
-                for i, t in enumerate(DEFAULT_PROMPTS[:n])]
+        return [
+            Prompt(id=f"builtin/{i}", category="builtin", text=t, messages=None, kind="completion")
+            for i, t in enumerate(DEFAULT_PROMPTS[:n])
+        ]
     return load_prompt_set(spec, n=n, seed=seed)
 
 
@@ -164,8 +266,14 @@ def _part7(factory, prompts: list[list[int]], cfg: CheckConfig, samples: int, pr
 
     t0 = time.perf_counter()
     try:
-        result = check_processors(EnginePool(factory, cfg.num_draft_tokens), prompts[: cfg.law_contexts],
-                                  cfg.part_alpha(), progress or NullProgress(), samples, cfg.seed)
+        result = check_processors(
+            EnginePool(factory, cfg.num_draft_tokens),
+            prompts[: cfg.law_contexts],
+            cfg.part_alpha(),
+            progress or NullProgress(),
+            samples,
+            cfg.seed,
+        )
     except Exception as exc:
         result = PartResult(NUMBER, NAME, ERROR, f"{type(exc).__name__}: {exc}", {"traceback": traceback.format_exc()})
     result.seconds = time.perf_counter() - t0
@@ -199,8 +307,9 @@ def main(args: argparse.Namespace) -> int:
     store: dict = {}
 
     def factory(k: int, batch: int):
-        engine_cfg = replace(engine_config(args, batch), draft=args.draft if k else None, num_draft_tokens=k,
-                             max_context=max_context)
+        engine_cfg = replace(
+            engine_config(args, batch), draft=args.draft if k else None, num_draft_tokens=k, max_context=max_context
+        )
         if not k:  # the target-only reference
             engine_cfg = replace(engine_cfg, extra_drafts=(), draft_policy="fixed")
         elif args.draft_policy == "auto":  # the selector drafts up to k tokens
@@ -209,16 +318,30 @@ def main(args: argparse.Namespace) -> int:
         reuse_prefills(engine, store)
         return engine
 
-    meta = {"target": args.target, "draft": args.draft, "dtype": args.dtype, "num_draft_tokens": cfg.num_draft_tokens,
-            "extra_drafts": list(getattr(args, "extra_drafts", None) or []), "draft_policy": args.draft_policy,
-            "draft_quantization": pair.draft_quantization, "tree_topk": args.tree_topk, "tree_nodes": args.tree_nodes,
-            "target_quantization": pair.target_quantization, "acceptance": args.acceptance, "sampler": args.sampler,
-            "batch_invariant": args.batch_invariant,  # auto | on | off, as asked (auto: on for bf16/fp16 on a CPU)
-            "verified_against": (f"the {pair.target_quantization}-quantized target (LOSSY w.r.t. {args.target})"
-                                 if pair.target_quantization != "none" else "the target as loaded"),
-            "backend": pair.backend, "torch": torch.__version__,
-            "threads": pair.target.threads or torch.get_num_threads(),
-            "prompts": [{"id": p.id, "tokens": len(t)} for p, t in zip(prompts, ids)]}
+    meta = {
+        "target": args.target,
+        "draft": args.draft,
+        "dtype": args.dtype,
+        "num_draft_tokens": cfg.num_draft_tokens,
+        "extra_drafts": list(getattr(args, "extra_drafts", None) or []),
+        "draft_policy": args.draft_policy,
+        "draft_quantization": pair.draft_quantization,
+        "tree_topk": args.tree_topk,
+        "tree_nodes": args.tree_nodes,
+        "target_quantization": pair.target_quantization,
+        "acceptance": args.acceptance,
+        "sampler": args.sampler,
+        "batch_invariant": args.batch_invariant,  # auto | on | off, as asked (auto: on for bf16/fp16 on a CPU)
+        "verified_against": (
+            f"the {pair.target_quantization}-quantized target (LOSSY w.r.t. {args.target})"
+            if pair.target_quantization != "none"
+            else "the target as loaded"
+        ),
+        "backend": pair.backend,
+        "torch": torch.__version__,
+        "threads": pair.target.threads or torch.get_num_threads(),
+        "prompts": [{"id": p.id, "tokens": len(t)} for p, t in zip(prompts, ids)],
+    }
     progress = None if args.no_progress else TqdmProgress()
     report = run_check(factory, ids, cfg, progress=progress, meta=meta)
     if 7 in cfg.parts:  # (its own part: run beside run_check's, over engines of the same factory)

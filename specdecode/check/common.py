@@ -199,7 +199,9 @@ def run_requests(
         s = ev.seq
         blocks.setdefault(s.request_id, []).append(len(ev.new_token_ids))
         if ev.finished:
-            done[s.request_id] = Run(list(s.output_ids), s.text.finish(), s.finish_reason, s.stats, blocks[s.request_id])
+            done[s.request_id] = Run(
+                list(s.output_ids), s.text.finish(), s.finish_reason, s.stats, blocks[s.request_id]
+            )
             if on_finish is not None:
                 on_finish()
     return [done[str(i)] for i in range(len(prompts))]

@@ -42,8 +42,14 @@ from specdecode.sampling import SamplingParams, coupled_choice, params_tensors, 
 NAME = "coupled sampler"
 
 
-def check_coupled(pool: EnginePool, prompts: list[list[int]], contexts: list[Context], cfg: CheckConfig,
-                  progress: Progress, verify_fn=None) -> PartResult:
+def check_coupled(
+    pool: EnginePool,
+    prompts: list[list[int]],
+    contexts: list[Context],
+    cfg: CheckConfig,
+    progress: Progress,
+    verify_fn=None,
+) -> PartResult:
     equality = _equality(pool, prompts, cfg, progress)
     law = _law(pool, contexts, cfg, progress, verify_fn or pool.spec(1).verifier.coupled)
     mismatches = [c for c in equality["comparisons"] if c["verdict"] == "mismatch"]
@@ -56,55 +62,79 @@ def check_coupled(pool: EnginePool, prompts: list[list[int]], contexts: list[Con
         if mismatches:
             c = mismatches[0]
             d = c["divergence"]
-            what.append(f"{len(mismatches)} outputs differ from target-only; first: {c['run']}, prompt {c['prompt']}, "
-                        f"position {d['position']}: target-only {d['reference_token']!r} vs speculative "
-                        f"{d['speculative_token']!r}, score gap {_fmt(d.get('score_gap'))} > tolerance "
-                        f"{_fmt(d.get('tolerance'))}")
+            what.append(
+                f"{len(mismatches)} outputs differ from target-only; first: {c['run']}, prompt {c['prompt']}, "
+                f"position {d['position']}: target-only {d['reference_token']!r} vs speculative "
+                f"{d['speculative_token']!r}, score gap {_fmt(d.get('score_gap'))} > tolerance "
+                f"{_fmt(d.get('tolerance'))}"
+            )
         if rejected:
             worst = min(rejected, key=lambda r: r["test"]["p_value"])
-            what.append(f"{len(rejected)}/{len(law['records'])} law tests rejected (worst: context {worst['context']}, "
-                        f"{worst['setting']}, p={worst['test']['p_value']:.2g})")
+            what.append(
+                f"{len(rejected)}/{len(law['records'])} law tests rejected (worst: context {worst['context']}, "
+                f"{worst['setting']}, p={worst['test']['p_value']:.2g})"
+            )
         status, summary = FAIL, "; ".join(what)
     elif equality["accepted"] == 0:
         status, summary = WEAK, "no draft token was accepted in the equality runs: the equality proves nothing"
     elif weak or unkeyed_missed:
         status = WEAK
-        summary = (f"outputs equal, but the accept-every-draft control was not detected for {', '.join(weak) or '-'} "
-                   f"(unkeyed-noise control missed {unkeyed_missed}x): raise --coupled-samples or use other prompts")
+        summary = (
+            f"outputs equal, but the accept-every-draft control was not detected for {', '.join(weak) or '-'} "
+            f"(unkeyed-noise control missed {unkeyed_missed}x): raise --coupled-samples or use other prompts"
+        )
     else:
         status = PASS
-        summary = (f"{len(equality['comparisons'])} seeded outputs ({len(prompts)} prompts, "
-                   f"{cfg.coupled_setting.name}, k {'/'.join(map(str, cfg.coupled_ks))}, batch 1 and "
-                   f"{equality['batch']}, {cfg.coupled_tokens} tokens; {equality['accepted']}/{equality['drafted']} "
-                   f"drafts accepted) identical to target-only"
-                   + (f" except {ties} numeric near-ties" if ties else "")
-                   + f"; law: {len(law['records'])} chi-square tests at {law['level']:.1e}, min p="
-                   f"{min((r['test']['p_value'] for r in law['records']), default=1.0):.2g}, both controls detected")
+        summary = (
+            f"{len(equality['comparisons'])} seeded outputs ({len(prompts)} prompts, "
+            f"{cfg.coupled_setting.name}, k {'/'.join(map(str, cfg.coupled_ks))}, batch 1 and "
+            f"{equality['batch']}, {cfg.coupled_tokens} tokens; {equality['accepted']}/{equality['drafted']} "
+            f"drafts accepted) identical to target-only"
+            + (f" except {ties} numeric near-ties" if ties else "")
+            + f"; law: {len(law['records'])} chi-square tests at {law['level']:.1e}, min p="
+            f"{min((r['test']['p_value'] for r in law['records']), default=1.0):.2g}, both controls detected"
+        )
     return PartResult(6, NAME, status, summary, {"equality": equality, "law": law})
 
 
 def _equality(pool: EnginePool, prompts: list[list[int]], cfg: CheckConfig, progress: Progress) -> dict:
     batch_prompts = prompts if len(prompts) > 1 else prompts * 2
     batch = max(2, min(cfg.greedy_batch, len(batch_prompts)))
-    params = [cfg.coupled_setting.params(seed=cfg.seed * 1000 + i, max_new_tokens=cfg.coupled_tokens,
-                                         sampler="coupled") for i in range(len(prompts))]
+    params = [
+        cfg.coupled_setting.params(seed=cfg.seed * 1000 + i, max_new_tokens=cfg.coupled_tokens, sampler="coupled")
+        for i in range(len(prompts))
+    ]
     batch_params = [params[i % len(prompts)] for i in range(len(batch_prompts))]
     progress.part("6 coupled equality", len(prompts) + len(cfg.coupled_ks) * (len(prompts) + len(batch_prompts)))
     reference = run_requests(pool.target_only(1), prompts, params, progress.advance)
     runs = {}
     for k in cfg.coupled_ks:
         runs[f"k={k}, batch 1"] = run_requests(pool.engine(k, 1), prompts, params, progress.advance)
-        runs[f"k={k}, batch {batch}"] = run_requests(pool.engine(k, batch), batch_prompts, batch_params,
-                                                     progress.advance)
+        runs[f"k={k}, batch {batch}"] = run_requests(
+            pool.engine(k, batch), batch_prompts, batch_params, progress.advance
+        )
     comparisons = []
     for label, outs in runs.items():
         for i, out in enumerate(outs):
             pi = i % len(prompts)
-            comparisons.append({"run": label, "prompt": pi, "accepted": out.stats.accepted, "drafted": out.stats.drafted,
-                                **_compare(pool, prompts[pi], params[pi], reference[pi], out)})
-    return {"setting": cfg.coupled_setting.name, "batch": batch, "draft_lengths": list(cfg.coupled_ks),
-            "drafted": sum(c["drafted"] for c in comparisons), "accepted": sum(c["accepted"] for c in comparisons),
-            "reference": [r.token_ids for r in reference], "comparisons": comparisons}
+            comparisons.append(
+                {
+                    "run": label,
+                    "prompt": pi,
+                    "accepted": out.stats.accepted,
+                    "drafted": out.stats.drafted,
+                    **_compare(pool, prompts[pi], params[pi], reference[pi], out),
+                }
+            )
+    return {
+        "setting": cfg.coupled_setting.name,
+        "batch": batch,
+        "draft_lengths": list(cfg.coupled_ks),
+        "drafted": sum(c["drafted"] for c in comparisons),
+        "accepted": sum(c["accepted"] for c in comparisons),
+        "reference": [r.token_ids for r in reference],
+        "comparisons": comparisons,
+    }
 
 
 def _compare(pool: EnginePool, prompt: list[int], sp: SamplingParams, ref, out) -> dict:
@@ -139,14 +169,28 @@ def _law(pool: EnginePool, contexts: list[Context], cfg: CheckConfig, progress: 
         position, chain = proposal
         return _law_record(chain, position, setting, seed, cfg.coupled_samples, level, verify_fn)
 
-    records = per_context_and_setting(engine, contexts, replace(cfg, law_settings=sampled), progress, draft, record,
-                                      lambda proposal: len(proposal[1].draft_tokens))
-    detected = {s.name: [r["context"] for r in records if r["setting"] == s.name and r["control_accept_all"]["rejected"]]
-                for s in sampled}
-    return {"test": "Pearson chi-square goodness of fit of the first emitted token to the reference-warped target "
-                    "law; Bonferroni over contexts x sampled settings",
-            "level": level, "samples": cfg.coupled_samples, "contexts": [c.to_dict() for c in contexts],
-            "control_detected": detected, "records": records}
+    records = per_context_and_setting(
+        engine,
+        contexts,
+        replace(cfg, law_settings=sampled),
+        progress,
+        draft,
+        record,
+        lambda proposal: len(proposal[1].draft_tokens),
+    )
+    detected = {
+        s.name: [r["context"] for r in records if r["setting"] == s.name and r["control_accept_all"]["rejected"]]
+        for s in sampled
+    }
+    return {
+        "test": "Pearson chi-square goodness of fit of the first emitted token to the reference-warped target "
+        "law; Bonferroni over contexts x sampled settings",
+        "level": level,
+        "samples": cfg.coupled_samples,
+        "contexts": [c.to_dict() for c in contexts],
+        "control_detected": detected,
+        "records": records,
+    }
 
 
 @torch.inference_mode()
@@ -168,11 +212,13 @@ def _law_record(chain, position: int, setting, seed: int, n: int, level: float, 
         emitted[i], proposed[i] = int(result.tokens[0, 0]), int(d)
     unkeyed = np.full(n, int(coupled_choice(target, race_noise(seed * 100_000, position, vocab))))
     reference = target.double().numpy()
-    return {"test": goodness_of_fit(emitted, reference, level).to_dict(),
-            "control_accept_all": goodness_of_fit(proposed, reference, level).to_dict(),
-            "control_unkeyed": goodness_of_fit(unkeyed, reference, level).to_dict(),
-            "acceptance": float(np.mean(proposed == emitted)),
-            "rejection_acceptance": float(torch.minimum(target, draft).sum())}
+    return {
+        "test": goodness_of_fit(emitted, reference, level).to_dict(),
+        "control_accept_all": goodness_of_fit(proposed, reference, level).to_dict(),
+        "control_unkeyed": goodness_of_fit(unkeyed, reference, level).to_dict(),
+        "acceptance": float(np.mean(proposed == emitted)),
+        "rejection_acceptance": float(torch.minimum(target, draft).sum()),
+    }
 
 
 def _fmt(x) -> str:

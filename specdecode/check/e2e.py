@@ -37,29 +37,40 @@ def check_e2e(pool: EnginePool, contexts: list[Context], cfg: CheckConfig, progr
             spec = _samples(pool.spec(cfg.e2e_batch), prompt, setting, cfg, SPEC_SEEDS + base_seed, progress)
             base = _samples(pool.target_only(cfg.e2e_batch), prompt, setting, cfg, BASE_SEEDS + base_seed, progress)
             test, table = two_sample([r[0] for r in spec], [r[0] for r in base], level)
-            records.append({
-                "context": pi, **context.to_dict(), "setting": setting.name, **test.to_dict(),
-                "table": [{"cell": list(k) if isinstance(k, tuple) else k, "speculative": a, "target_only": b}
-                          for k, a, b in table],
-                "speculative_tokens_per_step": _mean(r[1] for r in spec),
-            })
+            records.append(
+                {
+                    "context": pi,
+                    **context.to_dict(),
+                    "setting": setting.name,
+                    **test.to_dict(),
+                    "table": [
+                        {"cell": list(k) if isinstance(k, tuple) else k, "speculative": a, "target_only": b}
+                        for k, a, b in table
+                    ],
+                    "speculative_tokens_per_step": _mean(r[1] for r in spec),
+                }
+            )
     rejected = [r for r in records if r["rejected"]]
     if rejected:
         worst = min(rejected, key=lambda r: r["p_value"])
-        summary = (f"{len(rejected)}/{len(records)} two-sample tests rejected (worst: context {worst['context']}, "
-                   f"{worst['setting']}, p={worst['p_value']:.2g}, TV={worst['tv']:.3f})")
+        summary = (
+            f"{len(rejected)}/{len(records)} two-sample tests rejected (worst: context {worst['context']}, "
+            f"{worst['setting']}, p={worst['p_value']:.2g}, TV={worst['tv']:.3f})"
+        )
         status = FAIL
     else:
         min_p = min((r["p_value"] for r in records), default=1.0)
-        summary = (f"{len(records)} two-sample chi-square tests on the first {cfg.e2e_tokens} tokens, "
-                   f"{cfg.e2e_samples} vs {cfg.e2e_samples} samples each, level {level:.1e} "
-                   f"(overall <= {cfg.part_alpha():.0e}); min p={min_p:.2g}; "
-                   f"max TV={max((r['tv'] for r in records), default=0):.3f}")
+        summary = (
+            f"{len(records)} two-sample chi-square tests on the first {cfg.e2e_tokens} tokens, "
+            f"{cfg.e2e_samples} vs {cfg.e2e_samples} samples each, level {level:.1e} "
+            f"(overall <= {cfg.part_alpha():.0e}); min p={min_p:.2g}; "
+            f"max TV={max((r['tv'] for r in records), default=0):.3f}"
+        )
         status = PASS
     details = {
         "test": "Pearson chi-square homogeneity test, speculative vs target-only, on the joint of the first "
-                f"{cfg.e2e_tokens} tokens; cells are token tuples coarsened by prefix until each group's expected "
-                "count is >= 5 (from pooled counts)",
+        f"{cfg.e2e_tokens} tokens; cells are token tuples coarsened by prefix until each group's expected "
+        "count is >= 5 (from pooled counts)",
         "level_per_test": level,
         "part_alpha": cfg.part_alpha(),
         "samples_per_group": cfg.e2e_samples,

@@ -23,7 +23,15 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.check.common import CheckConfig, EnginePool, Progress, Run, first_divergence, next_token_logits, run_requests
+from specdecode.check.common import (
+    CheckConfig,
+    EnginePool,
+    Progress,
+    Run,
+    first_divergence,
+    next_token_logits,
+    run_requests,
+)
 from specdecode.check.report import FAIL, PASS, PartResult
 from specdecode.sampling import SamplingParams
 
@@ -51,19 +59,27 @@ def check_greedy(pool: EnginePool, prompts: list[list[int]], cfg: CheckConfig, p
     if real:
         c = real[0]
         d = c["divergence"]
-        summary = (f"{len(real)} real mismatches; first: {c['run']}, prompt {c['prompt']}, position {d['position']}: "
-                   f"target-only {d['reference_token']!r} vs speculative {d['speculative_token']!r}, "
-                   f"logit gap {_fmt(d.get('logit_gap'))} > tolerance {_fmt(d.get('tolerance'))}")
+        summary = (
+            f"{len(real)} real mismatches; first: {c['run']}, prompt {c['prompt']}, position {d['position']}: "
+            f"target-only {d['reference_token']!r} vs speculative {d['speculative_token']!r}, "
+            f"logit gap {_fmt(d.get('logit_gap'))} > tolerance {_fmt(d.get('tolerance'))}"
+        )
         status = FAIL
     else:
-        summary = (f"{len(comparisons)} outputs ({len(prompts)} prompts, batch 1 and {batch}, {cfg.greedy_tokens} tokens, "
-                   f"{emitted} reference tokens) identical to target-only")
+        summary = (
+            f"{len(comparisons)} outputs ({len(prompts)} prompts, batch 1 and {batch}, {cfg.greedy_tokens} tokens, "
+            f"{emitted} reference tokens) identical to target-only"
+        )
         if ties:
             summary += f" except {len(ties)} numeric near-ties (see evidence)"
         status = PASS
     runner = pool.target_only(1).target
-    details = {"dtype": str(runner.dtype), "near_tie_relative_tolerance": near_tie_rel(runner),
-               "reference": [r.token_ids for r in reference], "comparisons": comparisons}
+    details = {
+        "dtype": str(runner.dtype),
+        "near_tie_relative_tolerance": near_tie_rel(runner),
+        "reference": [r.token_ids for r in reference],
+        "comparisons": comparisons,
+    }
     return PartResult(3, "greedy equality", status, summary, details)
 
 
@@ -71,10 +87,22 @@ def compare(pool: EnginePool, prompt: list[int], ref: Run, out: Run) -> dict:
     i = first_divergence(ref.token_ids, out.token_ids)
     if i is None:
         same = out.finish_reason == ref.finish_reason and out.text == ref.text
-        return {"verdict": "equal" if same else "mismatch", "tokens": len(out.token_ids),
-                **({} if same else {"divergence": {"position": len(out.token_ids), "reference_token": None,
-                                                   "speculative_token": None,
-                                                   "finish_reasons": [ref.finish_reason, out.finish_reason]}})}
+        return {
+            "verdict": "equal" if same else "mismatch",
+            "tokens": len(out.token_ids),
+            **(
+                {}
+                if same
+                else {
+                    "divergence": {
+                        "position": len(out.token_ids),
+                        "reference_token": None,
+                        "speculative_token": None,
+                        "finish_reasons": [ref.finish_reason, out.finish_reason],
+                    }
+                }
+            ),
+        }
     a = ref.token_ids[i] if i < len(ref.token_ids) else None
     b = out.token_ids[i] if i < len(out.token_ids) else None
     d = {"position": i, "reference_token": a, "speculative_token": b}
@@ -88,8 +116,13 @@ def compare(pool: EnginePool, prompt: list[int], ref: Run, out: Run) -> dict:
     if runner.batch_invariant:  # both runs computed each row alike: no tie may flip
         tol = 0.0
     gap = float(logits[a] - logits[b])
-    d |= {"top2_margin": float(top2[0] - top2[1]), "logit_gap": gap, "tolerance": tol,
-          "reference_logit": float(logits[a]), "speculative_logit": float(logits[b])}
+    d |= {
+        "top2_margin": float(top2[0] - top2[1]),
+        "logit_gap": gap,
+        "tolerance": tol,
+        "reference_logit": float(logits[a]),
+        "speculative_logit": float(logits[b]),
+    }
     return {"verdict": "near-tie" if abs(gap) <= tol else "mismatch", "divergence": d}
 
 

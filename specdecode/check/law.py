@@ -96,13 +96,21 @@ def check_law(
             return greedy_record(chain, warp_fn, verify_fn, greedy_fn, seed)
         return law_record(chain, setting, cfg.law_samples, level, seed, verify_fn, warp_fn)
 
-    records = per_context_and_setting(engine, contexts, cfg, progress, lambda ctx, s, seed: real_chain(
-        engine, ctx, s, pool.k, seed), record, lambda chain: len(chain.draft_tokens))
+    records = per_context_and_setting(
+        engine,
+        contexts,
+        cfg,
+        progress,
+        lambda ctx, s, seed: real_chain(engine, ctx, s, pool.k, seed),
+        record,
+        lambda chain: len(chain.draft_tokens),
+    )
     return _verdict(records, sampled, contexts, cfg, level, num_tests)
 
 
-def per_context_and_setting(engine, contexts: list[Context], cfg: CheckConfig, progress: Progress, draft, record,
-                            size) -> list[dict]:
+def per_context_and_setting(
+    engine, contexts: list[Context], cfg: CheckConfig, progress: Progress, draft, record, size
+) -> list[dict]:
     """For each context and setting: the drafter's real proposal after the context (``draft``), then
     ``record(proposal, setting, seed)``. The target's slot 0 holds the context; the drafter starts afresh
     (it expects the last token not to be cached yet; one that reads features observes the context's) and
@@ -152,7 +160,9 @@ def _warped(fn, logits: torch.Tensor, setting: SamplingSetting) -> torch.Tensor:
     return fn(logits, temperature, top_k, top_p)
 
 
-def law_record(chain: Chain, setting: SamplingSetting, num_samples: int, level: float, seed: int, verify_fn, warp_fn) -> dict:
+def law_record(
+    chain: Chain, setting: SamplingSetting, num_samples: int, level: float, seed: int, verify_fn, warp_fn
+) -> dict:
     n = len(chain.draft_tokens)
     ref = _warped(warp, chain.target_logits, setting)  # the law the output must follow
     fed = _warped(warp_fn, chain.target_logits, setting)  # what the engine gives its verifier
@@ -216,7 +226,9 @@ def verify_many(
     return torch.cat(tokens), torch.cat(accepted)
 
 
-def _controls(chain: Chain, target0: torch.Tensor, num_samples: int, gen: torch.Generator) -> tuple[np.ndarray, np.ndarray]:
+def _controls(
+    chain: Chain, target0: torch.Tensor, num_samples: int, gen: torch.Generator
+) -> tuple[np.ndarray, np.ndarray]:
     """Position-0 samples of two wrong rules: accept every draft token (= sample the draft), and
     resample from the target instead of the residual after a rejection."""
     if chain.draft_probs is None or len(chain.draft_tokens) == 0:
@@ -268,20 +280,36 @@ def greedy_record(chain: Chain, warp_fn, verify_fn, greedy_fn, seed: int) -> dic
             got = res.tokens[i, : acc + 1].tolist()
             want = argmax[: expected[i] + 1].tolist()
             if acc != expected[i] or got != want:
-                mismatches.append({"fn": fn_name, "chain": drafts[i].tolist(), "expected_accepted": expected[i],
-                                   "accepted": acc, "expected_tokens": want, "tokens": got})
+                mismatches.append(
+                    {
+                        "fn": fn_name,
+                        "chain": drafts[i].tolist(),
+                        "expected_accepted": expected[i],
+                        "accepted": acc,
+                        "expected_tokens": want,
+                        "tokens": got,
+                    }
+                )
     return {"chains": m, "calls": len(results), "mismatches": mismatches[:10], "num_mismatches": len(mismatches)}
 
 
 def _verdict(
-    records: list[dict], sampled: list[SamplingSetting], contexts: list[Context], cfg: CheckConfig, level: float, num_tests: int
+    records: list[dict],
+    sampled: list[SamplingSetting],
+    contexts: list[Context],
+    cfg: CheckConfig,
+    level: float,
+    num_tests: int,
 ) -> PartResult:
     greedy = [r for r in records if "chains" in r]
     law = [r for r in records if "positions" in r]
     tests = [t | {"context": r["context"], "setting": r["setting"]} for r in law for t in r["positions"]]
     rejected = [t for t in tests if t["rejected"]]
     greedy_bad = sum(r["num_mismatches"] for r in greedy)
-    power = {s.name: [r["context"] for r in law if r["setting"] == s.name and r["control_draft"]["rejected"]] for s in sampled}
+    power = {
+        s.name: [r["context"] for r in law if r["setting"] == s.name and r["control_draft"]["rejected"]]
+        for s in sampled
+    }
     skip_power = sum(r["control_skip_residual"]["rejected"] for r in law)
     informative = [t for t in tests if t["cells"] >= 2]
     min_p = min((t["p_value"] for t in informative), default=1.0)
@@ -292,26 +320,32 @@ def _verdict(
         what = []
         if worst:
             why = f"{worst['impossible']} impossible tokens" if worst["impossible"] else f"p={worst['p_value']:.2g}"
-            what.append(f"{len(rejected)}/{len(tests)} law tests rejected (worst: context {worst['context']}, "
-                        f"{worst['setting']}, position {worst['position']}, {why})")
+            what.append(
+                f"{len(rejected)}/{len(tests)} law tests rejected (worst: context {worst['context']}, "
+                f"{worst['setting']}, position {worst['position']}, {why})"
+            )
         if greedy_bad:
             what.append(f"{greedy_bad} greedy verifications differ from the target argmax")
         summary = "; ".join(what)
     elif sampled and not all(power.values()):
         status = WEAK
         missing = [name for name, ctxs in power.items() if not ctxs]
-        summary = (f"no test rejected, but samples from the draft were not distinguishable from the target for "
-                   f"{', '.join(missing)}: raise --law-samples or use other prompts")
+        summary = (
+            f"no test rejected, but samples from the draft were not distinguishable from the target for "
+            f"{', '.join(missing)}: raise --law-samples or use other prompts"
+        )
     else:
         status = PASS
-        summary = (f"{len(informative)} chi-square tests (of {len(tests)}; {cfg.law_samples} verifications per "
-                   f"context x setting, {len(contexts)} contexts), each at {level:.1e} (overall <= {cfg.part_alpha():.0e}); "
-                   f"min p={min_p:.2g}; draft control detected in {sum(len(v) for v in power.values())}/{len(law)}, "
-                   f"skip-residual control in {skip_power}/{len(law)}; greedy exact on "
-                   f"{sum(r['chains'] * r['calls'] for r in greedy)} verifications")
+        summary = (
+            f"{len(informative)} chi-square tests (of {len(tests)}; {cfg.law_samples} verifications per "
+            f"context x setting, {len(contexts)} contexts), each at {level:.1e} (overall <= {cfg.part_alpha():.0e}); "
+            f"min p={min_p:.2g}; draft control detected in {sum(len(v) for v in power.values())}/{len(law)}, "
+            f"skip-residual control in {skip_power}/{len(law)}; greedy exact on "
+            f"{sum(r['chains'] * r['calls'] for r in greedy)} verifications"
+        )
     details = {
         "test": "Pearson chi-square goodness of fit to the reference-warped target distribution, per position; "
-                "Bonferroni over contexts x sampled settings x (num_draft + 1) positions",
+        "Bonferroni over contexts x sampled settings x (num_draft + 1) positions",
         "level_per_test": level,
         "tests_planned": num_tests,
         "part_alpha": cfg.part_alpha(),

@@ -47,8 +47,14 @@ from specdecode.sampling import SamplingParams, warp, warp_tensors
 
 NUMBER, NAME = 7, "logits processors, min-p and grammars"
 SAMPLES = 2000  # requests per (context, setting, engine)
-NEUTRAL = {"min_p": 0.0, "logit_bias": (), "presence_penalty": 0.0, "frequency_penalty": 0.0,
-           "repetition_penalty": 1.0, "grammar": None}
+NEUTRAL = {
+    "min_p": 0.0,
+    "logit_bias": (),
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "grammar": None,
+}
 SECOND_TOKENS = 3  # first tokens whose conditional second-token law is tested
 RUST_META = set("\\.+*?()|[]{}^$#&-~")  # what Rust's regex::escape escapes (llguidance's syntax); Python reads it too
 TAIL = "[ -;=?-~]*"  # printable ASCII but < and > (special tokens' text has them): the part after the first token
@@ -109,15 +115,21 @@ def reference_mask(pattern: str, texts: TokenTexts, generated_text: str, end_ids
     import regex
 
     compiled = regex.compile(pattern)
-    allowed = torch.tensor([t is not None and compiled.fullmatch(generated_text + t, partial=True) is not None
-                            for t in texts.texts])
+    allowed = torch.tensor(
+        [t is not None and compiled.fullmatch(generated_text + t, partial=True) is not None for t in texts.texts]
+    )
     if compiled.fullmatch(generated_text) is not None:
         allowed[[i for i in end_ids if i < len(allowed)]] = True
     return allowed
 
 
-def reference_logits(params: SamplingParams, prompt_ids: Sequence[int], generated: Sequence[int],
-                     logits: torch.Tensor, grammar_mask: torch.Tensor | None = None) -> torch.Tensor:  # [V] -> [V]
+def reference_logits(
+    params: SamplingParams,
+    prompt_ids: Sequence[int],
+    generated: Sequence[int],
+    logits: torch.Tensor,
+    grammar_mask: torch.Tensor | None = None,
+) -> torch.Tensor:  # [V] -> [V]
     """The processed logits of the position after ``prompt_ids + generated``, one token at a time (the slow,
     obviously correct reference of :mod:`specdecode.processors`); ``grammar_mask`` (from
     :func:`reference_mask`) for a request with a grammar."""
@@ -137,10 +149,10 @@ def reference_logits(params: SamplingParams, prompt_ids: Sequence[int], generate
     return out.float()
 
 
-def reference_law(params: SamplingParams, prompt_ids, generated, logits: torch.Tensor,
-                  grammar_mask: torch.Tensor | None = None) -> torch.Tensor:  # [V]
-    return warp(reference_logits(params, prompt_ids, generated, logits, grammar_mask)[None],
-                *warp_tensors([params]))[0]
+def reference_law(
+    params: SamplingParams, prompt_ids, generated, logits: torch.Tensor, grammar_mask: torch.Tensor | None = None
+) -> torch.Tensor:  # [V]
+    return warp(reference_logits(params, prompt_ids, generated, logits, grammar_mask)[None], *warp_tensors([params]))[0]
 
 
 def settings(logits: torch.Tensor, texts: TokenTexts | None = None) -> dict[str, SamplingParams]:
@@ -166,10 +178,11 @@ class _View:
     def __init__(self, seq, params: SamplingParams, vocab_size: int, grammars=None, end_ids=()) -> None:
         self.slot, self.token_ids, self.generator = seq.slot, seq.token_ids, seq.generator
         self.params = params
-        self.processors = build_processors(params, seq.prompt_ids, vocab_size,
-                                           grammars if params.grammar is not None else None, end_ids)
+        self.processors = build_processors(
+            params, seq.prompt_ids, vocab_size, grammars if params.grammar is not None else None, end_ids
+        )
         for proc in self.processors:
-            proc.commit(seq.token_ids[len(seq.prompt_ids):])
+            proc.commit(seq.token_ids[len(seq.prompt_ids) :])
 
 
 class DraftSees:
@@ -184,8 +197,10 @@ class DraftSees:
         return getattr(self.inner, name)
 
     def propose(self, seqs, num_tokens):
-        return self.inner.propose([_View(s, replace(s.params, **self.fields), self.vocab_size, self.grammars,
-                                         self.end_ids) for s in seqs], num_tokens)
+        return self.inner.propose(
+            [_View(s, replace(s.params, **self.fields), self.vocab_size, self.grammars, self.end_ids) for s in seqs],
+            num_tokens,
+        )
 
 
 def stale_process(seqs, logits: torch.Tensor, prefixes) -> torch.Tensor:
@@ -201,43 +216,65 @@ def engines(spec: Engine, params: SamplingParams) -> dict[str, tuple[Engine, Sam
     processed = {key: getattr(params, key) for key in NEUTRAL}
 
     def engine(drafter=None, verifier=None) -> Engine:
-        return Engine(spec.target, spec.tokenizer, drafter or spec.drafter, 1, eos_token_ids=spec.eos_token_ids,
-                      max_batch_size=spec.max_batch_size, max_context=spec.max_context,
-                      verifier=verifier or spec.verifier, max_tree_nodes=spec.max_tree_nodes)
+        return Engine(
+            spec.target,
+            spec.tokenizer,
+            drafter or spec.drafter,
+            1,
+            eos_token_ids=spec.eos_token_ids,
+            max_batch_size=spec.max_batch_size,
+            max_context=spec.max_context,
+            verifier=verifier or spec.verifier,
+            max_tree_nodes=spec.max_tree_nodes,
+        )
 
     grammars = spec.grammars if params.grammar is not None else None
     ends = spec.eos_token_ids
 
-    out = {"engine": (engine(), params),
-           "draft unprocessed": (engine(DraftSees(spec.drafter, NEUTRAL, vocab)), params),
-           "control: target unprocessed": (engine(DraftSees(spec.drafter, processed, vocab, grammars, ends)),
-                                           replace(params, **NEUTRAL))}
-    stateful = ("grammar" if params.grammar is not None else
-                "penalty" if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1
-                else None)
+    out = {
+        "engine": (engine(), params),
+        "draft unprocessed": (engine(DraftSees(spec.drafter, NEUTRAL, vocab)), params),
+        "control: target unprocessed": (
+            engine(DraftSees(spec.drafter, processed, vocab, grammars, ends)),
+            replace(params, **NEUTRAL),
+        ),
+    }
+    stateful = (
+        "grammar"
+        if params.grammar is not None
+        else "penalty"
+        if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1
+        else None
+    )
     if stateful is not None:  # the state a drafted prefix moves: evaluated at the last committed token instead
-        out[f"control: stale {stateful} state"] = (engine(verifier=replace(spec.verifier, process=stale_process)),
-                                                    params)
+        out[f"control: stale {stateful} state"] = (
+            engine(verifier=replace(spec.verifier, process=stale_process)),
+            params,
+        )
     return out
 
 
-def sample_pairs(engine: Engine, prompt: list[int], params: SamplingParams, n: int, seed: int,
-                 ignore_eos: bool = True) -> tuple[list, dict]:
+def sample_pairs(
+    engine: Engine, prompt: list[int], params: SamplingParams, n: int, seed: int, ignore_eos: bool = True
+) -> tuple[list, dict]:
     """``n`` seeded two-token requests: their (first, second) tokens and the drafting counts. A setting with a
     grammar runs every engine's requests with ``ignore_eos=False`` (the grammar says where the output may end)."""
     pairs, drafted, accepted = [], 0, 0
     batch = engine.max_batch_size
     for lo in range(0, n, batch):
-        ps = [replace(params, seed=seed + lo + i, max_new_tokens=2, ignore_eos=ignore_eos)
-              for i in range(min(batch, n - lo))]
+        ps = [
+            replace(params, seed=seed + lo + i, max_new_tokens=2, ignore_eos=ignore_eos)
+            for i in range(min(batch, n - lo))
+        ]
         for out in engine.generate([prompt] * len(ps), ps):
             pairs.append(tuple(out.token_ids[:2]))
             drafted, accepted = drafted + out.stats.drafted, accepted + out.stats.accepted
     return pairs, {"drafted": drafted, "accepted": accepted}
 
 
-def check_processors(pool: EnginePool, prompts: list[list[int]], alpha: float, progress: Progress,
-                     samples: int = SAMPLES, seed: int = 0) -> PartResult:
+def check_processors(
+    pool: EnginePool, prompts: list[list[int]], alpha: float, progress: Progress, samples: int = SAMPLES, seed: int = 0
+) -> PartResult:
     spec = pool.spec(min(16, max(1, samples)))
     if spec.drafter is None:
         raise ValueError("part 7 needs a drafter")
@@ -258,17 +295,21 @@ def check_processors(pool: EnginePool, prompts: list[list[int]], alpha: float, p
 
             law0 = reference_law(params, prompt, (), first_logits, mask(()))
             seconds = [a for a in law0.argsort(descending=True)[:SECOND_TOKENS].tolist() if law0[a] > 0]
-            law1 = {a: reference_law(params, prompt, (a,), next_token_logits(spec.target, prompt + [a]), mask((a,)))
-                    for a in seconds}
+            law1 = {
+                a: reference_law(params, prompt, (a,), next_token_logits(spec.target, prompt + [a]), mask((a,)))
+                for a in seconds
+            }
             runs = {}
             for label, (engine, request) in engines(spec, params).items():
-                pairs, counts = sample_pairs(engine, prompt, request, samples, (seed * 100 + ci * 10 + si) * samples,
-                                             ignore_eos=pattern is None)
+                pairs, counts = sample_pairs(
+                    engine, prompt, request, samples, (seed * 100 + ci * 10 + si) * samples, ignore_eos=pattern is None
+                )
                 tests = [{"position": 0, **goodness_of_fit([p[0] for p in pairs], law0.numpy(), level).to_dict()}]
                 for a in seconds:
                     after = [p[1] for p in pairs if p[0] == a and len(p) > 1]
-                    tests.append({"position": 1, "after": a,
-                                  **goodness_of_fit(after, law1[a].numpy(), level).to_dict()})
+                    tests.append(
+                        {"position": 1, "after": a, **goodness_of_fit(after, law1[a].numpy(), level).to_dict()}
+                    )
                 runs[label] = {**counts, "tests": tests, "rejected": any(t["rejected"] for t in tests)}
             records.append({"context": ci, "setting": name, "runs": runs, **({"regex": pattern} if pattern else {})})
             progress.advance()
@@ -277,22 +318,36 @@ def check_processors(pool: EnginePool, prompts: list[list[int]], alpha: float, p
 
 def _verdict(records: list[dict], level: float, samples: int) -> PartResult:
     must_pass = ("engine", "draft unprocessed")
-    failed = [(r["context"], r["setting"], label) for r in records for label in must_pass if r["runs"][label]["rejected"]]
+    failed = [
+        (r["context"], r["setting"], label) for r in records for label in must_pass if r["runs"][label]["rejected"]
+    ]
     controls = sorted({label for r in records for label in r["runs"] if label.startswith("control")})
-    missed = [f"{label} ({setting})" for label in controls for setting in dict.fromkeys(r["setting"] for r in records)
-              if any(label in r["runs"] for r in records if r["setting"] == setting)
-              and not any(r["runs"][label]["rejected"] for r in records if r["setting"] == setting and label in r["runs"])]
+    missed = [
+        f"{label} ({setting})"
+        for label in controls
+        for setting in dict.fromkeys(r["setting"] for r in records)
+        if any(label in r["runs"] for r in records if r["setting"] == setting)
+        and not any(r["runs"][label]["rejected"] for r in records if r["setting"] == setting and label in r["runs"])
+    ]
     accepted = sum(r["runs"]["engine"]["accepted"] for r in records)
     details = {"level_per_test": level, "samples": samples, "records": records}
     if failed:
         c, s, label = failed[0]
-        return PartResult(NUMBER, NAME, FAIL, f"{len(failed)} runs off the processed law (first: context {c}, {s}, "
-                                               f"{label})", details)
+        return PartResult(
+            NUMBER, NAME, FAIL, f"{len(failed)} runs off the processed law (first: context {c}, {s}, {label})", details
+        )
     if missed or not accepted:
         why = f"controls not detected: {', '.join(missed)}" if missed else "no draft token was accepted"
-        return PartResult(NUMBER, NAME, WEAK, f"no test rejected, but {why}: raise the samples or use other prompts",
-                          details)
+        return PartResult(
+            NUMBER, NAME, WEAK, f"no test rejected, but {why}: raise the samples or use other prompts", details
+        )
     tests = sum(len(r["runs"]["engine"]["tests"]) for r in records)
-    return PartResult(NUMBER, NAME, PASS, f"{tests} chi-square tests per engine at {level:.1e} ({samples} requests each); "
-                                          f"the undrafted-processor run passes too; {accepted} drafts accepted; "
-                                          f"controls detected: {', '.join(controls)}", details)
+    return PartResult(
+        NUMBER,
+        NAME,
+        PASS,
+        f"{tests} chi-square tests per engine at {level:.1e} ({samples} requests each); "
+        f"the undrafted-processor run passes too; {accepted} drafts accepted; "
+        f"controls detected: {', '.join(controls)}",
+        details,
+    )

@@ -24,8 +24,14 @@ class PartResult:
         return self.status in (PASS, SKIP)
 
     def to_dict(self) -> dict:
-        return {"part": self.part, "name": self.name, "status": self.status, "summary": self.summary,
-                "seconds": round(self.seconds, 3), "details": self.details}
+        return {
+            "part": self.part,
+            "name": self.name,
+            "status": self.status,
+            "summary": self.summary,
+            "seconds": round(self.seconds, 3),
+            "details": self.details,
+        }
 
 
 @dataclass
@@ -42,8 +48,12 @@ class CheckReport:
         return next(p for p in self.parts if p.part == number)
 
     def to_dict(self) -> dict:
-        return {"passed": self.passed, "meta": self.meta, "config": self.config,
-                "parts": [p.to_dict() for p in self.parts]}
+        return {
+            "passed": self.passed,
+            "meta": self.meta,
+            "config": self.config,
+            "parts": [p.to_dict() for p in self.parts],
+        }
 
     def write_json(self, path: str) -> None:
         with open(path, "w", encoding="utf-8") as f:

@@ -5,7 +5,15 @@ from __future__ import annotations
 import time
 import traceback
 
-from specdecode.check.common import OPTIONAL_PARTS, PART_NAMES, CheckConfig, EngineFactory, EnginePool, NullProgress, Progress
+from specdecode.check.common import (
+    OPTIONAL_PARTS,
+    PART_NAMES,
+    CheckConfig,
+    EngineFactory,
+    EnginePool,
+    NullProgress,
+    Progress,
+)
 from specdecode.check.contexts import Context, rank_contexts
 from specdecode.check.coupled import check_coupled
 from specdecode.check.e2e import check_e2e
@@ -48,7 +56,8 @@ def run_check(
 
     parts = {
         1: lambda: (check_tree_law if pool.spec(1).max_tree_nodes else check_law)(
-            pool, contexts(cfg.law_contexts), cfg, progress, verify_fn, greedy_fn, warp_fn),
+            pool, contexts(cfg.law_contexts), cfg, progress, verify_fn, greedy_fn, warp_fn
+        ),
         2: lambda: check_e2e(pool, contexts(cfg.e2e_prompts), cfg, progress),
         3: lambda: check_greedy(pool, prompts, cfg, progress),
         4: lambda: check_stops(pool, prompts, cfg, progress),
@@ -65,8 +74,9 @@ def run_check(
         try:
             result = run()
         except Exception as exc:  # a broken engine is a finding, reported with the part's name
-            result = PartResult(number, PART_NAMES[number], ERROR, f"{type(exc).__name__}: {exc}",
-                                {"traceback": traceback.format_exc()})
+            result = PartResult(
+                number, PART_NAMES[number], ERROR, f"{type(exc).__name__}: {exc}", {"traceback": traceback.format_exc()}
+            )
         result.seconds = time.perf_counter() - t0
         results.append(result)
     progress.close()

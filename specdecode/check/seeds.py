@@ -60,8 +60,11 @@ def check_seeds(pool: EnginePool, prompts: list[list[int]], cfg: CheckConfig, pr
         i = first_divergence(ref, got)
         rec = {"comparison": label, "strict": strict, "equal": i is None, "reference": ref, "tokens": got}
         if i is not None:
-            rec["divergence"] = {"position": i, "reference_token": ref[i] if i < len(ref) else None,
-                                 "token": got[i] if i < len(got) else None}
+            rec["divergence"] = {
+                "position": i,
+                "reference_token": ref[i] if i < len(ref) else None,
+                "token": got[i] if i < len(got) else None,
+            }
         records.append(rec)
 
     variance = None
@@ -77,17 +80,27 @@ def check_seeds(pool: EnginePool, prompts: list[list[int]], cfg: CheckConfig, pr
         f = faults[0]
         d = f["divergence"]
         status = FAIL
-        summary = (f"{len(faults)}/{len(records)} comparisons differ; first: {f['comparison']} at token {d['position']} "
-                   f"({d['reference_token']} vs {d['token']})")
+        summary = (
+            f"{len(faults)}/{len(records)} comparisons differ; first: {f['comparison']} at token {d['position']} "
+            f"({d['reference_token']} vs {d['token']})"
+        )
     else:
         status = PASS
-        summary = (f"seed {x_params.seed} ({cfg.seed_setting.name}, {cfg.seed_tokens} tokens): identical alone, "
-                   f"as {b} copies in one batch, and at {len(mixed)} positions among other requests")
+        summary = (
+            f"seed {x_params.seed} ({cfg.seed_setting.name}, {cfg.seed_tokens} tokens): identical alone, "
+            f"as {b} copies in one batch, and at {len(mixed)} positions among other requests"
+        )
         if numeric:
-            summary += (f"; {len(numeric)} batched runs differ from the alone run where the logits are batch-variant "
-                        f"(max |dlogit| {max(variance.values()):.2g}); --backend torch --dtype float32 separates them")
-    details = {"x": {"prompt": 0, "setting": cfg.seed_setting.name, "seed": x_params.seed, "tokens": cfg.seed_tokens},
-               "batch": b, "comparisons": records, "logit_batch_variance": variance}
+            summary += (
+                f"; {len(numeric)} batched runs differ from the alone run where the logits are batch-variant "
+                f"(max |dlogit| {max(variance.values()):.2g}); --backend torch --dtype float32 separates them"
+            )
+    details = {
+        "x": {"prompt": 0, "setting": cfg.seed_setting.name, "seed": x_params.seed, "tokens": cfg.seed_tokens},
+        "batch": b,
+        "comparisons": records,
+        "logit_batch_variance": variance,
+    }
     return PartResult(5, "seeds", status, summary, details)
 
 

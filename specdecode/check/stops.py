@@ -32,8 +32,14 @@ def check_stops(pool: EnginePool, prompts: list[list[int]], cfg: CheckConfig, pr
         learned = cutter.learn(mode, prompts[:MAX_PROMPTS_TRIED], setting, seed)
         progress.advance()
         if learned is None:
-            cutter.cases.append({"mode": mode, "case": "any", "ok": None,
-                                 "note": "no step emitted two or more tokens: nothing to cut inside"})
+            cutter.cases.append(
+                {
+                    "mode": mode,
+                    "case": "any",
+                    "ok": None,
+                    "note": "no step emitted two or more tokens: nothing to cut inside",
+                }
+            )
             progress.advance(3)
             continue
         cutter.eos_case(learned)
@@ -113,15 +119,20 @@ class _Cutter:
         if stop_c is None:
             return
         s = _stop_string(ln.texts, stop_c)
-        params = [ln.params(max_new_tokens=self.max_new), ln.params(max_new_tokens=self.max_new, stop=(s,)),
-                  ln.params(max_new_tokens=len_c + 1)]
+        params = [
+            ln.params(max_new_tokens=self.max_new),
+            ln.params(max_new_tokens=self.max_new, stop=(s,)),
+            ln.params(max_new_tokens=len_c + 1),
+        ]
         plain, stopped, short = self._run(self.pool.spec(3), [ln.prompt] * 3, params)
         texts = self._texts(plain)
         sc = _first_completion(texts, s)
         if sc is not None:
             self._add(ln, {"stop": s, "batch": 3} | _judge("stop", plain, stopped, sc, "stop", _cut(texts[sc], s)))
         if len_c < len(plain.token_ids):
-            self._add(ln, {"batch": 3} | _judge("length", plain, short, len_c, self._finish(plain, len_c), texts[len_c]))
+            self._add(
+                ln, {"batch": 3} | _judge("length", plain, short, len_c, self._finish(plain, len_c), texts[len_c])
+            )
 
     def _add(self, ln: _Learned, case: dict) -> None:
         self.cases.append({"mode": ln.mode, "prompt": ln.prompt_index} | case)
@@ -130,16 +141,29 @@ class _Cutter:
         return "stop" if run.token_ids[c] in self.eos_ids else "length"
 
     def _texts(self, run: Run) -> list[str]:
-        return [self.tokenizer.decode(run.token_ids[: i + 1], skip_special_tokens=True) for i in range(len(run.token_ids))]
+        return [
+            self.tokenizer.decode(run.token_ids[: i + 1], skip_special_tokens=True) for i in range(len(run.token_ids))
+        ]
 
     def _run(self, engine, prompts, params) -> list[Run]:
         runs = run_requests(engine, prompts, params)
         for r in runs:
             s = r.stats
-            ok = (s.emitted == len(r.token_ids) and s.accepted <= s.drafted
-                  and s.target_steps <= s.emitted <= s.accepted + s.target_steps)
-            self.usage.append({"tokens": len(r.token_ids), "emitted": s.emitted, "accepted": s.accepted,
-                               "drafted": s.drafted, "target_steps": s.target_steps, "ok": ok})
+            ok = (
+                s.emitted == len(r.token_ids)
+                and s.accepted <= s.drafted
+                and s.target_steps <= s.emitted <= s.accepted + s.target_steps
+            )
+            self.usage.append(
+                {
+                    "tokens": len(r.token_ids),
+                    "emitted": s.emitted,
+                    "accepted": s.accepted,
+                    "drafted": s.drafted,
+                    "target_steps": s.target_steps,
+                    "ok": ok,
+                }
+            )
         return runs
 
 
@@ -153,9 +177,11 @@ def _verdict(cases: list[dict], usage: list[dict]) -> PartResult:
         parts = []
         if bad_cases:
             c = bad_cases[0]
-            parts.append(f"{len(bad_cases)}/{len(exercised)} cuts wrong; first: {c['mode']} {c['case']} at token "
-                         f"{c['cut_at']}: expected {len(c['expected_tokens'])} tokens ({c['expected_finish']}), got "
-                         f"{len(c['tokens'])} ({c['finish_reason']})")
+            parts.append(
+                f"{len(bad_cases)}/{len(exercised)} cuts wrong; first: {c['mode']} {c['case']} at token "
+                f"{c['cut_at']}: expected {len(c['expected_tokens'])} tokens ({c['expected_finish']}), got "
+                f"{len(c['tokens'])} ({c['finish_reason']})"
+            )
         if bad_usage:
             parts.append(f"{len(bad_usage)} runs with usage != emitted tokens ({bad_usage[0]})")
         summary = "; ".join(parts)
@@ -165,8 +191,10 @@ def _verdict(cases: list[dict], usage: list[dict]) -> PartResult:
     else:
         status = PASS
         kinds = ", ".join(sorted({c["mode"] + " " + c["case"] for c in inside}))
-        summary = (f"{len(exercised)} cuts exact ({len(inside)} inside an accepted block: {kinds}); "
-                   f"usage == emitted in {len(usage)} runs")
+        summary = (
+            f"{len(exercised)} cuts exact ({len(inside)} inside an accepted block: {kinds}); "
+            f"usage == emitted in {len(usage)} runs"
+        )
     return PartResult(4, "stop and length accounting", status, summary, {"cases": cases, "usage": usage})
 
 
@@ -215,8 +243,23 @@ def _judge(case: str, ref: Run, got: Run, c: int, finish: str, text: str) -> dic
     """``got`` must be ``ref`` cut after token ``c`` with this finish reason and text."""
     expected = ref.token_ids[: c + 1]
     start, end = ref.block_of(c)
-    ok = (got.token_ids == expected and got.finish_reason == finish and got.text == text
-          and got.stats.emitted == len(got.token_ids))
-    return {"case": case, "cut_at": c, "block": [start, end], "inside_block": c < end - 1, "ok": ok,
-            "expected_tokens": expected, "tokens": got.token_ids, "expected_finish": finish,
-            "finish_reason": got.finish_reason, "expected_text": text, "text": got.text, "emitted": got.stats.emitted}
+    ok = (
+        got.token_ids == expected
+        and got.finish_reason == finish
+        and got.text == text
+        and got.stats.emitted == len(got.token_ids)
+    )
+    return {
+        "case": case,
+        "cut_at": c,
+        "block": [start, end],
+        "inside_block": c < end - 1,
+        "ok": ok,
+        "expected_tokens": expected,
+        "tokens": got.token_ids,
+        "expected_finish": finish,
+        "finish_reason": got.finish_reason,
+        "expected_text": text,
+        "text": got.text,
+        "emitted": got.stats.emitted,
+    }

@@ -39,7 +39,13 @@ CHUNK = 512
 
 class _View:
     def __init__(self, token_ids, params, generator):
-        self.slot, self.token_ids, self.params, self.generator, self.request_id = 0, token_ids, params, generator, "check"
+        self.slot, self.token_ids, self.params, self.generator, self.request_id = (
+            0,
+            token_ids,
+            params,
+            generator,
+            "check",
+        )
 
 
 @torch.inference_mode()
@@ -51,8 +57,9 @@ def real_tree(engine, ctx: list[int], setting: SamplingSetting, k: int, seed: in
     tokens, parents = proposal.tokens[:1, :n].cpu(), proposal.parents[:1, :n].cpu()
     start = torch.tensor([len(ctx) - 1])
     lay = tree_layout(torch.tensor([ctx[-1]]), tokens, parents, torch.tensor([n]), start)
-    out = engine.target.forward(torch.tensor([0]), lay.input_ids, lay.positions, write_positions=lay.write_positions,
-                                tree_mask=lay.mask)
+    out = engine.target.forward(
+        torch.tensor([0]), lay.input_ids, lay.positions, write_positions=lay.write_positions, tree_mask=lay.mask
+    )
     logits = engine.target.logits(out.hidden)[0].float().cpu()  # [1+n, V]
     laws = None if proposal.probs is None else proposal.probs[0, :n].float().cpu()
     rule = proposal.rule or (DETERMINISTIC if laws is None else IID)
@@ -80,8 +87,15 @@ def _verify_many(verify_fn, tree: dict, target_probs: torch.Tensor, num: int, ru
         c = min(CHUNK, num - lo)
         drafts = _redraw(tree, c, tree["rule"], gen)
         laws = None if tree["laws"] is None else tree["laws"].expand(c, -1, -1)
-        res = verify_fn(drafts, tree["parents"].expand(c, -1), torch.full((c,), n), laws,
-                        target_probs.expand(c, -1, -1), torch.rand(c, n + 1, generator=gen), rule)
+        res = verify_fn(
+            drafts,
+            tree["parents"].expand(c, -1),
+            torch.full((c,), n),
+            laws,
+            target_probs.expand(c, -1, -1),
+            torch.rand(c, n + 1, generator=gen),
+            rule,
+        )
         width = n + 1
         emitted.append(torch.nn.functional.pad(res.tokens, (0, width - res.tokens.shape[1]), value=-1))
         paths.append(torch.nn.functional.pad(res.path, (0, width - res.path.shape[1]), value=-1))
@@ -89,8 +103,9 @@ def _verify_many(verify_fn, tree: dict, target_probs: torch.Tensor, num: int, ru
     return torch.cat(emitted), torch.cat(paths), torch.cat(accepted)
 
 
-def tree_law_record(tree: dict, setting: SamplingSetting, num_samples: int, level: float, seed: int, verify_fn,
-                    warp_fn) -> dict:
+def tree_law_record(
+    tree: dict, setting: SamplingSetting, num_samples: int, level: float, seed: int, verify_fn, warp_fn
+) -> dict:
     n = len(tree["tokens"])
     ref = _warped(warp, tree["logits"], setting)  # [1+n, V] the law after each query
     fed = _warped(warp_fn, tree["logits"], setting)
@@ -163,8 +178,17 @@ def tree_greedy_record(engine, tree: dict, greedy_fn, verify_fn, seed: int) -> d
         results = [greedy_fn(tokens[None], parents[None], torch.tensor([n]), argmax[None])]
         laws = torch.zeros(1, n, vocab).scatter_(2, tokens[None, :, None], 1.0)
         for _ in range(4):
-            results.append(verify_fn(tokens[None], parents[None], torch.tensor([n]), laws, one_hot[None],
-                                     torch.rand(1, n + 1, generator=gen), tree["rule"]))
+            results.append(
+                verify_fn(
+                    tokens[None],
+                    parents[None],
+                    torch.tensor([n]),
+                    laws,
+                    one_hot[None],
+                    torch.rand(1, n + 1, generator=gen),
+                    tree["rule"],
+                )
+            )
         for res in results:
             calls += 1
             got = res.tokens[0, : int(res.num_accepted[0]) + 1].tolist()
@@ -173,8 +197,15 @@ def tree_greedy_record(engine, tree: dict, greedy_fn, verify_fn, seed: int) -> d
     return {"chains": 2, "calls": calls // 2, "mismatches": mismatches[:10], "num_mismatches": len(mismatches)}
 
 
-def check_tree_law(pool: EnginePool, contexts: list[Context], cfg: CheckConfig, progress: Progress,
-                   verify_fn=None, greedy_fn=None, warp_fn=None) -> PartResult:
+def check_tree_law(
+    pool: EnginePool,
+    contexts: list[Context],
+    cfg: CheckConfig,
+    progress: Progress,
+    verify_fn=None,
+    greedy_fn=None,
+    warp_fn=None,
+) -> PartResult:
     import specdecode.engine as engine_module
 
     engine = pool.spec(1)
@@ -185,16 +216,26 @@ def check_tree_law(pool: EnginePool, contexts: list[Context], cfg: CheckConfig, 
     num_tests = len(contexts) * len(sampled) * (engine.window)  # tree nodes + 1 (the root)
     level = cfg.part_alpha() / max(1, num_tests)
     progress.part("1 tree verifier law", len(contexts) * len(cfg.law_settings))
+
     def record(tree: dict, setting: SamplingSetting, seed: int) -> dict:
         if setting.greedy:
             return tree_greedy_record(engine, tree, greedy_fn, verify_fn, seed)
         return tree_law_record(tree, setting, cfg.law_samples, level, seed, verify_fn, warp_fn)
 
-    records = per_context_and_setting(engine, contexts, cfg, progress, lambda ctx, s, seed: real_tree(
-        engine, ctx, s, pool.k, seed), record, lambda tree: len(tree["tokens"]))
+    records = per_context_and_setting(
+        engine,
+        contexts,
+        cfg,
+        progress,
+        lambda ctx, s, seed: real_tree(engine, ctx, s, pool.k, seed),
+        record,
+        lambda tree: len(tree["tokens"]),
+    )
     result = _verdict(records, sampled, contexts, cfg, level, num_tests)
     result.name = "tree verifier law"
-    result.details["test"] = ("Pearson chi-square goodness of fit to the reference-warped target law after each "
-                              "tree node reached; Bonferroni over contexts x sampled settings x (tree nodes + 1); "
-                              "controls: emit the first child; the wrong sibling rule")
+    result.details["test"] = (
+        "Pearson chi-square goodness of fit to the reference-warped target law after each "
+        "tree node reached; Bonferroni over contexts x sampled settings x (tree nodes + 1); "
+        "controls: emit the first child; the wrong sibling rule"
+    )
     return result

@@ -17,27 +17,55 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--prompt", help="prompt text (continued raw; use --chat to apply the chat template)")
     src.add_argument("--prompt-ids", help="comma-separated prompt token ids, e.g. 1,2,3")
     parser.add_argument("--chat", action="store_true", help="wrap --prompt as a user message in the chat template")
-    parser.add_argument("--suffix", default=None,
-                        help="fill in the middle: --prompt is the text before the cursor, this the text after it "
-                             "(the model's own FIM tokens; ends at its FIM end tokens)")
-    parser.add_argument("--fim-stop", choices=FIM_STOPS, default=None,
-                        help="with --suffix, also end the completion at the first newline (line) or where the "
-                             f"cursor's block ends (block: a line indented less than the cursor's), or only at the "
-                             f"model's end tokens (none); default {DEFAULT_FIM_STOP}")
+    parser.add_argument(
+        "--suffix",
+        default=None,
+        help="fill in the middle: --prompt is the text before the cursor, this the text after it "
+        "(the model's own FIM tokens; ends at its FIM end tokens)",
+    )
+    parser.add_argument(
+        "--fim-stop",
+        choices=FIM_STOPS,
+        default=None,
+        help="with --suffix, also end the completion at the first newline (line) or where the "
+        f"cursor's block ends (block: a line indented less than the cursor's), or only at the "
+        f"model's end tokens (none); default {DEFAULT_FIM_STOP}",
+    )
     s = parser.add_argument_group("sampling")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     s.add_argument("--top-k", type=int, default=0, help="0 = off")
     s.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    s.add_argument("--min-p", type=float, default=0.0,
-                   help="keep tokens at least this times as likely as the most likely one (after temperature); 0 = off")
-    s.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
-                   help="add BIAS (-100..100) to token ID's logit (repeatable)")
-    s.add_argument("--presence-penalty", type=float, default=0.0,
-                   help="-2..2: subtracted from the logit of every token generated so far (default 0)")
-    s.add_argument("--frequency-penalty", type=float, default=0.0,
-                   help="-2..2: times a token's count among the generated tokens, subtracted from its logit (default 0)")
-    s.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="0.5..2: a prompt or generated token's logit divided by it if positive, else multiplied (1 = off)")
+    s.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="keep tokens at least this times as likely as the most likely one (after temperature); 0 = off",
+    )
+    s.add_argument(
+        "--logit-bias",
+        action="append",
+        default=[],
+        metavar="ID=BIAS",
+        help="add BIAS (-100..100) to token ID's logit (repeatable)",
+    )
+    s.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        help="-2..2: subtracted from the logit of every token generated so far (default 0)",
+    )
+    s.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="-2..2: times a token's count among the generated tokens, subtracted from its logit (default 0)",
+    )
+    s.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="0.5..2: a prompt or generated token's logit divided by it if positive, else multiplied (1 = off)",
+    )
     s.add_argument("--seed", type=int, default=None, help="seed of the first sample (sample i uses seed+i)")
     s.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -47,13 +75,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid against the JSON schema in FILE")
     g.add_argument("--json-object", action="store_true", help="the output is a JSON object (any)")
     g.add_argument("--regex", metavar="R", help="the whole output matches the regex R (Rust regex syntax)")
-    g.add_argument("--grammar", metavar="FILE",
-                   help="the output follows the grammar in FILE (llguidance's Lark-like syntax or llama.cpp GBNF)")
+    g.add_argument(
+        "--grammar",
+        metavar="FILE",
+        help="the output follows the grammar in FILE (llguidance's Lark-like syntax or llama.cpp GBNF)",
+    )
     parser.add_argument("--num-samples", type=int, default=1, help="independent samples, decoded as one batch")
     parser.add_argument("--json", action="store_true", help="print one JSON object per sample")
-    parser.add_argument("--logprobs", type=int, default=None, metavar="N",
-                        help="with --json: each token's log-probability under the target (its law: docs/server.md) "
-                             "and the N (0-20) most likely tokens")
+    parser.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --json: each token's log-probability under the target (its law: docs/server.md) "
+        "and the N (0-20) most likely tokens",
+    )
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -106,8 +142,11 @@ def _prompt_ids(args, tokenizer) -> list[int]:
         return _parse_ids(args.prompt_ids)
 
     if args.chat:
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
-                                                  add_generation_prompt=True, tokenize=True, return_dict=False))
+        return list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": args.prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
     return tokenizer(args.prompt, add_special_tokens=False).input_ids
 
 
@@ -115,11 +154,15 @@ def _summary(out, timing: dict, where: dict[str, str] | None = None) -> str:
     s = out.stats
     rate = "n/a" if s.acceptance_rate is None else f"{s.acceptance_rate:.2f}"
     tree = f"; {s.nodes / s.target_steps:.1f} tree nodes/step" if s.nodes > s.drafted else ""
-    return (f"[{out.finish_reason}; {len(out.token_ids)} tokens in {timing['total_s']:.2f} s ({timing['tok_s']:.1f} tok/s); "
-            f"time to first token {timing['ttft_s']:.2f} s (prefill {s.prefill_s:.2f} s); decode {timing['decode_s']:.2f} s "
-            f"({timing['decode_tok_s']:.1f} tok/s); acceptance {rate}; {s.tokens_per_step:.2f} tokens/step{tree}; "
-            f"draft {s.draft_s:.2f} s verify {s.verify_s:.2f} s"
-            + "".join(f"; {role} on {place}" for role, place in (where or {}).items()) + _choices(s) + "]")
+    return (
+        f"[{out.finish_reason}; {len(out.token_ids)} tokens in {timing['total_s']:.2f} s ({timing['tok_s']:.1f} tok/s); "
+        f"time to first token {timing['ttft_s']:.2f} s (prefill {s.prefill_s:.2f} s); decode {timing['decode_s']:.2f} s "
+        f"({timing['decode_tok_s']:.1f} tok/s); acceptance {rate}; {s.tokens_per_step:.2f} tokens/step{tree}; "
+        f"draft {s.draft_s:.2f} s verify {s.verify_s:.2f} s"
+        + "".join(f"; {role} on {place}" for role, place in (where or {}).items())
+        + _choices(s)
+        + "]"
+    )
 
 
 def _choices(s) -> str:
@@ -135,9 +178,13 @@ def _timing(start: float, first: float | None, end: float, tokens: int) -> dict:
     total = end - start
     ttft = (first if first is not None else end) - start
     decode = end - (first if first is not None else end)
-    return {"total_s": round(total, 4), "ttft_s": round(ttft, 4), "decode_s": round(decode, 4),
-            "tok_s": round(tokens / total, 3) if total > 0 else 0.0,
-            "decode_tok_s": round((tokens - 1) / decode, 3) if decode > 0 and tokens > 1 else 0.0}
+    return {
+        "total_s": round(total, 4),
+        "ttft_s": round(ttft, 4),
+        "decode_s": round(decode, 4),
+        "tok_s": round(tokens / total, 3) if total > 0 else 0.0,
+        "decode_tok_s": round((tokens - 1) / decode, 3) if decode > 0 and tokens > 1 else 0.0,
+    }
 
 
 def _logprobs_json(entries, tokenizer) -> list[dict]:
@@ -161,8 +208,10 @@ def _validate(args: argparse.Namespace) -> None:
     if args.prompt is not None and not args.prompt and args.suffix is None:
         raise ValueError("--prompt is empty")
     if args.suffix is not None and (args.chat or args.prompt is None):
-        raise ValueError("--suffix fills in the middle of --prompt's text: it cannot go with "
-                         + ("--chat" if args.chat else "--prompt-ids"))
+        raise ValueError(
+            "--suffix fills in the middle of --prompt's text: it cannot go with "
+            + ("--chat" if args.chat else "--prompt-ids")
+        )
     if args.fim_stop not in (None, "none") and args.suffix is None:
         raise ValueError("--fim-stop applies to fill-in-the-middle: give --suffix too ('' at the end of a file)")
     if args.prompt_ids is not None and not _parse_ids(args.prompt_ids):
@@ -185,13 +234,26 @@ def main(args: argparse.Namespace) -> int:
 
         def params(fim: dict) -> list[SamplingParams]:  # fim: a FIM request's stop fields (specdecode.fim)
             stop = tuple(args.stop) + tuple(s for s in fim.pop("stop", ()) if s not in args.stop)
-            return [SamplingParams(args.temperature, args.top_k, args.top_p,
-                                   None if args.seed is None else args.seed + i, args.max_new_tokens, stop,
-                                   args.ignore_eos, min_p=args.min_p, logit_bias=_logit_bias(args.logit_bias),
-                                   presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                                   repetition_penalty=args.repetition_penalty, grammar=grammar,
-                                   logprobs=args.logprobs, **fim)
-                    for i in range(args.num_samples)]
+            return [
+                SamplingParams(
+                    args.temperature,
+                    args.top_k,
+                    args.top_p,
+                    None if args.seed is None else args.seed + i,
+                    args.max_new_tokens,
+                    stop,
+                    args.ignore_eos,
+                    min_p=args.min_p,
+                    logit_bias=_logit_bias(args.logit_bias),
+                    presence_penalty=args.presence_penalty,
+                    frequency_penalty=args.frequency_penalty,
+                    repetition_penalty=args.repetition_penalty,
+                    grammar=grammar,
+                    logprobs=args.logprobs,
+                    **fim,
+                )
+                for i in range(args.num_samples)
+            ]
 
         params({})  # the sampling flags are checked before anything loads
         # streamed: the first token never waits for the drafter
@@ -206,11 +268,17 @@ def main(args: argparse.Namespace) -> int:
             prompt = fim_prompt(engine.tokenizer, args.prompt, args.suffix, tokens)
             fim = stop_fields(tokens, args.fim_stop or DEFAULT_FIM_STOP, args.prompt)
         if engine.target_quantization != "none":
-            print(f"warning: LOSSY — the target was quantized to {engine.target_quantization} "
-                  "(--target-quantization): output follows that model, not the one named", file=sys.stderr)
+            print(
+                f"warning: LOSSY — the target was quantized to {engine.target_quantization} "
+                "(--target-quantization): output follows that model, not the one named",
+                file=sys.stderr,
+            )
         if "acceptance" in engine.lossy:
-            print(f"warning: LOSSY — {engine.lossy['acceptance']} acceptance: sampled output does not follow the "
-                  "target's law", file=sys.stderr)
+            print(
+                f"warning: LOSSY — {engine.lossy['acceptance']} acceptance: sampled output does not follow the "
+                "target's law",
+                file=sys.stderr,
+            )
         live = not args.json and args.num_samples == 1  # stream the one sample's text as it is accepted
         start = time.perf_counter()
         first: dict[str, float] = {}
@@ -225,8 +293,18 @@ def main(args: argparse.Namespace) -> int:
                     sys.stdout.write(text)
                     sys.stdout.flush()
             if ev.finished:
-                ended[seq.request_id] = (Output(seq.request_id, seq.prompt_ids, seq.output_ids, seq.text.finish(),
-                                                seq.finish_reason, seq.stats, seq.logprobs), time.perf_counter())
+                ended[seq.request_id] = (
+                    Output(
+                        seq.request_id,
+                        seq.prompt_ids,
+                        seq.output_ids,
+                        seq.text.finish(),
+                        seq.finish_reason,
+                        seq.stats,
+                        seq.logprobs,
+                    ),
+                    time.perf_counter(),
+                )
     except (SamplingError, RequestError, ValueError, ModelNotFoundError) as exc:
         print(f"specdecode generate: {exc}", file=sys.stderr)
         return 2
@@ -234,13 +312,24 @@ def main(args: argparse.Namespace) -> int:
         out, end = ended[str(i)]
         timing = _timing(start, first.get(str(i)), end, len(out.token_ids))
         if args.json:
-            print(json.dumps({"sample": i, "token_ids": out.token_ids, "text": out.text,
-                              "finish_reason": out.finish_reason, "stats": out.stats.to_dict(), "timing": timing,
-                              "backend": engine.backend, "where": engine.where(),
-                              "target_quantization": engine.target_quantization,
-                              "lossy": bool(engine.lossy)}
-                             | ({"logprobs": _logprobs_json(out.logprobs, engine.tokenizer)} if out.logprobs is not None else {})
-                             | ({"lossy_because": engine.lossy} if engine.lossy else {})))
+            print(
+                json.dumps(
+                    {
+                        "sample": i,
+                        "token_ids": out.token_ids,
+                        "text": out.text,
+                        "finish_reason": out.finish_reason,
+                        "stats": out.stats.to_dict(),
+                        "timing": timing,
+                        "backend": engine.backend,
+                        "where": engine.where(),
+                        "target_quantization": engine.target_quantization,
+                        "lossy": bool(engine.lossy),
+                    }
+                    | ({"logprobs": _logprobs_json(out.logprobs, engine.tokenizer)} if out.logprobs is not None else {})
+                    | ({"lossy_because": engine.lossy} if engine.lossy else {})
+                )
+            )
             continue
         if live:
             print()

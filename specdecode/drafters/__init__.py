@@ -32,20 +32,34 @@ class DrafterKind:
 
 KINDS: dict[str, DrafterKind] = {
     "model": DrafterKind("specdecode.drafters.draft_model", True, "a smaller causal LM with the target's vocabulary"),
-    "xvocab": DrafterKind("specdecode.drafters.cross_vocab", True,
-                          "a causal LM with its own tokenizer, any target (string-level exact match; "
-                          "xvocab-tli:MODEL: token-level intersection)"),
-    "xvocab-tli": DrafterKind("specdecode.drafters.cross_vocab_tli", True,
-                              "a causal LM with its own tokenizer, any target (token-level intersection)"),
+    "xvocab": DrafterKind(
+        "specdecode.drafters.cross_vocab",
+        True,
+        "a causal LM with its own tokenizer, any target (string-level exact match; "
+        "xvocab-tli:MODEL: token-level intersection)",
+    ),
+    "xvocab-tli": DrafterKind(
+        "specdecode.drafters.cross_vocab_tli",
+        True,
+        "a causal LM with its own tokenizer, any target (token-level intersection)",
+    ),
     "ngram": DrafterKind("specdecode.drafters.ngram", False, "prompt lookup: copy what followed the suffix earlier"),
-    "suffix": DrafterKind("specdecode.drafters.suffix", False,
-                          "suffix-tree lookup over the sequence and earlier outputs (SuffixDecoding)"),
-    "medusa": DrafterKind("specdecode.drafters.medusa", False,
-                          "Medusa heads on the target's final hidden state (medusa:DIR from `specdecode heads train`)",
-                          needs_arg=True),
-    "eagle": DrafterKind("specdecode.drafters.eagle", False,
-                         "an EAGLE draft layer on the target's features (eagle:DIR from `specdecode heads train "
-                         "--kind eagle`)", needs_arg=True, reads_layers=True),
+    "suffix": DrafterKind(
+        "specdecode.drafters.suffix", False, "suffix-tree lookup over the sequence and earlier outputs (SuffixDecoding)"
+    ),
+    "medusa": DrafterKind(
+        "specdecode.drafters.medusa",
+        False,
+        "Medusa heads on the target's final hidden state (medusa:DIR from `specdecode heads train`)",
+        needs_arg=True,
+    ),
+    "eagle": DrafterKind(
+        "specdecode.drafters.eagle",
+        False,
+        "an EAGLE draft layer on the target's features (eagle:DIR from `specdecode heads train --kind eagle`)",
+        needs_arg=True,
+        reads_layers=True,
+    ),
 }
 
 

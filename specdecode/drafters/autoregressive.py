@@ -52,8 +52,11 @@ def draft_settings(config) -> dict:
     """``confidence``, ``tree_topk`` and ``tree_nodes`` from the engine config (defaults without one)."""
     if not config:
         return {"confidence": 0.0, "tree_topk": 1, "tree_nodes": 0}
-    return {"confidence": getattr(config, "draft_confidence", 0.0), "tree_topk": getattr(config, "tree_topk", 1),
-            "tree_nodes": getattr(config, "tree_nodes", 0)}
+    return {
+        "confidence": getattr(config, "draft_confidence", 0.0),
+        "tree_topk": getattr(config, "tree_topk", 1),
+        "tree_nodes": getattr(config, "tree_nodes", 0),
+    }
 
 
 def invariant_draws(module: torch.nn.Module, config) -> None:
@@ -90,8 +93,15 @@ class AutoregressiveDrafter(DrafterBase):
 
 
 # -- chains ------------------------------------------------------------------------------------------
-def propose_chain(bsz: int, rows: list[int], active: Sequence[SequenceView], num_tokens: list[int],
-                  logits: torch.Tensor, feed: FeedFn, confidence: float) -> Proposal:
+def propose_chain(
+    bsz: int,
+    rows: list[int],
+    active: Sequence[SequenceView],
+    num_tokens: list[int],
+    logits: torch.Tensor,
+    feed: FeedFn,
+    confidence: float,
+) -> Proposal:
     """Draft ``num_tokens[b]`` tokens for each batch row ``b`` in ``rows`` (``active`` its sequences),
     starting from ``logits`` [A, V] after each pending token; ``feed`` steps the drafter."""
     ks = [num_tokens[b] for b in rows]
@@ -118,8 +128,9 @@ def propose_chain(bsz: int, rows: list[int], active: Sequence[SequenceView], num
             law = warp(logits, *warp_args)
             tok = sample(law, uniforms[:, j])
             if coupled:  # the j-th draft token sits at position len(token_ids) + j
-                noise = torch.stack([race_noise(active[i].params.seed, len(active[i].token_ids) + j, law.shape[-1])
-                                     for i in coupled])
+                noise = torch.stack(
+                    [race_noise(active[i].params.seed, len(active[i].token_ids) + j, law.shape[-1]) for i in coupled]
+                )
                 tok[coupled] = coupled_choice(law[coupled], noise)
             laws.append(law)
         tokens[rows, j] = tok
@@ -142,8 +153,9 @@ def propose_chain(bsz: int, rows: list[int], active: Sequence[SequenceView], num
     return Proposal(tokens[:, :width], probs, torch.tensor(num, dtype=torch.long))
 
 
-def stop_unsure(ks: list[int], j: int, logits: torch.Tensor, probs: torch.Tensor | None, tok: torch.Tensor, params,
-                threshold: float) -> list[int]:
+def stop_unsure(
+    ks: list[int], j: int, logits: torch.Tensor, probs: torch.Tensor | None, tok: torch.Tensor, params, threshold: float
+) -> list[int]:
     """End the chain of each row whose j-th token has draft probability below ``threshold``: the
     warped probability it was sampled with, or for greedy rows the draft's softmax."""
     greedy = torch.tensor([p.greedy for p in params], device=logits.device)
@@ -160,8 +172,15 @@ def pad_nodes(nodes: list[int], width: int) -> list[int]:
     return nodes + nodes[-1:] * (width - len(nodes))
 
 
-def grow_tree(active: Sequence[SequenceView], depths: list[int], root_logits: torch.Tensor, starts: list[int],
-              topk: int, max_nodes: int, forward: LevelFn) -> list[GrownTree]:
+def grow_tree(
+    active: Sequence[SequenceView],
+    depths: list[int],
+    root_logits: torch.Tensor,
+    starts: list[int],
+    topk: int,
+    max_nodes: int,
+    forward: LevelFn,
+) -> list[GrownTree]:
     """Grow each row's tree from ``root_logits`` [A, V] (after its pending token) to ``depths[r]``;
     tree node ``i`` of row ``r`` is written at ``starts[r] + i`` at position ``starts[r] - 1 + depth``.
     ``forward`` runs one level: the chosen nodes of every row, right-padded."""
@@ -180,8 +199,9 @@ def grow_tree(active: Sequence[SequenceView], depths: list[int], root_logits: to
                 ids[r, e], writes[r, e] = tree.tokens[i], starts[r] + tree.writes[i]
                 positions[r, e] = starts[r] - 1 + tree.depths[i]
                 mask[r, e, tree.ancestors_or_self(i)] = True
-        return forward(trees, chosen, ids, positions, write_positions=writes, tree_mask=mask,
-                       tree_start=torch.tensor(starts))
+        return forward(
+            trees, chosen, ids, positions, write_positions=writes, tree_mask=mask, tree_start=torch.tensor(starts)
+        )
 
     params = [s.params for s in active]
     coupled = [r for r, p in enumerate(params) if p.coupled]
@@ -193,8 +213,12 @@ def grow_tree(active: Sequence[SequenceView], depths: list[int], root_logits: to
         if not has_processors:
             return logits
         # a node's children follow its root-to-node path
-        prefixes = [[tuple(t.tokens[a] for a in t.ancestors_or_self(i)) for i in pad_nodes(nodes, logits.shape[1])]
-                    if nodes else [()] * logits.shape[1] for t, nodes in zip(trees, chosen)]
+        prefixes = [
+            [tuple(t.tokens[a] for a in t.ancestors_or_self(i)) for i in pad_nodes(nodes, logits.shape[1])]
+            if nodes
+            else [()] * logits.shape[1]
+            for t, nodes in zip(trees, chosen)
+        ]
         return process_batch(active, logits, prefixes)
 
     level = processed
@@ -204,23 +228,27 @@ def grow_tree(active: Sequence[SequenceView], depths: list[int], root_logits: to
 
         def level(trees: list[GrownTree], chosen: list[list[int]]) -> torch.Tensor:  # [A, E, V]
             logits = processed(trees, chosen)
-            depths = [[t.depths[i] for i in pad_nodes(nodes, logits.shape[1])] if nodes else [0] * logits.shape[1]
-                      for t, nodes in zip(trees, chosen)]
+            depths = [
+                [t.depths[i] for i in pad_nodes(nodes, logits.shape[1])] if nodes else [0] * logits.shape[1]
+                for t, nodes in zip(trees, chosen)
+            ]
             return _perturb(logits, active, [r for r in coupled if chosen[r]], depths)
 
     return grow_trees(root_logits, params, [s.generator for s in active], depths, topk, max_nodes, level)
 
 
-def _perturb(logits: torch.Tensor, active: Sequence[SequenceView], rows: list[int],
-             depths: list[list[int]]) -> torch.Tensor:  # [A, V] or [A, E, V], perturbed in place
+def _perturb(
+    logits: torch.Tensor, active: Sequence[SequenceView], rows: list[int], depths: list[list[int]]
+) -> torch.Tensor:  # [A, V] or [A, E, V], perturbed in place
     """``log(law / E)`` for the listed rows: the warped draft law of entry ``e`` of row ``r`` over the race
     noise of the position after a node of depth ``depths[r][e]`` (``len(token_ids) + depth``)."""
     flat = logits if logits.dim() == 3 else logits[:, None]
     for r in rows:
         s = active[r]
         law = warp(flat[r], *(x.expand(flat.shape[1]) for x in warp_tensors([s.params])))  # [E, V]
-        noise = torch.stack([race_noise(s.params.seed, len(s.token_ids) + d, law.shape[-1])
-                             for d in depths[r]]).to(law.device)
+        noise = torch.stack([race_noise(s.params.seed, len(s.token_ids) + d, law.shape[-1]) for d in depths[r]]).to(
+            law.device
+        )
         flat[r] = (law / noise).log().to(flat.dtype)
     return logits
 

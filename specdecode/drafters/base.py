@@ -58,8 +58,9 @@ class Proposal:
         width = int(self.num_tokens.max()) if self.num_tokens.numel() else 0  # (chain lengths: host tensors)
         if width >= self.tokens.shape[1]:
             return self
-        return dataclasses.replace(self, tokens=self.tokens[:, :width],
-                                   probs=None if self.probs is None else self.probs[:, :width])
+        return dataclasses.replace(
+            self, tokens=self.tokens[:, :width], probs=None if self.probs is None else self.probs[:, :width]
+        )
 
 
 @dataclass

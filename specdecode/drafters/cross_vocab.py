@@ -142,8 +142,9 @@ class Vocab:
             elif "ByteFallback" in types and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", token):
                 self.spell[i] = bytes([int(token[3:5], 16)])
             else:
-                self.spell[i] = token.replace("▁", " ").encode() if "Metaspace" in types or "Replace" in types \
-                    else token.encode()
+                self.spell[i] = (
+                    token.replace("▁", " ").encode() if "Metaspace" in types or "Replace" in types else token.encode()
+                )
         self.special: dict[int, str] = added  # id -> content
         self.special_id: dict[str, int] = {content: i for i, content in sorted(added.items(), reverse=True)}
         self.by_spelling: dict[bytes, int] = {}
@@ -267,7 +268,7 @@ class Translator:
                 if 0 < end < len(body) and body[end] in WHITESPACE and end in target_ends:
                     anchors.append((target_ends[end], d0 + len(out) + j + 1))
             out.extend(toks)
-            owed = bytes(run[len(run) - tail:]) if tail else b""
+            owed = bytes(run[len(run) - tail :]) if tail else b""
             if owed and all(b in self.draft.byte_id for b in owed):
                 out.extend(self.draft.byte_id[b] for b in owed)
                 owed = b""
@@ -318,7 +319,7 @@ class Translator:
         if not text.startswith(owed):
             return []
         window = self.window(token_ids)
-        whole = window + bytes(text[len(owed):])
+        whole = window + bytes(text[len(owed) :])
         cut = valid_prefix(whole)
         out: list[int] = []
         if cut > len(window):
@@ -329,8 +330,11 @@ class Translator:
             ends = list(itertools.accumulate(map(len, spells)))
             first = next(i for i, end in enumerate(ends) if end > len(window))
             begin = ends[first - 1] if first else 0
-            out = ids[first:] if begin == len(window) else \
-                self.target.encode_bytes(whole[len(window): ends[first]])[0] + ids[first + 1:]
+            out = (
+                ids[first:]
+                if begin == len(window)
+                else self.target.encode_bytes(whole[len(window) : ends[first]])[0] + ids[first + 1 :]
+            )
         if stop is not None and cut == len(whole):
             out.append(stop)
         elif 1 < len(out) <= k:
@@ -360,8 +364,16 @@ class CrossVocabDrafter(DraftModelDrafter):
     name = "xvocab"
     lazy_start = True  # like the draft model: it can start late and catch up (drafters.multi)
 
-    def __init__(self, runner: Runner, target_tokenizer, draft_tokenizer, target_vocab_size: int,
-                 mode: str = "slem", confidence: float = 0.0, tokens_per_target: float = 2.0) -> None:
+    def __init__(
+        self,
+        runner: Runner,
+        target_tokenizer,
+        draft_tokenizer,
+        target_vocab_size: int,
+        mode: str = "slem",
+        confidence: float = 0.0,
+        tokens_per_target: float = 2.0,
+    ) -> None:
         if mode not in MODES:
             raise ValueError(f"cross-vocabulary mode must be one of {', '.join(MODES)}, got {mode!r}")
         super().__init__(runner, None, confidence)
@@ -369,8 +381,9 @@ class CrossVocabDrafter(DraftModelDrafter):
         self.name = "xvocab" if mode == "slem" else "xvocab-tli"
         self.target_vocab_size = target_vocab_size
         self.tokens_per_target = tokens_per_target  # draft cache positions reserved per target position
-        self.translator = Translator(vocab_of(target_tokenizer, target_vocab_size),
-                                     vocab_of(draft_tokenizer, runner.vocab_size))
+        self.translator = Translator(
+            vocab_of(target_tokenizer, target_vocab_size), vocab_of(draft_tokenizer, runner.vocab_size)
+        )
         self._text: dict[int, TextState] = {}
         if mode == "tli":
             self.to_target = self.translator.shared(runner.vocab_size, target_vocab_size)  # [Vd]
@@ -451,8 +464,12 @@ class CrossVocabDrafter(DraftModelDrafter):
         drafted = super().propose(views, [num_tokens[b] + EXTRA for b in rows])
         for i, b in enumerate(rows):
             s = seqs[b]
-            out = self.translator.to_target(s.token_ids, self._text[s.slot].owed,
-                                            drafted.tokens[i, : int(drafted.num_tokens[i])].tolist(), num_tokens[b])
+            out = self.translator.to_target(
+                s.token_ids,
+                self._text[s.slot].owed,
+                drafted.tokens[i, : int(drafted.num_tokens[i])].tolist(),
+                num_tokens[b],
+            )
             tokens[b, : len(out)] = torch.tensor(out, dtype=torch.long)
             num[b] = len(out)
         width = int(num.max())
@@ -463,8 +480,15 @@ class CrossVocabDrafter(DraftModelDrafter):
         with the draft's own laws, the negative control.)"""
         return None
 
-    def _propose_tli(self, seqs: Sequence[SequenceView], rows: list[int], views: list[DraftView],
-                     num_tokens: list[int], tokens: torch.Tensor, num: torch.Tensor) -> Proposal:
+    def _propose_tli(
+        self,
+        seqs: Sequence[SequenceView],
+        rows: list[int],
+        views: list[DraftView],
+        num_tokens: list[int],
+        tokens: torch.Tensor,
+        num: torch.Tensor,
+    ) -> Proposal:
         """TLI: each step draws a target token from the draft's law on the shared tokens, renormalised."""
         active = [seqs[b] for b in rows]
         ks = [num_tokens[b] for b in rows]
@@ -497,7 +521,7 @@ class CrossVocabDrafter(DraftModelDrafter):
                 drawn = self.from_target[sample(law_t, uniforms[:, j])]
                 for i in coupled:
                     noise = race_noise(params[i].seed, len(active[i].token_ids) + j, self.target_vocab_size)
-                    drawn[i] = self.from_target[coupled_choice(law_t[i: i + 1], noise[None])[0]]
+                    drawn[i] = self.from_target[coupled_choice(law_t[i : i + 1], noise[None])[0]]
                 choice = torch.where(greedy, choice, drawn)
                 law_t[greedy] = 0.0
                 law_t[greedy, self.to_target[choice[greedy]]] = 1.0
@@ -535,8 +559,9 @@ def _build(arg: str, ctx, mode: str) -> CrossVocabDrafter:
         raise DraftSpecError("a cross-vocabulary draft proposes chains: drop --tree-topk")
     if ctx.tokenizer is None or ctx.draft_tokenizer is None:
         raise DraftSpecError("a cross-vocabulary draft needs both tokenizers, and the context holds none")
-    return CrossVocabDrafter(ctx.draft_runner(), ctx.tokenizer, ctx.draft_tokenizer, ctx.target.vocab_size, mode,
-                             settings["confidence"])
+    return CrossVocabDrafter(
+        ctx.draft_runner(), ctx.tokenizer, ctx.draft_tokenizer, ctx.target.vocab_size, mode, settings["confidence"]
+    )
 
 
 def build(arg: str, ctx) -> CrossVocabDrafter:

@@ -8,8 +8,13 @@ from typing import Callable, Sequence
 
 import torch
 
-from specdecode.drafters.autoregressive import (AutoregressiveDrafter, draft_settings, grow_tree, propose_chain,
-                                                tree_proposal)
+from specdecode.drafters.autoregressive import (
+    AutoregressiveDrafter,
+    draft_settings,
+    grow_tree,
+    propose_chain,
+    tree_proposal,
+)
 from specdecode.drafters.base import Proposal, SequenceView, common_prefix
 from specdecode.drafters.dynamic_tree import GrownTree
 from specdecode.models.base import Runner
@@ -44,8 +49,14 @@ class DraftModelDrafter(AutoregressiveDrafter):
     # reports it as catch-up, apart from the proposal's own time
     on_catch_up: Callable[[int, float], None] = staticmethod(lambda tokens, seconds: None)
 
-    def __init__(self, runner: Runner, vocab_size: int | None = None, confidence: float = 0.0,
-                 tree_topk: int = 1, tree_nodes: int = 0) -> None:
+    def __init__(
+        self,
+        runner: Runner,
+        vocab_size: int | None = None,
+        confidence: float = 0.0,
+        tree_topk: int = 1,
+        tree_nodes: int = 0,
+    ) -> None:
         super().__init__(confidence, tree_topk, tree_nodes)
         self._tree: dict[int, tuple[int, GrownTree]] = {}  # slot -> (window start, the tree last proposed)
         self.runner = runner
@@ -101,7 +112,7 @@ class DraftModelDrafter(AutoregressiveDrafter):
             if n <= 0:
                 continue
             slots.append(s.slot)
-            pieces.append(s.token_ids[keep: keep + n])
+            pieces.append(s.token_ids[keep : keep + n])
             starts.append(keep)
             budget -= n
         if not slots:
@@ -157,8 +168,14 @@ class DraftModelDrafter(AutoregressiveDrafter):
         start, tree = record
         node, matched = -1, []
         for tok in s.token_ids[start:]:
-            child = next((i for i, (t, p) in enumerate(zip(tree.tokens, tree.parents))
-                          if p == node and t == tok and tree.fed[i]), None)
+            child = next(
+                (
+                    i
+                    for i, (t, p) in enumerate(zip(tree.tokens, tree.parents))
+                    if p == node and t == tok and tree.fed[i]
+                ),
+                None,
+            )
             if child is None:
                 break
             matched.append(child)
@@ -207,8 +224,9 @@ class DraftModelDrafter(AutoregressiveDrafter):
         def forward(trees, chosen, ids: torch.Tensor, positions: torch.Tensor, **tree) -> torch.Tensor:  # [A, E, V]
             return self._logits(self.runner.forward(slots, ids, positions, **tree).hidden)
 
-        trees = grow_tree(active, [num_tokens[b] for b in rows], root_logits, starts, self.tree_topk, self.tree_nodes,
-                          forward)
+        trees = grow_tree(
+            active, [num_tokens[b] for b in rows], root_logits, starts, self.tree_topk, self.tree_nodes, forward
+        )
         for s, start, tree in zip(active, starts, trees):
             self._cached[s.slot], self._floor[s.slot] = list(s.token_ids), start
             self._tree[s.slot] = (start, tree)

@@ -46,7 +46,6 @@ class GrownTree:
             i = self.parents[i]
         return out[::-1]
 
-
     def keep_best(self, budget: int) -> None:
         """Keep the ``budget`` nodes of highest score (ties: earlier nodes), re-indexed in order."""
         if len(self.tokens) <= budget:
@@ -94,8 +93,12 @@ def grow_trees(
             if params[r].greedy:
                 vals, idx = raw.float().topk(m)
                 kids = [int(x) for x, v in zip(idx, vals) if math.isfinite(float(v))]
-                kid_laws = [torch.zeros_like(law).index_fill_(0, torch.tensor([x], device=law.device), 1.0)
-                            if laws_needed else None for x in kids]
+                kid_laws = [
+                    torch.zeros_like(law).index_fill_(0, torch.tensor([x], device=law.device), 1.0)
+                    if laws_needed
+                    else None
+                    for x in kids
+                ]
             else:  # m draws without replacement, with m uniforms from the row's generator
                 u = torch.rand(m, generator=generators[r])
                 remaining, kids = law.clone(), []

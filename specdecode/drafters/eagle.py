@@ -24,8 +24,15 @@ from typing import Sequence
 
 import torch
 
-from specdecode.drafters.autoregressive import (AutoregressiveDrafter, draft_settings, grow_tree, invariant_draws,
-                                                pad_nodes, propose_chain, tree_proposal)
+from specdecode.drafters.autoregressive import (
+    AutoregressiveDrafter,
+    draft_settings,
+    grow_tree,
+    invariant_draws,
+    pad_nodes,
+    propose_chain,
+    tree_proposal,
+)
 from specdecode.drafters.base import Proposal, SequenceView, TargetFeatures
 from specdecode.heads.eagle import FINAL_KEY, WEIGHTS, EagleModel
 from specdecode.heads.medusa import HeadsError, check_model, check_sizes, require_dir
@@ -48,13 +55,19 @@ class _Slot:
         self.broken = False  # features arrived out of order: draft nothing (exact either way)
 
 
-
 class EagleDrafter(AutoregressiveDrafter):
     name = "eagle"
 
-    def __init__(self, model: EagleModel, target: Runner, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, tree_topk: int = 1, tree_nodes: int = 0,
-                 confidence: float = 0.0) -> None:
+    def __init__(
+        self,
+        model: EagleModel,
+        target: Runner,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        tree_topk: int = 1,
+        tree_nodes: int = 0,
+        confidence: float = 0.0,
+    ) -> None:
         super().__init__(confidence, tree_topk, tree_nodes)
         self.model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
         self.target = target  # its input embeddings are the drafter's
@@ -88,8 +101,9 @@ class EagleDrafter(AutoregressiveDrafter):
                     continue
                 st.pending = [torch.cat(st.pending)[: f.start - st.done]]
                 st.tokens = st.tokens[: f.start]
-            g = self.model.features([f.hidden[layer].to(self.runner.device, self.runner.dtype)
-                                     for layer in self.feature_layers])
+            g = self.model.features(
+                [f.hidden[layer].to(self.runner.device, self.runner.dtype) for layer in self.feature_layers]
+            )
             st.pending.append(g)
             st.tokens.extend(f.token_ids)
 
@@ -104,8 +118,9 @@ class EagleDrafter(AutoregressiveDrafter):
         self.slots.pop(slot, None)
 
     # -- the draft decoder ---------------------------------------------------------------------------
-    def _run(self, slots: torch.Tensor, g: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-             **tree) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run(
+        self, slots: torch.Tensor, g: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, **tree
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed pairs (g [A, q, H], tokens [A, q]) at ``positions``: (next feature [A, q, H], logits [A, q, V])."""
         x = self.model.step_input(g, self.target.embed(tokens).to(self.runner.device, self.runner.dtype))
         out = self.runner.forward(slots, tokens, positions, inputs_embeds=x, layers=self._raw_layer, **tree)
@@ -125,7 +140,7 @@ class EagleDrafter(AutoregressiveDrafter):
         for s in active:
             st = self.slots[s.slot]
             n = len(s.token_ids) - 1 - st.done  # positions done .. len-2
-            rows.append((st, torch.cat(st.pending)[:n], s.token_ids[st.done + 1: st.done + 1 + n]))
+            rows.append((st, torch.cat(st.pending)[:n], s.token_ids[st.done + 1 : st.done + 1 + n]))
         width = max(len(t) for _, _, t in rows)
         dev, h = self.runner.device, self.model.config.hidden_size
         g = torch.zeros(len(active), width, h, device=dev, dtype=self.runner.dtype)
@@ -146,8 +161,14 @@ class EagleDrafter(AutoregressiveDrafter):
 
     def _ready(self, s: SequenceView) -> bool:
         st = self.slots.get(s.slot)
-        return (st is not None and not st.broken and len(s.token_ids) >= 2 and len(st.tokens) == len(s.token_ids) - 1
-                and st.tokens[-1] == s.token_ids[-2] and st.done < len(s.token_ids) - 1)
+        return (
+            st is not None
+            and not st.broken
+            and len(s.token_ids) >= 2
+            and len(st.tokens) == len(s.token_ids) - 1
+            and st.tokens[-1] == s.token_ids[-2]
+            and st.done < len(s.token_ids) - 1
+        )
 
     # -- drafting ----------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -162,8 +183,9 @@ class EagleDrafter(AutoregressiveDrafter):
             return self._tree(bsz, rows, active, g, logits, num_tokens)
         return self._chain(bsz, rows, active, g, logits, num_tokens)
 
-    def _chain(self, bsz: int, rows: list[int], active, g: torch.Tensor, logits: torch.Tensor,
-               num_tokens: list[int]) -> Proposal:
+    def _chain(
+        self, bsz: int, rows: list[int], active, g: torch.Tensor, logits: torch.Tensor, num_tokens: list[int]
+    ) -> Proposal:
         slots = torch.tensor([s.slot for s in active])
         starts = torch.tensor([len(s.token_ids) - 1 for s in active])  # the pending token's position
 
@@ -175,15 +197,17 @@ class EagleDrafter(AutoregressiveDrafter):
 
         return propose_chain(bsz, rows, active, num_tokens, logits, feed, self.confidence)
 
-    def _tree(self, bsz: int, rows: list[int], active, root_g: torch.Tensor, root_logits: torch.Tensor,
-              num_tokens: list[int]) -> Proposal:
+    def _tree(
+        self, bsz: int, rows: list[int], active, root_g: torch.Tensor, root_logits: torch.Tensor, num_tokens: list[int]
+    ) -> Proposal:
         starts = [len(s.token_ids) - 1 for s in active]  # the window: node i is written at start + i
         slots = torch.tensor([s.slot for s in active])
         out_g: list[dict[int, torch.Tensor]] = [{-1: root_g[r]} for r in range(len(active))]  # node -> output feature
 
         def forward(trees, chosen, ids: torch.Tensor, positions: torch.Tensor, **tree) -> torch.Tensor:  # [A, E, V]
-            g = torch.zeros(*ids.shape, self.model.config.hidden_size, device=self.runner.device,
-                            dtype=self.runner.dtype)  # each node is fed with its parent's output feature
+            g = torch.zeros(
+                *ids.shape, self.model.config.hidden_size, device=self.runner.device, dtype=self.runner.dtype
+            )  # each node is fed with its parent's output feature
             for r, (t, nodes) in enumerate(zip(trees, chosen)):
                 if not nodes:
                     g[r] = root_g[r]
@@ -195,8 +219,9 @@ class EagleDrafter(AutoregressiveDrafter):
                     out_g[r][i] = nxt[r, e]
             return logits
 
-        trees = grow_tree(active, [num_tokens[b] for b in rows], root_logits, starts, self.tree_topk, self.tree_nodes,
-                          forward)
+        trees = grow_tree(
+            active, [num_tokens[b] for b in rows], root_logits, starts, self.tree_topk, self.tree_nodes, forward
+        )
         return tree_proposal(bsz, rows, trees, all(s.params.greedy for s in active), self.runner.device)
 
 
@@ -207,17 +232,21 @@ def check_target(model: EagleModel, target: Runner, where: str) -> None:
     layers = [x for x in layer_ids(cfg.feature_layers) if x != FINAL]
     trained_depth = cfg.target.get("num_layers")
     if (trained_depth and trained_depth != target.num_layers) or any(x > target.num_layers for x in layers):
-        raise HeadsError(f"EAGLE drafter {where} reads feature layers {cfg.feature_layers} of a {trained_depth}-layer "
-                         f"model; this target has {target.num_layers} layers: it was trained for another model "
-                         f"({cfg.target.get('spec', '?')})")
+        raise HeadsError(
+            f"EAGLE drafter {where} reads feature layers {cfg.feature_layers} of a {trained_depth}-layer "
+            f"model; this target has {target.num_layers} layers: it was trained for another model "
+            f"({cfg.target.get('spec', '?')})"
+        )
     check_model("EAGLE drafter", cfg, model.id_map, target, where)
 
 
 def validate(arg: str) -> None:
     """Cheap checks before any model loads: the spec names an EAGLE drafter directory."""
     if not arg:
-        raise HeadsError("draft spec 'eagle' needs the drafter's directory: eagle:DIR (train one with "
-                         "`specdecode heads train --kind eagle`)")
+        raise HeadsError(
+            "draft spec 'eagle' needs the drafter's directory: eagle:DIR (train one with "
+            "`specdecode heads train --kind eagle`)"
+        )
     require_dir(Path(arg).expanduser(), WEIGHTS, "eagle", "an EAGLE drafter", f"eagle:{arg}: ")
 
 

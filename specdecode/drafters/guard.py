@@ -23,8 +23,12 @@ log = logging.getLogger("specdecode.drafters")
 
 
 class GuardedDrafter(DrafterBase):
-    def __init__(self, inner: Drafter, on_failure: Callable[[str], None] = lambda where: None,
-                 on_retry: Callable[[str, int], None] = lambda where, rows: None) -> None:
+    def __init__(
+        self,
+        inner: Drafter,
+        on_failure: Callable[[str], None] = lambda where: None,
+        on_retry: Callable[[str, int], None] = lambda where, rows: None,
+    ) -> None:
         self.inner = inner
         self.name = inner.name
         self.feature_layers = tuple(inner.feature_layers)
@@ -69,8 +73,9 @@ class GuardedDrafter(DrafterBase):
             if len(slots) == 1:
                 return self._failed("start", slots)
             rows = list(zip(slots, prompts))
-            for (slot, _), _ in self._each_alone("start", rows, lambda r: self.inner.start([r[0][0]], [r[0][1]]),
-                                                 lambda r: r[0]):
+            for (slot, _), _ in self._each_alone(
+                "start", rows, lambda r: self.inner.start([r[0][0]], [r[0][1]]), lambda r: r[0]
+            ):
                 self.live.add(slot)
 
     def prefill(self, slots: list[int], pieces: list[list[int]], starts: list[int]) -> bool:
@@ -99,8 +104,9 @@ class GuardedDrafter(DrafterBase):
         except Exception:
             if len(rows) == 1:
                 return self._failed("observe", [slots[rows[0]]])
-            self._each_alone("observe", rows, lambda r: self.inner.observe([slots[r[0]]], [features[r[0]]]),
-                             lambda i: slots[i])
+            self._each_alone(
+                "observe", rows, lambda r: self.inner.observe([slots[r[0]]], [features[r[0]]]), lambda i: slots[i]
+            )
 
     def propose(self, seqs: Sequence[SequenceView], num_tokens: list[int]) -> Proposal:
         ks = [k if s.slot in self.live else 0 for s, k in zip(seqs, num_tokens)]
@@ -175,8 +181,11 @@ def _merge_rows(batch: int, parts: list[tuple[list[int], Proposal]]) -> Proposal
     tokens = torch.zeros(batch, width, dtype=torch.long, device=dev)
     parents = torch.full((batch, width), -1, dtype=torch.long, device=dev)
     num = torch.zeros(batch, dtype=torch.long, device=dev)
-    probs = None if not has_probs else torch.zeros(batch, width, first.probs.shape[-1], dtype=first.probs.dtype,
-                                                   device=first.probs.device)
+    probs = (
+        None
+        if not has_probs
+        else torch.zeros(batch, width, first.probs.shape[-1], dtype=first.probs.dtype, device=first.probs.device)
+    )
     for rows, p in trees:
         for i, b in enumerate(rows):
             n = int(p.num_tokens[i])

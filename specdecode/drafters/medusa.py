@@ -32,12 +32,20 @@ from specdecode.models.base import FINAL, Runner
 from specdecode.processors import process_rows, processors_of
 from specdecode.verify.tree import DETERMINISTIC
 
+
 class MedusaDrafter(DrafterBase):
     name = "medusa"
     feature_layers = (FINAL,)
 
-    def __init__(self, heads: MedusaHeads, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 tree_topk: int = 1, tree_nodes: int = 0, confidence: float = 0.0) -> None:
+    def __init__(
+        self,
+        heads: MedusaHeads,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        tree_topk: int = 1,
+        tree_nodes: int = 0,
+        confidence: float = 0.0,
+    ) -> None:
         check_tree(tree_topk, tree_nodes)
         self.heads = heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
         self.num_heads = heads.config.num_heads
@@ -66,7 +74,9 @@ class MedusaDrafter(DrafterBase):
 
     # -- drafting -----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def _ranked(self, hidden: torch.Tensor, ranks: int, views: Sequence[SequenceView]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _ranked(
+        self, hidden: torch.Tensor, ranks: int, views: Sequence[SequenceView]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, H] -> ([B, num_heads, ranks] target ids best first, [B, num_heads] each head's top-1 probability)."""
         logits = self.heads(hidden.to(self.heads.out.weight.dtype)).float()
         if any(processors_of(v) for v in views):
@@ -104,8 +114,9 @@ class MedusaDrafter(DrafterBase):
             return self._chains(len(seqs), rows, ranked, top1_prob, num_tokens)
         return self._trees(len(seqs), rows, ranked, num_tokens)
 
-    def _chains(self, batch: int, rows: list[int], ranked: torch.Tensor, top1_prob: torch.Tensor,
-                num_tokens: list[int]) -> Proposal:
+    def _chains(
+        self, batch: int, rows: list[int], ranked: torch.Tensor, top1_prob: torch.Tensor, num_tokens: list[int]
+    ) -> Proposal:
         width = min(self.num_heads, max(num_tokens))
         tokens = torch.zeros(batch, width, dtype=torch.long)
         num = torch.zeros(batch, dtype=torch.long)
@@ -144,8 +155,10 @@ def validate(arg: str) -> None:
     from specdecode.heads.medusa import WEIGHTS, require_dir
 
     if not arg:
-        raise HeadsError("draft spec 'medusa' needs the heads directory: medusa:DIR (train one with "
-                         "`specdecode heads train --kind medusa`)")
+        raise HeadsError(
+            "draft spec 'medusa' needs the heads directory: medusa:DIR (train one with "
+            "`specdecode heads train --kind medusa`)"
+        )
     require_dir(Path(arg).expanduser(), WEIGHTS, "medusa", "a heads", f"medusa:{arg}: ")
 
 

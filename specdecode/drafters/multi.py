@@ -43,8 +43,11 @@ class Parts(Mapping[str, Drafter]):
     multi-drafter drafts with. ``on_catch_up(name, tokens, seconds)`` hears every catch-up: a late
     start, a piece read ahead, a backlog a proposal read through prefill."""
 
-    def __init__(self, drafters: dict[str, Drafter],
-                 on_catch_up: Callable[[str, int, float], None] = lambda name, tokens, s: None) -> None:
+    def __init__(
+        self,
+        drafters: dict[str, Drafter],
+        on_catch_up: Callable[[str, int, float], None] = lambda name, tokens, s: None,
+    ) -> None:
         if not drafters:
             raise ValueError("a multi-drafter needs at least one part")
         trees = [name for name, d in drafters.items() if d.max_tree_nodes]
@@ -158,8 +161,12 @@ class MultiDrafter(DrafterBase):
     hears each part's proposal time, catch-up excluded. ``parts`` may be a plain dict (name ->
     drafter) where nobody needs to hear catch-ups."""
 
-    def __init__(self, parts: Parts | dict[str, Drafter], route: Callable[[SequenceView], str | None],
-                 on_timing: Callable[[str, int, int, float], None] = lambda name, rows, k, s: None) -> None:
+    def __init__(
+        self,
+        parts: Parts | dict[str, Drafter],
+        route: Callable[[SequenceView], str | None],
+        on_timing: Callable[[str, int, int, float], None] = lambda name, rows, k, s: None,
+    ) -> None:
         self.parts = parts if isinstance(parts, Parts) else Parts(parts)
         self.route, self.on_timing = route, on_timing
         self._turn = 0  # for callers outside the engine's plan (see propose)
@@ -186,8 +193,13 @@ class MultiDrafter(DrafterBase):
     def observe(self, slots: list[int], features: list[TargetFeatures]) -> None:
         for d in self.parts.values():
             if d.feature_layers:
-                d.observe(slots, [TargetFeatures(f.start, f.token_ids, {layer: f.hidden[layer] for layer in d.feature_layers})
-                                  for f in features])
+                d.observe(
+                    slots,
+                    [
+                        TargetFeatures(f.start, f.token_ids, {layer: f.hidden[layer] for layer in d.feature_layers})
+                        for f in features
+                    ],
+                )
 
     def propose(self, seqs: Sequence[SequenceView], num_tokens: list[int]) -> Proposal:
         bsz = len(seqs)

@@ -100,4 +100,6 @@ def build(arg: str, ctx) -> NgramDrafter:
     except ValueError as exc:
         from specdecode.drafters import DraftSpecError
 
-        raise DraftSpecError(f"bad n-gram drafter spec 'ngram:{arg}': use ngram, ngram:MAX or ngram:MIN-MAX ({exc})") from None
+        raise DraftSpecError(
+            f"bad n-gram drafter spec 'ngram:{arg}': use ngram, ngram:MAX or ngram:MIN-MAX ({exc})"
+        ) from None

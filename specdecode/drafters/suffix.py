@@ -88,7 +88,7 @@ def levels_for(depth: int) -> tuple[int, ...]:
 
 def _key(tokens: list[int], end: int, n: int):
     """Key of the ``n`` tokens ending before ``end``: the token itself at n = 1, else a hash."""
-    return tokens[end - 1] if n == 1 else hash(tuple(tokens[end - n:end]))
+    return tokens[end - 1] if n == 1 else hash(tuple(tokens[end - n : end]))
 
 
 class SuffixIndex:
@@ -118,7 +118,7 @@ class SuffixIndex:
             for n, index in zip(levels, maps):
                 if n > room:
                     break
-                key = tok if n == 1 else hash(tuple(text[end - n:end]))
+                key = tok if n == 1 else hash(tuple(text[end - n : end]))
                 found = index.get(key)
                 if found is None:
                     index[key] = end - 1
@@ -184,16 +184,21 @@ class SuffixIndex:
         if found is None:
             return []
         tail = ctx[-n:]
-        return [p for p in ((found,) if type(found) is int else found[-MAX_OCCURRENCES - 1:])
-                if p < stop and p - n + 1 >= self.base and text[p + 1] != SEP
-                and (n == 1 or text[p - n + 1:p + 1] == tail)]
+        return [
+            p
+            for p in ((found,) if type(found) is int else found[-MAX_OCCURRENCES - 1 :])
+            if p < stop
+            and p - n + 1 >= self.base
+            and text[p + 1] != SEP
+            and (n == 1 or text[p - n + 1 : p + 1] == tail)
+        ]
 
 
 def _extend(text: list[int], ctx: list[int], p: int, lo: int, hi: int) -> int:
     """The longest ``m`` in ``[lo, hi]`` with ``text[p - m + 1 : p + 1] == ctx[-m:]``, given that ``lo`` matches."""
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if text[p - mid + 1:p + 1] == ctx[-mid:]:
+        if text[p - mid + 1 : p + 1] == ctx[-mid:]:
             lo = mid
         else:
             hi = mid - 1
@@ -239,7 +244,7 @@ def walk(text: list[int], positions: list[int], max_len: int, min_prob: float) -
     while len(out) < max_len and positions:
         if len(positions) == 1:  # one occurrence: its continuation, at the same confidence
             q = positions[0] + 1
-            run = text[q:q + max_len - len(out)]
+            run = text[q : q + max_len - len(out)]
             if SEP in run:
                 run = run[: run.index(SEP)]
             out += run
@@ -259,8 +264,9 @@ def walk(text: list[int], positions: list[int], max_len: int, min_prob: float) -
     return Draft(out, list(range(-1, len(out) - 1)), path)
 
 
-def grow_tree(text: list[int], positions: list[int], max_depth: int, max_nodes: int, topk: int,
-              min_prob: float) -> Draft:
+def grow_tree(
+    text: list[int], positions: list[int], max_depth: int, max_nodes: int, topk: int, min_prob: float
+) -> Draft:
     """A tree of the likeliest continuations: nodes taken best-first by confidence, each node's
     ``topk`` most frequent children above ``min_prob``, at most ``max_nodes`` nodes and ``max_depth``
     deep. Parents come before their children."""
@@ -306,7 +312,7 @@ class History:
         self.live = 0  # tokens of the live requests
 
     def add(self, tokens: Sequence[int]) -> None:
-        tokens = list(tokens)[-self.budget:] if self.budget else []
+        tokens = list(tokens)[-self.budget :] if self.budget else []
         if not tokens:
             return
         while self.requests and self.live + len(tokens) > self.budget:
@@ -350,11 +356,20 @@ class SuffixDrafter(DrafterBase):
     name = "suffix"
     free = True  # a proposal costs no model forward: the selector may ask it for any sequence
 
-    def __init__(self, depth: int = 64, history: int = 32768, min_prob: float = 0.1, factor: float = 1.0,
-                 tree_topk: int = 1, tree_nodes: int = 0) -> None:
+    def __init__(
+        self,
+        depth: int = 64,
+        history: int = 32768,
+        min_prob: float = 0.1,
+        factor: float = 1.0,
+        tree_topk: int = 1,
+        tree_nodes: int = 0,
+    ) -> None:
         if depth < 1 or history < 0 or not 0.0 <= min_prob <= 1.0 or factor <= 0:
-            raise ValueError(f"need depth >= 1, history >= 0, 0 <= prob <= 1, factor > 0; got depth={depth}, "
-                             f"history={history}, prob={min_prob}, factor={factor}")
+            raise ValueError(
+                f"need depth >= 1, history >= 0, 0 <= prob <= 1, factor > 0; got depth={depth}, "
+                f"history={history}, prob={min_prob}, factor={factor}"
+            )
         if tree_topk < 1 or (tree_topk > 1 and tree_nodes < 1):
             raise ValueError(f"need tree_topk >= 1 and, for trees, tree_nodes >= 1; got {tree_topk}, {tree_nodes}")
         self.depth, self.min_prob, self.factor = depth, min_prob, factor
@@ -380,7 +395,7 @@ class SuffixDrafter(DrafterBase):
             return
         if state.live is not None:  # the tokens accepted at the last step, which no proposal read
             self._sync(state, state.live)
-        output = state.index.tokens[state.prompt_len:]
+        output = state.index.tokens[state.prompt_len :]
         # An output longer than its max_new_tokens came from no engine: the cost model's calibration
         # grows synthetic sequences that way (specdecode.costmodel.calibrate), and they are no history.
         if state.max_new is None or len(output) <= state.max_new:
@@ -406,7 +421,7 @@ class SuffixDrafter(DrafterBase):
     def _sync(state: _Slot, tokens: list[int]) -> None:
         text = state.index.tokens
         n = len(text)
-        if n > len(tokens) or tokens[max(0, n - 8):n] != text[max(0, n - 8):]:  # changed behind us: roll back
+        if n > len(tokens) or tokens[max(0, n - 8) : n] != text[max(0, n - 8) :]:  # changed behind us: roll back
             keep = 0
             while keep < min(n, len(tokens)) and text[keep] == tokens[keep]:
                 keep += 1
@@ -462,8 +477,10 @@ def parse(arg: str) -> dict:
     for item in filter(None, (s.strip() for s in arg.split(","))):
         key, eq, value = item.partition("=")
         if not eq or key not in OPTIONS:
-            raise DraftSpecError(f"bad suffix drafter spec 'suffix:{arg}': use suffix or suffix:KEY=VALUE,... "
-                                 f"with keys {', '.join(OPTIONS)}")
+            raise DraftSpecError(
+                f"bad suffix drafter spec 'suffix:{arg}': use suffix or suffix:KEY=VALUE,... "
+                f"with keys {', '.join(OPTIONS)}"
+            )
         try:
             out[{"prob": "min_prob"}.get(key, key)] = OPTIONS[key](value)
         except ValueError:

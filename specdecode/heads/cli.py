@@ -21,22 +21,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     ex = sub.add_parser("extract", help="run the target over a corpus, store token ids, hidden states, soft labels")
     ex.add_argument("--target", required=True, help="alias, local dir, .gguf file or hub id of the target model")
-    ex.add_argument("--corpus", nargs="+", default=None, metavar="SRC",
-                    help="files, directories, .jsonl (\"text\" or chat \"messages\"), or 'stdlib' (the default: the "
-                         "Python standard library source of this interpreter). Never benchmark prompts")
+    ex.add_argument(
+        "--corpus",
+        nargs="+",
+        default=None,
+        metavar="SRC",
+        help="files, directories, .jsonl (\"text\" or chat \"messages\"), or 'stdlib' (the default: the "
+        "Python standard library source of this interpreter). Never benchmark prompts",
+    )
     ex.add_argument("--out", type=Path, required=True, help="feature directory (resumes if it holds a partial run)")
     ex.add_argument("--max-tokens", type=int, default=50_000, help="tokens to extract in all (default 50000)")
-    ex.add_argument("--layers", default="final",
-                    help="hidden-state layers to store: final (the normed last state; Medusa, EAGLE-1) and/or "
-                         "decoder-layer indices, e.g. final,2,14,25 for EAGLE-3 as well (default final)")
+    ex.add_argument(
+        "--layers",
+        default="final",
+        help="hidden-state layers to store: final (the normed last state; Medusa, EAGLE-1) and/or "
+        "decoder-layer indices, e.g. final,2,14,25 for EAGLE-3 as well (default final)",
+    )
     ex.add_argument("--seq-len", type=int, default=512, help="tokens per forward chunk (default 512)")
-    ex.add_argument("--topk", type=int, default=8, help="soft labels: top-k of the target's distribution kept (default 8)")
-    ex.add_argument("--shard-tokens", type=int, default=8192, help="tokens per shard, the resume granularity (default 8192)")
-    ex.add_argument("--max-doc-tokens", type=int, default=4096,
-                    help="tokens taken from one document at most, so a budget covers many (default 4096)")
+    ex.add_argument(
+        "--topk", type=int, default=8, help="soft labels: top-k of the target's distribution kept (default 8)"
+    )
+    ex.add_argument(
+        "--shard-tokens", type=int, default=8192, help="tokens per shard, the resume granularity (default 8192)"
+    )
+    ex.add_argument(
+        "--max-doc-tokens",
+        type=int,
+        default=4096,
+        help="tokens taken from one document at most, so a budget covers many (default 4096)",
+    )
     ex.add_argument("--device", type=device_arg, default="auto", help="auto | cpu | cuda | cuda:N")
-    ex.add_argument("--dtype", type=dtype_arg, default="auto", metavar="|".join(DTYPE_CHOICES),
-                    help="the target's compute dtype (default auto); features are stored as bfloat16")
+    ex.add_argument(
+        "--dtype",
+        type=dtype_arg,
+        default="auto",
+        metavar="|".join(DTYPE_CHOICES),
+        help="the target's compute dtype (default auto); features are stored as bfloat16",
+    )
     ex.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
     ex.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -44,7 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         from specdecode.heads.train import add_train_arguments
     except ModuleNotFoundError:  # pragma: no cover - training not built yet
         return
-    add_train_arguments(sub.add_parser("train", help="train a drafter (Medusa heads or an EAGLE layer) on extracted features"))
+    add_train_arguments(
+        sub.add_parser("train", help="train a drafter (Medusa heads or an EAGLE layer) on extracted features")
+    )
 
 
 def _extract(args: argparse.Namespace) -> int:
@@ -84,18 +107,33 @@ def _extract(args: argparse.Namespace) -> int:
     except (ValueError, CorpusError) as exc:
         print(f"specdecode heads extract: {exc}", file=sys.stderr)
         return 2
-    settings = ExtractSettings(layers=layers, seq_len=args.seq_len, max_tokens=args.max_tokens, topk=args.topk,
-                               shard_tokens=args.shard_tokens, max_doc_tokens=args.max_doc_tokens)
-    meta = {"spec": args.target, "model_type": model.config.model_type, "num_layers": runner.num_layers,
-            "dtype": str(dtype).removeprefix("torch."), "device": str(device), "corpus": describe(sources)}
+    settings = ExtractSettings(
+        layers=layers,
+        seq_len=args.seq_len,
+        max_tokens=args.max_tokens,
+        topk=args.topk,
+        shard_tokens=args.shard_tokens,
+        max_doc_tokens=args.max_doc_tokens,
+    )
+    meta = {
+        "spec": args.target,
+        "model_type": model.config.model_type,
+        "num_layers": runner.num_layers,
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": str(device),
+        "corpus": describe(sources),
+    }
     try:
-        manifest = extract(runner, tokenizer, docs, args.out, settings, meta, fingerprint(docs),
-                           progress=not args.no_progress)
+        manifest = extract(
+            runner, tokenizer, docs, args.out, settings, meta, fingerprint(docs), progress=not args.no_progress
+        )
     except FeatureError as exc:
         print(f"specdecode heads extract: {exc}", file=sys.stderr)
         return 2
-    print(f"{manifest['tokens']} tokens in {len(manifest['shards'])} shards under {args.out}"
-          f" (layers {', '.join(manifest['layers'])}, top-{manifest['topk']} soft labels)")
+    print(
+        f"{manifest['tokens']} tokens in {len(manifest['shards'])} shards under {args.out}"
+        f" (layers {', '.join(manifest['layers'])}, top-{manifest['topk']} soft labels)"
+    )
     return 0
 
 

@@ -73,16 +73,19 @@ def _jsonl(path: Path, render_chat: Callable[[list], str] | None) -> list[Docume
     return docs
 
 
-def documents(sources: list[str] | None, render_chat: Callable[[list], str] | None = None,
-              seed: int = 0) -> list[Document]:
+def documents(
+    sources: list[str] | None, render_chat: Callable[[list], str] | None = None, seed: int = 0
+) -> list[Document]:
     """The documents of ``sources`` (default: the standard library), shuffled with ``seed`` so that a
     token budget samples the whole corpus rather than its alphabetical start."""
     sources = sources or [DEFAULT]
     docs: list[Document] = []
     for source in sources:
         if any(bad in source.lower() for bad in FORBIDDEN):
-            raise CorpusError(f"{source!r} looks like benchmark prompts (HumanEval / Spec-Bench): those are for "
-                              "evaluation only, never training data")
+            raise CorpusError(
+                f"{source!r} looks like benchmark prompts (HumanEval / Spec-Bench): those are for "
+                "evaluation only, never training data"
+            )
         if source == DEFAULT:
             docs += [Document(str(p), _read_file(p)) for p in _files_under(_stdlib_root())]
             continue

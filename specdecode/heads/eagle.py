@@ -40,8 +40,20 @@ from specdecode.heads.medusa import CONFIG, HeadsError, load_dir, save_dir
 WEIGHTS = "eagle.safetensors"
 FINAL_KEY = "final"
 # keys of the target's HF config that do not describe the one decoder layer
-_DROP = ("architectures", "_name_or_path", "quantization_config", "auto_map", "transformers_version", "torch_dtype",
-         "dtype", "layer_types", "max_window_layers", "_attn_implementation_autoset", "id2label", "label2id")
+_DROP = (
+    "architectures",
+    "_name_or_path",
+    "quantization_config",
+    "auto_map",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "layer_types",
+    "max_window_layers",
+    "_attn_implementation_autoset",
+    "id2label",
+    "label2id",
+)
 
 
 @dataclass
@@ -65,8 +77,17 @@ def decoder_config(target_config, draft_vocab: int, intermediate_size: int | Non
     """The one-layer decoder's HF config, derived from the target's (a ``PretrainedConfig`` or dict)."""
     raw = target_config.to_dict() if hasattr(target_config, "to_dict") else dict(target_config)
     cfg = {k: v for k, v in raw.items() if k not in _DROP}
-    cfg.update(num_hidden_layers=1, vocab_size=draft_vocab, tie_word_embeddings=True, use_sliding_window=False,
-               sliding_window=None, use_cache=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg.update(
+        num_hidden_layers=1,
+        vocab_size=draft_vocab,
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        sliding_window=None,
+        use_cache=True,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     if intermediate_size:
         cfg["intermediate_size"] = int(intermediate_size)
     return cfg
@@ -179,8 +200,9 @@ class EagleModel(nn.Module):
         return self.decoder.base_model.norm
 
     # -- training ------------------------------------------------------------------------------------
-    def unroll(self, g_parts: list[torch.Tensor], embs: list[torch.Tensor], positions: torch.Tensor,
-               valid: torch.Tensor):
+    def unroll(
+        self, g_parts: list[torch.Tensor], embs: list[torch.Tensor], positions: torch.Tensor, valid: torch.Tensor
+    ):
         """Training-time test. ``g_parts`` the target's feature layers [B, T, H] at anchors ``a``; ``embs[j]``
         [B, T, H] the embedding of token ``a + j + 1``; ``positions`` [B, T] anchor positions; ``valid``
         [B, T] real anchors. Level ``j`` sits at position ``a + j`` and predicts token ``a + j + 2``.
@@ -193,8 +215,13 @@ class EagleModel(nn.Module):
         for j, emb in enumerate(embs):
             x = self.step_input(g, emb)
             pos = positions + j
-            h = layer(x, attention_mask=unroll_mask(valid, j), position_ids=pos, past_key_values=cache,
-                      position_embeddings=base.rotary_emb(x, pos))
+            h = layer(
+                x,
+                attention_mask=unroll_mask(valid, j),
+                position_ids=pos,
+                past_key_values=cache,
+                position_embeddings=base.rotary_emb(x, pos),
+            )
             h = h[0] if isinstance(h, tuple) else h
             normed = base.norm(h)
             outs.append((normed, self.out(self.to_feature(normed))))
@@ -212,8 +239,10 @@ class EagleModel(nn.Module):
         model = cls(config, state["id_map"])
         missing, unexpected = model.load_state_dict(state, strict=False)
         if unexpected or set(missing) - {_TIED}:
-            raise HeadsError(f"{directory / WEIGHTS}: weights do not match {CONFIG} (missing {sorted(missing)[:3]}, "
-                             f"unexpected {sorted(unexpected)[:3]})")
+            raise HeadsError(
+                f"{directory / WEIGHTS}: weights do not match {CONFIG} (missing {sorted(missing)[:3]}, "
+                f"unexpected {sorted(unexpected)[:3]})"
+            )
         model.decoder.tie_weights()
         model.eval().requires_grad_(False)
         return model

@@ -97,8 +97,13 @@ class Batches:
             rows[b, n:] = lo
             valid[b, :n] = True
             last[b] = hi - 1
-        out = {"valid": valid, "positions": (rows - rows[:, :1]).clamp(min=0) * valid,
-               "g0": [self.fs[k][rows].float() for k in self.keys], "embs": [], "levels": []}
+        out = {
+            "valid": valid,
+            "positions": (rows - rows[:, :1]).clamp(min=0) * valid,
+            "g0": [self.fs[k][rows].float() for k in self.keys],
+            "embs": [],
+            "levels": [],
+        }
         for j in range(levels):
             src = (rows + j + 1).clamp(max=n_all - 1)  # token a+j+1: the input token; the target's law of a+j+2
             ok_src = valid & (rows + j + 1 <= last)
@@ -108,9 +113,13 @@ class Batches:
             mapped = self.to_draft[self.top_ids[src]]  # [B, T, topk]
             q = torch.softmax(self.top_logp[src], -1) * (mapped >= 0) * ok_src[..., None]
             q = q / q.sum(-1, keepdim=True).clamp(min=1e-12)
-            level = {"soft_ids": mapped.clamp(min=0), "soft_q": q, "ok": ok_src,
-                     "hard": torch.where(ok_lab, self.to_draft[self.ids[lab]], -1),
-                     "teacher": torch.where(ok_src, self.top_ids[src, 0], -1)}
+            level = {
+                "soft_ids": mapped.clamp(min=0),
+                "soft_q": q,
+                "ok": ok_src,
+                "hard": torch.where(ok_lab, self.to_draft[self.ids[lab]], -1),
+                "teacher": torch.where(ok_src, self.top_ids[src, 0], -1),
+            }
             if self.final is not None:
                 level["feature"] = self.final[src].float()
             out["levels"].append(level)
@@ -121,8 +130,13 @@ def eagle_loss(module, model: EagleModel, batch: dict, settings: EagleSettings, 
     """``module`` runs the unroll (the model, or its DDP wrapper); ``model`` is the bare model."""
     g_parts = batch["g0"]
     if noise_gen is not None and settings.feature_noise > 0:
-        g_parts = [p + settings.feature_noise * p.pow(2).mean(-1, keepdim=True).sqrt()
-                   * torch.randn(p.shape, generator=noise_gen) for p in g_parts]
+        g_parts = [
+            p
+            + settings.feature_noise
+            * p.pow(2).mean(-1, keepdim=True).sqrt()
+            * torch.randn(p.shape, generator=noise_gen)
+            for p in g_parts
+        ]
     outs = module(g_parts, batch["embs"], batch["positions"], batch["valid"])
     total = outs[0][1].new_zeros(())
     for j, ((normed, logits), lab) in enumerate(zip(outs, batch["levels"])):
@@ -143,18 +157,19 @@ def eagle_loss(module, model: EagleModel, batch: dict, settings: EagleSettings, 
         if "feature" in lab and settings.feature_weight > 0 and model.config.final_mode:
             want = model.features([lab["feature"][ok]])  # the next token's standardised final feature
             loss = loss + settings.feature_weight * torch.nn.functional.smooth_l1_loss(normed[ok], want)
-        total = total + settings.level_decay ** j * loss
+        total = total + settings.level_decay**j * loss
     return total
 
 
 @torch.no_grad()
-def evaluate(model: EagleModel, batches: Batches, chunks: list[tuple[int, int]], levels: int = EVAL_LEVELS,
-             max_chunks: int = 64) -> dict:
+def evaluate(
+    model: EagleModel, batches: Batches, chunks: list[tuple[int, int]], levels: int = EVAL_LEVELS, max_chunks: int = 64
+) -> dict:
     pick = chunks[:: max(1, len(chunks) // max_chunks)][:max_chunks]
     hits = [[] for _ in range(levels)]
     hits5 = [[] for _ in range(levels)]
     for lo in range(0, len(pick), 4):
-        batch = batches.make(pick[lo: lo + 4], levels)
+        batch = batches.make(pick[lo : lo + 4], levels)
         outs = model.unroll(batch["g0"], batch["embs"], batch["positions"], batch["valid"])
         chain = batch["valid"].clone()
         for j, ((_, logits), lab) in enumerate(zip(outs, batch["levels"])):
@@ -176,8 +191,15 @@ def evaluate(model: EagleModel, batches: Batches, chunks: list[tuple[int, int]],
     return res
 
 
-def train(fs: FeatureSet, out: Path, settings: EagleSettings, target, checkpoint_every: int = 50, evals: int = 8,
-          progress: bool = True) -> EagleModel:
+def train(
+    fs: FeatureSet,
+    out: Path,
+    settings: EagleSettings,
+    target,
+    checkpoint_every: int = 50,
+    evals: int = 8,
+    progress: bool = True,
+) -> EagleModel:
     """Train (or resume) an EAGLE drafter; ``target`` is a model spec or a loaded HF causal LM."""
     settings.validate()
     parts = lm_target(target, fs.manifest["fingerprint"])
@@ -185,8 +207,10 @@ def train(fs: FeatureSet, out: Path, settings: EagleSettings, target, checkpoint
     keys = resolve_layers(settings.layers, num_layers)
     missing = [k for k in keys if k not in fs.layers]
     if missing:
-        raise FeatureError(f"{fs.dir}: features hold layers {fs.layers}, not {missing}; extract with "
-                           f"--layers {','.join(k.removeprefix('layer') for k in keys)}")
+        raise FeatureError(
+            f"{fs.dir}: features hold layers {fs.layers}, not {missing}; extract with "
+            f"--layers {','.join(k.removeprefix('layer') for k in keys)}"
+        )
     train_docs_mask = ~torch.isin(fs["doc"].long(), held_out_docs(fs, settings.held_out))
     chunks = chunks_of(fs)
     train_chunks = [c for c in chunks if bool(train_docs_mask[c[0]])]
@@ -200,19 +224,27 @@ def train(fs: FeatureSet, out: Path, settings: EagleSettings, target, checkpoint
             total_tokens += c[1] - c[0]
         train_chunks = kept
     if not train_chunks or not test_chunks:
-        raise FeatureError(f"{fs.dir}: {len(train_chunks)} training and {len(test_chunks)} held-out chunks; extract "
-                           "more tokens (several documents are needed for a held-out split)")
+        raise FeatureError(
+            f"{fs.dir}: {len(train_chunks)} training and {len(test_chunks)} held-out chunks; extract "
+            "more tokens (several documents are needed for a held-out split)"
+        )
     train_rows = torch.cat([torch.arange(lo, hi) for lo, hi in train_chunks])
     id_map = draft_vocabulary(fs, train_rows, settings.draft_vocab)
     to_draft = torch.full((fs.vocab_size,), -1, dtype=torch.long)
     to_draft[id_map] = torch.arange(len(id_map))
-    config = EagleConfig(fs.hidden_size, fs.vocab_size, len(id_map), keys,
-                         decoder_config(parts.config, len(id_map), settings.intermediate_size or None),
-                         target={**fs.manifest["target"], "num_layers": num_layers,
-                                 "fingerprint": fs.manifest["fingerprint"]})
+    config = EagleConfig(
+        fs.hidden_size,
+        fs.vocab_size,
+        len(id_map),
+        keys,
+        decoder_config(parts.config, len(id_map), settings.intermediate_size or None),
+        target={**fs.manifest["target"], "num_layers": num_layers, "fingerprint": fs.manifest["fingerprint"]},
+    )
     torch.manual_seed(settings.seed)
     model = EagleModel(config, id_map)
-    sample = train_rows[torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(settings.seed))[:50_000]]
+    sample = train_rows[
+        torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(settings.seed))[:50_000]
+    ]
     model.set_feature_stats([fs[k][sample] for k in keys])
     with torch.no_grad():
         model.out.weight.copy_(parts.out_weight[id_map])
@@ -226,24 +258,37 @@ def train(fs: FeatureSet, out: Path, settings: EagleSettings, target, checkpoint
     steps_per_epoch = max(1, len(train_chunks) // settings.batch_chunks)
     total = max(1, round(settings.epochs * steps_per_epoch))
     fingerprint = {"settings": asdict(settings), "features": [s["sha256"] for s in fs.manifest["shards"]]}
-    loop = Loop(model, settings.lr, settings.weight_decay, settings.warmup, total, out, fingerprint, evals,
-                checkpoint_every, progress, settings.compute_dtype)
+    loop = Loop(
+        model,
+        settings.lr,
+        settings.weight_decay,
+        settings.warmup,
+        total,
+        out,
+        fingerprint,
+        evals,
+        checkpoint_every,
+        progress,
+        settings.compute_dtype,
+    )
     noise_gen = torch.Generator().manual_seed(settings.seed + 7)
     per = settings.batch_chunks
     tokens_per_step = sum(hi - lo for lo, hi in train_chunks) / max(1, len(train_chunks)) * per
 
     def step_fn(step: int) -> float:
         epoch, b = divmod(step, steps_per_epoch)
-        perm = torch.randperm(len(train_chunks), generator=torch.Generator().manual_seed(settings.seed * 100_003 + epoch))
-        pick = perm[b * per: (b + 1) * per][loop.rank:: loop.world].tolist() or perm[:1].tolist()
+        perm = torch.randperm(
+            len(train_chunks), generator=torch.Generator().manual_seed(settings.seed * 100_003 + epoch)
+        )
+        pick = perm[b * per : (b + 1) * per][loop.rank :: loop.world].tolist() or perm[:1].tolist()
         noise_gen.manual_seed(settings.seed * 1_000_003 + step)
-        return eagle_loss(loop.module, model, batches.make([train_chunks[i] for i in pick], settings.ttt_steps), settings,
-                          noise_gen)
+        return eagle_loss(
+            loop.module, model, batches.make([train_chunks[i] for i in pick], settings.ttt_steps), settings, noise_gen
+        )
 
     def eval_fn(step: int) -> dict:
         res = evaluate(model, batches, test_chunks, max_chunks=16)
-        return {"step": step, "tokens_seen": round(step * tokens_per_step), "top1": res["top1"],
-                "chain": res["chain"]}
+        return {"step": step, "tokens_seen": round(step * tokens_per_step), "top1": res["top1"], "chain": res["chain"]}
 
     t0 = time.perf_counter()
     loop.run(step_fn, eval_fn)
@@ -253,13 +298,26 @@ def train(fs: FeatureSet, out: Path, settings: EagleSettings, target, checkpoint
         result = evaluate(model, batches, test_chunks)
         config.accuracy = result
         config.training = {
-            "features": str(fs.dir), "feature_tokens": len(fs), "train_chunks": len(train_chunks),
-            "train_tokens": int(sum(hi - lo for lo, hi in train_chunks)), "held_out_chunks": len(test_chunks),
-            "steps": total, "tokens_seen": round(total * tokens_per_step), "seconds": round(loop.seconds, 1),
-            "session_seconds": round(time.perf_counter() - t0, 1), "world_size": loop.world,
-            "settings": asdict(settings), "curve": loop.curve,
-            "draft_vocab_coverage": round(float((to_draft[fs["input_ids"][torch.cat(
-                [torch.arange(lo, hi) for lo, hi in test_chunks])].long()] >= 0).float().mean()), 4),
+            "features": str(fs.dir),
+            "feature_tokens": len(fs),
+            "train_chunks": len(train_chunks),
+            "train_tokens": int(sum(hi - lo for lo, hi in train_chunks)),
+            "held_out_chunks": len(test_chunks),
+            "steps": total,
+            "tokens_seen": round(total * tokens_per_step),
+            "seconds": round(loop.seconds, 1),
+            "session_seconds": round(time.perf_counter() - t0, 1),
+            "world_size": loop.world,
+            "settings": asdict(settings),
+            "curve": loop.curve,
+            "draft_vocab_coverage": round(
+                float(
+                    (to_draft[fs["input_ids"][torch.cat([torch.arange(lo, hi) for lo, hi in test_chunks])].long()] >= 0)
+                    .float()
+                    .mean()
+                ),
+                4,
+            ),
         }
         model.save(out)
         loop.finish(lambda c: c["top1"], "held-out top-1 (= target's top-1)", "draft position {p}")

@@ -109,8 +109,16 @@ def _tokenize(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def extract(runner: Runner, tokenizer, docs: Sequence[Document], out: Path, settings: ExtractSettings,
-            meta: dict, corpus_fingerprint: str, progress: bool = True) -> dict:
+def extract(
+    runner: Runner,
+    tokenizer,
+    docs: Sequence[Document],
+    out: Path,
+    settings: ExtractSettings,
+    meta: dict,
+    corpus_fingerprint: str,
+    progress: bool = True,
+) -> dict:
     """Extract (or continue extracting) features into ``out``; returns the manifest."""
     from safetensors.torch import save_file
 
@@ -118,17 +126,26 @@ def extract(runner: Runner, tokenizer, docs: Sequence[Document], out: Path, sett
     for stale in out.glob("*.tmp"):
         stale.unlink()
     wanted = {
-        "format": FORMAT, "target": meta, "fingerprint": model_fingerprint(runner), "corpus_fingerprint": corpus_fingerprint,
-        "layers": [layer_key(x) for x in settings.layers], "seq_len": settings.seq_len, "topk": settings.topk,
-        "max_doc_tokens": settings.max_doc_tokens, "hidden_size": runner.hidden_size, "vocab_size": runner.vocab_size,
+        "format": FORMAT,
+        "target": meta,
+        "fingerprint": model_fingerprint(runner),
+        "corpus_fingerprint": corpus_fingerprint,
+        "layers": [layer_key(x) for x in settings.layers],
+        "seq_len": settings.seq_len,
+        "topk": settings.topk,
+        "max_doc_tokens": settings.max_doc_tokens,
+        "hidden_size": runner.hidden_size,
+        "vocab_size": runner.vocab_size,
     }
     path = out / MANIFEST
     if path.exists():
         manifest = json.loads(path.read_text())
         for key, value in wanted.items():
             if key != "target" and manifest.get(key) != value:
-                raise FeatureError(f"{out} holds features of another extraction ({key}: {manifest.get(key)!r} here, "
-                                   f"{value!r} asked); use another --out")
+                raise FeatureError(
+                    f"{out} holds features of another extraction ({key}: {manifest.get(key)!r} here, "
+                    f"{value!r} asked); use another --out"
+                )
         for shard in manifest["shards"]:
             if not (out / shard["file"]).is_file():
                 raise FeatureError(f"{out}: shard {shard['file']} named in the manifest is missing")
@@ -146,7 +163,9 @@ def extract(runner: Runner, tokenizer, docs: Sequence[Document], out: Path, sett
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=settings.max_tokens, initial=manifest["tokens"], unit="tok", desc="extract", dynamic_ncols=True)
+        bar = tqdm(
+            total=settings.max_tokens, initial=manifest["tokens"], unit="tok", desc="extract", dynamic_ncols=True
+        )
     buffer: list[dict[str, torch.Tensor]] = []
     buffered = 0
     doc_i, offset = manifest["cursor"]
@@ -162,7 +181,9 @@ def extract(runner: Runner, tokenizer, docs: Sequence[Document], out: Path, sett
         save_file(tensors, str(tmp))
         make_readable(tmp)
         os.replace(tmp, out / name)
-        manifest["shards"].append({"file": name, "tokens": buffered, "chunks": len(buffer), "sha256": _sha256(out / name)})
+        manifest["shards"].append(
+            {"file": name, "tokens": buffered, "chunks": len(buffer), "sha256": _sha256(out / name)}
+        )
         manifest["tokens"] += buffered
         manifest["cursor"] = list(cursor)
         _write_json(path, manifest)
@@ -172,7 +193,7 @@ def extract(runner: Runner, tokenizer, docs: Sequence[Document], out: Path, sett
         while doc_i < len(docs) and manifest["tokens"] + buffered < settings.max_tokens:
             ids = _tokenize(tokenizer, docs[doc_i].read())[: settings.max_doc_tokens]
             while offset < len(ids) and manifest["tokens"] + buffered < settings.max_tokens:
-                piece = ids[offset: offset + settings.seq_len]
+                piece = ids[offset : offset + settings.seq_len]
                 piece = piece[: settings.max_tokens - manifest["tokens"] - buffered]
                 offset += settings.seq_len
                 if len(piece) < settings.min_chunk:
@@ -195,18 +216,19 @@ def extract(runner: Runner, tokenizer, docs: Sequence[Document], out: Path, sett
 
 
 @torch.inference_mode()
-def _chunk_features(runner: Runner, piece: list[int], capture: tuple[int, ...], settings: ExtractSettings,
-                    doc: int, chunk: int) -> dict[str, torch.Tensor]:
+def _chunk_features(
+    runner: Runner, piece: list[int], capture: tuple[int, ...], settings: ExtractSettings, doc: int, chunk: int
+) -> dict[str, torch.Tensor]:
     feats = runner.prefill([0], [piece], layers=capture)[0]
     runner.truncate(0, 0)
     n = len(piece)
     top_ids = torch.empty(n, settings.topk, dtype=torch.int32)
     top_logp = torch.empty(n, settings.topk, dtype=torch.float16)
     for lo in range(0, n, LOGIT_ROWS):
-        logp = torch.log_softmax(runner.logits(feats[FINAL][lo: lo + LOGIT_ROWS]), dim=-1)
+        logp = torch.log_softmax(runner.logits(feats[FINAL][lo : lo + LOGIT_ROWS]), dim=-1)
         values, indices = logp.topk(settings.topk, dim=-1)
-        top_ids[lo: lo + LOGIT_ROWS] = indices.to(torch.int32).cpu()
-        top_logp[lo: lo + LOGIT_ROWS] = values.clamp(min=-60).to(torch.float16).cpu()
+        top_ids[lo : lo + LOGIT_ROWS] = indices.to(torch.int32).cpu()
+        top_logp[lo : lo + LOGIT_ROWS] = values.clamp(min=-60).to(torch.float16).cpu()
     row = {
         "input_ids": torch.tensor(piece, dtype=torch.int32),
         "doc": torch.full((n,), doc, dtype=torch.int32),
@@ -244,8 +266,10 @@ class FeatureSet:
             if not file.is_file():
                 raise FeatureError(f"{file}: shard missing")
             if verify and _sha256(file) != shard["sha256"]:
-                raise FeatureError(f"{file}: corrupted shard (sha256 differs from the manifest); delete it and its "
-                                   "manifest entries, or extract again")
+                raise FeatureError(
+                    f"{file}: corrupted shard (sha256 differs from the manifest); delete it and its "
+                    "manifest entries, or extract again"
+                )
             try:
                 parts.append(load_file(str(file)))
             except (SafetensorError, OSError) as exc:

@@ -88,7 +88,9 @@ class MedusaHeads(nn.Module):
         try:
             heads.load_state_dict(state)
         except RuntimeError as exc:
-            raise HeadsError(f"{directory / WEIGHTS}: weights do not match {CONFIG} ({str(exc).splitlines()[0]})") from None
+            raise HeadsError(
+                f"{directory / WEIGHTS}: weights do not match {CONFIG} ({str(exc).splitlines()[0]})"
+            ) from None
         heads.eval().requires_grad_(False)
         return heads
 
@@ -113,11 +115,15 @@ def check_sizes(name: str, reads: str, config, target, where: str) -> None:
     """Refuse a drafter (``name`` "heads", reading ``reads`` "hidden states") sized for another target."""
     spec = config.target.get("spec", "?")
     if config.hidden_size != target.hidden_size:
-        raise HeadsError(f"{name} {where}: trained on {reads} of size {config.hidden_size}, this target's are "
-                         f"{target.hidden_size}; trained for another model ({spec})")
+        raise HeadsError(
+            f"{name} {where}: trained on {reads} of size {config.hidden_size}, this target's are "
+            f"{target.hidden_size}; trained for another model ({spec})"
+        )
     if config.vocab_size != target.vocab_size:
-        raise HeadsError(f"{name} {where}: trained over a vocabulary of {config.vocab_size}, this target has "
-                         f"{target.vocab_size}; trained for another model ({spec})")
+        raise HeadsError(
+            f"{name} {where}: trained over a vocabulary of {config.vocab_size}, this target has "
+            f"{target.vocab_size}; trained for another model ({spec})"
+        )
 
 
 def check_model(name: str, config, id_map: torch.Tensor, target, where: str) -> None:
@@ -127,16 +133,20 @@ def check_model(name: str, config, id_map: torch.Tensor, target, where: str) -> 
     if int(id_map.max()) >= target.vocab_size:
         raise HeadsError(f"{name} {where}: id map names tokens outside the target's vocabulary")
     if not same_model(config.target.get("fingerprint") or [], target):
-        raise HeadsError(f"{name} {where}: trained for another model ({config.target.get('spec', '?')}): the "
-                         "target's output layer differs")
+        raise HeadsError(
+            f"{name} {where}: trained for another model ({config.target.get('spec', '?')}): the "
+            "target's output layer differs"
+        )
 
 
 def require_dir(directory: Path, weights: str, kind: str, noun: str, spec: str = "") -> None:
     """Refuse a path that is not a trained drafter's directory (``noun``: "a heads"; ``spec``: a draft spec's
     prefix, "medusa:DIR: ")."""
     if not (directory / CONFIG).is_file() or not (directory / weights).is_file():
-        raise HeadsError(f"{spec}{directory} is not {noun} directory (needs {CONFIG} and {weights}; train one with "
-                         f"`specdecode heads train --kind {kind}`)")
+        raise HeadsError(
+            f"{spec}{directory} is not {noun} directory (needs {CONFIG} and {weights}; train one with "
+            f"`specdecode heads train --kind {kind}`)"
+        )
 
 
 def load_dir(directory: str | Path, weights: str, config_type: type, noun: str) -> tuple:

@@ -37,52 +37,100 @@ RANKS = 10  # accuracy by rank kept for the static tree
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kind", choices=("medusa", "eagle"), default="medusa",
-                   help="medusa: independent heads on the final hidden state; eagle: a one-layer draft decoder "
-                        "autoregressive on the target's features (default medusa)")
+    p.add_argument(
+        "--kind",
+        choices=("medusa", "eagle"),
+        default="medusa",
+        help="medusa: independent heads on the final hidden state; eagle: a one-layer draft decoder "
+        "autoregressive on the target's features (default medusa)",
+    )
     p.add_argument("--features", type=Path, required=True, help="a directory written by `heads extract`")
     p.add_argument("--out", type=Path, required=True, help="where the heads go (resumes from its checkpoint)")
-    p.add_argument("--target", default=None,
-                   help="the target model (default: the one named in the features' manifest); its LM-head rows "
-                        "initialise the output layer")
+    p.add_argument(
+        "--target",
+        default=None,
+        help="the target model (default: the one named in the features' manifest); its LM-head rows "
+        "initialise the output layer",
+    )
     p.add_argument("--num-heads", type=int, default=4, help="heads: token t+2 .. t+1+N (default 4)")
     p.add_argument("--depth", type=int, default=1, help="residual blocks per head (default 1)")
-    p.add_argument("--draft-vocab", type=int, default=16384,
-                   help="output rows: the most frequent corpus tokens (default 16384; others are never drafted)")
-    p.add_argument("--train-output", action="store_true",
-                   help="also train the shared output layer (default: frozen at the target's LM-head rows)")
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=16384,
+        help="output rows: the most frequent corpus tokens (default 16384; others are never drafted)",
+    )
+    p.add_argument(
+        "--train-output",
+        action="store_true",
+        help="also train the shared output layer (default: frozen at the target's LM-head rows)",
+    )
     p.add_argument("--epochs", type=float, default=2.0, help="passes over the training split (default 2)")
     p.add_argument("--batch-size", type=int, default=256, help="medusa: token positions per step (default 256)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-3)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
     p.add_argument("--warmup", type=float, default=0.05, help="warm-up fraction of the steps (default 0.05)")
     p.add_argument("--head-decay", type=float, default=0.8, help="loss weight of head j is DECAY**j (default 0.8)")
-    p.add_argument("--soft-weight", type=float, default=0.8,
-                   help="weight of the target's soft labels against the corpus token (default 0.8)")
+    p.add_argument(
+        "--soft-weight",
+        type=float,
+        default=0.8,
+        help="weight of the target's soft labels against the corpus token (default 0.8)",
+    )
     p.add_argument("--held-out", type=float, default=0.1, help="fraction of documents held out (default 0.1)")
-    p.add_argument("--max-train-tokens", type=int, default=0,
-                   help="use only the first N training tokens (0 = all): for accuracy-vs-data curves")
+    p.add_argument(
+        "--max-train-tokens",
+        type=int,
+        default=0,
+        help="use only the first N training tokens (0 = all): for accuracy-vs-data curves",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--compute-dtype", choices=("auto", "float32", "bfloat16"), default="float32",
-                   help="float32, or bfloat16 autocast (weights, optimizer and gradients stay float32); auto = "
-                        "bfloat16 where the CPU multiplies bf16 natively (AVX512-BF16/AMX), else float32 "
-                        "(default float32)")
+    p.add_argument(
+        "--compute-dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="float32",
+        help="float32, or bfloat16 autocast (weights, optimizer and gradients stay float32); auto = "
+        "bfloat16 where the CPU multiplies bf16 natively (AVX512-BF16/AMX), else float32 "
+        "(default float32)",
+    )
     e = p.add_argument_group("eagle")
-    e.add_argument("--eagle-layers", default="final",
-                   help="the target feature the drafter reads: final (EAGLE-1, the normed last state), eagle3 "
-                        "(fusion of layers 2, L/2, L-3) or decoder-layer indices, e.g. 2,14,25; the features must "
-                        "hold them (heads extract --layers) (default final)")
-    e.add_argument("--intermediate-size", type=int, default=0,
-                   help="MLP width of the draft layer (default 0 = the target's)")
-    e.add_argument("--ttt-steps", type=int, default=3,
-                   help="training-time test: draft steps unrolled on the drafter's own features (default 3)")
-    e.add_argument("--batch-chunks", type=int, default=1,
-                   help="extracted chunks per step (default 1: on a CPU budget more updates beat bigger batches)")
-    e.add_argument("--level-decay", type=float, default=0.8, help="loss weight of draft step j is DECAY**j (default 0.8)")
-    e.add_argument("--feature-weight", type=float, default=0.5,
-                   help="weight of the smooth-L1 feature regression (final features only; default 0.5)")
-    e.add_argument("--feature-noise", type=float, default=0.05,
-                   help="Gaussian noise on input features, relative to their RMS (default 0.05)")
+    e.add_argument(
+        "--eagle-layers",
+        default="final",
+        help="the target feature the drafter reads: final (EAGLE-1, the normed last state), eagle3 "
+        "(fusion of layers 2, L/2, L-3) or decoder-layer indices, e.g. 2,14,25; the features must "
+        "hold them (heads extract --layers) (default final)",
+    )
+    e.add_argument(
+        "--intermediate-size", type=int, default=0, help="MLP width of the draft layer (default 0 = the target's)"
+    )
+    e.add_argument(
+        "--ttt-steps",
+        type=int,
+        default=3,
+        help="training-time test: draft steps unrolled on the drafter's own features (default 3)",
+    )
+    e.add_argument(
+        "--batch-chunks",
+        type=int,
+        default=1,
+        help="extracted chunks per step (default 1: on a CPU budget more updates beat bigger batches)",
+    )
+    e.add_argument(
+        "--level-decay", type=float, default=0.8, help="loss weight of draft step j is DECAY**j (default 0.8)"
+    )
+    e.add_argument(
+        "--feature-weight",
+        type=float,
+        default=0.5,
+        help="weight of the smooth-L1 feature regression (final features only; default 0.5)",
+    )
+    e.add_argument(
+        "--feature-noise",
+        type=float,
+        default=0.05,
+        help="Gaussian noise on input features, relative to their RMS (default 0.05)",
+    )
     p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (default 100)")
     p.add_argument("--evals", type=int, default=8, help="held-out evaluations during training (default 8)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
@@ -168,8 +216,14 @@ def build_data(fs: FeatureSet, rows: torch.Tensor, num_heads: int, to_draft: tor
         hard.append(torch.where(ok, to_draft[ids[lab]], -1))
         teacher.append(torch.where(ok, top_ids[sr, 0], -1))
         corpus.append(torch.where(ok, ids[lab], -1))
-    return Data(rows, torch.stack(soft_ids, 1), torch.stack(soft_q, 1), torch.stack(hard, 1),
-                torch.stack(teacher, 1), torch.stack(corpus, 1))
+    return Data(
+        rows,
+        torch.stack(soft_ids, 1),
+        torch.stack(soft_q, 1),
+        torch.stack(hard, 1),
+        torch.stack(teacher, 1),
+        torch.stack(corpus, 1),
+    )
 
 
 def held_out_docs(fs: FeatureSet, held_out: float) -> torch.Tensor:
@@ -177,7 +231,7 @@ def held_out_docs(fs: FeatureSet, held_out: float) -> torch.Tensor:
     shuffled), at least one."""
     period = max(2, round(1 / held_out))
     docs = torch.unique(fs["doc"].long())
-    held = docs[period - 1:: period]
+    held = docs[period - 1 :: period]
     return held if len(held) else docs[-1:]
 
 
@@ -193,8 +247,10 @@ def split_rows(fs: FeatureSet, held_out: float, max_train_tokens: int = 0) -> tu
     if max_train_tokens:
         train = train[:max_train_tokens]
     if len(train) == 0 or len(test) == 0:
-        raise FeatureError(f"{fs.dir}: {len(train)} training and {len(test)} held-out positions; extract more "
-                           "tokens (several documents are needed for a held-out split)")
+        raise FeatureError(
+            f"{fs.dir}: {len(train)} training and {len(test)} held-out positions; extract more "
+            "tokens (several documents are needed for a held-out split)"
+        )
     return train, test
 
 
@@ -207,7 +263,7 @@ def loss_fn(logits: torch.Tensor, data: Data, idx: torch.Tensor, settings: Train
     hard_ok = hard_lab >= 0
     total = logits.new_zeros(())
     for j in range(logits.shape[1]):
-        w = settings.head_decay ** j
+        w = settings.head_decay**j
         s = soft[:, j][soft_ok[:, j]].mean() if soft_ok[:, j].any() else total * 0
         h = hard[:, j][hard_ok[:, j]].mean() if hard_ok[:, j].any() else total * 0
         total = total + w * (settings.soft_weight * s + (1 - settings.soft_weight) * h)
@@ -221,7 +277,7 @@ def evaluate(heads: MedusaHeads, X: torch.Tensor, data: Data, limit: int = EVAL_
     pick = torch.linspace(0, len(data.rows) - 1, n).long()
     ranked = []
     for lo in range(0, n, 1024):
-        sel = pick[lo: lo + 1024]
+        sel = pick[lo : lo + 1024]
         logits = heads(X[data.rows[sel]].float())
         ranked.append(heads.id_map[logits.topk(RANKS, dim=-1).indices])  # [b, K, R] target ids
     ranked_t = torch.cat(ranked)
@@ -235,8 +291,9 @@ def evaluate(heads: MedusaHeads, X: torch.Tensor, data: Data, limit: int = EVAL_
         out["top1"].append(round(by_rank[0], 4))
         out["top5"].append(round(sum(by_rank[:5]), 4))
         c_ok = corpus[:, j] >= 0
-        out["corpus_top1"].append(round(float((ranked_t[c_ok, j, 0] == corpus[c_ok, j]).float().mean()), 4)
-                                  if c_ok.any() else 0.0)
+        out["corpus_top1"].append(
+            round(float((ranked_t[c_ok, j, 0] == corpus[c_ok, j]).float().mean()), 4) if c_ok.any() else 0.0
+        )
     return out
 
 
@@ -265,12 +322,17 @@ def lm_target(target, fingerprint: list[int]) -> TargetParts:
 
     model = load_model(target, torch.float32, "cpu")[0] if isinstance(target, str) else target
     if not same_model(fingerprint, HFRunner(model)):
-        raise FeatureError(f"target {getattr(model.config, 'name_or_path', target)!r} is not the model the features "
-                           "were extracted from")
+        raise FeatureError(
+            f"target {getattr(model.config, 'name_or_path', target)!r} is not the model the features "
+            "were extracted from"
+        )
     norm = getattr(model.base_model, "norm", None)
-    return TargetParts(model.config, model.get_output_embeddings().weight.detach().float().clone(),
-                       norm.weight.detach().float().clone() if norm is not None else None,
-                       model.get_input_embeddings().weight.detach().float().clone())
+    return TargetParts(
+        model.config,
+        model.get_output_embeddings().weight.detach().float().clone(),
+        norm.weight.detach().float().clone() if norm is not None else None,
+        model.get_input_embeddings().weight.detach().float().clone(),
+    )
 
 
 def check_compute_dtype(name: str) -> None:
@@ -285,9 +347,20 @@ class Loop:
     and the plot. ``compute_dtype`` bfloat16 runs each step's forward under CPU autocast (matrix
     products in bf16, the parameters, their gradients and AdamW's state in float32)."""
 
-    def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float, warmup: float, total: int, out: Path,
-                 fingerprint: dict, evals: int, checkpoint_every: int, progress: bool,
-                 compute_dtype: str = "float32") -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        lr: float,
+        weight_decay: float,
+        warmup: float,
+        total: int,
+        out: Path,
+        fingerprint: dict,
+        evals: int,
+        checkpoint_every: int,
+        progress: bool,
+        compute_dtype: str = "float32",
+    ) -> None:
         import torch.distributed as dist
 
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -314,12 +387,19 @@ class Loop:
         if ckpt.is_file():
             state = torch.load(ckpt, weights_only=False)
             if state["fingerprint"] != fingerprint:
-                raise FeatureError(f"{ckpt} belongs to a run with other settings or features; use another --out or "
-                                   "delete the checkpoint")
+                raise FeatureError(
+                    f"{ckpt} belongs to a run with other settings or features; use another --out or "
+                    "delete the checkpoint"
+                )
             model.load_state_dict(state["heads"])
             self.opt.load_state_dict(state["opt"])
             self.sched.load_state_dict(state["sched"])
-            self.step, self.log, self.curve, self.seconds = state["step"], state["log"], state["curve"], state["seconds"]
+            self.step, self.log, self.curve, self.seconds = (
+                state["step"],
+                state["log"],
+                state["curve"],
+                state["seconds"],
+            )
         self.eval_at = {round(total * (i + 1) / evals) for i in range(evals)} if evals else set()
 
     def run(self, step_fn, eval_fn) -> None:
@@ -351,9 +431,19 @@ class Loop:
             self.seconds = time.perf_counter() - t0
             if (self.step % self.checkpoint_every == 0 or self.step == self.total) and self.rank == 0:
                 tmp = self.out / (CHECKPOINT + ".tmp")
-                torch.save({"fingerprint": self.fingerprint, "heads": self.model.state_dict(),
-                            "opt": self.opt.state_dict(), "sched": self.sched.state_dict(), "step": self.step,
-                            "log": self.log, "curve": self.curve, "seconds": self.seconds}, tmp)
+                torch.save(
+                    {
+                        "fingerprint": self.fingerprint,
+                        "heads": self.model.state_dict(),
+                        "opt": self.opt.state_dict(),
+                        "sched": self.sched.state_dict(),
+                        "step": self.step,
+                        "log": self.log,
+                        "curve": self.curve,
+                        "seconds": self.seconds,
+                    },
+                    tmp,
+                )
                 tmp.replace(self.out / CHECKPOINT)
         if bar is not None:
             bar.close()
@@ -387,8 +477,16 @@ class Loop:
             dist.destroy_process_group()
 
 
-def train(fs: FeatureSet, out: Path, settings: TrainSettings, target_spec: str, checkpoint_every: int = 100,
-          evals: int = 8, progress: bool = True, output_rows=None) -> MedusaHeads:
+def train(
+    fs: FeatureSet,
+    out: Path,
+    settings: TrainSettings,
+    target_spec: str,
+    checkpoint_every: int = 100,
+    evals: int = 8,
+    progress: bool = True,
+    output_rows=None,
+) -> MedusaHeads:
     """Train (or resume training) Medusa heads; writes ``out`` and returns the heads.
 
     ``output_rows(id_map)`` gives the initial output layer (default: the target's LM-head rows).
@@ -403,22 +501,39 @@ def train(fs: FeatureSet, out: Path, settings: TrainSettings, target_spec: str, 
     to_draft[id_map] = torch.arange(len(id_map))
     train_data = build_data(fs, train_rows, settings.num_heads, to_draft)
     test_data = build_data(fs, test_rows, settings.num_heads, to_draft)
-    config = MedusaConfig(settings.num_heads, fs.hidden_size, fs.vocab_size, len(id_map), settings.depth,
-                          target={**fs.manifest["target"], "fingerprint": fs.manifest["fingerprint"]})
+    config = MedusaConfig(
+        settings.num_heads,
+        fs.hidden_size,
+        fs.vocab_size,
+        len(id_map),
+        settings.depth,
+        target={**fs.manifest["target"], "fingerprint": fs.manifest["fingerprint"]},
+    )
     rows = output_rows(id_map) if output_rows else lm_target(target_spec, fs.manifest["fingerprint"]).out_weight[id_map]
     heads = MedusaHeads(config, id_map, rows)
     heads.out.weight.requires_grad_(settings.train_output)
     steps_per_epoch = max(1, len(train_rows) // settings.batch_size)
     total = max(1, round(settings.epochs * steps_per_epoch))
     fingerprint = {"settings": asdict(settings), "features": [s["sha256"] for s in fs.manifest["shards"]]}
-    loop = Loop(heads, settings.lr, settings.weight_decay, settings.warmup, total, out, fingerprint, evals,
-                checkpoint_every, progress, settings.compute_dtype)
+    loop = Loop(
+        heads,
+        settings.lr,
+        settings.weight_decay,
+        settings.warmup,
+        total,
+        out,
+        fingerprint,
+        evals,
+        checkpoint_every,
+        progress,
+        settings.compute_dtype,
+    )
 
     def step_fn(step: int) -> torch.Tensor:
         epoch, b = divmod(step, steps_per_epoch)
         gen = torch.Generator().manual_seed(settings.seed * 100_003 + epoch)
         perm = torch.randperm(len(train_rows), generator=gen)
-        idx = perm[b * settings.batch_size: (b + 1) * settings.batch_size][loop.rank::loop.world]
+        idx = perm[b * settings.batch_size : (b + 1) * settings.batch_size][loop.rank :: loop.world]
         return loss_fn(loop.module(X[train_data.rows[idx]].float()), train_data, idx, settings)
 
     def eval_fn(step: int) -> dict:
@@ -431,10 +546,17 @@ def train(fs: FeatureSet, out: Path, settings: TrainSettings, target_spec: str, 
         result = evaluate(heads, X, test_data)
         config.accuracy = result["by_rank"]
         config.training = {
-            "features": str(fs.dir), "feature_tokens": len(fs), "train_positions": len(train_rows),
-            "held_out_positions": len(test_rows), "steps": total, "tokens_seen": total * settings.batch_size,
-            "seconds": round(loop.seconds, 1), "world_size": loop.world, "settings": asdict(settings),
-            "held_out": {k: result[k] for k in ("positions", "top1", "top5", "corpus_top1")}, "curve": loop.curve,
+            "features": str(fs.dir),
+            "feature_tokens": len(fs),
+            "train_positions": len(train_rows),
+            "held_out_positions": len(test_rows),
+            "steps": total,
+            "tokens_seen": total * settings.batch_size,
+            "seconds": round(loop.seconds, 1),
+            "world_size": loop.world,
+            "settings": asdict(settings),
+            "held_out": {k: result[k] for k in ("positions", "top1", "top5", "corpus_top1")},
+            "curve": loop.curve,
             "draft_vocab_coverage": round(float((to_draft[fs["input_ids"][test_rows].long()] >= 0).float().mean()), 4),
         }
         heads.save(out)
@@ -458,8 +580,12 @@ def _plot(out: Path, log: list, curve: list, series, ylabel: str, label: str) ->
     a.set_xlabel("step")
     a.set_ylabel("training loss")
     for j in range(len(series(curve[0])) if curve else 0):
-        b.plot([c["tokens_seen"] for c in curve], [series(c)[j] for c in curve], marker="o",
-               label=label.format(j=j, p=j + 1, t=j + 2))
+        b.plot(
+            [c["tokens_seen"] for c in curve],
+            [series(c)[j] for c in curve],
+            marker="o",
+            label=label.format(j=j, p=j + 1, t=j + 2),
+        )
     b.set_xlabel("training tokens seen")
     b.set_ylabel(ylabel)
     if curve:
@@ -476,19 +602,41 @@ def main(args: argparse.Namespace) -> int:
     compute = args.compute_dtype
     if compute == "auto":
         compute = "bfloat16" if native_bf16("cpu") else "float32"
-    common = dict(draft_vocab=args.draft_vocab, epochs=args.epochs, lr=args.lr or 1e-3, weight_decay=args.weight_decay,
-                  warmup=args.warmup, soft_weight=args.soft_weight, held_out=args.held_out,
-                  max_train_tokens=args.max_train_tokens, seed=args.seed, compute_dtype=compute)
+    common = dict(
+        draft_vocab=args.draft_vocab,
+        epochs=args.epochs,
+        lr=args.lr or 1e-3,
+        weight_decay=args.weight_decay,
+        warmup=args.warmup,
+        soft_weight=args.soft_weight,
+        held_out=args.held_out,
+        max_train_tokens=args.max_train_tokens,
+        seed=args.seed,
+        compute_dtype=compute,
+    )
     if args.kind == "eagle":
         from specdecode.heads.eagle_train import EagleSettings, train as run
 
-        settings = EagleSettings(layers=args.eagle_layers, intermediate_size=args.intermediate_size,
-                                 ttt_steps=args.ttt_steps, batch_chunks=args.batch_chunks, level_decay=args.level_decay,
-                                 feature_weight=args.feature_weight, feature_noise=args.feature_noise, **common)
+        settings = EagleSettings(
+            layers=args.eagle_layers,
+            intermediate_size=args.intermediate_size,
+            ttt_steps=args.ttt_steps,
+            batch_chunks=args.batch_chunks,
+            level_decay=args.level_decay,
+            feature_weight=args.feature_weight,
+            feature_noise=args.feature_noise,
+            **common,
+        )
     else:
         run = train
-        settings = TrainSettings(num_heads=args.num_heads, depth=args.depth, train_output=args.train_output,
-                                 batch_size=args.batch_size, head_decay=args.head_decay, **common)
+        settings = TrainSettings(
+            num_heads=args.num_heads,
+            depth=args.depth,
+            train_output=args.train_output,
+            batch_size=args.batch_size,
+            head_decay=args.head_decay,
+            **common,
+        )
     try:
         settings.validate()
         if args.checkpoint_every < 1:
@@ -511,10 +659,14 @@ def main(args: argparse.Namespace) -> int:
     training = model.config.training
     if args.kind == "eagle" and model.config.accuracy:
         acc = model.config.accuracy
-        print(f"EAGLE drafter written to {args.out}: held-out top-1 by draft position {acc['top1']}, chain "
-              f"{acc['chain']} -> greedy tokens/step {acc['tokens_per_step']} ({training['seconds']} s)")
+        print(
+            f"EAGLE drafter written to {args.out}: held-out top-1 by draft position {acc['top1']}, chain "
+            f"{acc['chain']} -> greedy tokens/step {acc['tokens_per_step']} ({training['seconds']} s)"
+        )
     elif training.get("held_out"):
         held = training["held_out"]
-        print(f"heads written to {args.out}: held-out top-1 by head {held['top1']}, top-5 {held['top5']} "
-              f"({training['seconds']} s, {training['tokens_seen']} tokens seen)")
+        print(
+            f"heads written to {args.out}: held-out top-1 by head {held['top1']}, top-5 {held['top5']} "
+            f"({training['seconds']} s, {training['tokens_seen']} tokens seen)"
+        )
     return 0

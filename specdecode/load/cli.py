@@ -32,49 +32,98 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = __doc__.split("Example::", 1)[1]
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     target = parser.add_argument_group("endpoints")
-    target.add_argument("--endpoint", action="append", required=True, metavar="[LABEL=]URL",
-                        help="server base URL (http://host:port or .../v1); repeat to compare "
-                             "(up to 8), first = baseline (default labels A, B, C, ...)")
+    target.add_argument(
+        "--endpoint",
+        action="append",
+        required=True,
+        metavar="[LABEL=]URL",
+        help="server base URL (http://host:port or .../v1); repeat to compare "
+        "(up to 8), first = baseline (default labels A, B, C, ...)",
+    )
     target.add_argument("--model", help="model name (default: first of GET /v1/models)")
     target.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
-    target.add_argument("--extra-body", type=_json_object, default={}, metavar="JSON",
-                        help="extra request fields for every endpoint, e.g. "
-                             "'{\"ignore_eos\": true, \"temperature\": 0}'")
-    target.add_argument("--endpoint-body", action="append", default=[], metavar="LABEL=JSON",
-                        help="extra request fields for one endpoint (merged over --extra-body)")
-    target.add_argument("--send-fim-stop", action="store_true",
-                        help="send a fill-in-the-middle prompt's editor rule as specdecode's fim_stop field "
-                             "(exact; other servers may refuse it); default: as OpenAI's stop ['\\n'] for the "
-                             "line rule, nothing for the block rule")
-    target.add_argument("--no-response-format", dest="response_format", action="store_false",
-                        help="do not send a prompt's response_format (json_extract's JSON schema): unconstrained "
-                             "decoding of the same prompts; by default it is sent (not with ignore_eos on our server)")
+    target.add_argument(
+        "--extra-body",
+        type=_json_object,
+        default={},
+        metavar="JSON",
+        help="extra request fields for every endpoint, e.g. '{\"ignore_eos\": true, \"temperature\": 0}'",
+    )
+    target.add_argument(
+        "--endpoint-body",
+        action="append",
+        default=[],
+        metavar="LABEL=JSON",
+        help="extra request fields for one endpoint (merged over --extra-body)",
+    )
+    target.add_argument(
+        "--send-fim-stop",
+        action="store_true",
+        help="send a fill-in-the-middle prompt's editor rule as specdecode's fim_stop field "
+        "(exact; other servers may refuse it); default: as OpenAI's stop ['\\n'] for the "
+        "line rule, nothing for the block rule",
+    )
+    target.add_argument(
+        "--no-response-format",
+        dest="response_format",
+        action="store_false",
+        help="do not send a prompt's response_format (json_extract's JSON schema): unconstrained "
+        "decoding of the same prompts; by default it is sent (not with ignore_eos on our server)",
+    )
     target.add_argument("--request-timeout", type=float, default=300.0, metavar="S")
     work = parser.add_argument_group("workload")
-    work.add_argument("--prompts", default="spec-bench",
-                      help="spec-bench, humaneval[:dev|:test], fim[:dev|:test] (fill-in-the-middle: requests "
-                           "carry OpenAI's suffix), code_edit[:dev|:test], json_extract[:dev|:test] (structured output: "
-                           "requests carry response_format) or a .jsonl file (default: spec-bench)")
+    work.add_argument(
+        "--prompts",
+        default="spec-bench",
+        help="spec-bench, humaneval[:dev|:test], fim[:dev|:test] (fill-in-the-middle: requests "
+        "carry OpenAI's suffix), code_edit[:dev|:test], json_extract[:dev|:test] (structured output: "
+        "requests carry response_format) or a .jsonl file (default: spec-bench)",
+    )
     work.add_argument("--prompts-path", help="Spec-Bench question.jsonl location")
     work.add_argument("--categories", help="comma-separated categories to keep")
-    work.add_argument("--output-len", type=_output_len, metavar="N|LO:HI",
-                      help="max_tokens per request, fixed or uniform in [LO, HI] "
-                           "(default: the prompt's own or 128)")
+    work.add_argument(
+        "--output-len",
+        type=_output_len,
+        metavar="N|LO:HI",
+        help="max_tokens per request, fixed or uniform in [LO, HI] (default: the prompt's own or 128)",
+    )
     work.add_argument("--seed", type=int, default=0)
     sweep = parser.add_argument_group("sweep")
-    sweep.add_argument("--mode", choices=("closed", "open"), default="closed",
-                       help="closed: fixed concurrency; open: Poisson arrivals at a rate")
-    sweep.add_argument("--levels", type=_levels,
-                       help="concurrencies (closed) or requests/s (open), comma-separated "
-                            f"(default: {DEFAULT_LEVELS['closed']} / {DEFAULT_LEVELS['open']})")
+    sweep.add_argument(
+        "--mode",
+        choices=("closed", "open"),
+        default="closed",
+        help="closed: fixed concurrency; open: Poisson arrivals at a rate",
+    )
+    sweep.add_argument(
+        "--levels",
+        type=_levels,
+        help="concurrencies (closed) or requests/s (open), comma-separated "
+        f"(default: {DEFAULT_LEVELS['closed']} / {DEFAULT_LEVELS['open']})",
+    )
     sweep.add_argument("--num-requests", type=int, default=100, help="per level and endpoint")
-    sweep.add_argument("--duration", type=float, default=60.0, metavar="S",
-                       help="time limit per level and endpoint (over all of its --rounds slices)")
-    sweep.add_argument("--rounds", type=int, default=1, metavar="N",
-                       help="cut each level's requests into N slices and alternate the endpoints slice by "
-                            "slice (default 1: each endpoint's level in one stretch)")
-    sweep.add_argument("--time-limit", type=float, default=1800.0, metavar="S",
-                       help="time limit for the whole run; later levels are skipped")
+    sweep.add_argument(
+        "--duration",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="time limit per level and endpoint (over all of its --rounds slices)",
+    )
+    sweep.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        metavar="N",
+        help="cut each level's requests into N slices and alternate the endpoints slice by "
+        "slice (default 1: each endpoint's level in one stretch)",
+    )
+    sweep.add_argument(
+        "--time-limit",
+        type=float,
+        default=1800.0,
+        metavar="S",
+        help="time limit for the whole run; later levels are skipped",
+    )
     sweep.add_argument("--slo-ttft-ms", type=float, help="goodput target for TTFT")
     sweep.add_argument("--slo-tpot-ms", type=float, help="goodput target for TPOT")
     parser.add_argument("--out", type=Path, help="output folder (default: runs/load-<time>)")
@@ -91,14 +140,20 @@ def main(args: argparse.Namespace) -> int:
     try:
         targets = _targets(args)
         categories = args.categories.split(",") if args.categories else None
-        prompts = load_prompt_set(args.prompts, seed=args.seed, categories=categories,
-                                  path=args.prompts_path)
+        prompts = load_prompt_set(args.prompts, seed=args.seed, categories=categories, path=args.prompts_path)
         config = LoadConfig(
-            targets=targets, prompts=prompts, mode=args.mode,
+            targets=targets,
+            prompts=prompts,
+            mode=args.mode,
             levels=args.levels or _levels(DEFAULT_LEVELS[args.mode]),
-            num_requests=args.num_requests, duration_s=args.duration,
-            time_limit_s=args.time_limit, rounds=args.rounds, output_len=args.output_len,
-            request_timeout_s=args.request_timeout, api_key=args.api_key, seed=args.seed,
+            num_requests=args.num_requests,
+            duration_s=args.duration,
+            time_limit_s=args.time_limit,
+            rounds=args.rounds,
+            output_len=args.output_len,
+            request_timeout_s=args.request_timeout,
+            api_key=args.api_key,
+            seed=args.seed,
         )
     except (PromptSetError, ValueError) as exc:
         print(f"specdecode load: error: {exc}", file=sys.stderr)
@@ -132,13 +187,21 @@ def _targets(args: argparse.Namespace) -> list[Any]:
     for item in args.endpoint_body:
         label, sep, text = item.partition("=")
         if not sep or label not in {lbl for lbl, _ in specs}:
-            raise ValueError(f"--endpoint-body {item!r}: expected LABEL=JSON with LABEL one of "
-                             f"{[lbl for lbl, _ in specs]}")
+            raise ValueError(
+                f"--endpoint-body {item!r}: expected LABEL=JSON with LABEL one of {[lbl for lbl, _ in specs]}"
+            )
         bodies[label] = _json_object(text)
-    return [Target(label=label, url=url, model=args.model,
-                   extra_body={**args.extra_body, **bodies.get(label, {})}, fim_stop=args.send_fim_stop,
-                   response_format=args.response_format)
-            for label, url in specs]
+    return [
+        Target(
+            label=label,
+            url=url,
+            model=args.model,
+            extra_body={**args.extra_body, **bodies.get(label, {})},
+            fim_stop=args.send_fim_stop,
+            response_format=args.response_format,
+        )
+        for label, url in specs
+    ]
 
 
 def _split_endpoint(spec: str, default_label: str) -> tuple[str, str]:
@@ -198,6 +261,12 @@ def _progress(disabled: bool, mode: str) -> Any:
             self.errors += not record.ok
             self.update(self.task, advance=1, errors=self.errors)
 
-    return RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("{task.fields[errors]} errors"), TimeElapsedColumn(),
-                        console=Console(stderr=True), disable=disabled)
+    return RichProgress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[errors]} errors"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        disable=disabled,
+    )

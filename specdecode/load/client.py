@@ -69,14 +69,14 @@ async def first_model(client: httpx.AsyncClient) -> str:
         response.raise_for_status()
         return str(response.json()["data"][0]["id"])
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
-        raise LoadError(f"could not read a model name from {client.base_url}/v1/models "
-                        f"({type(exc).__name__}: {exc}); pass --model") from exc
+        raise LoadError(
+            f"could not read a model name from {client.base_url}/v1/models ({type(exc).__name__}: {exc}); pass --model"
+        ) from exc
 
 
 def request_body(target: Target, prompt: Prompt, max_tokens: int) -> tuple[str, dict[str, Any]]:
     """The path and JSON body for one prompt; ``target.extra_body`` overrides the defaults."""
-    body: dict[str, Any] = {"model": target.model, "max_tokens": max_tokens,
-                            "stream_options": {"include_usage": True}}
+    body: dict[str, Any] = {"model": target.model, "max_tokens": max_tokens, "stream_options": {"include_usage": True}}
     if prompt.kind == "chat":
         path, body["messages"] = "/v1/chat/completions", prompt.messages
     else:
@@ -106,8 +106,9 @@ async def stream_request(
     """Send one request and time it; never raises for server or network trouble."""
     path, body = request_body(target, prompt, max_tokens)
     t_start = time.perf_counter()
-    record = RequestRecord(index=index, prompt_id=prompt.id, kind=prompt.kind,
-                           max_tokens=max_tokens, start_s=t_start - level_t0)
+    record = RequestRecord(
+        index=index, prompt_id=prompt.id, kind=prompt.kind, max_tokens=max_tokens, start_s=t_start - level_t0
+    )
     try:
         async with asyncio.timeout(timeout_s):
             async with client.stream("POST", path, json=body) as response:
@@ -129,7 +130,7 @@ async def _read_stream(response: httpx.Response, record: RequestRecord, t_start:
     async for line in response.aiter_lines():
         if not line.startswith("data:"):
             continue  # blank separators, ": keep-alive" comments, "event:" lines
-        data = line[len("data:"):].strip()
+        data = line[len("data:") :].strip()
         if data == "[DONE]":
             _finish(record, t_start)
             return
@@ -160,8 +161,9 @@ def _has_content(chunk: dict[str, Any]) -> bool:
         return False
     choice = choices[0]
     delta = choice.get("delta") or {}
-    return any(isinstance(t, str) and t for t in
-               (choice.get("text"), delta.get("content"), delta.get("reasoning_content")))
+    return any(
+        isinstance(t, str) and t for t in (choice.get("text"), delta.get("content"), delta.get("reasoning_content"))
+    )
 
 
 SERVER_TIMING = ("queue_time_s", "prefill_time_s", "time_to_first_token_s")  # specdecode's usage extension

@@ -31,8 +31,7 @@ class Report:
 
 
 def build_report(result: SweepResult, slo: Slo) -> Report:
-    summaries = {label: [stats.summarize(run, slo) for run in result.runs_for(label)]
-                 for label in result.labels}
+    summaries = {label: [stats.summarize(run, slo) for run in result.runs_for(label)] for label in result.labels}
     lists = list(summaries.values())
     comparisons = [stats.compare(lists[0], other) for other in lists[1:]]
     if result.labels:
@@ -43,16 +42,19 @@ def build_report(result: SweepResult, slo: Slo) -> Report:
     return Report(summaries, comparisons)
 
 
-def write_outputs(
-    result: SweepResult, config: LoadConfig, slo: Slo, out_dir: Path, prompt_set: str = ""
-) -> Report:
+def write_outputs(result: SweepResult, config: LoadConfig, slo: Slo, out_dir: Path, prompt_set: str = "") -> Report:
     out_dir.mkdir(parents=True, exist_ok=True)
     report = build_report(result, slo)
     with (out_dir / "requests.jsonl").open("w", encoding="utf-8") as fh:
         for run in result.levels:
             for record in run.records:
-                row = {"endpoint": run.label, "level": run.level, "mode": run.mode,
-                       **dataclasses.asdict(record), "tpot_s": record.tpot_s}
+                row = {
+                    "endpoint": run.label,
+                    "level": run.level,
+                    "mode": run.mode,
+                    **dataclasses.asdict(record),
+                    "tpot_s": record.tpot_s,
+                }
                 fh.write(json.dumps(row) + "\n")
     summary = {
         "config": config_dict(config, slo, prompt_set),
@@ -72,8 +74,17 @@ def write_outputs(
 
 def config_dict(config: LoadConfig, slo: Slo, prompt_set: str) -> dict[str, Any]:
     """The run's settings as JSON (never the API key)."""
-    fields = ("mode", "levels", "num_requests", "rounds", "duration_s", "time_limit_s", "output_len",
-              "request_timeout_s", "seed")
+    fields = (
+        "mode",
+        "levels",
+        "num_requests",
+        "rounds",
+        "duration_s",
+        "time_limit_s",
+        "output_len",
+        "request_timeout_s",
+        "seed",
+    )
     return {
         **{name: getattr(config, name) for name in fields},
         "prompt_set": prompt_set,
@@ -95,11 +106,18 @@ def markdown(result: SweepResult, config: LoadConfig, report: Report) -> str:
     if result.skipped:
         skipped = ", ".join(f"{label}@{level:g}" for label, level in result.skipped)
         lines += [f"Skipped by the {config.time_limit_s:g} s time limit: {skipped}.", ""]
-    rounds = (f", the endpoints alternating in {config.rounds} rounds of the level's requests"
-              if config.rounds > 1 and len(result.endpoints) > 1 else "")
-    lines += [f"{config.num_requests} requests and at most {config.duration_s:g} s per level{rounds}; "
-              f"{len(config.prompts)} prompts; seed {config.seed}.", "",
-              "| endpoint | url | model |", "|---|---|---|"]
+    rounds = (
+        f", the endpoints alternating in {config.rounds} rounds of the level's requests"
+        if config.rounds > 1 and len(result.endpoints) > 1
+        else ""
+    )
+    lines += [
+        f"{config.num_requests} requests and at most {config.duration_s:g} s per level{rounds}; "
+        f"{len(config.prompts)} prompts; seed {config.seed}.",
+        "",
+        "| endpoint | url | model |",
+        "|---|---|---|",
+    ]
     lines += [f"| {label} | {e['url']} | {e['model']} |" for label, e in result.endpoints.items()]
     lines += ["", "## Results", "", *_results_table(report, level_name(config.mode))]
     lines += _server_table(report, level_name(config.mode))
@@ -125,11 +143,13 @@ def _num(value: float | None, fmt: str = ".2f") -> str:
 
 
 def _results_table(report: Report, level: str) -> list[str]:
-    rows = ["Latencies are p50 / p90 / p99 in milliseconds; goodput is requests/s within the SLOs.",
-            "",
-            f"| endpoint | {level} | done | cancelled | errors | req/s | output tok/s | goodput "
-            "| TTFT | TPOT | ITL | latency | acceptance | tok/step |",
-            "|---" * 14 + "|"]
+    rows = [
+        "Latencies are p50 / p90 / p99 in milliseconds; goodput is requests/s within the SLOs.",
+        "",
+        f"| endpoint | {level} | done | cancelled | errors | req/s | output tok/s | goodput "
+        "| TTFT | TPOT | ITL | latency | acceptance | tok/step |",
+        "|---" * 14 + "|",
+    ]
     for summary in (s for runs in report.summaries.values() for s in runs):
         errors = ", ".join(f"{k}: {v}" for k, v in sorted(summary.errors.items())) or "0"
         spec = summary.speculation or {}
@@ -149,8 +169,13 @@ def _choices_table(report: Report, level: str) -> list[str]:
     summaries = [s for runs in report.summaries.values() for s in runs if (s.speculation or {}).get("choices")]
     if not summaries:
         return []
-    rows = ["", "Draft choices reported by the server (`--draft-policy auto`; share of target steps):", "",
-            f"| endpoint | {level} | choices |", "|---" * 3 + "|"]
+    rows = [
+        "",
+        "Draft choices reported by the server (`--draft-policy auto`; share of target steps):",
+        "",
+        f"| endpoint | {level} | choices |",
+        "|---" * 3 + "|",
+    ]
     for s in summaries:
         counts = s.speculation["choices"]
         total = sum(counts.values()) or 1
@@ -164,31 +189,51 @@ def _server_table(report: Report, level: str) -> list[str]:
     summaries = [s for runs in report.summaries.values() for s in runs if s.server_ttft is not None]
     if not summaries:
         return []
-    rows = ["", "Server-side times (from the usage extension; p50 / p90 / p99 in milliseconds, from arrival at "
-            "the server):", "", f"| endpoint | {level} | queue | prefill | TTFT |", "|---" * 5 + "|"]
-    rows += [f"| {s.label} | {s.level:g} | {_ms(s.server_queue)} | {_ms(s.server_prefill)} | {_ms(s.server_ttft)} |"
-             for s in summaries]
+    rows = [
+        "",
+        "Server-side times (from the usage extension; p50 / p90 / p99 in milliseconds, from arrival at the server):",
+        "",
+        f"| endpoint | {level} | queue | prefill | TTFT |",
+        "|---" * 5 + "|",
+    ]
+    rows += [
+        f"| {s.label} | {s.level:g} | {_ms(s.server_queue)} | {_ms(s.server_prefill)} | {_ms(s.server_ttft)} |"
+        for s in summaries
+    ]
     return rows
 
 
 def _comparison_section(comparison: Comparison, level: str) -> list[str]:
     names = [(name, label) for name, label, _ in stats.RATIO_METRICS]
-    lines = [f"## {comparison.candidate} / {comparison.baseline}", "",
-             "Ratios above 1.0 mean the candidate is higher (better for throughput, worse for "
-             "latency).", "",
-             f"| {level} | " + " | ".join(label for _, label in names) + " |",
-             "|---" * (len(names) + 1) + "|"]
+    lines = [
+        f"## {comparison.candidate} / {comparison.baseline}",
+        "",
+        "Ratios above 1.0 mean the candidate is higher (better for throughput, worse for latency).",
+        "",
+        f"| {level} | " + " | ".join(label for _, label in names) + " |",
+        "|---" * (len(names) + 1) + "|",
+    ]
     for i, lvl in enumerate(comparison.levels):
         cells = " | ".join(_num(comparison.ratios[name][i], ".3f") for name, _ in names)
         lines.append(f"| {lvl:g} | {cells} |")
     if comparison.paired:
-        lines += ["", "Paired by request (request i of both is the same prompt; median over the pairs of "
-                  "candidate / baseline, [95 % interval of that median]):", "",
-                  f"| {level} | pairs | TTFT | TPOT | latency |", "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Paired by request (request i of both is the same prompt; median over the pairs of "
+            "candidate / baseline, [95 % interval of that median]):",
+            "",
+            f"| {level} | pairs | TTFT | TPOT | latency |",
+            "|---|---|---|---|---|",
+        ]
         for lvl, pair in zip(comparison.levels, comparison.paired):
-            lines.append(f"| {lvl:g} | {int(pair['n'] or 0)} | " + " | ".join(
-                _num(pair[name], ".3f") + _interval(pair.get(f"{name}_lo"), pair.get(f"{name}_hi"))
-                for name, _ in stats.PAIRED_METRICS) + " |")
+            lines.append(
+                f"| {lvl:g} | {int(pair['n'] or 0)} | "
+                + " | ".join(
+                    _num(pair[name], ".3f") + _interval(pair.get(f"{name}_lo"), pair.get(f"{name}_hi"))
+                    for name, _ in stats.PAIRED_METRICS
+                )
+                + " |"
+            )
     lines += ["", "Crossover (first level where the ratio flips past 1.0):", ""]
     for name, label in names:
         point = comparison.crossover[name]
@@ -205,8 +250,7 @@ def plot(report: Report, mode: str, out_dir: Path) -> None:
     import matplotlib.pyplot as plt
 
     panels = {
-        "throughput": [("output_throughput", "output tokens/s"), ("request_throughput",
-                                                                  "requests/s")],
+        "throughput": [("output_throughput", "output tokens/s"), ("request_throughput", "requests/s")],
         "latency": [("ttft", "TTFT (s)"), ("tpot", "TPOT (s)"), ("latency", "latency (s)")],
     }
     for name, metrics in panels.items():
@@ -229,13 +273,11 @@ def plot(report: Report, mode: str, out_dir: Path) -> None:
         plt.close(fig)
 
 
-def _plot_metric(ax: Any, runs: list[LevelSummary], metric: str, label: str, color: str,
-                 distribution: bool) -> None:
+def _plot_metric(ax: Any, runs: list[LevelSummary], metric: str, label: str, color: str, distribution: bool) -> None:
     keys = [("p50", "-"), ("p99", "--")] if distribution else [("", "-")]
     for key, style in keys:
         name = f"{metric}.{key}" if key else metric
         points = [(s.level, v) for s in runs if (v := s.metric(name)) is not None]
         if points:
             xs, ys = zip(*points)
-            ax.plot(xs, ys, style, marker="o", color=color,
-                    label=f"{label} {key}".strip())
+            ax.plot(xs, ys, style, marker="o", color=color, label=f"{label} {key}".strip())

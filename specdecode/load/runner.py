@@ -78,8 +78,9 @@ class LoadConfig:
         if self.num_requests < 1 or self.duration_s <= 0 or self.time_limit_s <= 0:
             raise ValueError("num_requests, duration_s and time_limit_s must be positive")
         if not 1 <= self.rounds <= self.num_requests:
-            raise ValueError(f"rounds must be between 1 and the number of requests ({self.num_requests}), "
-                             f"got {self.rounds}")
+            raise ValueError(
+                f"rounds must be between 1 and the number of requests ({self.num_requests}), got {self.rounds}"
+            )
 
 
 class Progress(Protocol):
@@ -186,8 +187,9 @@ async def _sweep(config: LoadConfig, result: SweepResult, progress: Progress, st
                     progress.level_started(run, config.num_requests)
                 elif run.hit_time_limit or loop.time() >= deadline:
                     continue  # its level's (or the run's) time is up: the later slices are not issued
-                stop.level_task = asyncio.ensure_future(run_level(clients[target.label], target, plan, config, run,
-                                                                  deadline, progress, stop, part))
+                stop.level_task = asyncio.ensure_future(
+                    run_level(clients[target.label], target, plan, config, run, deadline, progress, stop, part)
+                )
                 try:
                     await stop.level_task
                 except asyncio.CancelledError:
@@ -232,8 +234,7 @@ async def run_level(
     async def one(index: int) -> None:
         prompt, max_tokens = plan[index]
         run.issued += 1
-        record = await stream_request(client, target, prompt, max_tokens, index, t0,
-                                      config.request_timeout_s)
+        record = await stream_request(client, target, prompt, max_tokens, index, t0, config.request_timeout_s)
         run.records.append(record)
         progress.request_done(run, record)
 

@@ -157,8 +157,7 @@ def speculation_totals(records: Sequence[RequestRecord]) -> dict[str, Any] | Non
         return None
     drafted = sum(int(s.get("drafted", 0)) for _, s in reports)
     accepted = sum(int(s.get("accepted", 0)) for _, s in reports)
-    steps = [(n, n / s["tokens_per_step"]) for n, s in reports
-             if n > 0 and float(s.get("tokens_per_step") or 0) > 0]
+    steps = [(n, n / s["tokens_per_step"]) for n, s in reports if n > 0 and float(s.get("tokens_per_step") or 0) > 0]
     totals: dict[str, Any] = {"requests": len(reports), "drafted": drafted, "accepted": accepted}
     if drafted:
         totals["acceptance_rate"] = accepted / drafted
@@ -191,8 +190,7 @@ def compare(baseline: Sequence[LevelSummary], candidate: Sequence[LevelSummary])
     by_level = {s.level: s for s in candidate}
     pairs = [(a, by_level[a.level]) for a in baseline if a.level in by_level]
     levels = [a.level for a, _ in pairs]
-    ratios = {name: [_ratio(b.metric(name), a.metric(name)) for a, b in pairs]
-              for name, _, _ in RATIO_METRICS}
+    ratios = {name: [_ratio(b.metric(name), a.metric(name)) for a, b in pairs] for name, _, _ in RATIO_METRICS}
     return Comparison(
         baseline=baseline[0].label if baseline else "",
         candidate=candidate[0].label if candidate else "",
@@ -231,8 +229,11 @@ def paired(baseline: LevelRun, candidate: LevelRun) -> dict[str, float | None]:
     pairs = [(theirs[r.index], r) for r in candidate.records if r.ok and r.index in theirs]
     out: dict[str, float | None] = {"n": float(len(pairs))}
     for name, attr in PAIRED_METRICS:
-        ratios = [c / b for b, c in ((getattr(x, attr), getattr(y, attr)) for x, y in pairs)
-                  if b is not None and c is not None and b > 0]
+        ratios = [
+            c / b
+            for b, c in ((getattr(x, attr), getattr(y, attr)) for x, y in pairs)
+            if b is not None and c is not None and b > 0
+        ]
         out[name] = float(np.median(ratios)) if ratios else None
         ci = median_ci(ratios)
         out[f"{name}_lo"], out[f"{name}_hi"] = ci if ci is not None else (None, None)

@@ -83,17 +83,30 @@ class Runner:
         """Make room for at least ``num_slots`` slots of ``max_len`` positions (may drop cached K/V)."""
         raise NotImplementedError
 
-    def prefill(self, slots: Sequence[int], prompts: Sequence[list[int]], layers: Sequence[int] = (),
-                starts: Sequence[int] | None = None) -> list[Features]:
+    def prefill(
+        self,
+        slots: Sequence[int],
+        prompts: Sequence[list[int]],
+        layers: Sequence[int] = (),
+        starts: Sequence[int] | None = None,
+    ) -> list[Features]:
         """Write each prompt's K/V at positions ``starts[i]..starts[i]+len-1`` of its slot (default 0;
         the slot's positions before ``starts[i]`` stay as they are and are attended to: a prompt in
         chunks); per prompt, the requested layers' hidden states ``[len, H]`` (empty dicts when
         ``layers`` is empty)."""
         raise NotImplementedError
 
-    def forward(self, slots: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, *,
-                write_positions: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
-                tree_start: torch.Tensor | None = None, layers: Sequence[int] = ()) -> ForwardOutput:
+    def forward(
+        self,
+        slots: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        write_positions: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
+        tree_start: torch.Tensor | None = None,
+        layers: Sequence[int] = (),
+    ) -> ForwardOutput:
         """``slots`` [B], ``input_ids``/``positions``/``write_positions`` [B, q], ``tree_mask`` [B, q, W],
         ``tree_start`` [B]."""
         raise NotImplementedError

@@ -104,8 +104,15 @@ def choose(classes: list[tuple[int, ...]], workload: tuple[int, ...], seconds: d
     return min(plans, key=lambda p: sum(p.cost(n, seconds) for n in workload))
 
 
-def timings(run: Callable[[torch.Tensor], torch.Tensor], lead: tuple[int, ...], width: int, sizes: tuple[int, ...],
-            dtype: torch.dtype, device: torch.device, repeats: int = 3) -> dict[int, float]:
+def timings(
+    run: Callable[[torch.Tensor], torch.Tensor],
+    lead: tuple[int, ...],
+    width: int,
+    sizes: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    repeats: int = 3,
+) -> dict[int, float]:
     """Median seconds of one call of each row count (after a warm-up call)."""
     out = {}
     for m in sizes:
@@ -129,8 +136,14 @@ PROBE_VALUES = 150_000
 PROBE_ROWS = (12, 512)
 
 
-def probe(run: Callable[[torch.Tensor], torch.Tensor], lead: tuple[int, ...], width: int,
-          candidates: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> list[tuple[int, ...]]:
+def probe(
+    run: Callable[[torch.Tensor], torch.Tensor],
+    lead: tuple[int, ...],
+    width: int,
+    candidates: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[tuple[int, ...]]:
     """Classes of ``candidates``: row counts at which ``run`` (rows ``[*lead, m, width]`` -> ``[*lead, m, N]``)
     gives each of many probe rows (:data:`PROBE_VALUES`) the same bits in two arrangements (other positions,
     other neighbours; with a leading batch dimension, also alone in a batch of one), and row counts
@@ -145,15 +158,15 @@ def probe(run: Callable[[torch.Tensor], torch.Tensor], lead: tuple[int, ...], wi
         for flip in (False, True):
             out = []
             for lo in range(0, n, m):
-                part = probes[..., lo: lo + m, :]
+                part = probes[..., lo : lo + m, :]
                 k = part.shape[-2]
                 fill = torch.randn(*lead, m - k, width, generator=g).to(device, dtype)
                 rows = torch.cat([fill, part.flip(-2)] if flip else [part, fill], dim=-2).contiguous()
                 got = run(rows)
-                got = got[..., m - k:, :].flip(-2) if flip else got[..., :k, :]
+                got = got[..., m - k :, :].flip(-2) if flip else got[..., :k, :]
                 if lead and flip:  # the first batch entry computed alone
                     alone = run(rows[:1].contiguous())
-                    alone = alone[..., m - k:, :].flip(-2) if flip else alone[..., :k, :]
+                    alone = alone[..., m - k :, :].flip(-2) if flip else alone[..., :k, :]
                     got = torch.cat([alone, got[1:]])
                 out.append(got)
             arrangements.append(torch.cat(out, dim=-2))
@@ -205,10 +218,19 @@ def _remember(key: str, plan: RowPlan) -> None:
         pass
 
 
-def _key(kind: str, shape: tuple, mode: str, dtype: torch.dtype, device: torch.device,
-         workload: tuple[int, ...]) -> tuple:
+def _key(
+    kind: str, shape: tuple, mode: str, dtype: torch.dtype, device: torch.device, workload: tuple[int, ...]
+) -> tuple:
     """The in-memory key of a plan (a prefill's plan is for :data:`BULK_WORKLOAD` whatever the role)."""
-    return (kind, shape, mode, dtype, str(device), torch.get_num_threads(), BULK_WORKLOAD if mode == "bulk" else workload)
+    return (
+        kind,
+        shape,
+        mode,
+        dtype,
+        str(device),
+        torch.get_num_threads(),
+        BULK_WORKLOAD if mode == "bulk" else workload,
+    )
 
 
 @dataclass(frozen=True)
@@ -232,8 +254,23 @@ class _Need:
     @property
     def disk_key(self) -> str:
         kind, shape, mode, dtype, _, threads, workload = self.key
-        return "|".join(map(str, (PLAN_FORMAT, kind, shape, mode, dtype, self.device, threads,
-                                  hash_workload(workload), torch.__version__, _processor())))
+        return "|".join(
+            map(
+                str,
+                (
+                    PLAN_FORMAT,
+                    kind,
+                    shape,
+                    mode,
+                    dtype,
+                    self.device,
+                    threads,
+                    hash_workload(workload),
+                    torch.__version__,
+                    _processor(),
+                ),
+            )
+        )
 
     def known(self) -> RowPlan | None:
         plan = _PLANS.get(self.key)
@@ -245,11 +282,15 @@ class _Need:
         sizes = BULK_SIZES if self.mode == "bulk" else STEP_SIZES
         classes = probe(self.run, self.lead, self.width, sizes, self.dtype, self.device)
         if not classes:
-            raise InvarianceError(f"batch-invariant mode: {self.kind} {self.shape} in {self.dtype} on {self.device}: "
-                                  "no row count gives position-independent rows")
-        plan = choose(classes, self.key[-1],
-                      timings(self.run, self.lead, self.width, tuple(m for c in classes for m in c), self.dtype,
-                              self.device))
+            raise InvarianceError(
+                f"batch-invariant mode: {self.kind} {self.shape} in {self.dtype} on {self.device}: "
+                "no row count gives position-independent rows"
+            )
+        plan = choose(
+            classes,
+            self.key[-1],
+            timings(self.run, self.lead, self.width, tuple(m for c in classes for m in c), self.dtype, self.device),
+        )
         _remember(self.disk_key, plan)
         _PLANS[self.key] = plan
         return plan
@@ -257,15 +298,20 @@ class _Need:
     def cost(self) -> float:
         """A relative guess of what probing it takes (for the progress bar's ETA)."""
         return float(math.prod(self.shape[0]) if self.kind == "linear" else math.prod(self.shape)) * (
-            sum(BULK_SIZES) if self.mode == "bulk" else sum(STEP_SIZES))
+            sum(BULK_SIZES) if self.mode == "bulk" else sum(STEP_SIZES)
+        )
 
 
 def _plan(need: _Need) -> RowPlan:
     """The plan for ``need``: known, read from disk, or probed now."""
     plan = need.known()
     if plan is None:  # a shape :func:`prepare` did not foresee: probed on first use
-        print(f"batch-invariant mode: probing {need.kind} {need.shape} {str(need.dtype).removeprefix('torch.')} "
-              f"rows on this machine ({need.mode}; once: cached in {_cache_file()})", file=sys.stderr, flush=True)
+        print(
+            f"batch-invariant mode: probing {need.kind} {need.shape} {str(need.dtype).removeprefix('torch.')} "
+            f"rows on this machine ({need.mode}; once: cached in {_cache_file()})",
+            file=sys.stderr,
+            flush=True,
+        )
         plan = need.measure()
     return plan
 
@@ -274,19 +320,39 @@ def _mode() -> str:
     return "bulk" if _BULK.get() else "step"
 
 
-def _linear_need(weight: torch.Tensor, bias: torch.Tensor | None, workload: tuple[int, ...], mode: str,
-                 dtype: torch.dtype | None = None) -> _Need:
+def _linear_need(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    workload: tuple[int, ...],
+    mode: str,
+    dtype: torch.dtype | None = None,
+) -> _Need:
     def run(rows: torch.Tensor) -> torch.Tensor:
         return F.linear(rows, weight, bias)
 
-    return _Need("linear", (tuple(weight.shape), bias is not None), dtype or weight.dtype, weight.device, workload,
-                 run, (), weight.shape[-1], mode)
+    return _Need(
+        "linear",
+        (tuple(weight.shape), bias is not None),
+        dtype or weight.dtype,
+        weight.device,
+        workload,
+        run,
+        (),
+        weight.shape[-1],
+        mode,
+    )
 
 
-def _bmm_need(shape: tuple[int, int], device: torch.device, workload: tuple[int, ...], mode: str,
-              dtype: torch.dtype = torch.float32) -> _Need:
+def _bmm_need(
+    shape: tuple[int, int],
+    device: torch.device,
+    workload: tuple[int, ...],
+    mode: str,
+    dtype: torch.dtype = torch.float32,
+) -> _Need:
     """``[G, M, K] @ [G, K, N]`` with ``shape = (K, N)`` (attention computes it in float32), probed against
     random right-hand sides."""
+
     def probe_run(rows: torch.Tensor) -> torch.Tensor:
         other = torch.randn(rows.shape[0], *shape, generator=torch.Generator().manual_seed(1))
         return torch.bmm(rows, other.to(rows.device, rows.dtype))
@@ -326,10 +392,15 @@ def prepare(model: torch.nn.Module, progress: bool = True) -> int:
     todo = [n for n in needs(model) if n.known() is None]
     if not todo:
         return 0
-    with tqdm(total=sum(n.cost() for n in todo), disable=not progress, file=sys.stderr, mininterval=1.0,
-              desc=f"batch-invariant mode: probing {len(todo)} kernel shapes on this machine (once; cached in "
-                   f"{_cache_file().parent})",
-              bar_format="{desc}: {percentage:3.0f}%|{bar:20}| {elapsed}<{remaining}") as bar:
+    with tqdm(
+        total=sum(n.cost() for n in todo),
+        disable=not progress,
+        file=sys.stderr,
+        mininterval=1.0,
+        desc=f"batch-invariant mode: probing {len(todo)} kernel shapes on this machine (once; cached in "
+        f"{_cache_file().parent})",
+        bar_format="{desc}: {percentage:3.0f}%|{bar:20}| {elapsed}<{remaining}",
+    ) as bar:
         for need in todo:
             need.measure()
             bar.update(need.cost())
@@ -350,8 +421,10 @@ def _processor() -> str:
 
 def plans() -> dict[str, tuple[int, ...]]:
     """The plans chosen so far, for reports: ``"linear (N, K) step float32" -> sizes``."""
-    return {f"{k[0]} {k[1]} {k[2]} {str(k[3]).removeprefix('torch.')} workload {hash_workload(k[6])}": p.sizes
-            for k, p in _PLANS.items()}
+    return {
+        f"{k[0]} {k[1]} {k[2]} {str(k[3]).removeprefix('torch.')} workload {hash_workload(k[6])}": p.sizes
+        for k, p in _PLANS.items()
+    }
 
 
 def _by_plan(rows: torch.Tensor, plan: RowPlan, run: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -362,14 +435,15 @@ def _by_plan(rows: torch.Tensor, plan: RowPlan, run: Callable[[torch.Tensor], to
         return run(rows)
     for count, size in plan.chunks(n):
         buf = rows.new_zeros(*rows.shape[:-2], size, rows.shape[-1])
-        buf[..., :count, :] = rows[..., lo: lo + count, :]
+        buf[..., :count, :] = rows[..., lo : lo + count, :]
         outs.append(run(buf)[..., :count, :])
         lo += count
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           workload: tuple[int, ...] = TARGET_WORKLOAD) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, workload: tuple[int, ...] = TARGET_WORKLOAD
+) -> torch.Tensor:
     def run(rows: torch.Tensor) -> torch.Tensor:
         return F.linear(rows, weight, bias)
 
@@ -403,9 +477,17 @@ class InvariantLinear(torch.nn.Linear):
         return linear(x, self.weight, self.bias, self.workload)
 
 
-def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-              softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+def attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """Hugging Face attention interface: ``query [B, h, q, d]``, ``key/value [B, kv_heads, L, d]``,
     ``attention_mask [B, 1, q, L]`` (bool: visible, or additive float) -> ``[B, q, h, d]``."""
     if softcap:
@@ -416,7 +498,7 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     kv_heads, length = key.shape[1], key.shape[2]
     groups = heads // kv_heads
     workload = getattr(module, "_specdecode_workload", TARGET_WORKLOAD)
-    scaling = d ** -0.5 if scaling is None else scaling
+    scaling = d**-0.5 if scaling is None else scaling
     blocks = max(1, math.ceil(length / BLOCK))
     pad = blocks * BLOCK - length
     if attention_mask is None:
@@ -473,7 +555,9 @@ def enable(model: torch.nn.Module, workload: tuple[int, ...] = TARGET_WORKLOAD) 
         config = getattr(m, "config", None)
         if config is not None and hasattr(config, "_attn_implementation"):
             if getattr(config, "attn_logit_softcapping", None):
-                raise ValueError(f"{config.model_type}: attention soft-capping is not supported by batch-invariant mode")
+                raise ValueError(
+                    f"{config.model_type}: attention soft-capping is not supported by batch-invariant mode"
+                )
             register()
             if config._attn_implementation != NAME:
                 config._specdecode_plain_attention = config._attn_implementation

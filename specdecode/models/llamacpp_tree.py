@@ -40,10 +40,12 @@ class TreeUnsupported(UserError, ValueError):
 def check_ids(batch: int, leaves_per_row: int, what: str) -> None:
     """Refuse, before anything runs, a batch whose trees could need more sequence ids than a context has."""
     if batch * (1 + leaves_per_row) > MAX_SEQ:
-        raise TreeUnsupported(f"trees on llama.cpp: {what} may need {leaves_per_row} sequence ids per row beside each "
-                              f"slot's own, {batch * (1 + leaves_per_row)} for a batch of {batch}, more than the "
-                              f"{MAX_SEQ} a llama.cpp context has; lower --max-batch-size, --tree-nodes, --tree-topk "
-                              "or the draft length")
+        raise TreeUnsupported(
+            f"trees on llama.cpp: {what} may need {leaves_per_row} sequence ids per row beside each "
+            f"slot's own, {batch * (1 + leaves_per_row)} for a batch of {batch}, more than the "
+            f"{MAX_SEQ} a llama.cpp context has; lower --max-batch-size, --tree-nodes, --tree-topk "
+            "or the draft length"
+        )
 
 
 @dataclass(frozen=True)
@@ -68,8 +70,10 @@ class NodeTable:
 
     def __init__(self, num_slots: int) -> None:
         if num_slots >= MAX_SEQ:
-            raise TreeUnsupported(f"trees on llama.cpp need sequence ids for tree paths beside the slots' ids: at "
-                                  f"most {MAX_SEQ - 1} slots, asked for {num_slots}")
+            raise TreeUnsupported(
+                f"trees on llama.cpp need sequence ids for tree paths beside the slots' ids: at "
+                f"most {MAX_SEQ - 1} slots, asked for {num_slots}"
+            )
         self.num_slots = num_slots
         self.nodes: list[dict[int, Node]] = [{} for _ in range(num_slots)]
         self._free = list(range(MAX_SEQ - 1, num_slots - 1, -1))  # pop() takes the smallest
@@ -80,8 +84,15 @@ class NodeTable:
     def free_ids(self) -> int:
         return len(self._free)
 
-    def plan(self, slot: int, committed: int, writes: list[int], tokens: list[int], positions: list[int],
-             visible: list[set[int]]) -> RowPlan:
+    def plan(
+        self,
+        slot: int,
+        committed: int,
+        writes: list[int],
+        tokens: list[int],
+        positions: list[int],
+        visible: list[set[int]],
+    ) -> RowPlan:
         """Plan a tree forward of one row: query ``i`` writes ``tokens[i]`` at write index ``writes[i]``
         with RoPE position ``positions[i]`` and sees the nodes at the write indices ``visible[i]`` (of
         the window past the ``committed`` cells; itself implied)."""
@@ -89,8 +100,9 @@ class NodeTable:
         first: dict[int, int] = {}
         for i, w in enumerate(writes):
             if w < committed:
-                raise TreeUnsupported(f"a tree node written at {w} would overwrite slot {slot}'s committed cache "
-                                      f"(length {committed})")
+                raise TreeUnsupported(
+                    f"a tree node written at {w} would overwrite slot {slot}'s committed cache (length {committed})"
+                )
             j = first.setdefault(w, i)
             if j != i and (tokens[j], positions[j], visible[j] - {w}) != (tokens[i], positions[i], visible[i] - {w}):
                 raise TreeUnsupported(f"two different tree nodes at write index {w} in one forward")
@@ -109,13 +121,16 @@ class NodeTable:
             cached = view - new
             missing = cached - kept.keys()
             if missing:
-                raise TreeUnsupported(f"the tree mask of slot {slot} names write indices {sorted(missing)} that hold "
-                                      "no tree node")
+                raise TreeUnsupported(
+                    f"the tree mask of slot {slot} names write indices {sorted(missing)} that hold no tree node"
+                )
             path = sorted([positions[first[v]] for v in view & new] + [kept[v].pos for v in cached])
             if path != list(range(committed, p + 1)):
-                raise TreeUnsupported("llama.cpp verifies trees whose nodes see exactly one node per position from the "
-                                      f"committed length {committed} to their own ({p}); slot {slot} asked for "
-                                      f"positions {path}")
+                raise TreeUnsupported(
+                    "llama.cpp verifies trees whose nodes see exactly one node per position from the "
+                    f"committed length {committed} to their own ({p}); slot {slot} asked for "
+                    f"positions {path}"
+                )
             if cached:
                 top = max(cached, key=lambda v: kept[v].pos)
                 if kept[top].sees != cached:
@@ -145,9 +160,11 @@ class NodeTable:
                 plan.drop.append((seq, -1))
                 freed.append(seq)
         if len(leaves) > len(self._free) + len(freed):
-            raise TreeUnsupported(f"a tree forward with {len(leaves)} leaves needs more llama.cpp sequence ids than are "
-                                  f"free ({len(self._free) + len(freed)} of {MAX_SEQ}, {self.num_slots} taken by slots): "
-                                  "fewer tree nodes or a smaller batch")
+            raise TreeUnsupported(
+                f"a tree forward with {len(leaves)} leaves needs more llama.cpp sequence ids than are "
+                f"free ({len(self._free) + len(freed)} of {MAX_SEQ}, {self.num_slots} taken by slots): "
+                "fewer tree nodes or a smaller batch"
+            )
         for v in stale:
             del nodes[v]
         self._free = sorted(self._free + freed, reverse=True)
@@ -174,12 +191,14 @@ class NodeTable:
             return None
         nodes = self.nodes[slot]
         if any(w not in nodes for w in writes):
-            raise TreeUnsupported(f"slot {slot} holds no tree node at write indices "
-                                  f"{sorted(w for w in writes if w not in nodes)}")
+            raise TreeUnsupported(
+                f"slot {slot} holds no tree node at write indices {sorted(w for w in writes if w not in nodes)}"
+            )
         last = nodes[writes[-1]]
         path = sorted(last.sees, key=lambda v: nodes[v].pos)
-        if path[len(path) - len(writes):] != list(writes) or [nodes[v].pos for v in path] != list(
-                range(committed, last.pos + 1)):
+        if path[len(path) - len(writes) :] != list(writes) or [nodes[v].pos for v in path] != list(
+            range(committed, last.pos + 1)
+        ):
             raise TreeUnsupported(f"write indices {list(writes)} of slot {slot} are not a branch of its tree")
         return last.seq, committed, last.pos + 1
 

@@ -114,8 +114,10 @@ def resolve(spec: str) -> ResolvedSpec:
     if _looks_like_path(spec):
         raise ModelNotFoundError(f"{spec!r}: no such file or directory")
     if not HUB_ID.fullmatch(spec):
-        raise ModelNotFoundError(f"{spec!r} is not a local path, a registered alias or a hub id (owner/name); see "
-                                 "`specdecode models list`, or `specdecode models fetch qwen2.5-coder` for the known pair")
+        raise ModelNotFoundError(
+            f"{spec!r} is not a local path, a registered alias or a hub id (owner/name); see "
+            "`specdecode models list`, or `specdecode models fetch qwen2.5-coder` for the known pair"
+        )
     return ResolvedSpec(spec, "hub")
 
 
@@ -166,7 +168,9 @@ def _convert_into(gguf: Path, out: Path, dtype_name: str) -> None:
     from transformers.utils import is_accelerate_available
 
     if not is_accelerate_available():
-        raise RuntimeError("converting a GGUF file needs `accelerate` (transformers requires it): pip install accelerate")
+        raise RuntimeError(
+            "converting a GGUF file needs `accelerate` (transformers requires it): pip install accelerate"
+        )
     dtype = getattr(torch, dtype_name)
     stat = gguf.stat()
     model = AutoModelForCausalLM.from_pretrained(
@@ -214,8 +218,12 @@ def convert_gguf(
     _remove_stale_temps(final)
     tmp = final.parent / f".tmp-{final.name}.{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    print(f"converting {gguf.name} to a {_dtype_name(dtype)} safetensors cache, once (about a minute for 1.5B "
-          f"parameters; later loads read {final})", file=sys.stderr, flush=True)
+    print(
+        f"converting {gguf.name} to a {_dtype_name(dtype)} safetensors cache, once (about a minute for 1.5B "
+        f"parameters; later loads read {final})",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         if in_subprocess:
             _convert_in_child(gguf, tmp, _dtype_name(dtype))
@@ -237,7 +245,9 @@ def convert_gguf(
 # loading
 
 
-def _from_pretrained(source: str | Path, dtype: torch.dtype, **kwargs) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def _from_pretrained(
+    source: str | Path, dtype: torch.dtype, **kwargs
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa", **kwargs)
@@ -299,9 +309,18 @@ def make_resident(model: torch.nn.Module) -> None:
     from tqdm import tqdm
 
     tensors = [t for t in [*model.parameters(), *model.buffers()] if t.device.type == "cpu"]
-    with torch.no_grad(), tqdm(total=sum(t.numel() * t.element_size() for t in tensors), unit="B", unit_scale=True,
-                               desc="Reading weights into memory", file=sys.stderr, mininterval=1.0,
-                               disable=len(tensors) < 2) as bar:  # the copy reads the file: a silent while otherwise
+    with (
+        torch.no_grad(),
+        tqdm(
+            total=sum(t.numel() * t.element_size() for t in tensors),
+            unit="B",
+            unit_scale=True,
+            desc="Reading weights into memory",
+            file=sys.stderr,
+            mininterval=1.0,
+            disable=len(tensors) < 2,
+        ) as bar,
+    ):  # the copy reads the file: a silent while otherwise
         for t in tensors:
             t.data = t.data.clone()
             bar.update(t.numel() * t.element_size())

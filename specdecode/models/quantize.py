@@ -63,7 +63,7 @@ ROW_BLOCK = 2048  # a multiple of 64 (the int4 packing tile)
 
 def _row_blocks(weight: torch.Tensor):
     for start in range(0, weight.shape[0], ROW_BLOCK):
-        yield weight[start:start + ROW_BLOCK].detach().float()
+        yield weight[start : start + ROW_BLOCK].detach().float()
 
 
 class Int8WeightOnlyLinear(nn.Module):
@@ -111,8 +111,9 @@ class Int4WeightOnlyLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.weight,
-                                                       self.group, self.scales_and_zeros)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.reshape(-1, shape[-1]).to(torch.bfloat16), self.weight, self.group, self.scales_and_zeros
+        )
         y = y.reshape(*shape[:-1], self.out_features).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
@@ -210,6 +211,7 @@ def _with_qconfig(linear: nn.Linear, per_channel: bool = True) -> nn.Linear:
 
 # -- auto: measured on this machine, cached ------------------------------------------------------------
 
+
 def _time_forward(model: nn.Module, reps: int = 5) -> float:
     device = next(model.parameters()).device
     ids = torch.tensor([[1]], device=device)
@@ -236,7 +238,11 @@ def auto_mode(model: nn.Module, name: str, cache_dir: Path | None = None, recali
 
     param = next(model.parameters())
     key = f"{name}|{param.device}|{param.dtype}|torch {torch.__version__}"
-    path = (cache_dir or cache_root()) / "calibration" / f"draft-quantization-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    path = (
+        (cache_dir or cache_root())
+        / "calibration"
+        / f"draft-quantization-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    )
     if path.is_file() and not recalibrate:
         return json.loads(path.read_text())["mode"]
     device = param.device

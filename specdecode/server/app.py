@@ -81,14 +81,18 @@ def create_app(engine: Engine | Callable[[], Engine], config: ServerConfig | Non
         app.state.max_prompt_chars = await asyncio.to_thread(max_prompt_chars, eng.tokenizer, eng.max_context)
         app.state.tokenize_pool = ThreadPoolExecutor(TOKENIZE_WORKERS, thread_name_prefix="specdecode-tokenize")
         app.state.grammar_pool = ThreadPoolExecutor(GRAMMAR_WORKERS, thread_name_prefix="specdecode-grammar")
-        app.state.known_grammar_pool = ThreadPoolExecutor(GRAMMAR_WORKERS,
-                                                          thread_name_prefix="specdecode-known-grammar")
+        app.state.known_grammar_pool = ThreadPoolExecutor(
+            GRAMMAR_WORKERS, thread_name_prefix="specdecode-known-grammar"
+        )
         app.state.grammars = await asyncio.to_thread(_build_grammars, eng)
         loop = asyncio.get_running_loop()
 
         def drain(seconds: float) -> None:  # at shutdown (connections.DrainingServer): then 503 to the rest
-            loop.call_later(seconds, scheduler.expire, APIError(
-                503, "the server is shutting down", "server_error", code="shutting_down"))
+            loop.call_later(
+                seconds,
+                scheduler.expire,
+                APIError(503, "the server is shutting down", "server_error", code="shutting_down"),
+            )
 
         app.state.drain = drain
         scheduler.start()
@@ -102,8 +106,9 @@ def create_app(engine: Engine | Callable[[], Engine], config: ServerConfig | Non
             await asyncio.to_thread(_close_grammars, eng)
 
     # no redirects: "/v1/completions/" is a 404 with the error body, not a 307 that clients would follow
-    app = FastAPI(title="specdecode", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
-                  redirect_slashes=False)
+    app = FastAPI(
+        title="specdecode", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False
+    )
     app.state.config, app.state.metrics = config, metrics
     app.add_middleware(_AuthAndCount, config=config, metrics=metrics)
     _install_error_handlers(app)
@@ -121,8 +126,10 @@ def create_app(engine: Engine | Callable[[], Engine], config: ServerConfig | Non
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
-                                            "owned_by": "specdecode"}]}
+        return {
+            "object": "list",
+            "data": [{"id": config.model_name, "object": "model", "created": 0, "owned_by": "specdecode"}],
+        }
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -133,8 +140,12 @@ def create_app(engine: Engine | Callable[[], Engine], config: ServerConfig | Non
             _check_length(request, len(prefix) + len(suffix), "prompt")
             tokenizer = request.app.state.scheduler.engine.tokenizer
             tokens = await _off_loop(request, _fim_tokens, request.app.state, tokenizer)
-            params = P.sampling_params(req, req.max_tokens, config.completions_default_max_tokens,
-                                       stop_fields(tokens, req.fim_stop or DEFAULT_FIM_STOP, prefix))
+            params = P.sampling_params(
+                req,
+                req.max_tokens,
+                config.completions_default_max_tokens,
+                stop_fields(tokens, req.fim_stop or DEFAULT_FIM_STOP, prefix),
+            )
             prompt_ids = await _off_loop(request, _encode_fim, tokenizer, prefix, suffix, tokens)
             return await _generate(request, req, prompt_ids, params, _CompletionFormat(config.model_name))
         prompt = P.prompt_input(req.prompt)
@@ -180,15 +191,20 @@ async def _read_json(request: Request, config: ServerConfig) -> Any:
                 if len(body) > limit:
                     raise too_big
     except TimeoutError:
-        raise APIError(408, f"the request body did not arrive within {config.body_timeout_s:g} s",
-                       code="body_timeout", headers={"Connection": "close"}) from None
+        raise APIError(
+            408,
+            f"the request body did not arrive within {config.body_timeout_s:g} s",
+            code="body_timeout",
+            headers={"Connection": "close"},
+        ) from None
     try:
         obj = json.loads(body)
     except ValueError as exc:  # includes bad UTF-8
         raise P.bad_request(f"malformed JSON body: {exc}", code="invalid_json") from None
     except RecursionError:
-        raise P.bad_request(f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep",
-                            code="invalid_json") from None
+        raise P.bad_request(
+            f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep", code="invalid_json"
+        ) from None
     _check_json(obj)
     return obj
 
@@ -201,8 +217,10 @@ def _check_json(obj: Any) -> None:
         value, depth = stack.pop()
         if isinstance(value, str):
             if _SURROGATE.search(value):
-                raise P.bad_request("the request holds a lone UTF-16 surrogate (\\ud800-\\udfff): not valid Unicode",
-                                    code="invalid_unicode")
+                raise P.bad_request(
+                    "the request holds a lone UTF-16 surrogate (\\ud800-\\udfff): not valid Unicode",
+                    code="invalid_unicode",
+                )
             continue
         if not isinstance(value, (list, dict)):
             continue
@@ -226,9 +244,12 @@ def _check_length(request: Request, chars: int, param: str) -> None:
     """Refuse a text that cannot fit before spending anything on tokenizing it."""
     limit = request.app.state.max_prompt_chars
     if chars > limit:
-        raise P.bad_request(f"the {param} has {chars} characters, more than can fit the context of "
-                            f"{request.app.state.scheduler.engine.max_context} tokens (at most {limit})",
-                            param, "context_length_exceeded")
+        raise P.bad_request(
+            f"the {param} has {chars} characters, more than can fit the context of "
+            f"{request.app.state.scheduler.engine.max_context} tokens (at most {limit})",
+            param,
+            "context_length_exceeded",
+        )
 
 
 async def _off_loop(request: Request, fn, *args):
@@ -299,8 +320,12 @@ def _prepare_grammar(engine: Engine, spec: GrammarSpec, n: int) -> None:
 
 def _check_model(name: str | None, config: ServerConfig) -> None:
     if name is not None and name != config.model_name:
-        raise APIError(404, f"the model {name!r} does not exist; this server serves {config.model_name!r}",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"the model {name!r} does not exist; this server serves {config.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def _apply_chat_template(tokenizer, messages: list[dict[str, str]]) -> list[int]:
@@ -326,27 +351,39 @@ async def _generate(request: Request, req: P.SamplingFields, prompt_ids: list[in
         scheduler.engine.validate(prompt_ids, params)
     except RequestError as exc:  # an empty prompt, an id outside the vocabulary, or too long
         too_long = exc.param is None and len(prompt_ids) + params.max_new_tokens > scheduler.engine.max_context
-        raise P.bad_request(str(exc), None if too_long else (exc.param or "prompt"),
-                            "context_length_exceeded" if too_long else None) from None
+        raise P.bad_request(
+            str(exc), None if too_long else (exc.param or "prompt"), "context_length_exceeded" if too_long else None
+        ) from None
     rid = fmt.new_id()
     handles: list[Handle] = []
     try:  # n choices: n requests of their own (ids rid/1, rid/2, ... inside; the response says rid)
         for i, choice_params in enumerate(P.choice_params(params, n)):
-            handles.append(scheduler.submit(prompt_ids, choice_params, req.stream, req.speculation,
-                                            rid if i == 0 else f"{rid}/{i}", group=rid))
+            handles.append(
+                scheduler.submit(
+                    prompt_ids, choice_params, req.stream, req.speculation, rid if i == 0 else f"{rid}/{i}", group=rid
+                )
+            )
     except QueueFull:
         for h in handles:
             scheduler.cancel(h)
         request.app.state.metrics.rejected.labels("queue_full").inc()
-        raise APIError(429, "the server is at capacity (request queue full); retry later", "rate_limit_error",
-                       code="queue_full", headers={"Retry-After": str(config.retry_after_s)}) from None
+        raise APIError(
+            429,
+            "the server is at capacity (request queue full); retry later",
+            "rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": str(config.retry_after_s)},
+        ) from None
     except BaseException:
         for h in handles:
             scheduler.cancel(h)
         raise
     if req.stream:
-        return StreamingResponse(_stream(scheduler, handles, rid, fmt, len(prompt_ids), req.include_usage),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(
+            _stream(scheduler, handles, rid, fmt, len(prompt_ids), req.include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
     updates = await _final_updates(request, scheduler, handles)
     if updates is None:
         return Response(status_code=CLIENT_CLOSED)  # nobody reads it; keeps the 5xx count honest
@@ -356,8 +393,7 @@ async def _generate(request: Request, req: P.SamplingFields, prompt_ids: list[in
     return JSONResponse(fmt.response(rid, updates, len(prompt_ids)))
 
 
-async def _final_updates(request: Request, scheduler: Scheduler,
-                         handles: list[Handle]) -> list[Update | None] | None:
+async def _final_updates(request: Request, scheduler: Scheduler, handles: list[Handle]) -> list[Update | None] | None:
     """Wait for every choice's result; ``None`` (and every choice cancelled) if the client disconnects first.
     As soon as one fails the others are cancelled and stand as ``None`` in the list."""
     waiters = [asyncio.ensure_future(h.updates.get()) for h in handles]
@@ -389,8 +425,7 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-async def _stream(scheduler: Scheduler, handles: list[Handle], rid: str, fmt, prompt_tokens: int,
-                  include_usage: bool):
+async def _stream(scheduler: Scheduler, handles: list[Handle], rid: str, fmt, prompt_tokens: int, include_usage: bool):
     """SSE events, every choice's chunks as they come (each carries its ``index``); Starlette cancels this
     generator when the client disconnects. An error in any choice ends the stream (the others cancelled)."""
     fmts = [fmt.for_choice(i) for i in range(len(handles))]
@@ -443,8 +478,12 @@ def _usage(prompt_tokens: int, updates: list[Update]) -> dict:
     request's server-side times (seconds from arrival, of choice 0: ``queue_time_s``, ``prefill_time_s``,
     ``time_to_first_token_s``)."""
     completion = sum(u.completion_tokens for u in updates)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion, **(updates[0].timing or {})}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        **(updates[0].timing or {}),
+    }
 
 
 def _speculation(updates: list[Update]) -> dict | None:
@@ -489,22 +528,35 @@ class _CompletionFormat:
         return {"id": rid, "object": self.object, "created": self.created, "model": self.model, "choices": choices}
 
     def _choice(self, index: int, u: Update) -> dict[str, Any]:
-        return {"index": index, "text": u.text, "logprobs": self.for_choice(index).logprobs(u.logprobs),
-                "finish_reason": u.finish_reason}
+        return {
+            "index": index,
+            "text": u.text,
+            "logprobs": self.for_choice(index).logprobs(u.logprobs),
+            "finish_reason": u.finish_reason,
+        }
 
     def response(self, rid: str, updates: list[Update], prompt_tokens: int) -> dict[str, Any]:
         return self._envelope(rid, [self._choice(i, u) for i, u in enumerate(updates)]) | {
-            "usage": _usage(prompt_tokens, updates), "speculation": _speculation(updates)}
+            "usage": _usage(prompt_tokens, updates),
+            "speculation": _speculation(updates),
+        }
 
     def stream_start(self, rid: str) -> dict[str, Any] | None:
         return None
 
-    def chunk(self, rid: str, text: str | None, finish_reason: str | None = None,
-              logprobs: tuple[ReportedToken, ...] | None = None) -> dict[str, Any]:
+    def chunk(
+        self,
+        rid: str,
+        text: str | None,
+        finish_reason: str | None = None,
+        logprobs: tuple[ReportedToken, ...] | None = None,
+    ) -> dict[str, Any]:
         if text is None:  # the usage-only chunk
             return self._envelope(rid, [])
-        return self._envelope(rid, [{"index": self.index, "text": text, "logprobs": self.logprobs(logprobs),
-                                     "finish_reason": finish_reason}])
+        return self._envelope(
+            rid,
+            [{"index": self.index, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}],
+        )
 
     def logprobs(self, tokens: tuple[ReportedToken, ...] | None) -> dict[str, Any] | None:
         """OpenAI's legacy completions object; ``text_offset``: characters of the completion's text before
@@ -512,9 +564,12 @@ class _CompletionFormat:
         if tokens is None:
             return None
         offsets, self._offsets = text_offsets(list(tokens), self._offsets)
-        return {"tokens": [t.spelling.token for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-                "top_logprobs": [{s.token: v for s, v in t.top} | {t.spelling.token: t.logprob} for t in tokens],
-                "text_offset": offsets}
+        return {
+            "tokens": [t.spelling.token for t in tokens],
+            "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [{s.token: v for s, v in t.top} | {t.spelling.token: t.logprob} for t in tokens],
+            "text_offset": offsets,
+        }
 
 
 class _ChatFormat(_CompletionFormat):
@@ -524,24 +579,56 @@ class _ChatFormat(_CompletionFormat):
         return f"chatcmpl-{uuid.uuid4().hex}"
 
     def _choice(self, index: int, u: Update) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": u.text},
-                "logprobs": self.logprobs(u.logprobs), "finish_reason": u.finish_reason}
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": u.text},
+            "logprobs": self.logprobs(u.logprobs),
+            "finish_reason": u.finish_reason,
+        }
 
     def stream_start(self, rid: str) -> dict[str, Any]:
-        return self._chunk_envelope(rid, [{"index": self.index, "delta": {"role": "assistant", "content": ""},
-                                           "logprobs": None, "finish_reason": None}])
+        return self._chunk_envelope(
+            rid,
+            [
+                {
+                    "index": self.index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ],
+        )
 
     def _chunk_envelope(self, rid: str, choices: list) -> dict[str, Any]:
-        return {"id": rid, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "choices": choices}
+        return {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
 
-    def chunk(self, rid: str, text: str | None, finish_reason: str | None = None,
-              logprobs: tuple[ReportedToken, ...] | None = None) -> dict[str, Any]:
+    def chunk(
+        self,
+        rid: str,
+        text: str | None,
+        finish_reason: str | None = None,
+        logprobs: tuple[ReportedToken, ...] | None = None,
+    ) -> dict[str, Any]:
         if text is None:
             return self._chunk_envelope(rid, [])
         delta = {"content": text} if text or finish_reason is None else {}
-        return self._chunk_envelope(rid, [{"index": self.index, "delta": delta, "logprobs": self.logprobs(logprobs),
-                                           "finish_reason": finish_reason}])
+        return self._chunk_envelope(
+            rid,
+            [
+                {
+                    "index": self.index,
+                    "delta": delta,
+                    "logprobs": self.logprobs(logprobs),
+                    "finish_reason": finish_reason,
+                }
+            ],
+        )
 
     def logprobs(self, tokens: tuple[ReportedToken, ...] | None) -> dict[str, Any] | None:
         """OpenAI's chat object: per token its text, value and UTF-8 bytes, and its ``top_logprobs``."""
@@ -551,8 +638,11 @@ class _ChatFormat(_CompletionFormat):
         def entry(s, value: float) -> dict[str, Any]:
             return {"token": s.token, "logprob": value, "bytes": list(s.bytes)}
 
-        return {"content": [entry(t.spelling, t.logprob) | {"top_logprobs": [entry(s, v) for s, v in t.top]}
-                            for t in tokens]}
+        return {
+            "content": [
+                entry(t.spelling, t.logprob) | {"top_logprobs": [entry(s, v) for s, v in t.top]} for t in tokens
+            ]
+        }
 
 
 # -- health, auth, errors -----------------------------------------------------------------------
@@ -591,7 +681,7 @@ def _host_name(host: str) -> str:
     """A Host header's (or an --allowed-hosts entry's) name: lower case, without port or IPv6 brackets."""
     name = host.strip().lower()
     if name.startswith("[") and "]" in name:
-        return name[1:name.index("]")]
+        return name[1 : name.index("]")]
     return name.rsplit(":", 1)[0] if name.count(":") == 1 else name
 
 
@@ -631,12 +721,22 @@ class _AuthAndCount:
         try:
             if path not in self.config.public_paths:
                 if self.key is None and not self._host_allowed(scope):
-                    return await _error(APIError(
-                        400, "invalid Host header: without an API key this server answers only loopback hosts "
-                             "(see --allowed-hosts)", code="invalid_host"))(scope, receive, counting_send)
+                    return await _error(
+                        APIError(
+                            400,
+                            "invalid Host header: without an API key this server answers only loopback hosts "
+                            "(see --allowed-hosts)",
+                            code="invalid_host",
+                        )
+                    )(scope, receive, counting_send)
                 if self.key is not None and not self._authorized(scope):
-                    response = _error(APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                                               code="invalid_api_key"))
+                    response = _error(
+                        APIError(
+                            401,
+                            "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                            code="invalid_api_key",
+                        )
+                    )
                     response.headers["WWW-Authenticate"] = "Bearer"
                     return await response(scope, receive, counting_send)
             await self.app(scope, receive, guarded_send)
@@ -644,7 +744,8 @@ class _AuthAndCount:
             log.error("unhandled error on %s", path, exc_info=exc)
             if not started:
                 await _error(APIError(500, "internal server error", "server_error", code="internal_error"))(
-                    scope, receive, counting_send)
+                    scope, receive, counting_send
+                )
         finally:
             self.metrics.http_requests.labels(route, str(status)).inc()
 

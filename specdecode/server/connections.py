@@ -47,8 +47,13 @@ def default_max_connections() -> int:
 class OncePerInterval:
     """Log a repeated event once per ``interval_s`` (the first at once), with the count suppressed."""
 
-    def __init__(self, message: str, interval_s: float = LOG_INTERVAL_S, clock: Callable[[], float] = time.monotonic,
-                 logger: logging.Logger = log) -> None:
+    def __init__(
+        self,
+        message: str,
+        interval_s: float = LOG_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+        logger: logging.Logger = log,
+    ) -> None:
         self.message, self.interval_s, self.clock, self.logger = message, interval_s, clock, logger
         self._last: float | None = None
         self._suppressed = 0
@@ -117,12 +122,22 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
         def send_400_response(self, msg: str) -> None:
             """A request h11 cannot parse (malformed, or a head over h11's 16 KiB): OpenAI's error body,
             as every other error, instead of uvicorn's text/plain."""
-            body = json.dumps({"error": {"message": f"{msg} (malformed request or request head over 16 KiB)",
-                                         "type": "invalid_request_error", "param": None,
-                                         "code": "invalid_http_request"}}).encode()
+            body = json.dumps(
+                {
+                    "error": {
+                        "message": f"{msg} (malformed request or request head over 16 KiB)",
+                        "type": "invalid_request_error",
+                        "param": None,
+                        "code": "invalid_http_request",
+                    }
+                }
+            ).encode()
             headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
-            for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
-                          h11.EndOfMessage()):
+            for event in (
+                h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+                h11.Data(data=body),
+                h11.EndOfMessage(),
+            ):
                 self.transport.write(self.conn.send(event))
             self.transport.close()
 
@@ -143,10 +158,24 @@ def guarded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
     return GuardedH11Protocol
 
 
-def uvicorn_config(app, host: str = "127.0.0.1", port: int = 0, limits: ConnectionLimits = ConnectionLimits(),
-                   graceful_timeout_s: float = 60.0, log_level: str = "info") -> uvicorn.Config:
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on",
-                          http=guarded_protocol(limits), timeout_graceful_shutdown=graceful_timeout_s + DRAIN_SLACK_S)
+def uvicorn_config(
+    app,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    limits: ConnectionLimits = ConnectionLimits(),
+    graceful_timeout_s: float = 60.0,
+    log_level: str = "info",
+) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        lifespan="on",
+        http=guarded_protocol(limits),
+        timeout_graceful_shutdown=graceful_timeout_s + DRAIN_SLACK_S,
+    )
 
 
 class DrainingServer(uvicorn.Server):

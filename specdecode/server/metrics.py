@@ -24,56 +24,106 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         p = "specdecode_"
-        self.http_requests = Counter(p + "http_requests", "HTTP requests by route and status code",
-                                     ["route", "code"], registry=r)
-        self.requests = Counter(p + "requests", "generation requests that left the server, by finish reason "
-                                "(stop, length, abort = client gone, error)", ["finish_reason"], registry=r)
-        self.rejected = Counter(p + "requests_rejected", "requests refused before queueing, by reason",
-                                ["reason"], registry=r)
+        self.http_requests = Counter(
+            p + "http_requests", "HTTP requests by route and status code", ["route", "code"], registry=r
+        )
+        self.requests = Counter(
+            p + "requests",
+            "generation requests that left the server, by finish reason (stop, length, abort = client gone, error)",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            p + "requests_rejected", "requests refused before queueing, by reason", ["reason"], registry=r
+        )
         self.prompt_tokens = Counter(p + "prompt_tokens", "prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "generated tokens", registry=r)
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "arrival to first generated token",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram(p + "time_per_output_token_seconds", "mean time per token after the first, per request",
-                              buckets=TOKEN_TIME_BUCKETS, registry=r)
-        self.e2e = Histogram(p + "request_latency_seconds", "arrival to last token (finished requests)",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram(p + "queue_time_seconds", "arrival to the start of the request's prefill",
-                                    buckets=LATENCY_BUCKETS, registry=r)
-        self.prefill_time = Histogram(p + "prefill_time_seconds", "the target's prefill of the prompt, first chunk's "
-                                      "start to last chunk's end (the drafter catches up after the first token)",
-                                      buckets=LATENCY_BUCKETS, registry=r)
-        self.step_time = Histogram(p + "step_seconds", "one engine step: a prefill chunk (if prompts wait) and a "
-                                   "batched draft+verify", buckets=TOKEN_TIME_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            p + "time_to_first_token_seconds", "arrival to first generated token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            p + "time_per_output_token_seconds",
+            "mean time per token after the first, per request",
+            buckets=TOKEN_TIME_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            p + "request_latency_seconds",
+            "arrival to last token (finished requests)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            p + "queue_time_seconds",
+            "arrival to the start of the request's prefill",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prefill_time = Histogram(
+            p + "prefill_time_seconds",
+            "the target's prefill of the prompt, first chunk's "
+            "start to last chunk's end (the drafter catches up after the first token)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.step_time = Histogram(
+            p + "step_seconds",
+            "one engine step: a prefill chunk (if prompts wait) and a batched draft+verify",
+            buckets=TOKEN_TIME_BUCKETS,
+            registry=r,
+        )
         self.spec_drafted = Counter(p + "spec_draft_tokens", "draft tokens verified by the target", registry=r)
         self.spec_accepted = Counter(p + "spec_accepted_tokens", "draft tokens accepted", registry=r)
-        self.spec_steps = Counter(p + "spec_target_steps", "target verification steps (summed over sequences)",
-                                  registry=r)
-        self.spec_emitted = Counter(p + "spec_emitted_tokens", "tokens emitted by verification steps, "
-                                    "including bonus/recovered tokens", registry=r)
-        self.spec_drafted_at = Counter(p + "spec_draft_tokens_at_position", "draft tokens verified, by 0-based "
-                                       "position in the draft", ["position"], registry=r)
-        self.spec_accepted_at = Counter(p + "spec_accepted_tokens_at_position", "draft tokens accepted, by 0-based "
-                                        "position in the draft", ["position"], registry=r)
-        self.spec_choices = Counter(p + "spec_choice_steps", "--draft-policy auto: target steps (summed over "
-                                    "sequences) by the selector's choice, <drafter>:k<k> or off", ["choice"],
-                                    registry=r)
-        self.draft_failures = Counter(p + "draft_failures", "drafter exceptions absorbed where a row failed alone "
-                                      "(it fell back to target-only)", registry=r)
-        self.draft_retries = Counter(p + "draft_retries", "rows whose drafter call was retried alone after a call "
-                                     "for several rows failed (the innocent ones keep drafting)", registry=r)
-        self.step_failures = Counter(p + "step_failures", "decoding steps that raised (their batch failed)",
-                                     registry=r)
+        self.spec_steps = Counter(
+            p + "spec_target_steps", "target verification steps (summed over sequences)", registry=r
+        )
+        self.spec_emitted = Counter(
+            p + "spec_emitted_tokens",
+            "tokens emitted by verification steps, including bonus/recovered tokens",
+            registry=r,
+        )
+        self.spec_drafted_at = Counter(
+            p + "spec_draft_tokens_at_position",
+            "draft tokens verified, by 0-based position in the draft",
+            ["position"],
+            registry=r,
+        )
+        self.spec_accepted_at = Counter(
+            p + "spec_accepted_tokens_at_position",
+            "draft tokens accepted, by 0-based position in the draft",
+            ["position"],
+            registry=r,
+        )
+        self.spec_choices = Counter(
+            p + "spec_choice_steps",
+            "--draft-policy auto: target steps (summed over sequences) by the selector's choice, <drafter>:k<k> or off",
+            ["choice"],
+            registry=r,
+        )
+        self.draft_failures = Counter(
+            p + "draft_failures",
+            "drafter exceptions absorbed where a row failed alone (it fell back to target-only)",
+            registry=r,
+        )
+        self.draft_retries = Counter(
+            p + "draft_retries",
+            "rows whose drafter call was retried alone after a call "
+            "for several rows failed (the innocent ones keep drafting)",
+            registry=r,
+        )
+        self.step_failures = Counter(p + "step_failures", "decoding steps that raised (their batch failed)", registry=r)
         self._gauges = {
             "queued": Gauge(p + "queue_depth", "requests waiting for a batch slot", registry=r),
             "running": Gauge(p + "running_requests", "sequences in the running batch", registry=r),
             "kv_slots_used": Gauge(p + "kv_slots_used", "target KV-cache slots holding a sequence", registry=r),
-            "kv_tokens_used": Gauge(p + "kv_tokens_used", "target KV-cache positions holding valid entries",
-                                    registry=r),
+            "kv_tokens_used": Gauge(
+                p + "kv_tokens_used", "target KV-cache positions holding valid entries", registry=r
+            ),
             "draft_slots_used": Gauge(p + "draft_slots_used", "slots for which the drafter holds state", registry=r),
         }
-        self.speculation = Gauge(p + "speculation_enabled", "1 when the server drafts (a draft is loaded and "
-                                 "speculation is on)", registry=r)
+        self.speculation = Gauge(
+            p + "speculation_enabled", "1 when the server drafts (a draft is loaded and speculation is on)", registry=r
+        )
 
     def bind_state(self, scheduler: Scheduler) -> None:
         for name, gauge in self._gauges.items():

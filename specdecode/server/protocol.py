@@ -61,8 +61,15 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # as OpenAI's legacy completions endpoint
 class APIError(Exception):
     """An error answered to the client as ``{"error": {...}}`` with an HTTP status."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers or {}
@@ -187,8 +194,10 @@ def fim_input(req: CompletionRequest) -> tuple[str, str] | None:
     """``(prefix, suffix)`` of a fill-in-the-middle request (one with a ``suffix``), else None."""
     if req.suffix is None:
         if req.fim_stop not in (None, "none"):
-            raise bad_request("'fim_stop' applies to fill-in-the-middle requests: send 'suffix' too "
-                              "('' at the end of a file)", "fim_stop")
+            raise bad_request(
+                "'fim_stop' applies to fill-in-the-middle requests: send 'suffix' too ('' at the end of a file)",
+                "fim_stop",
+            )
         return None
     prompt = req.prompt[0] if isinstance(req.prompt, list) and len(req.prompt) == 1 else req.prompt
     if not isinstance(prompt, str):
@@ -210,8 +219,9 @@ def _unsupported(req: SamplingFields) -> None:
     for name, (value, allowed) in neutral.items():
         if value not in allowed:
             shown = " or ".join(repr(a) for a in allowed if a is not None) or "null"
-            raise bad_request(f"'{name}' is not supported by this server (only {shown} is accepted)", name,
-                              "unsupported")
+            raise bad_request(
+                f"'{name}' is not supported by this server (only {shown} is accepted)", name, "unsupported"
+            )
 
 
 def stop_strings(stop: Any) -> tuple[str, ...]:
@@ -237,8 +247,9 @@ def logit_bias(bias: dict[str, Any] | None) -> tuple[tuple[int, Any], ...]:
         except ValueError:
             tok = -1
         if tok < 0 or str(tok) != key.strip():
-            raise bad_request(f"'logit_bias' keys must be token ids (integers >= 0 as strings), got {key!r}",
-                              "logit_bias")
+            raise bad_request(
+                f"'logit_bias' keys must be token ids (integers >= 0 as strings), got {key!r}", "logit_bias"
+            )
         out.append((tok, value))
     return tuple(out)
 
@@ -249,20 +260,33 @@ GRAMMAR_PARAMS = {"json_schema": "response_format", "regex": "regex", "grammar":
 def grammar_spec(req: SamplingFields) -> GrammarSpec | None:
     """The request's structured-output spec: ``response_format``, ``regex`` or ``grammar`` (at most one).
     Shape errors are 400s here; compile errors are the engine's (:func:`grammar_param` names the field)."""
-    given = [name for name in ("response_format", "regex", "grammar") if getattr(req, name) is not None
-             and not (name == "response_format" and isinstance(req.response_format, dict)
-                      and req.response_format.get("type") == "text")]
+    given = [
+        name
+        for name in ("response_format", "regex", "grammar")
+        if getattr(req, name) is not None
+        and not (
+            name == "response_format"
+            and isinstance(req.response_format, dict)
+            and req.response_format.get("type") == "text"
+        )
+    ]
     if len(given) > 1:
-        raise bad_request(f"at most one of 'response_format', 'regex' and 'grammar' may be given, got "
-                          f"{' and '.join(repr(g) for g in given)}", given[-1])
+        raise bad_request(
+            f"at most one of 'response_format', 'regex' and 'grammar' may be given, got "
+            f"{' and '.join(repr(g) for g in given)}",
+            given[-1],
+        )
     if not given:
         if req.json_whitespace is not None:
             raise bad_request("'json_whitespace' applies to a JSON response_format only", "json_whitespace")
         return None
     name = given[0]
     whitespace = req.json_whitespace or "bounded"
-    build = {"response_format": lambda obj: GrammarSpec.from_response_format(obj, whitespace),
-             "regex": GrammarSpec.regex, "grammar": GrammarSpec.grammar}[name]
+    build = {
+        "response_format": lambda obj: GrammarSpec.from_response_format(obj, whitespace),
+        "regex": GrammarSpec.regex,
+        "grammar": GrammarSpec.grammar,
+    }[name]
     try:
         spec = build(getattr(req, name))
     except GrammarError as exc:
@@ -270,8 +294,11 @@ def grammar_spec(req: SamplingFields) -> GrammarSpec | None:
     if req.json_whitespace is not None and spec.kind != "json_schema":
         raise bad_request("'json_whitespace' applies to a JSON response_format only", "json_whitespace")
     if req.ignore_eos:
-        raise bad_request("'ignore_eos' cannot be combined with a structured output (response_format, regex or "
-                          "grammar): the output ends where the grammar is complete", "ignore_eos")
+        raise bad_request(
+            "'ignore_eos' cannot be combined with a structured output (response_format, regex or "
+            "grammar): the output ends where the grammar is complete",
+            "ignore_eos",
+        )
     return spec
 
 
@@ -294,12 +321,14 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     (wrapped into the 64-bit range), an unseeded one with fresh entropy each."""
     if params.seed is None:
         return [params] * n
-    return [replace(params, seed=params.seed + i if params.seed + i < 2**64 else params.seed + i - 2**64)
-            for i in range(n)]
+    return [
+        replace(params, seed=params.seed + i if params.seed + i < 2**64 else params.seed + i - 2**64) for i in range(n)
+    ]
 
 
-def sampling_params(req: SamplingFields, max_tokens: int | None, default_max_tokens: int,
-                    fim: dict | None = None) -> SamplingParams:
+def sampling_params(
+    req: SamplingFields, max_tokens: int | None, default_max_tokens: int, fim: dict | None = None
+) -> SamplingParams:
     """Validated :class:`SamplingParams` for a request (context length is checked by the engine);
     ``fim``: a fill-in-the-middle request's stop fields (:func:`specdecode.fim.stop_fields`), whose
     stop strings join the request's."""
@@ -323,9 +352,18 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, default_max_tok
     stop += tuple(s for s in fim.pop("stop", ()) if s not in stop)
     grammar = grammar_spec(req)
     try:
-        return SamplingParams(**({"temperature": 1.0} | given), top_k=top_k, seed=req.seed, max_new_tokens=max_tokens,
-                              stop=stop, ignore_eos=req.ignore_eos, sampler=req.sampler, grammar=grammar,
-                              **processing, **fim)
+        return SamplingParams(
+            **({"temperature": 1.0} | given),
+            top_k=top_k,
+            seed=req.seed,
+            max_new_tokens=max_tokens,
+            stop=stop,
+            ignore_eos=req.ignore_eos,
+            sampler=req.sampler,
+            grammar=grammar,
+            **processing,
+            **fim,
+        )
     except SamplingError as exc:  # a 400 naming the request's field
         raise bad_request(str(exc), _SAMPLING_PARAM.get(exc.param, exc.param)) from None
 
@@ -343,8 +381,9 @@ def requested_logprobs(req: SamplingFields) -> int | None:
     chat ``top_logprobs`` in [0, 20], which needs ``logprobs: true`` (OpenAI's rule)."""
     if isinstance(req, CompletionRequest):
         if req.logprobs is not None and not 0 <= req.logprobs <= COMPLETIONS_MAX_LOGPROBS:
-            raise bad_request(f"'logprobs' must be an integer in [0, {COMPLETIONS_MAX_LOGPROBS}], got {req.logprobs}",
-                              "logprobs")
+            raise bad_request(
+                f"'logprobs' must be an integer in [0, {COMPLETIONS_MAX_LOGPROBS}], got {req.logprobs}", "logprobs"
+            )
         return req.logprobs
     top = req.top_logprobs
     if top is not None and not 0 <= top <= LOGPROBS_MAX:

@@ -104,8 +104,13 @@ def ring_owner(replica_ids: Sequence[str], key: str) -> str:
     return owners[bisect.bisect(positions, _hash(key)) % len(owners)]
 
 
-def rank_replicas(replica_ids: Sequence[str], route: Route, queue_lens: Mapping[str, int],
-                  imbalance: int = IMBALANCE, rng: random.Random | None = None) -> list[list[str]]:
+def rank_replicas(
+    replica_ids: Sequence[str],
+    route: Route,
+    queue_lens: Mapping[str, int],
+    imbalance: int = IMBALANCE,
+    rng: random.Random | None = None,
+) -> list[list[str]]:
     """Groups of replica ids to try in order (Ray Serve takes the least loaded that accepts in a group).
 
     ``queue_lens``: the requests each replica holds, where known (Ray Serve's cache; missing = unknown).
@@ -148,8 +153,9 @@ def _prompt_text(value: Any) -> str:
     if isinstance(value, list) and value:
         first = value[0]
         if isinstance(first, dict):  # chat messages
-            return "".join(f"{m.get('role')}\x00{_prompt_text(m.get('content'))}\x00" for m in value
-                           if isinstance(m, dict))
+            return "".join(
+                f"{m.get('role')}\x00{_prompt_text(m.get('content'))}\x00" for m in value if isinstance(m, dict)
+            )
         return _prompt_text(first)  # a batch of one prompt
     return ""
 
@@ -170,8 +176,9 @@ class PrefixRouter(RequestRouter):
         self.imbalance = imbalance
         replicas._ROUTERS[(self._deployment_id.app_name, self._deployment_id.name)] = self
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         from specdecode.server import replicas
 
         by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
@@ -221,11 +228,22 @@ class Replica:
     async def forward(self, route: Route, request: HttpRequest) -> AsyncIterator[Chunk]:
         """The app's response to ``request``: the status and headers come with the first body chunk, so a
         JSON response is one item and "nothing sent yet" is "no item yet"; cancelled = client gone."""
-        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-                 "method": request.method, "scheme": "http", "path": request.path,
-                 "raw_path": request.path.encode(), "query_string": request.query_string, "root_path": "",
-                 "headers": list(request.headers), "client": request.client, "server": None,
-                 "state": {}, "app": self.app}
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1",
+            "method": request.method,
+            "scheme": "http",
+            "path": request.path,
+            "raw_path": request.path.encode(),
+            "query_string": request.query_string,
+            "root_path": "",
+            "headers": list(request.headers),
+            "client": request.client,
+            "server": None,
+            "state": {},
+            "app": self.app,
+        }
         outbox: asyncio.Queue = asyncio.Queue()
         gone = asyncio.Event()
         body = [request.body]
@@ -289,8 +307,12 @@ class Ingress:
         self.ingress_id, self.app_name = context.replica_id.to_full_id_str(), context.app_name
         self._ingresses = None  # a handle to the ingress replicas (the first /metrics scrape makes it)
         self.registry = CollectorRegistry()
-        counter = Counter("specdecode_ingress_http_requests", "HTTP requests the ingress answered or forwarded, "
-                          "by route and status code", ["route", "code"], registry=self.registry)
+        counter = Counter(
+            "specdecode_ingress_http_requests",
+            "HTTP requests the ingress answered or forwarded, by route and status code",
+            ["route", "code"],
+            registry=self.registry,
+        )
         self.counts = SimpleNamespace(http_requests=counter)
 
     def __serve_build_asgi_app__(self):
@@ -311,10 +333,16 @@ class Ingress:
             return  # the client left
         if scope["path"] == "/metrics" and scope["method"] == "GET":
             return await Response(await self.metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")(
-                scope, receive, send)
-        request = HttpRequest(scope["method"], scope["path"], scope.get("query_string", b""),
-                              tuple((bytes(k), bytes(v)) for k, v in scope["headers"]), body,
-                              tuple(scope["client"]) if scope.get("client") else None)
+                scope, receive, send
+            )
+        request = HttpRequest(
+            scope["method"],
+            scope["path"],
+            scope.get("query_string", b""),
+            tuple((bytes(k), bytes(v)) for k, v in scope["headers"]),
+            body,
+            tuple(scope["client"]) if scope.get("client") else None,
+        )
         await self.forward(Route(key=routing_key(scope["path"], body, self.prefix_chars)), request, send)
 
     async def _read_body(self, scope, receive) -> bytes | None:
@@ -335,8 +363,12 @@ class Ingress:
                     if len(body) > limit or not message.get("more_body", False):
                         return bytes(body[: limit + 1])
         except TimeoutError:
-            raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="body_timeout",
-                           headers={"Connection": "close"}) from None
+            raise APIError(
+                408,
+                f"the request body did not arrive within {timeout:g} s",
+                code="body_timeout",
+                headers={"Connection": "close"},
+            ) from None
 
     async def forward(self, route: Route, request: HttpRequest, send) -> None:
         streaming = False  # the client has the response head: a failure now can only end the stream
@@ -354,8 +386,13 @@ class Ingress:
                 return
             except _REPLICA_GONE as exc:
                 finished = True
-                log.warning("a replica died under %s %s (attempt %d): %s", request.method, request.path,
-                            attempt + 1, type(exc).__name__)
+                log.warning(
+                    "a replica died under %s %s (attempt %d): %s",
+                    request.method,
+                    request.path,
+                    attempt + 1,
+                    type(exc).__name__,
+                )
                 if streaming:
                     return await send(_stream_end(_replica_gone()))
             except Exception:  # a bug: logged once, and answered as the server answers one
@@ -436,8 +473,9 @@ def aggregate_metrics(texts: Mapping[str, str | None], up: bool = True) -> bytes
                 key = (s.name, tuple(sorted(labels.items())))
                 samples[key] = samples.get(key, 0.0) + s.value
     if up:
-        answered = {("specdecode_replica_up", (("replica", rid),)): float(text is not None)
-                    for rid, text in texts.items()}
+        answered = {
+            ("specdecode_replica_up", (("replica", rid),)): float(text is not None) for rid, text in texts.items()
+        }
         families["specdecode_replica_up"] = ("gauge", "1 when the replica answered this scrape", answered)
     lines = []
     for name, (kind, doc, samples) in families.items():
@@ -464,9 +502,18 @@ def _number(value: float) -> str:
 
 
 # -- the application and the launcher -----------------------------------------------------------------
-def build_app(engine_factory: Callable[[], Any], config: ServerConfig, replicas: int = 1, replica_cpus: float = 1.0,
-              replica_gpus: float = 0.0, max_ongoing_requests: int | None = None, graceful_timeout_s: float = 60.0,
-              prefix_chars: int = PREFIX_CHARS, imbalance: int = IMBALANCE, ingress_replicas: int = INGRESS_REPLICAS):
+def build_app(
+    engine_factory: Callable[[], Any],
+    config: ServerConfig,
+    replicas: int = 1,
+    replica_cpus: float = 1.0,
+    replica_gpus: float = 0.0,
+    max_ongoing_requests: int | None = None,
+    graceful_timeout_s: float = 60.0,
+    prefix_chars: int = PREFIX_CHARS,
+    imbalance: int = IMBALANCE,
+    ingress_replicas: int = INGRESS_REPLICAS,
+):
     """The Ray Serve application: ``serve.run(build_app(...), name="specdecode", route_prefix="/")``.
 
     ``engine_factory``: builds one replica's engine, on the replica (picklable, e.g.
@@ -478,14 +525,25 @@ def build_app(engine_factory: Callable[[], Any], config: ServerConfig, replicas:
     """
     per_replica = max_ongoing_requests or config.max_queue + 64
     replica = serve.deployment(
-        Replica, name="Replica", num_replicas=replicas, max_ongoing_requests=per_replica,
-        graceful_shutdown_timeout_s=graceful_timeout_s + 5, graceful_shutdown_wait_loop_s=0.5,
+        Replica,
+        name="Replica",
+        num_replicas=replicas,
+        max_ongoing_requests=per_replica,
+        graceful_shutdown_timeout_s=graceful_timeout_s + 5,
+        graceful_shutdown_wait_loop_s=0.5,
         ray_actor_options={"num_cpus": replica_cpus, "num_gpus": replica_gpus},
-        request_router_config=RequestRouterConfig(request_router_class=PrefixRouter,
-                                                  request_router_kwargs={"imbalance": imbalance}))
-    ingress = serve.deployment(serve.ingress()(Ingress), name=INGRESS_NAME, num_replicas=ingress_replicas,
-                               max_ongoing_requests=replicas * per_replica + 64, ray_actor_options={"num_cpus": 0},
-                               request_router_config=RequestRouterConfig(request_router_class=PrefixRouter))
+        request_router_config=RequestRouterConfig(
+            request_router_class=PrefixRouter, request_router_kwargs={"imbalance": imbalance}
+        ),
+    )
+    ingress = serve.deployment(
+        serve.ingress()(Ingress),
+        name=INGRESS_NAME,
+        num_replicas=ingress_replicas,
+        max_ongoing_requests=replicas * per_replica + 64,
+        ray_actor_options={"num_cpus": 0},
+        request_router_config=RequestRouterConfig(request_router_class=PrefixRouter),
+    )
     return ingress.bind(replica.bind(engine_factory, config), config, prefix_chars)
 
 
@@ -505,11 +563,20 @@ def main(args: argparse.Namespace) -> int:
         print(f"specdecode serve: {exc}", file=sys.stderr)
         return 2
     gpus = args.replica_gpus if args.replica_gpus is not None else float(_wants_cuda(cfg.device))
-    ray.init(address=args.ray_address, include_dashboard=False if args.ray_address is None else None,
-             logging_level=args.log_level.upper())
+    ray.init(
+        address=args.ray_address,
+        include_dashboard=False if args.ray_address is None else None,
+        logging_level=args.log_level.upper(),
+    )
     serve.start(http_options={"host": args.host, "port": args.port})
-    app = build_app(functools.partial(build_engine, cfg), server_config(args), args.replicas, args.replica_cpus,
-                    gpus, graceful_timeout_s=args.graceful_timeout)
+    app = build_app(
+        functools.partial(build_engine, cfg),
+        server_config(args),
+        args.replicas,
+        args.replica_cpus,
+        gpus,
+        graceful_timeout_s=args.graceful_timeout,
+    )
     serve.run(app, name=APP_NAME, route_prefix="/")
     log.info("serving %d replicas on http://%s:%d", args.replicas, args.host, args.port)
     stop = threading.Event()
@@ -530,4 +597,3 @@ def _wants_cuda(device: str) -> bool:
     import torch
 
     return torch.cuda.is_available()
-

@@ -87,9 +87,11 @@ class Handle:
         last chunk's end, steps of other requests in between included), arrival to first token."""
         seq = self.seq
         began, ended = (seq.prefill_began, seq.prefill_ended) if seq is not None else (None, None)
-        return {"queue_time_s": None if began is None else began - self.arrival,
-                "prefill_time_s": None if ended is None else ended - began,
-                "time_to_first_token_s": None if self.first_token_at is None else self.first_token_at - self.arrival}
+        return {
+            "queue_time_s": None if began is None else began - self.arrival,
+            "prefill_time_s": None if ended is None else ended - began,
+            "time_to_first_token_s": None if self.first_token_at is None else self.first_token_at - self.arrival,
+        }
 
     def push(self, update: Update) -> None:
         if update.final:
@@ -105,8 +107,18 @@ def speculation_summary(seq: Sequence, lossy_labels: dict | None = None) -> dict
     s = seq.stats
     lossy = {"lossy": True} | lossy_labels if lossy_labels else {}
     choices = {"choices": dict(s.choices)} if s.choices else {}  # --draft-policy auto: steps per choice
-    return lossy | {"drafted": s.drafted, "accepted": s.accepted, "acceptance_rate": s.acceptance_rate,
-            "tokens_per_step": s.tokens_per_step, "target_steps": s.target_steps, "nodes": s.nodes} | choices
+    return (
+        lossy
+        | {
+            "drafted": s.drafted,
+            "accepted": s.accepted,
+            "acceptance_rate": s.acceptance_rate,
+            "tokens_per_step": s.tokens_per_step,
+            "target_steps": s.target_steps,
+            "nodes": s.nodes,
+        }
+        | choices
+    )
 
 
 class QueueFull(Exception):
@@ -147,13 +159,16 @@ class Scheduler:
         # verify windows + a chunk of waiting prompts), so a long prompt neither stalls the running
         # sequences for more than one chunk nor keeps the engine busy once its client has left
         if not engine.first_token_from_target or engine.max_num_batched_tokens is None:
-            raise ValueError("the server needs an engine built for serving: first_token_from_target=True and a "
-                             "max_num_batched_tokens step budget (EngineConfig / Engine arguments)")
+            raise ValueError(
+                "the server needs an engine built for serving: first_token_from_target=True and a "
+                "max_num_batched_tokens step budget (EngineConfig / Engine arguments)"
+            )
         self.engine = engine
         self.metrics = metrics
         self.max_queue = max_queue
-        engine.isolate_drafter_faults(lambda where: metrics.draft_failures.inc(),
-                                      lambda where, rows: metrics.draft_retries.inc(rows))
+        engine.isolate_drafter_faults(
+            lambda where: metrics.draft_failures.inc(), lambda where, rows: metrics.draft_retries.inc(rows)
+        )
         engine.switch.enabled = speculation
         self._queue: collections.deque[Handle] = collections.deque()
         self._running: dict[int, Handle] = {}  # id(seq) -> handle
@@ -177,12 +192,20 @@ class Scheduler:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.dead is None
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, stream: bool, speculate: bool,
-               request_id: str, group: str | None = None) -> Handle:
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        stream: bool,
+        speculate: bool,
+        request_id: str,
+        group: str | None = None,
+    ) -> Handle:
         """Queue one request (429 past ``max_queue``); the choices of an ``n > 1`` request share a ``group``
         (their request's id), whose share of the slots is one request's."""
-        handle = Handle(request_id, prompt_ids, params, stream, speculate, asyncio.get_running_loop(),
-                        group=group or request_id)
+        handle = Handle(
+            request_id, prompt_ids, params, stream, speculate, asyncio.get_running_loop(), group=group or request_id
+        )
         with self._cond:
             if (e := self._expired) is not None:  # (a fresh exception per request: each gets raised)
                 raise APIError(e.status, e.message, e.type, e.param, e.code, e.headers)
@@ -257,8 +280,14 @@ class Scheduler:
             log.exception("the engine loop died")
             self.dead = exc
         finally:
-            self._fail_all(APIError(503, "the server is shutting down" if self.dead is None else "the engine stopped",
-                                    "server_error", code="engine_unavailable"))
+            self._fail_all(
+                APIError(
+                    503,
+                    "the server is shutting down" if self.dead is None else "the engine stopped",
+                    "server_error",
+                    code="engine_unavailable",
+                )
+            )
 
     def _reap_cancelled(self) -> None:
         with self._cond:
@@ -314,8 +343,11 @@ class Scheduler:
         except PrefillError as exc:  # those prompts only (the engine dropped them); the others step next time
             log.exception("prefill failed for %d request(s)", len(exc.seqs))
             for seq in exc.seqs:
-                self._finish(self._running[id(seq)], "error", APIError(
-                    500, "internal error during prefill", "server_error", code="internal_error"))
+                self._finish(
+                    self._running[id(seq)],
+                    "error",
+                    APIError(500, "internal error during prefill", "server_error", code="internal_error"),
+                )
             return
         except Exception:
             log.exception("engine step failed; failing the %d requests in the batch", len(self._running))
@@ -365,8 +397,16 @@ class Scheduler:
             h.push(Update(error=error))
         elif reason != "abort":
             text = seq.text.delta(final=True) if h.stream else seq.text.finish()
-            h.push(Update(text, reason, len(seq.output_ids), speculation_summary(seq, self.engine.lossy),
-                          h.timing(), logprobs=self._new_logprobs(h)))
+            h.push(
+                Update(
+                    text,
+                    reason,
+                    len(seq.output_ids),
+                    speculation_summary(seq, self.engine.lossy),
+                    h.timing(),
+                    logprobs=self._new_logprobs(h),
+                )
+            )
 
     def _new_logprobs(self, h: Handle) -> tuple[ReportedToken, ...] | None:
         """The request's token logprobs not pushed yet, spelled (each token id spelled once per server, in
@@ -377,7 +417,7 @@ class Scheduler:
             return None
         if self._speller is None:
             self._speller = TokenSpeller(self.engine.tokenizer)
-        new, h.logprobs_sent = entries[h.logprobs_sent:], len(entries)
+        new, h.logprobs_sent = entries[h.logprobs_sent :], len(entries)
         return tuple(self._speller.report(e) for e in new)
 
     def _drop(self, h: Handle, error: APIError) -> None:

@@ -26,5 +26,14 @@ class Verifier:
     process: Callable[..., Tensor] = process_batch
 
 
-__all__ = ["TreeVerifyResult", "Verifier", "VerifyResult", "verify_coupled", "verify_greedy", "verify_speculative",
-           "verify_tree", "verify_tree_coupled", "verify_tree_greedy"]
+__all__ = [
+    "TreeVerifyResult",
+    "Verifier",
+    "VerifyResult",
+    "verify_coupled",
+    "verify_greedy",
+    "verify_speculative",
+    "verify_tree",
+    "verify_tree_coupled",
+    "verify_tree_greedy",
+]

@@ -110,5 +110,7 @@ def typical_verifier(epsilon: float = EPSILON, alpha: float = ALPHA):
 
     if not (0 < epsilon <= 1 and alpha > 0):
         raise ValueError(f"typical acceptance needs 0 < epsilon <= 1 and alpha > 0, got {epsilon}, {alpha}")
-    return Verifier(speculative=partial(verify_typical, epsilon=epsilon, alpha=alpha),
-                    tree=partial(verify_tree_typical, epsilon=epsilon, alpha=alpha))
+    return Verifier(
+        speculative=partial(verify_typical, epsilon=epsilon, alpha=alpha),
+        tree=partial(verify_tree_typical, epsilon=epsilon, alpha=alpha),
+    )

@@ -46,12 +46,17 @@ def main() -> int:
         text = raw.decode(errors="replace")
         sys.stderr.write(text)
         seen = (seen + text)[-4000:]
-        if hogs and ("auto: the machine was busy" in seen or "calibrating step costs: 100%" in seen
-                     or ("calibrating step costs" in seen and "bench:" in seen)):  # (older code: no bar)
+        if hogs and (
+            "auto: the machine was busy" in seen
+            or "calibrating step costs: 100%" in seen
+            or ("calibrating step costs" in seen and "bench:" in seen)
+        ):  # (older code: no bar)
             for h in hogs:
                 h.kill()
             hogs = []
-            print(f"\n[busy_calibration] hogs stopped after {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+            print(
+                f"\n[busy_calibration] hogs stopped after {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True
+            )
     for h in hogs:
         h.kill()
     return proc.wait()

@@ -36,15 +36,26 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    pairs = {mode: load_pair(EngineConfig(args.target, args.draft, backend="llamacpp", batch_invariant=mode), "llamacpp")
-             for mode in ("off", "on")}
-    prompts, _ = tokenize_prompts(load_humaneval(problems=range(HUMANEVAL_DEV.start, args.prompts)),
-                                  pairs["off"].tokenizer, args.max_new_tokens, 4096)
+    pairs = {
+        mode: load_pair(EngineConfig(args.target, args.draft, backend="llamacpp", batch_invariant=mode), "llamacpp")
+        for mode in ("off", "on")
+    }
+    prompts, _ = tokenize_prompts(
+        load_humaneval(problems=range(HUMANEVAL_DEV.start, args.prompts)),
+        pairs["off"].tokenizer,
+        args.max_new_tokens,
+        4096,
+    )
     greedy = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0, ignore_eos=True)
     configs = {"target-only": None, f"draft k={args.k}": args.draft}
-    engines = {(mode, name): engine_from_pair(pairs[mode], EngineConfig(args.target, draft, backend="llamacpp",
-                                                                        num_draft_tokens=args.k, batch_invariant=mode))
-               for mode in pairs for name, draft in configs.items()}
+    engines = {
+        (mode, name): engine_from_pair(
+            pairs[mode],
+            EngineConfig(args.target, draft, backend="llamacpp", num_draft_tokens=args.k, batch_invariant=mode),
+        )
+        for mode in pairs
+        for name, draft in configs.items()
+    }
     runner = {mode: engines[(mode, "target-only")].target.where for mode in pairs}
     for engine in engines.values():  # warm (and, in the mode, the width probe) before anything is timed
         engine.generate([prompts[0].ids], SamplingParams(max_new_tokens=2, temperature=0.0))
@@ -66,32 +77,60 @@ def main() -> None:
                     row["prefill"].append(len(p.ids) / st.prefill_s if st.prefill_s else float("nan"))
                     row["end_to_end"].append(len(out.token_ids) / wall)
                     outputs.setdefault((mode, name), {})[p.id] = list(out.token_ids)
-                    print(f"rep {rep} {p.id:14s} mode {mode:3s} {name:12s} decode {row['decode'][-1]:6.2f} tok/s  "
-                          f"prefill {row['prefill'][-1]:6.1f} tok/s  end to end {row['end_to_end'][-1]:6.2f} tok/s",
-                          flush=True)
+                    print(
+                        f"rep {rep} {p.id:14s} mode {mode:3s} {name:12s} decode {row['decode'][-1]:6.2f} tok/s  "
+                        f"prefill {row['prefill'][-1]:6.1f} tok/s  end to end {row['end_to_end'][-1]:6.2f} tok/s",
+                        flush=True,
+                    )
     rows = []
     for (mode, name), s in samples.items():
         usual = samples[("off", name)]
         ratio = {k: statistics.median(a / b for a, b in zip(s[k], usual[k])) for k in s}  # paired per run
         same = sum(outputs[(mode, name)][pid] == outputs[(mode, "target-only")][pid] for pid in outputs[(mode, name)])
-        rows.append(dict(mode=mode, config=name, **{f"{k}_tok_s": statistics.median(v) for k, v in s.items()},
-                         **{f"{k}_vs_usual": r for k, r in ratio.items()}, greedy_equal_target_only=same,
-                         prompts=len(prompts), samples=s))
-    modes_agree = sum(outputs[("on", "target-only")][pid] == outputs[("off", "target-only")][pid]
-                      for pid in outputs[("on", "target-only")])
-    print("\n| mode | config | decode tok/s | vs usual | prefill tok/s | vs usual | end to end tok/s | vs usual "
-          "| greedy == target-only |")
+        rows.append(
+            dict(
+                mode=mode,
+                config=name,
+                **{f"{k}_tok_s": statistics.median(v) for k, v in s.items()},
+                **{f"{k}_vs_usual": r for k, r in ratio.items()},
+                greedy_equal_target_only=same,
+                prompts=len(prompts),
+                samples=s,
+            )
+        )
+    modes_agree = sum(
+        outputs[("on", "target-only")][pid] == outputs[("off", "target-only")][pid]
+        for pid in outputs[("on", "target-only")]
+    )
+    print(
+        "\n| mode | config | decode tok/s | vs usual | prefill tok/s | vs usual | end to end tok/s | vs usual "
+        "| greedy == target-only |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mode']} | {r['config']} | {r['decode_tok_s']:.2f} | {r['decode_vs_usual']:.2f}× "
-              f"| {r['prefill_tok_s']:.1f} | {r['prefill_vs_usual']:.2f}× | {r['end_to_end_tok_s']:.2f} "
-              f"| {r['end_to_end_vs_usual']:.2f}× | {r['greedy_equal_target_only']} / {r['prompts']} |")
+        print(
+            f"| {r['mode']} | {r['config']} | {r['decode_tok_s']:.2f} | {r['decode_vs_usual']:.2f}× "
+            f"| {r['prefill_tok_s']:.1f} | {r['prefill_vs_usual']:.2f}× | {r['end_to_end_tok_s']:.2f} "
+            f"| {r['end_to_end_vs_usual']:.2f}× | {r['greedy_equal_target_only']} / {r['prompts']} |"
+        )
     print(f"target-only outputs equal across the two loads: {modes_agree} / {len(prompts)}")
     print(f"runners: {runner}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(args=vars(args), rows=rows, runners=runner, target_only_equal_across_loads=modes_agree,
-                           command=command_line(), commit=commit(), machine=machine()), f, indent=1, default=str)
+            json.dump(
+                dict(
+                    args=vars(args),
+                    rows=rows,
+                    runners=runner,
+                    target_only_equal_across_loads=modes_agree,
+                    command=command_line(),
+                    commit=commit(),
+                    machine=machine(),
+                ),
+                f,
+                indent=1,
+                default=str,
+            )
 
 
 if __name__ == "__main__":

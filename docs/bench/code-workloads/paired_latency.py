@@ -33,21 +33,30 @@ def _interval(ratios: np.ndarray, rng: np.random.Generator) -> tuple[float, floa
 
 
 def summarize(out: Path, sampling: str = "greedy") -> dict[str, dict]:
-    runs = [r for r in map(json.loads, (out / "records.jsonl").read_text().splitlines())
-            if r.get("type") == "run" and r["sampling"] == sampling and r.get("prefill_s") is not None]
+    runs = [
+        r
+        for r in map(json.loads, (out / "records.jsonl").read_text().splitlines())
+        if r.get("type") == "run" and r["sampling"] == sampling and r.get("prefill_s") is not None
+    ]
     by_key = {(r["prompt_id"], r["repeat"], r["config"]): r for r in runs}
     rng = np.random.default_rng(0)
     result = {}
     for config in sorted({r["config"] for r in runs} - {"target"}):
-        pairs = [(by_key[(p, rep, "target")], r) for (p, rep, c), r in sorted(by_key.items())
-                 if c == config and (p, rep, "target") in by_key]
+        pairs = [
+            (by_key[(p, rep, "target")], r)
+            for (p, rep, c), r in sorted(by_key.items())
+            if c == config and (p, rep, "target") in by_key
+        ]
         if not pairs:
             continue
         wall = np.array([[t["wall_s"], r["wall_s"]] for t, r in pairs])
         pre = np.array([[t["prefill_s"], r["prefill_s"]] for t, r in pairs])
         after = wall - pre
-        row = {"pairs": len(pairs), "prompts": len({t["prompt_id"] for t, _ in pairs}),
-               "equal_outputs": sum(t["token_ids"] == r["token_ids"] for t, r in pairs)}
+        row = {
+            "pairs": len(pairs),
+            "prompts": len({t["prompt_id"] for t, _ in pairs}),
+            "equal_outputs": sum(t["token_ids"] == r["token_ids"] for t, r in pairs),
+        }
         for name, x in (("latency", wall), ("after_prefill", after), ("prefill", pre)):
             row[name] = dict(zip(("median", "lo", "hi"), _interval(x[:, 1] / x[:, 0], rng)))
         for name, x in (("latency", wall), ("after_prefill", after)):
@@ -70,16 +79,24 @@ def main() -> None:
     args = ap.parse_args()
     result = summarize(args.out, args.sampling)
     for config, row in result.items():
-        print(f"{config}: {row['pairs']} pairs over {row['prompts']} prompts ({row['equal_outputs']} equal outputs); "
-              f"after prefill is {100 * row['decode_share_of_target']:.0f} % of target-only's time")
+        print(
+            f"{config}: {row['pairs']} pairs over {row['prompts']} prompts ({row['equal_outputs']} equal outputs); "
+            f"after prefill is {100 * row['decode_share_of_target']:.0f} % of target-only's time"
+        )
         for name in ("latency", "after_prefill", "prefill"):
             m = row[name]
-            pooled = (f"; pooled p50 {m['p50_ratio']:.3f}x ({m['p50_s'][0]:.2f} -> {m['p50_s'][1]:.2f} s), "
-                      f"p99 {m['p99_ratio']:.3f}x ({m['p99_s'][0]:.2f} -> {m['p99_s'][1]:.2f} s)" if "p50_ratio" in m else "")
+            pooled = (
+                f"; pooled p50 {m['p50_ratio']:.3f}x ({m['p50_s'][0]:.2f} -> {m['p50_s'][1]:.2f} s), "
+                f"p99 {m['p99_ratio']:.3f}x ({m['p99_s'][0]:.2f} -> {m['p99_s'][1]:.2f} s)"
+                if "p50_ratio" in m
+                else ""
+            )
             print(f"  {name:13s} paired {m['median']:.3f} [{m['lo']:.3f}, {m['hi']:.3f}]{pooled}")
         a = row["after_prefill"]
-        print(f"  after prefill slower than target-only in {a['slower_pairs']} of {row['pairs']} pairs "
-              f"(worst {a['worst_ratio']:.2f}x)")
+        print(
+            f"  after prefill slower than target-only in {a['slower_pairs']} of {row['pairs']} pairs "
+            f"(worst {a['worst_ratio']:.2f}x)"
+        )
     (args.out / "paired_latency.json").write_text(json.dumps(result, indent=1) + "\n")
 
 

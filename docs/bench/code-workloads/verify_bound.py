@@ -28,8 +28,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path, help="a bench --out folder")
     args = ap.parse_args()
-    runs = [r for r in map(json.loads, (args.out / "records.jsonl").read_text().splitlines())
-            if r.get("type") == "run" and r.get("steps")]
+    runs = [
+        r
+        for r in map(json.loads, (args.out / "records.jsonl").read_text().splitlines())
+        if r.get("type") == "run" and r.get("steps")
+    ]
     t1 = float(np.median([s[4] for r in runs if r["config"] == "target" for s in r["steps"][1:]]))
     by_width: dict[int, list[float]] = defaultdict(list)
     for r in runs:
@@ -41,8 +44,10 @@ def main() -> None:
     xs = np.array(widths, dtype=float)
     ys = np.array([np.median(by_width[n]) for n in widths])
     a, b = np.linalg.lstsq(np.vstack([np.ones_like(xs), xs]).T, ys, rcond=None)[0]
-    print(f"target-only step t1 = {1000 * t1:.1f} ms; fit t(n) = {1000 * a:.1f} + {1000 * b:.1f}·n ms "
-          f"(medians of {len(widths)} widths with >= {MIN_STEPS} steps)")
+    print(
+        f"target-only step t1 = {1000 * t1:.1f} ms; fit t(n) = {1000 * a:.1f} + {1000 * b:.1f}·n ms "
+        f"(medians of {len(widths)} widths with >= {MIN_STEPS} steps)"
+    )
     print("| drafted tokens verified n | steps | median step (ms) | speedup bound, all n accepted |")
     print("|---|---|---|---|")
     for n in sorted(by_width):

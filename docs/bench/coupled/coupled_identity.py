@@ -33,7 +33,7 @@ def run(engine, prompts, params_list, batch: int):
     """Every request through ``engine`` ``batch`` at a time; per request: token ids; totals of the stats."""
     outs, totals = [], {"drafted": 0, "accepted": 0, "steps": 0, "emitted": 0, "decode_s": 0.0}
     for lo in range(0, len(prompts), batch):
-        seqs = [engine.add(p, params) for p, params in zip(prompts[lo: lo + batch], params_list[lo: lo + batch])]
+        seqs = [engine.add(p, params) for p, params in zip(prompts[lo : lo + batch], params_list[lo : lo + batch])]
         while not all(s.finished for s in seqs):
             t0 = time.perf_counter()
             engine.step()
@@ -64,39 +64,68 @@ def main() -> None:
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--batch-invariant", default="auto", choices=("auto", "on", "off"))
-    ap.add_argument("--baseline", action="store_true",
-                    help="with --batch-invariant on: also run target-only and draft k=4 on the target loaded as usual "
-                         "(what invariance costs)")
-    ap.add_argument("--only", action="append", default=[], metavar="CONFIG",
-                    help="run only this configuration (its label, e.g. 'draft k=2'; repeat the flag for several): "
-                         "two processes can share a long run, each on its own --out, merged afterwards")
+    ap.add_argument(
+        "--baseline",
+        action="store_true",
+        help="with --batch-invariant on: also run target-only and draft k=4 on the target loaded as usual "
+        "(what invariance costs)",
+    )
+    ap.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="CONFIG",
+        help="run only this configuration (its label, e.g. 'draft k=2'; repeat the flag for several): "
+        "two processes can share a long run, each on its own --out, merged afterwards",
+    )
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
 
-    base = EngineConfig(args.target, args.draft, backend=args.backend, sampler="coupled", max_batch_size=args.batch,
-                        batch_invariant=args.batch_invariant)
+    base = EngineConfig(
+        args.target,
+        args.draft,
+        backend=args.backend,
+        sampler="coupled",
+        max_batch_size=args.batch,
+        batch_invariant=args.batch_invariant,
+    )
     pair = load_pair(base, args.backend)
     tok = pair.tokenizer
-    dev = [tok(p.text, add_special_tokens=False).input_ids[-args.prompt_tokens:]
-           for p in load_humaneval(None, seed=0, problems=HUMANEVAL_DEV)]
+    dev = [
+        tok(p.text, add_special_tokens=False).input_ids[-args.prompt_tokens :]
+        for p in load_humaneval(None, seed=0, problems=HUMANEVAL_DEV)
+    ]
     prompts = [dev[i % len(dev)] for i in range(args.requests)]  # past 100 requests a prompt recurs with a new seed
-    params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
-                             ignore_eos=True, seed=1000 + i) for i in range(len(prompts))]
+    params = [
+        SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_new_tokens=args.max_new_tokens,
+            ignore_eos=True,
+            seed=1000 + i,
+        )
+        for i in range(len(prompts))
+    ]
     # (label, drafter spec or None, k, batch, sampler[, pair, config overrides])
     # the widths where kernels change (k >= 4) and the negative control first: a run that stops early
     # has the rows that decide the question (k = 2, verify width 3, was identical even without the mode)
     configs = [("target-only", None, 0, 1, "coupled")]
     configs += [(f"draft k={k}", args.draft, k, 1, "coupled") for k in (4, 8)]
-    configs += [("draft k=4, rejection sampling", args.draft, 4, 1, "rejection"),
-                (f"draft k=4, batch {args.batch}", args.draft, 4, args.batch, "coupled"),
-                ("n-gram k=4", "ngram", 4, 1, "coupled"), ("suffix k=4", "suffix", 4, 1, "coupled"),
-                (f"n-gram k=4, batch {args.batch}", "ngram", 4, args.batch, "coupled"),
-                ("draft k=2", args.draft, 2, 1, "coupled")]
+    configs += [
+        ("draft k=4, rejection sampling", args.draft, 4, 1, "rejection"),
+        (f"draft k=4, batch {args.batch}", args.draft, 4, args.batch, "coupled"),
+        ("n-gram k=4", "ngram", 4, 1, "coupled"),
+        ("suffix k=4", "suffix", 4, 1, "coupled"),
+        (f"n-gram k=4, batch {args.batch}", "ngram", 4, args.batch, "coupled"),
+        ("draft k=2", args.draft, 2, 1, "coupled"),
+    ]
     if args.baseline:
         usual = replace(base, batch_invariant="off")
         plain = load_pair(usual, args.backend)
-        configs += [("target-only, not invariant", None, 0, 1, "coupled", plain, usual),
-                    ("draft k=4, not invariant", args.draft, 4, 1, "coupled", plain, usual)]
+        configs += [
+            ("target-only, not invariant", None, 0, 1, "coupled", plain, usual),
+            ("draft k=4, not invariant", args.draft, 4, 1, "coupled", plain, usual),
+        ]
     results, reference = [], None
     saved, ref_file = args.out / "results.json", args.out / "reference.json"
     if saved.exists() and ref_file.exists():  # resume: keep the configurations a stopped run finished
@@ -120,26 +149,38 @@ def main() -> None:
             args.out.mkdir(parents=True, exist_ok=True)
             ref_file.write_text(json.dumps(reference) + "\n")
         diffs = [first_diff(o, r) for o, r in zip(outs, reference)]
-        row = {"config": label, "sampler": sampler, "k": k, "batch": batch, "requests": len(outs),
-               "batch_invariant": cfg.batch_invariant, "runner": getattr(engine.target, "where", ""),
-               "identical": sum(d is None for d in diffs), "first_differences": [d for d in diffs if d is not None],
-               "acceptance": tot["accepted"] / tot["drafted"] if tot["drafted"] else None,
-               "tokens_per_step": tot["emitted"] / tot["steps"] if tot["steps"] else None,
-               "decode_tok_s": (tot["emitted"] - len(outs)) / tot["decode_s"] if tot["decode_s"] else None,
-               "drafted": tot["drafted"], "accepted": tot["accepted"]}
+        row = {
+            "config": label,
+            "sampler": sampler,
+            "k": k,
+            "batch": batch,
+            "requests": len(outs),
+            "batch_invariant": cfg.batch_invariant,
+            "runner": getattr(engine.target, "where", ""),
+            "identical": sum(d is None for d in diffs),
+            "first_differences": [d for d in diffs if d is not None],
+            "acceptance": tot["accepted"] / tot["drafted"] if tot["drafted"] else None,
+            "tokens_per_step": tot["emitted"] / tot["steps"] if tot["steps"] else None,
+            "decode_tok_s": (tot["emitted"] - len(outs)) / tot["decode_s"] if tot["decode_s"] else None,
+            "drafted": tot["drafted"],
+            "accepted": tot["accepted"],
+        }
         results.append(row)
         print(json.dumps(row), flush=True)
         args.out.mkdir(parents=True, exist_ok=True)  # after every configuration: a partial run keeps its rows
-        (args.out / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                          "results": results}, indent=1) + "\n")
+        (args.out / "results.json").write_text(
+            json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1) + "\n"
+        )
     ref = results[0]["decode_tok_s"]
     print("| config | sampler | identical to target-only | acceptance | tokens/step | decode tok/s | vs target-only |")
     print("|---|---|---|---|---|---|---|")
     for r in results:
         speed = f"{r['decode_tok_s'] / ref:.2f}×" if r["decode_tok_s"] and ref else "–"
         acc = "–" if r["acceptance"] is None else f"{r['acceptance']:.3f}"
-        print(f"| {r['config']} | {r['sampler']} | {r['identical']} / {r['requests']} | {acc} "
-              f"| {r['tokens_per_step']:.2f} | {r['decode_tok_s'] or 0:.2f} | {speed} |")
+        print(
+            f"| {r['config']} | {r['sampler']} | {r['identical']} / {r['requests']} | {acc} "
+            f"| {r['tokens_per_step']:.2f} | {r['decode_tok_s'] or 0:.2f} | {speed} |"
+        )
 
 
 if __name__ == "__main__":

@@ -46,11 +46,14 @@ def main() -> None:
 
     cfg = dict(backend=args.backend, batch_invariant=args.batch_invariant)
     pair = load_pair(EngineConfig(args.target, args.draft, **cfg), args.backend)
-    prompts, _ = tokenize_prompts(load_humaneval(problems=range(HUMANEVAL_DEV.start, args.prompts)),
-                                  pair.tokenizer, args.max_new_tokens, 4096)
+    prompts, _ = tokenize_prompts(
+        load_humaneval(problems=range(HUMANEVAL_DEV.start, args.prompts)), pair.tokenizer, args.max_new_tokens, 4096
+    )
     configs = {"target-only": None, f"draft k={args.k}": args.draft}
-    engines = {name: engine_from_pair(pair, EngineConfig(args.target, draft, num_draft_tokens=args.k, **cfg))
-               for name, draft in configs.items()}
+    engines = {
+        name: engine_from_pair(pair, EngineConfig(args.target, draft, num_draft_tokens=args.k, **cfg))
+        for name, draft in configs.items()
+    }
     for engine in engines.values():  # warm before anything is timed
         engine.generate([prompts[0].ids], SamplingParams(max_new_tokens=2, temperature=0.0))
     runs = [(name, sampler) for name in configs for sampler in SAMPLERS]
@@ -63,8 +66,14 @@ def main() -> None:
             seed = 1000 + rep * 1000 + i
             for j in range(len(runs)):
                 name, sampler = runs[(n + j) % len(runs)]  # the order rotates: no configuration always first
-                sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=seed,
-                                    max_new_tokens=args.max_new_tokens, ignore_eos=True, sampler=sampler)
+                sp = SamplingParams(
+                    temperature=args.temperature,
+                    top_p=args.top_p,
+                    seed=seed,
+                    max_new_tokens=args.max_new_tokens,
+                    ignore_eos=True,
+                    sampler=sampler,
+                )
                 t0 = time.perf_counter()
                 out = engines[name].generate([p.ids], sp)[0]
                 wall = time.perf_counter() - t0
@@ -79,8 +88,11 @@ def main() -> None:
                 c["steps"] += st.target_steps
                 c["emitted"] += st.emitted
                 outputs[(name, sampler)][(rep, p.id)] = list(out.token_ids)
-                print(f"rep {rep} {p.id:14s} {name:12s} {sampler:9s} decode {s['decode'][-1]:6.2f} tok/s  "
-                      f"end to end {s['end_to_end'][-1]:6.2f} tok/s  accepted {st.accepted}/{st.drafted}", flush=True)
+                print(
+                    f"rep {rep} {p.id:14s} {name:12s} {sampler:9s} decode {s['decode'][-1]:6.2f} tok/s  "
+                    f"end to end {s['end_to_end'][-1]:6.2f} tok/s  accepted {st.accepted}/{st.drafted}",
+                    flush=True,
+                )
             n += 1
     rows = []
     for name, sampler in runs:
@@ -89,25 +101,44 @@ def main() -> None:
         ratio = {k: statistics.median(a / b for a, b in zip(s[k], rej[k])) for k in s}  # paired per run
         ref = outputs[("target-only", sampler)]
         same = sum(outputs[(name, sampler)][key] == ref[key] for key in ref)
-        rows.append(dict(config=name, sampler=sampler, **{f"{k}_tok_s": statistics.median(v) for k, v in s.items()},
-                         **{f"{k}_vs_rejection": r for k, r in ratio.items()},
-                         acceptance=c["accepted"] / c["drafted"] if c["drafted"] else None,
-                         tokens_per_step=c["emitted"] / c["steps"] if c["steps"] else None,
-                         equal_to_target_only=same, runs=len(ref), samples=s, **c))
-    print("\n| config | sampler | decode tok/s | vs rejection | end to end tok/s | vs rejection | acceptance "
-          "| tokens / step | equal to target-only (same sampler) |")
+        rows.append(
+            dict(
+                config=name,
+                sampler=sampler,
+                **{f"{k}_tok_s": statistics.median(v) for k, v in s.items()},
+                **{f"{k}_vs_rejection": r for k, r in ratio.items()},
+                acceptance=c["accepted"] / c["drafted"] if c["drafted"] else None,
+                tokens_per_step=c["emitted"] / c["steps"] if c["steps"] else None,
+                equal_to_target_only=same,
+                runs=len(ref),
+                samples=s,
+                **c,
+            )
+        )
+    print(
+        "\n| config | sampler | decode tok/s | vs rejection | end to end tok/s | vs rejection | acceptance "
+        "| tokens / step | equal to target-only (same sampler) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         acc = "–" if r["acceptance"] is None else f"{r['acceptance']:.3f}"
-        print(f"| {r['config']} | {r['sampler']} | {r['decode_tok_s']:.2f} | {r['decode_vs_rejection']:.3f}× "
-              f"| {r['end_to_end_tok_s']:.2f} | {r['end_to_end_vs_rejection']:.3f}× | {acc} "
-              f"| {r['tokens_per_step']:.2f} | {r['equal_to_target_only']} / {r['runs']} |")
+        print(
+            f"| {r['config']} | {r['sampler']} | {r['decode_tok_s']:.2f} | {r['decode_vs_rejection']:.3f}× "
+            f"| {r['end_to_end_tok_s']:.2f} | {r['end_to_end_vs_rejection']:.3f}× | {acc} "
+            f"| {r['tokens_per_step']:.2f} | {r['equal_to_target_only']} / {r['runs']} |"
+        )
     where = engines["target-only"].target.where
     print(f"runner: {where}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(args=vars(args), rows=rows, runner=where, command=command_line(), commit=commit(),
-                           machine=machine()), f, indent=1, default=str)
+            json.dump(
+                dict(
+                    args=vars(args), rows=rows, runner=where, command=command_line(), commit=commit(), machine=machine()
+                ),
+                f,
+                indent=1,
+                default=str,
+            )
 
 
 if __name__ == "__main__":

@@ -40,24 +40,30 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--decode-threads", type=int, help="threads of one-token decodes (llama.cpp's n_threads; "
-                    "default --threads)")
+    ap.add_argument(
+        "--decode-threads", type=int, help="threads of one-token decodes (llama.cpp's n_threads; default --threads)"
+    )
     ap.add_argument("--no-repack", action="store_true", help="load the GGUF without llama.cpp's CPU repack")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
 
     path = lookup_alias(args.target) or Path(args.target)
     tok = load_gguf_tokenizer(path)
-    texts = [tok(p.text, add_special_tokens=False).input_ids for p in load_humaneval(None, seed=0, problems=HUMANEVAL_DEV)]
+    texts = [
+        tok(p.text, add_special_tokens=False).input_ids for p in load_humaneval(None, seed=0, problems=HUMANEVAL_DEV)
+    ]
     prompts = []
     for i in range(args.prompts):  # problem i, preceded by the problems before it when it is shorter
         ids, j = list(texts[i]), i
         while len(ids) < args.prompt_tokens:
             j = (j - 1) % len(texts)
             ids = texts[j] + ids
-        prompts.append(ids[-args.prompt_tokens:])
-    runner = LlamaCppRunner(LlamaCppModel(path, threads=args.threads, repack=not args.no_repack), num_slots=1,
-                            max_len=args.prompt_tokens + 16)
+        prompts.append(ids[-args.prompt_tokens :])
+    runner = LlamaCppRunner(
+        LlamaCppModel(path, threads=args.threads, repack=not args.no_repack),
+        num_slots=1,
+        max_len=args.prompt_tokens + 16,
+    )
     if args.decode_threads:
         runner.ll.llama_set_n_threads(runner.ctx, args.decode_threads, args.threads)
     slot = torch.tensor([0])
@@ -76,7 +82,7 @@ def main() -> None:
             runner.prefill([0], [ids[:base]])  # the prompt's head, one prefill (the slot starts empty)
             for p in range(base, len(ids) - n):  # history one token at a time
                 decode([ids[p]], p)
-            rows[n] = decode(ids[len(ids) - n:], len(ids) - n)[-1].float()  # the last n tokens in one decode
+            rows[n] = decode(ids[len(ids) - n :], len(ids) - n)[-1].float()  # the last n tokens in one decode
         ref = rows[1]
         law = {n: warp(rows[n][None], *warp_tensors([params]))[0] for n in rows}
         for s in range(args.seeds):
@@ -89,22 +95,41 @@ def main() -> None:
             stats[n]["max_abs"] = max(stats[n]["max_abs"], float(d.max()))
             stats[n]["sum_mean_abs"] += float(d.mean())
             stats[n]["greedy_flips"] += int(rows[n].argmax()) != int(ref.argmax())
-        print(f"prompt {i}: max |diff| by width", {n: round(float((rows[n] - ref).abs().max()), 3)
-                                                   for n in range(2, W + 1)}, flush=True)
+        print(
+            f"prompt {i}: max |diff| by width",
+            {n: round(float((rows[n] - ref).abs().max()), 3) for n in range(2, W + 1)},
+            flush=True,
+        )
     P = len(prompts)
-    table = [{"width": n, "k": n - 1, "max_abs_logit_diff": s["max_abs"], "mean_abs_logit_diff": s["sum_mean_abs"] / P,
-              "greedy_flips": s["greedy_flips"], "positions": P,
-              "coupled_flip_rate": s["coupled_flips"] / (P * args.seeds)} for n, s in stats.items()]
+    table = [
+        {
+            "width": n,
+            "k": n - 1,
+            "max_abs_logit_diff": s["max_abs"],
+            "mean_abs_logit_diff": s["sum_mean_abs"] / P,
+            "greedy_flips": s["greedy_flips"],
+            "positions": P,
+            "coupled_flip_rate": s["coupled_flips"] / (P * args.seeds),
+        }
+        for n, s in stats.items()
+    ]
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"args": {k: str(v) for k, v in vars(args).items()}, "machine": platform.processor() or platform.machine(),
-            "runner": runner.where}
+    meta = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "machine": platform.processor() or platform.machine(),
+        "runner": runner.where,
+    }
     (args.out / "results.json").write_text(json.dumps({"meta": meta, "widths": table}, indent=1))
-    print("| width (k + 1) | max abs logit diff vs width 1 | mean abs diff | greedy argmax changed | "
-          "coupled choice changed (T, top-p, seeds) |")
+    print(
+        "| width (k + 1) | max abs logit diff vs width 1 | mean abs diff | greedy argmax changed | "
+        "coupled choice changed (T, top-p, seeds) |"
+    )
     print("|---|---|---|---|---|")
     for r in table:
-        print(f"| {r['width']} | {r['max_abs_logit_diff']:.3f} | {r['mean_abs_logit_diff']:.4f} | "
-              f"{r['greedy_flips']} / {P} | {100 * r['coupled_flip_rate']:.2f} % |")
+        print(
+            f"| {r['width']} | {r['max_abs_logit_diff']:.3f} | {r['mean_abs_logit_diff']:.4f} | "
+            f"{r['greedy_flips']} / {P} | {100 * r['coupled_flip_rate']:.2f} % |"
+        )
 
 
 if __name__ == "__main__":

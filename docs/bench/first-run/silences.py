@@ -48,9 +48,11 @@ def main() -> int:
         end = time.monotonic() - start
         gaps.append((end - last, last, "<exit>"))
         long = [g for g in gaps if g[0] > args.limit]
-        summary = (f"exit {code} after {end:.1f} s; longest silence {max(gaps)[0]:.1f} s; "
-                   f"{len(long)} silences over {args.limit:g} s: "
-                   + "; ".join(f"{g:.1f} s after {at:.1f} s (then {what!r})" for g, at, what in long))
+        summary = (
+            f"exit {code} after {end:.1f} s; longest silence {max(gaps)[0]:.1f} s; "
+            f"{len(long)} silences over {args.limit:g} s: "
+            + "; ".join(f"{g:.1f} s after {at:.1f} s (then {what!r})" for g, at, what in long)
+        )
         log.write(summary + "\n")
     print(summary, file=sys.stderr)
     return code

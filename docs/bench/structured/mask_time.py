@@ -73,8 +73,9 @@ OUTPUT = {
 }
 
 REGEX = r"(\d{4}-\d{2}-\d{2} [A-Z][a-z]+ [a-z]+@[a-z]+\.(com|org|net)\n){1,8}"
-REGEX_OUTPUT = ("2024-03-14 Alice alice@example.com\n2023-11-02 Robert bob@mail.org\n"
-                "2025-01-30 Carol carol@research.net\n")
+REGEX_OUTPUT = (
+    "2024-03-14 Alice alice@example.com\n2023-11-02 Robert bob@mail.org\n2025-01-30 Carol carol@research.net\n"
+)
 
 
 def default_tokenizer_dir() -> str:
@@ -86,8 +87,13 @@ def default_tokenizer_dir() -> str:
 
 def summary(us: list[float]) -> dict:
     us = sorted(us)
-    return {"n": len(us), "mean_us": round(statistics.fmean(us), 1), "p50_us": round(us[len(us) // 2], 1),
-            "p90_us": round(us[int(len(us) * 0.9)], 1), "max_us": round(us[-1], 1)}
+    return {
+        "n": len(us),
+        "mean_us": round(statistics.fmean(us), 1),
+        "p50_us": round(us[len(us) // 2], 1),
+        "p90_us": round(us[int(len(us) * 0.9)], 1),
+        "max_us": round(us[-1], 1),
+    }
 
 
 class LLGuidance:
@@ -97,6 +103,7 @@ class LLGuidance:
         import llguidance
         import llguidance.hf
         import llguidance.torch
+
         self.llg, self.lt = llguidance, llguidance.torch
         self.version = llguidance.__version__
         t = time.perf_counter()
@@ -106,8 +113,9 @@ class LLGuidance:
 
     def compile(self, kind: str, text):
         llg = self.llg
-        grammar = (llg.LLMatcher.grammar_from_regex(text) if kind == "regex"
-                   else llg.LLMatcher.grammar_from_json_schema(text))
+        grammar = (
+            llg.LLMatcher.grammar_from_regex(text) if kind == "regex" else llg.LLMatcher.grammar_from_json_schema(text)
+        )
         m = llg.LLMatcher(self.tok, grammar)
         assert not m.is_error(), m.get_error()
         return m
@@ -137,6 +145,7 @@ class XGrammar:
     def __init__(self, hf_tok):
         import xgrammar as xgr
         from importlib.metadata import version
+
         self.xgr = xgr
         self.version = version("xgrammar")
         t = time.perf_counter()
@@ -186,10 +195,10 @@ def mask_walk(engine, compiled, ids: list[int]) -> list[float]:
 def rollback_cost(engine, compiled, ids: list[int], n: int) -> list[float]:
     m, out = engine.matcher(compiled), []
     for i in range(0, len(ids) - n, n):
-        for tok in ids[i:i + n]:
+        for tok in ids[i : i + n]:
             engine.consume(m, tok)
         out.append(timed(lambda: engine.rollback(m, n)))
-        for tok in ids[i:i + n]:
+        for tok in ids[i : i + n]:
             engine.consume(m, tok)
     return out
 
@@ -208,7 +217,7 @@ def window_cost(engine, compiled, ids: list[int], k: int) -> tuple[list[float], 
         engine.rollback(m, len(drafts))
 
     for i in range(len(ids) - k):
-        drafts = ids[i:i + k]
+        drafts = ids[i : i + k]
         loop.append(timed(lambda: by_loop(drafts)))
         if engine.window_one_call is not None:
             one.append(timed(lambda: engine.window_one_call(m, drafts, bm)))
@@ -221,11 +230,12 @@ def apply_costs(hf_tok, k: int = 8) -> dict:
     (masks + unpack + copy with -inf) on the JSON-schema output, its masks alone, and the bare unpack
     and xgrammar's CPU kernel on the same bitmasks."""
     from specdecode.grammar import GrammarCompiler, GrammarSpec, bitmask_to_bool
+
     out = {}
     ids = hf_tok.encode(json.dumps(OUTPUT))
     proc = GrammarCompiler(hf_tok).processor(GrammarSpec.json_schema(SCHEMA))
     logits = torch.randn(k + 1, VOCAB)
-    windows = [[tuple(ids[i:i + j]) for j in range(k + 1)] for i in range(len(ids) - k)]
+    windows = [[tuple(ids[i : i + j]) for j in range(k + 1)] for i in range(len(ids) - k)]
     apply_us, masks_us, unpack_us, bits_seen = [], [], [], []
     for i, prefixes in enumerate(windows):
         apply_us.append(timed(lambda: proc.apply(logits, prefixes)))
@@ -239,10 +249,11 @@ def apply_costs(hf_tok, k: int = 8) -> dict:
     out["bitmask_to_bool"] = summary(unpack_us)
     try:
         import xgrammar as xgr
+
         xgr.apply_token_bitmask_inplace(logits.clone(), bits_seen[0], backend="cpu")
         out["xgrammar.apply_token_bitmask_inplace(cpu) + clone"] = summary(
-            [timed(lambda: xgr.apply_token_bitmask_inplace(logits.clone(), bits, backend="cpu"))
-             for bits in bits_seen])
+            [timed(lambda: xgr.apply_token_bitmask_inplace(logits.clone(), bits, backend="cpu")) for bits in bits_seen]
+        )
     except ImportError:
         pass
     out["logits.clone() alone"] = summary([timed(lambda: logits.clone()) for _ in bits_seen])
@@ -260,15 +271,23 @@ def cpu_info() -> dict:
     except OSError:
         pass
     simd = [f for f in flags if f.startswith(("avx", "fma", "sse4", "amx", "f16c", "bmi"))]
-    return {"model": model, "cores": os.cpu_count(), "simd_flags": simd, "python": platform.python_version(),
-            "torch": torch.__version__}
+    return {
+        "model": model,
+        "cores": os.cpu_count(),
+        "simd_flags": simd,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
 
 
 def run_engine(engine, hf_tok, repeats: int) -> dict:
     ids_json = hf_tok.encode(json.dumps(OUTPUT))
     ids_regex = hf_tok.encode(REGEX_OUTPUT)
-    workloads = {"json_schema": ("json", SCHEMA, ids_json), "json_object": ("json", {"type": "object"}, ids_json),
-                 "regex": ("regex", REGEX, ids_regex)}
+    workloads = {
+        "json_schema": ("json", SCHEMA, ids_json),
+        "json_object": ("json", {"type": "object"}, ids_json),
+        "regex": ("regex", REGEX, ids_regex),
+    }
     res = {"version": engine.version, "tokenizer_s": round(engine.tokenizer_s, 3), "workloads": {}}
     for name, (kind, text, ids) in workloads.items():
         compile_ms = []
@@ -282,8 +301,13 @@ def run_engine(engine, hf_tok, repeats: int) -> dict:
         passes = [mask_walk(engine, compiled, ids) for _ in range(repeats)]
         warm = [us for walk in passes for us in walk]
         best = [min(column) for column in zip(*passes)]  # each position's best pass: preemption removed
-        w = {"tokens": len(ids), "compile_first_mask_ms": [round(x, 1) for x in compile_ms],
-             "mask_cold": summary(cold), "mask_warm": summary(warm), "mask_best_of_passes": summary(best)}
+        w = {
+            "tokens": len(ids),
+            "compile_first_mask_ms": [round(x, 1) for x in compile_ms],
+            "mask_cold": summary(cold),
+            "mask_warm": summary(warm),
+            "mask_best_of_passes": summary(best),
+        }
         for n in (1, 4, 8):
             w[f"rollback_{n}"] = summary(rollback_cost(engine, compiled, ids, n))
         for k in (4, 8):
@@ -294,28 +318,36 @@ def run_engine(engine, hf_tok, repeats: int) -> dict:
             if one:
                 w[f"window_k{k}_one_call"] = summary(one)
         res["workloads"][name] = w
-        print(f"{engine.name} {name}: compile {min(compile_ms):.1f} ms, mask warm {w['mask_warm']['mean_us']} us "
-              f"(p90 {w['mask_warm']['p90_us']}), k=4 window {w['window_k4_loop']['mean_us']} us", flush=True)
+        print(
+            f"{engine.name} {name}: compile {min(compile_ms):.1f} ms, mask warm {w['mask_warm']['mean_us']} us "
+            f"(p90 {w['mask_warm']['p90_us']}), k=4 window {w['window_k4_loop']['mean_us']} us",
+            flush=True,
+        )
     return res
 
 
 def markdown(result: dict) -> str:
     cpu = result["machine"]
-    lines = [f"# Grammar engines: mask time per token, Qwen2.5 vocabulary ({VOCAB} logits)", "",
-             f"Machine: {cpu['model']}, {cpu['cores']} cores, SIMD flags: {' '.join(cpu['simd_flags'])}; "
-             f"Python {cpu['python']}, torch {cpu['torch']}. One thread per engine. Made by "
-             "`python docs/bench/structured/mask_time.py --xgrammar-path /tmp/xgenv --out "
-             "docs/bench/structured/avx2-mask-time` (raw numbers: `results.json`).", "",
-             "µs unless stated; mask = one next-token bitmask; cold = the first request, warm = the later "
-             "passes; *best pass* = each position's fastest of the warm passes, then mean / p90 over "
-             "positions: the steady cost with preemption by other processes removed (the machine is shared; "
-             "the ~4 ms maxima are scheduler ticks). Window k = the k + 1 masks a k-token chain verifies plus "
-             "one rollback of k, best pass per position, mean (Python loop; llguidance's one-call form in "
-             "brackets).", "",
-             "| engine | workload | tokens | compile + 1st mask (ms, best of 3) | mask cold mean / p90 | "
-             "mask warm mean / p50 / p90 / max | **mask, best pass: mean / p90** | rollback 1 / 4 / 8 (p50) | "
-             "window k=4 | window k=8 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Grammar engines: mask time per token, Qwen2.5 vocabulary ({VOCAB} logits)",
+        "",
+        f"Machine: {cpu['model']}, {cpu['cores']} cores, SIMD flags: {' '.join(cpu['simd_flags'])}; "
+        f"Python {cpu['python']}, torch {cpu['torch']}. One thread per engine. Made by "
+        "`python docs/bench/structured/mask_time.py --xgrammar-path /tmp/xgenv --out "
+        "docs/bench/structured/avx2-mask-time` (raw numbers: `results.json`).",
+        "",
+        "µs unless stated; mask = one next-token bitmask; cold = the first request, warm = the later "
+        "passes; *best pass* = each position's fastest of the warm passes, then mean / p90 over "
+        "positions: the steady cost with preemption by other processes removed (the machine is shared; "
+        "the ~4 ms maxima are scheduler ticks). Window k = the k + 1 masks a k-token chain verifies plus "
+        "one rollback of k, best pass per position, mean (Python loop; llguidance's one-call form in "
+        "brackets).",
+        "",
+        "| engine | workload | tokens | compile + 1st mask (ms, best of 3) | mask cold mean / p90 | "
+        "mask warm mean / p50 / p90 / max | **mask, best pass: mean / p90** | rollback 1 / 4 / 8 (p50) | "
+        "window k=4 | window k=8 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for eng, r in result["engines"].items():
         if "error" in r:
             lines.append(f"| {eng} | — | | {r['error']} | | | | | | |")
@@ -333,17 +365,27 @@ def markdown(result: dict) -> str:
                 f"{mc['mean_us']:.0f} / {mc['p90_us']:.0f} | {mw['mean_us']:.0f} / {mw['p50_us']:.0f} / "
                 f"{mw['p90_us']:.0f} / {mw['max_us']:.0f} | **{w['mask_best_of_passes']['mean_us']:.0f} / "
                 f"{w['mask_best_of_passes']['p90_us']:.0f}** | {w['rollback_1']['p50_us']:.1f} / "
-                f"{w['rollback_4']['p50_us']:.1f} / {w['rollback_8']['p50_us']:.1f} | {win[0]} | {win[1]} |")
-    lines += ["", "Tokenizer setup (once per tokenizer, s): " + ", ".join(
-        f"{e} {r['tokenizer_s']}" for e, r in result["engines"].items() if "tokenizer_s" in r), "",
+                f"{w['rollback_4']['p50_us']:.1f} / {w['rollback_8']['p50_us']:.1f} | {win[0]} | {win[1]} |"
+            )
+    lines += [
+        "",
+        "Tokenizer setup (once per tokenizer, s): "
+        + ", ".join(f"{e} {r['tokenizer_s']}" for e, r in result["engines"].items() if "tokenizer_s" in r),
+        "",
         "Masking logits [9, 151936] along an 8-token drafted chain of the JSON-schema output, at every "
-        "position (µs, mean / p50 / p90):", ""]
+        "position (µs, mean / p50 / p90):",
+        "",
+    ]
     for name, s in result["apply_k8"].items():
         lines.append(f"- {name}: {s['mean_us']:.0f} / {s['p50_us']:.0f} / {s['p90_us']:.0f}")
-    lines += ["", "Load average (1, 5, 15 min) before / after: "
-              f"{result['load_average_before']} / {result['load_average_after']} (the machine is shared).",
-              "", "The choice made on these numbers (llguidance) and why: "
-              "[docs/structured-outputs.md](../../../structured-outputs.md)."]
+    lines += [
+        "",
+        "Load average (1, 5, 15 min) before / after: "
+        f"{result['load_average_before']} / {result['load_average_after']} (the machine is shared).",
+        "",
+        "The choice made on these numbers (llguidance) and why: "
+        "[docs/structured-outputs.md](../../../structured-outputs.md).",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -362,11 +404,17 @@ def main() -> None:
         sys.path.append(args.xgrammar_path)
     torch.set_num_threads(1)
     from transformers import AutoTokenizer
+
     tok_dir = args.tokenizer or default_tokenizer_dir()
     hf_tok = AutoTokenizer.from_pretrained(tok_dir)
-    result = {"machine": cpu_info(), "load_average_before": os.getloadavg(), "tokenizer": tok_dir,
-              "tokenizer_len": len(hf_tok), "vocab": VOCAB,
-              "engines": {}}
+    result = {
+        "machine": cpu_info(),
+        "load_average_before": os.getloadavg(),
+        "tokenizer": tok_dir,
+        "tokenizer_len": len(hf_tok),
+        "vocab": VOCAB,
+        "engines": {},
+    }
     for cls in (LLGuidance, XGrammar):
         try:
             engine = cls(hf_tok)

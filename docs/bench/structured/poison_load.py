@@ -43,8 +43,12 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
 
 KEY = "poison-load"
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"}},
-          "required": ["name", "ok"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"}},
+    "required": ["name", "ok"],
+    "additionalProperties": False,
+}
 
 
 # --- the poison specs: each i gives a distinct one (no cache hit) ----------------------------------------
@@ -56,8 +60,10 @@ def _ref_chain(n: int, tag: str) -> dict:
 
 
 def _any_of_chain(n: int, tag: str) -> dict:
-    defs = {f"{tag}{i}": {"anyOf": [{"type": "null"}, {"type": "array", "items": {"$ref": f"#/$defs/{tag}{i + 1}"}}]}
-            for i in range(n)}
+    defs = {
+        f"{tag}{i}": {"anyOf": [{"type": "null"}, {"type": "array", "items": {"$ref": f"#/$defs/{tag}{i + 1}"}}]}
+        for i in range(n)
+    }
     return {"$defs": defs | {f"{tag}{n}": {"type": "integer"}}, "$ref": f"#/$defs/{tag}0"}
 
 
@@ -71,10 +77,14 @@ POISON_KINDS = {  # kind -> fields of a request for the i-th distinct spec
     "regex ((x{100}){100}){N}": lambda i: {"regex": f"((x{{100}}){{100}}){{{100 + i}}}"},
     "schema $ref chain 2500": lambda i: _schema(_ref_chain(2500, f"r{i}_")),
     "schema anyOf chain 1000": lambda i: _schema(_any_of_chain(1000, f"a{i}_")),
-    "lark rule chain 4000": lambda i: {"grammar": f"start: r{i}_0\n" + "".join(
-        f"r{i}_{j}: r{i}_{j + 1}\n" for j in range(4000)) + f'r{i}_4000: "a"\n'},
-    "gbnf rule chain 4000": lambda i: {"grammar": f"root ::= g{i}x0\n" + "".join(
-        f"g{i}x{j} ::= g{i}x{j + 1} | [a-z]\n" for j in range(4000)) + f'g{i}x4000 ::= "a"\n'},
+    "lark rule chain 4000": lambda i: {
+        "grammar": f"start: r{i}_0\n" + "".join(f"r{i}_{j}: r{i}_{j + 1}\n" for j in range(4000)) + f'r{i}_4000: "a"\n'
+    },
+    "gbnf rule chain 4000": lambda i: {
+        "grammar": f"root ::= g{i}x0\n"
+        + "".join(f"g{i}x{j} ::= g{i}x{j + 1} | [a-z]\n" for j in range(4000))
+        + f'g{i}x4000 ::= "a"\n'
+    },
     "regex unsatisfiable": lambda i: {"regex": f"[a&&b]{{{i + 1}}}"},
     "regex cache poison": lambda i: {"regex": f"x[0-9]{{3}}|a(b{{{1000 + i}}}){{1000}}", "logit_bias": {"64": 100}},
 }
@@ -184,11 +194,11 @@ def latency_phases(url: str, phases: list[tuple[str, float]], rate: float, clien
             status, code = r.status_code, (r.json().get("error") or {}).get("code") if r.status_code != 200 else None
         except httpx.HTTPError as e:
             status, code = 0, type(e).__name__
-        poison.append({"i": i, "kind": kind, "status": status, "code": code, "phase": name,
-                       "latency_s": time.perf_counter() - t0})
+        poison.append(
+            {"i": i, "kind": kind, "status": status, "code": code, "phase": name, "latency_s": time.perf_counter() - t0}
+        )
 
-    threads = [threading.Thread(target=bystander, args=(k,), daemon=True)
-               for k, n in clients.items() for _ in range(n)]
+    threads = [threading.Thread(target=bystander, args=(k,), daemon=True) for k, n in clients.items() for _ in range(n)]
     for t in threads:
         t.start()
     sent = 0
@@ -213,10 +223,12 @@ def latency_phases(url: str, phases: list[tuple[str, float]], rate: float, clien
             recs = [r for r in records if r["phase"] == name and r["kind"] == kind]
             ok = [r for r in recs if r["status"] == 200 and r["done"]]
             out["by_phase"][f"{name}/{kind}"] = {
-                "requests": len(recs), "failed": len(recs) - len(ok),
+                "requests": len(recs),
+                "failed": len(recs) - len(ok),
                 "latency_s": summarize([r["latency_s"] for r in ok]),
                 "max_gap_s": summarize([r["max_gap_s"] for r in ok]),
-                "chunks": summarize([r["chunks"] for r in ok])}
+                "chunks": summarize([r["chunks"] for r in ok]),
+            }
     statuses: dict[str, int] = {}
     for p in poison:
         key = f"{p['kind']}: {p['status']} {p['code'] or ''}".strip()
@@ -276,15 +288,28 @@ def rss_phase(url: str, server_pid: int, specs: int, start: int) -> dict:
     t.join()
     after = at()
     mib = 1 << 20
-    return {"specs": specs, "wall_s": wall, "statuses": statuses, "before": before, "after": after,
-            "peak_server": max(s[1] for s in samples), "peak_children": max(s[2] for s in samples),
-            "peak_total": max(s[1] + s[2] for s in samples), "per_50_specs": per50,
-            "children_seen": len(children_seen), "samples": len(samples),
-            "summary_mib": {"server_before": before["server"] / mib, "server_after": after["server"] / mib,
-                            "server_peak": max(s[1] for s in samples) / mib,
-                            "child_before": before["children"] / mib, "child_after": after["children"] / mib,
-                            "child_peak": max(s[2] for s in samples) / mib,
-                            "total_peak": max(s[1] + s[2] for s in samples) / mib}}
+    return {
+        "specs": specs,
+        "wall_s": wall,
+        "statuses": statuses,
+        "before": before,
+        "after": after,
+        "peak_server": max(s[1] for s in samples),
+        "peak_children": max(s[2] for s in samples),
+        "peak_total": max(s[1] + s[2] for s in samples),
+        "per_50_specs": per50,
+        "children_seen": len(children_seen),
+        "samples": len(samples),
+        "summary_mib": {
+            "server_before": before["server"] / mib,
+            "server_after": after["server"] / mib,
+            "server_peak": max(s[1] for s in samples) / mib,
+            "child_before": before["children"] / mib,
+            "child_after": after["children"] / mib,
+            "child_peak": max(s[2] for s in samples) / mib,
+            "total_peak": max(s[1] + s[2] for s in samples) / mib,
+        },
+    }
 
 
 def cpu_info() -> dict:
@@ -318,9 +343,29 @@ def main() -> None:
         build_model(args.tokenizer, model_dir, args.seed)
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        cmd = ["specdecode", "serve", "--target", str(model_dir), "--device", "cpu", "--dtype", "float32",
-               "--no-speculation", "--port", str(port), "--api-key", KEY, "--served-model-name", "tiny",
-               "--max-batch-size", "8", "--threads", str(args.threads), "--log-level", "warning"]
+        cmd = [
+            "specdecode",
+            "serve",
+            "--target",
+            str(model_dir),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--no-speculation",
+            "--port",
+            str(port),
+            "--api-key",
+            KEY,
+            "--served-model-name",
+            "tiny",
+            "--max-batch-size",
+            "8",
+            "--threads",
+            str(args.threads),
+            "--log-level",
+            "warning",
+        ]
         result["serve"] = " ".join(cmd)
         log = open(Path(tmp) / "serve.log", "w")
         server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -340,8 +385,9 @@ def main() -> None:
             phases = [("quiet-before", args.quiet_s), ("poison", args.poison_s), ("quiet-after", args.quiet_s)]
             clients = {"plain": args.plain_clients, "json_schema": args.json_clients}
             result["latency"] = latency_phases(url, phases, args.rate, clients)
-            print(json.dumps({k: v for k, v in result["latency"].items() if k.startswith("ratio")}, indent=1),
-                  flush=True)
+            print(
+                json.dumps({k: v for k, v in result["latency"].items() if k.startswith("ratio")}, indent=1), flush=True
+            )
             result["rss"] = rss_phase(url, server.pid, args.rss_specs, start=100_000)
             print(json.dumps(result["rss"]["summary_mib"], indent=1), flush=True)
             result["server_alive"] = server.poll() is None

@@ -25,9 +25,16 @@ from specdecode.grammar import GrammarSpec  # noqa: E402
 from specdecode.sampling import SamplingParams  # noqa: E402
 from tiny import make_engine, make_model  # noqa: E402
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"},
-                                           "n": {"type": "integer", "minimum": 0, "maximum": 99}},
-          "required": ["name", "ok", "n"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "ok": {"type": "boolean"},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["name", "ok", "n"],
+    "additionalProperties": False,
+}
 
 
 def main() -> None:
@@ -39,16 +46,21 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
-    text = tok.apply_chat_template([{"role": "user", "content": "name, ok and n as JSON"}], tokenize=False,
-                                   add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "name, ok and n as JSON"}], tokenize=False, add_generation_prompt=True
+    )
     prompt = tok(text, add_special_tokens=False).input_ids
     for seed in args.seeds:
         target = make_model(len(tok), seed=seed)
         target.config.eos_token_id = target.generation_config.eos_token_id = tok.eos_token_id
         engine = make_engine(target, tok, num_slots=10, max_len=len(prompt) + args.max_tokens + 8)
         for ws in ("bounded", "flexible"):
-            params = [SamplingParams(1.0, max_new_tokens=args.max_tokens, seed=100 + i,
-                                     grammar=GrammarSpec.json_schema(SCHEMA, ws)) for i in range(args.requests)]
+            params = [
+                SamplingParams(
+                    1.0, max_new_tokens=args.max_tokens, seed=100 + i, grammar=GrammarSpec.json_schema(SCHEMA, ws)
+                )
+                for i in range(args.requests)
+            ]
             valid = 0
             for out in engine.generate([prompt] * args.requests, params):
                 try:

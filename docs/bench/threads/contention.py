@@ -23,8 +23,20 @@ STATS = re.compile(r"decode [0-9.]+ s \(([0-9.]+) tok/s\)")
 
 
 def run(args, threads: str, wait: str) -> float | None:
-    cmd = ["specdecode", "generate", "--backend", args.backend, "--target", args.target, "--prompt", args.prompt,
-           "--max-new-tokens", str(args.tokens), "--weights", "mapped"]
+    cmd = [
+        "specdecode",
+        "generate",
+        "--backend",
+        args.backend,
+        "--target",
+        args.target,
+        "--prompt",
+        args.prompt,
+        "--max-new-tokens",
+        str(args.tokens),
+        "--weights",
+        "mapped",
+    ]
     if threads != "default":
         cmd += ["--threads", threads]
     env = dict(os.environ)
@@ -53,8 +65,11 @@ def main() -> int:
     cells: dict[str, list[float]] = {}
     for rep in range(args.repeats):
         for load in args.loads.split(","):
-            hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)] \
-                if load == "busy" else []
+            hogs = (
+                [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+                if load == "busy"
+                else []
+            )
             time.sleep(1 if hogs else 0)
             try:
                 for threads in args.threads.split(","):
@@ -70,8 +85,12 @@ def main() -> int:
     table = {k: {"median_tok_s": statistics.median(v), "runs": v} for k, v in cells.items()}
     with open("/proc/cpuinfo") as f:
         flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    meta = {"command": " ".join(sys.argv), "cores": os.cpu_count(), "loadavg_end": os.getloadavg(),
-            "cpu_flags": [x for x in flags if x.startswith(("avx", "amx", "fma"))]}
+    meta = {
+        "command": " ".join(sys.argv),
+        "cores": os.cpu_count(),
+        "loadavg_end": os.getloadavg(),
+        "cpu_flags": [x for x in flags if x.startswith(("avx", "amx", "fma"))],
+    }
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "cells": table}, f, indent=1)
     for k, v in table.items():

@@ -73,9 +73,16 @@ def main() -> None:
         page_out()
         after_mb = file_backed_mb()
         cold = forwards(model, 2)
-        rows.append({"weights": weights, "file_backed_mib": mapped_mb, "after_pageout_mib": after_mb,
-                     "warm_step_s": statistics.median(warm), "first_step_after_pageout_s": cold[0],
-                     "second_step_s": cold[1]})
+        rows.append(
+            {
+                "weights": weights,
+                "file_backed_mib": mapped_mb,
+                "after_pageout_mib": after_mb,
+                "warm_step_s": statistics.median(warm),
+                "first_step_after_pageout_s": cold[0],
+                "second_step_s": cold[1],
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
         del model
     result = {"model": args.model, "machine": platform.processor() or platform.machine(), "rows": rows}

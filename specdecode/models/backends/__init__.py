@@ -13,8 +13,20 @@ from dataclasses import dataclass
 
 from specdecode.models.backends.base import Backend, BackendRefused, Model, Request, Settings, Supports
 
-__all__ = ["BACKENDS", "Backend", "BackendRefused", "Choice", "Model", "Request", "Settings", "Supports",
-           "choose", "draft_backend", "get", "names"]
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "BackendRefused",
+    "Choice",
+    "Model",
+    "Request",
+    "Settings",
+    "Supports",
+    "choose",
+    "draft_backend",
+    "get",
+    "names",
+]
 
 BACKENDS: dict[str, str] = {  # name -> module holding BACKEND; --backend auto tries them in this order
     "llamacpp": "specdecode.models.backends.llamacpp",

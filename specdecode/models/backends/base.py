@@ -48,11 +48,17 @@ class Supports:
     def rows(self) -> dict[str, str]:
         """The row as text, for the table."""
         yes = {True: "yes", False: "no"}
-        return {"opens": self.opens_text, "devices": ", ".join(self.devices), "--dtype": yes[self.dtypes],
-                "draft quantization": ", ".join(self.quantizes) or "-",
-                "target quantization": ", ".join(self.target_quantizations) or "-",
-                "batch invariant": yes[self.batch_invariant], "trees": yes[self.trees],
-                "features (EAGLE)": yes[self.features], "auto": yes[self.auto]}
+        return {
+            "opens": self.opens_text,
+            "devices": ", ".join(self.devices),
+            "--dtype": yes[self.dtypes],
+            "draft quantization": ", ".join(self.quantizes) or "-",
+            "target quantization": ", ".join(self.target_quantizations) or "-",
+            "batch invariant": yes[self.batch_invariant],
+            "trees": yes[self.trees],
+            "features (EAGLE)": yes[self.features],
+            "auto": yes[self.auto],
+        }
 
 
 @dataclass(frozen=True)
@@ -154,13 +160,16 @@ class Backend:
             reasons.append(f"--target-quantization {request.target_quantization} is not one it applies")
         other = sorted(request.draft_modes - set(s.draft_modes) - {"none"})
         if other:
-            reasons.append(f"--draft-quantization {'/'.join(other)} cannot pair with a target here "
-                           f"(it pairs {', '.join(s.draft_modes) or 'none'})")
+            reasons.append(
+                f"--draft-quantization {'/'.join(other)} cannot pair with a target here "
+                f"(it pairs {', '.join(s.draft_modes) or 'none'})"
+            )
         if request.batch_invariant == "on" and not s.batch_invariant:
             reasons.append("--batch-invariant on replaces kernels it does not use")
         if request.features and not s.features:
-            reasons.append("an EAGLE drafter reads intermediate layers and feeds input embeddings, which it does not "
-                           "expose")
+            reasons.append(
+                "an EAGLE drafter reads intermediate layers and feeds input embeddings, which it does not expose"
+            )
         if request.trees and not s.trees:
             reasons.append("it does not verify trees (--tree-topk)")
         missing = self.missing()

@@ -38,9 +38,17 @@ class LlamaCppBackend(Backend):
     name = "llamacpp"
     description = "llama.cpp's CPU kernels over .gguf files as quantized (llama-cpp-python)"
     supports = Supports(
-        opens=("gguf",), opens_text="a .gguf file", devices=("cpu",), dtypes=False,
-        quantizes=("gguf", "q8_0", "q4_0"), draft_modes=("gguf", "q8_0", "q4_0"),
-        batch_invariant=True, trees=True, features=False, transformers=False)
+        opens=("gguf",),
+        opens_text="a .gguf file",
+        devices=("cpu",),
+        dtypes=False,
+        quantizes=("gguf", "q8_0", "q4_0"),
+        draft_modes=("gguf", "q8_0", "q4_0"),
+        batch_invariant=True,
+        trees=True,
+        features=False,
+        transformers=False,
+    )
 
     def missing(self) -> str | None:
         from specdecode.models import llamacpp
@@ -63,9 +71,17 @@ class LlamaCppBackend(Backend):
         path = resolved.path if mode == "gguf" else llamacpp.requantize(resolved.path, mode, settings.threads)
         invariant = settings.batch_invariant and settings.role == "target"
         model = llamacpp.LlamaCppModel(path, settings.threads, repack=not invariant, mmap=settings.weights == "mapped")
-        return LlamaCppModelHandle("llamacpp", load_gguf_tokenizer(resolved.path), model.context_length,
-                                   model.vocab_size, mode if settings.role == "draft" else "none", model.threads,
-                                   None, model, str(resolved.path))
+        return LlamaCppModelHandle(
+            "llamacpp",
+            load_gguf_tokenizer(resolved.path),
+            model.context_length,
+            model.vocab_size,
+            mode if settings.role == "draft" else "none",
+            model.threads,
+            None,
+            model,
+            str(resolved.path),
+        )
 
 
 BACKEND = LlamaCppBackend()

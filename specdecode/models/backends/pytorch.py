@@ -34,8 +34,17 @@ class TorchModel(Model):
     @classmethod
     def wrap(cls, module: torch.nn.Module, tokenizer, name: str = "", quantization: str = "none") -> "TorchModel":
         """A loaded transformers module as a backend model (tests and scripts build theirs in code)."""
-        return cls("torch", tokenizer, int(getattr(module.config, "max_position_embeddings", 4096)),
-                   token_rows(module), quantization, None, module, module, name)
+        return cls(
+            "torch",
+            tokenizer,
+            int(getattr(module.config, "max_position_embeddings", 4096)),
+            token_rows(module),
+            quantization,
+            None,
+            module,
+            module,
+            name,
+        )
 
     def runner(self, *, batch_invariant: bool = False, trees: bool = False, draft: bool = False):
         from specdecode.models import batch_invariant as invariant
@@ -47,8 +56,12 @@ class TorchModel(Model):
 
     def batch_invariant_default(self, trees: bool, quantized: bool) -> bool:
         param = next(self.module.parameters())  # bf16/fp16 on a CPU: plain kernels flip greedy tokens with the batch
-        return (param.device.type == "cpu" and param.dtype in (torch.bfloat16, torch.float16) and not trees
-                and not quantized)
+        return (
+            param.device.type == "cpu"
+            and param.dtype in (torch.bfloat16, torch.float16)
+            and not trees
+            and not quantized
+        )
 
     def requantized(self, mode: str) -> "TorchModel":
         from specdecode.models.quantize import auto_mode, quantize_model
@@ -66,10 +79,18 @@ class TorchBackend(Backend):
     name = "torch"
     description = "PyTorch (transformers models), CPU or CUDA"
     supports = Supports(
-        opens=("dir", "gguf", "hub"), opens_text="a transformers directory, a .gguf file or a hub id",
-        devices=("cpu", "cuda"), dtypes=True, quantizes=("int8", "int4", "auto"),
-        target_quantizations=("int8", "int4"), draft_modes=("int8", "int4", "auto", "gguf", "q8_0", "q4_0"),
-        batch_invariant=True, trees=True, features=True, transformers=True)
+        opens=("dir", "gguf", "hub"),
+        opens_text="a transformers directory, a .gguf file or a hub id",
+        devices=("cpu", "cuda"),
+        dtypes=True,
+        quantizes=("int8", "int4", "auto"),
+        target_quantizations=("int8", "int4"),
+        draft_modes=("int8", "int4", "auto", "gguf", "q8_0", "q4_0"),
+        batch_invariant=True,
+        trees=True,
+        features=True,
+        transformers=True,
+    )
 
     def refuses(self, request):
         from specdecode.models.loading import ModelNotFoundError
@@ -83,8 +104,9 @@ class TorchBackend(Backend):
         from specdecode.models.loading import load_model
 
         device = resolve_device(settings.device)
-        module, tokenizer = load_model(spec, resolve_dtype(settings.dtype, device), device,
-                                       resident=settings.weights == "resident")
+        module, tokenizer = load_model(
+            spec, resolve_dtype(settings.dtype, device), device, resident=settings.weights == "resident"
+        )
         mode = settings.quantization
         if settings.role == "target" and mode != "none":  # LOSSY, labelled: see specdecode.models.quantize
             from specdecode.models.quantize import quantize_model

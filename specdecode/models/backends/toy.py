@@ -59,14 +59,17 @@ class ToyRunner(Runner):
     def kv_bytes(self) -> int:
         return 16 * self.kv_tok.numel()
 
-    def _hidden(self, toks: torch.Tensor, kpos: torch.Tensor, visible: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
+    def _hidden(
+        self, toks: torch.Tensor, kpos: torch.Tensor, visible: torch.Tensor, qpos: torch.Tensor
+    ) -> torch.Tensor:
         # toks/kpos [L], visible [q, L] bool, qpos [q] -> [q, H]
         w = torch.exp(-DECAY * (qpos[:, None] - kpos[None, :]).clamp(min=0).float()) * visible
         mixed = (w @ self.emb[toks]) / w.sum(-1, keepdim=True)
         return mixed + torch.sin(qpos[:, None].float() * self.freqs[None])
 
-    def forward(self, slots, input_ids, positions, *, write_positions=None, tree_mask=None, tree_start=None,
-                layers=()) -> ForwardOutput:
+    def forward(
+        self, slots, input_ids, positions, *, write_positions=None, tree_mask=None, tree_start=None, layers=()
+    ) -> ForwardOutput:
         writes = positions if write_positions is None else write_positions
         bsz, q = input_ids.shape
         if int(writes.max()) >= self.max_len:
@@ -110,7 +113,9 @@ class ToyRunner(Runner):
         return feats
 
     def truncate(self, slot: int, length: int) -> None:
-        self.kv_tok[slot, length:] = 0  # not needed for correctness (masked by position): proves callers don't rely on it
+        self.kv_tok[slot, length:] = (
+            0  # not needed for correctness (masked by position): proves callers don't rely on it
+        )
 
     def compact(self, slot: int, src, dst_start: int) -> None:
         idx = torch.tensor(list(src), dtype=torch.long)
@@ -170,8 +175,16 @@ class ToyModel(Model):
 class ToyBackend(Backend):
     name = "toy"
     description = "a tiny built-in model with no transformers inside (toy:SEED[:NOISE]), for demos and tests"
-    supports = Supports(opens=("toy",), opens_text="a toy:SEED[:NOISE] spec", devices=("cpu",), dtypes=False,
-                        trees=True, features=False, transformers=False, auto=False)
+    supports = Supports(
+        opens=("toy",),
+        opens_text="a toy:SEED[:NOISE] spec",
+        devices=("cpu",),
+        dtypes=False,
+        trees=True,
+        features=False,
+        transformers=False,
+        auto=False,
+    )
 
     def spec_kind(self, spec: str) -> str:
         if not SPEC.fullmatch(spec):

@@ -49,14 +49,25 @@ def step(width: int):
     return runner.logits(runner.forward(slot, ids, pos).hidden)
 
 
-ops = {"prefill": (lambda: runner.prefill([0], [prompt]), 3), "decode 1": (lambda: step(1), 12),
-       "verify 5": (lambda: step(5), 12)}
-out = {"alloc": alloc, "model": name, "dtype": str(dtype), "prompt_tokens": n_prompt, "threads": torch.get_num_threads()}
+ops = {
+    "prefill": (lambda: runner.prefill([0], [prompt]), 3),
+    "decode 1": (lambda: step(1), 12),
+    "verify 5": (lambda: step(5), 12),
+}
+out = {
+    "alloc": alloc,
+    "model": name,
+    "dtype": str(dtype),
+    "prompt_tokens": n_prompt,
+    "threads": torch.get_num_threads(),
+}
 with torch.inference_mode():
     runner.prefill([0], [prompt])  # warm-up: pages in the weights
     step(1), step(5)
     for op, (fn, reps) in ops.items():
         runs = [measured(fn) for _ in range(reps)]
-        out[op] = {"median_s": round(statistics.median(t for t, _ in runs), 4),
-                   "minor_faults": int(statistics.median(f for _, f in runs))}
+        out[op] = {
+            "median_s": round(statistics.median(t for t, _ in runs), 4),
+            "minor_faults": int(statistics.median(f for _, f in runs)),
+        }
 print(json.dumps(out))

@@ -53,17 +53,19 @@ def fit(runs: list[list[tuple[int, int]]]) -> tuple[float, list[float], list[flo
     accepted = sum(a for _, a in steps)
     alpha = accepted / max(accepted + sum(a < d for d, a in steps), 1)
     measured = [1 + sum(min(a, k) for _, a in steps) / len(steps) for k in range(1, K + 1)]
-    law = [1 + sum(alpha ** j for j in range(1, k + 1)) for k in range(1, K + 1)]
+    law = [1 + sum(alpha**j for j in range(1, k + 1)) for k in range(1, K + 1)]
     return alpha, measured, law
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("outs", nargs="+", type=Path, help="bench --out directories")
-    ap.add_argument("--config", action="append", help="fixed-drafter configurations (default: spec-k4@gguf and "
-                    "spec-k4[ngram])")
-    ap.add_argument("--grid", default="0.7:3,0.7:5,0.7:10,0.85:10,0.9:10,0.9:20",
-                    help="decay:prior_weight pairs, comma-separated")
+    ap.add_argument(
+        "--config", action="append", help="fixed-drafter configurations (default: spec-k4@gguf and spec-k4[ngram])"
+    )
+    ap.add_argument(
+        "--grid", default="0.7:3,0.7:5,0.7:10,0.85:10,0.9:10,0.9:20", help="decay:prior_weight pairs, comma-separated"
+    )
     ap.add_argument("--shuffles", type=int, default=5, help="shuffled (mixed-workload) orders per file")
     ap.add_argument("--fit", action="store_true", help="instead: does the geometric law fit each cell's steps?")
     args = ap.parse_args()
@@ -81,8 +83,10 @@ def main() -> None:
         pooled: dict[tuple, list] = defaultdict(list)
         for out in args.outs:
             runs = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
-            runs = sorted((r for r in runs if r.get("type") == "run" and r.get("config") == config and r.get("steps")),
-                          key=lambda r: r.get("finished_at", 0))
+            runs = sorted(
+                (r for r in runs if r.get("type") == "run" and r.get("config") == config and r.get("steps")),
+                key=lambda r: r.get("finished_at", 0),
+            )
             steps = [[(d, a) for _, _, d, a, _, _ in r["steps"] if d > 0] for r in runs]
             groups = defaultdict(list)  # (sampling, category) -> runs in bench order
             for r, s in zip(runs, steps):

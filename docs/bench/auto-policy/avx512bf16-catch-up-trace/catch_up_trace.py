@@ -25,9 +25,18 @@ def main() -> None:
     n = int(sys.argv[3]) if len(sys.argv) > 3 else 3
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stdout)
     logging.getLogger("specdecode.selector").setLevel(logging.DEBUG)
-    cfg = EngineConfig("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", extra_drafts=("ngram",), draft_policy="auto",
-                       max_draft_tokens=8, dtype="bfloat16", backend="torch", draft_quantization="gguf",
-                       num_draft_tokens=4, max_context=4096)
+    cfg = EngineConfig(
+        "qwen2.5-coder-1.5b",
+        "qwen2.5-coder-0.5b",
+        extra_drafts=("ngram",),
+        draft_policy="auto",
+        max_draft_tokens=8,
+        dtype="bfloat16",
+        backend="torch",
+        draft_quantization="gguf",
+        num_draft_tokens=4,
+        max_context=4096,
+    )
     pair = load_pair(cfg.target, cfg.draft, cfg.dtype, cfg.device, cfg.draft_quantization, backend="torch")
     engine = engine_from_pair(pair, cfg)
     prompts = [p for c in categories for p in load_prompt_set("spec-bench", n, 0, [c])]
@@ -35,8 +44,16 @@ def main() -> None:
         for name in samplings:
             params = bench_setting(name).params(seed=run_seed(0, p.id, 0), max_new_tokens=48, ignore_eos=True)
             out = run_engine(engine, p.ids, params)
-            print("RESULT", p.id, p.category, name, len(p.ids), f"wall {out['wall_s']:.1f}", out["stats"]["choices"],
-                  flush=True)
+            print(
+                "RESULT",
+                p.id,
+                p.category,
+                name,
+                len(p.ids),
+                f"wall {out['wall_s']:.1f}",
+                out["stats"]["choices"],
+                flush=True,
+            )
     print("cost model corrections (log of observed / calibrated):", engine.policy.inner.cost.correction)
 
 

@@ -36,8 +36,10 @@ def main() -> None:
     for (sampling, category, config, drafted), rows in sorted(cells.items()):
         seconds = sum(s for s, _ in rows)
         tokens = sum(e for _, e in rows)
-        print(f"| {sampling} | {category} | {config} | {drafted} | {len(rows)} | {seconds / len(rows):.3f} "
-              f"| {tokens / len(rows):.2f} | {tokens / seconds:.2f} |")
+        print(
+            f"| {sampling} | {category} | {config} | {drafted} | {len(rows)} | {seconds / len(rows):.3f} "
+            f"| {tokens / len(rows):.2f} | {tokens / seconds:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -39,8 +39,9 @@ def main() -> None:
     args = ap.parse_args()
 
     pair = load_pair(EngineConfig(args.target, args.draft, dtype=args.dtype, backend="torch"), "torch")
-    prompts, _ = tokenize_prompts(load_humaneval(problems=range(0, args.num_prompts)), pair.tokenizer,
-                                  args.max_new_tokens, 4096)
+    prompts, _ = tokenize_prompts(
+        load_humaneval(problems=range(0, args.num_prompts)), pair.tokenizer, args.max_new_tokens, 4096
+    )
     greedy = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0, ignore_eos=True)
     configs = {"target-only": None, f"draft k={args.k}": args.draft}
     if not args.no_ngram:
@@ -73,17 +74,42 @@ def main() -> None:
         base = statistics.median(times[(mode, "target-only")])
         plain = statistics.median(times[("off", name)])
         same = outputs[(mode, name)] == outputs[(mode, "target-only")]
-        rows.append(dict(mode=mode, config=name, tok_s=statistics.median(tps), vs_target_only=statistics.median(tps) / base,
-                         vs_mode_off=statistics.median(tps) / plain, greedy_equals_target_only=same, samples=tps))
-    print(f"\n{'mode':4s} {'config':12s} {'tok/s':>7s} {'vs target-only':>15s} {'vs mode off':>12s}  greedy == target-only")
+        rows.append(
+            dict(
+                mode=mode,
+                config=name,
+                tok_s=statistics.median(tps),
+                vs_target_only=statistics.median(tps) / base,
+                vs_mode_off=statistics.median(tps) / plain,
+                greedy_equals_target_only=same,
+                samples=tps,
+            )
+        )
+    print(
+        f"\n{'mode':4s} {'config':12s} {'tok/s':>7s} {'vs target-only':>15s} {'vs mode off':>12s}  greedy == target-only"
+    )
     for r in rows:
-        print(f"{r['mode']:4s} {r['config']:12s} {r['tok_s']:7.2f} {r['vs_target_only']:14.2f}x {r['vs_mode_off']:11.2f}x  "
-              f"{r['greedy_equals_target_only']}")
+        print(
+            f"{r['mode']:4s} {r['config']:12s} {r['tok_s']:7.2f} {r['vs_target_only']:14.2f}x {r['vs_mode_off']:11.2f}x  "
+            f"{r['greedy_equals_target_only']}"
+        )
     print("plans:", json.dumps(batch_invariant.plans()))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(args=vars(args), rows=rows, plans=batch_invariant.plans(), command=command_line(),
-                           commit=commit(), machine=machine(), threads=torch.get_num_threads()), f, indent=1, default=str)
+            json.dump(
+                dict(
+                    args=vars(args),
+                    rows=rows,
+                    plans=batch_invariant.plans(),
+                    command=command_line(),
+                    commit=commit(),
+                    machine=machine(),
+                    threads=torch.get_num_threads(),
+                ),
+                f,
+                indent=1,
+                default=str,
+            )
 
 
 if __name__ == "__main__":

@@ -24,9 +24,12 @@ pair = load_pair("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", dtype)
 configs = {
     "target": EngineConfig("t", None, num_draft_tokens=0, dtype=dtype),
     f"fixed-k{k}": EngineConfig("t", "d", num_draft_tokens=k, dtype=dtype),
-    f"acceptance-k{k}..16": EngineConfig("t", "d", num_draft_tokens=k, dtype=dtype, draft_policy="acceptance", max_draft_tokens=16),
-    f"acceptance-k{k}..16+conf0.4": EngineConfig("t", "d", num_draft_tokens=k, dtype=dtype, draft_policy="acceptance", max_draft_tokens=16,
-                                                draft_confidence=0.4),
+    f"acceptance-k{k}..16": EngineConfig(
+        "t", "d", num_draft_tokens=k, dtype=dtype, draft_policy="acceptance", max_draft_tokens=16
+    ),
+    f"acceptance-k{k}..16+conf0.4": EngineConfig(
+        "t", "d", num_draft_tokens=k, dtype=dtype, draft_policy="acceptance", max_draft_tokens=16, draft_confidence=0.4
+    ),
     "fixed-k12+conf0.4": EngineConfig("t", "d", num_draft_tokens=12, dtype=dtype, draft_confidence=0.4),
 }
 engines = {name: engine_from_pair(pair, cfg) for name, cfg in configs.items()}
@@ -42,7 +45,12 @@ for i, prompt in enumerate(load_prompt_set("humaneval", n=n)):
         out = engines[name].generate([ids], sp)[0]
         decode_s = time.perf_counter() - t0 - out.stats.prefill_s
         rates[name].append(len(out.token_ids) / decode_s)
-        print(f"{prompt.id} {name}: {rates[name][-1]:.3f} tok/s decode, tokens/step {out.stats.tokens_per_step:.2f}, "
-              f"acceptance {out.stats.acceptance_rate}", flush=True)
+        print(
+            f"{prompt.id} {name}: {rates[name][-1]:.3f} tok/s decode, tokens/step {out.stats.tokens_per_step:.2f}, "
+            f"acceptance {out.stats.acceptance_rate}",
+            flush=True,
+        )
 for name, r in rates.items():
-    print(f"median {name}: {statistics.median(r):.3f} tok/s decode ({statistics.median(r) / statistics.median(rates['target']):.2f}x)")
+    print(
+        f"median {name}: {statistics.median(r):.3f} tok/s decode ({statistics.median(r) / statistics.median(rates['target']):.2f}x)"
+    )

@@ -135,8 +135,9 @@ def measure(name: str, path: Path, args) -> dict:
     model = load(path, args.threads, not args.no_repack)
     timer = Timer(model, args.context, args.max_n)
     ns = list(range(1, args.max_n + 1))
-    samples: dict[str, dict[int, list[float]]] = {k: {n: [] for n in ns} for k in
-                                                   ("none", "last", "all", "runner", "warp", "argmax")}
+    samples: dict[str, dict[int, list[float]]] = {
+        k: {n: [] for n in ns} for k in ("none", "last", "all", "runner", "warp", "argmax")
+    }
     for _ in range(2):  # warm-up
         for n in ns:
             timer.decode(n, "all")
@@ -150,26 +151,46 @@ def measure(name: str, path: Path, args) -> dict:
             samples["argmax"][n].append(am)
     med = {k: {n: statistics.median(v) for n, v in d.items()} for k, d in samples.items()}
     step = med["last"][1]
-    rows = [{"n": n, **{f"{k}_ms": round(1e3 * med[k][n], 3) for k in med},
-             "v_all": round(med["all"][n] / step, 3), "v_none": round(med["none"][n] / step, 3),
-             "output_layer_ms": round(1e3 * (med["all"][n] - med["none"][n]), 3),
-             "copy_ms": round(1e3 * (med["runner"][n] - med["all"][n]), 3)} for n in ns]
+    rows = [
+        {
+            "n": n,
+            **{f"{k}_ms": round(1e3 * med[k][n], 3) for k in med},
+            "v_all": round(med["all"][n] / step, 3),
+            "v_none": round(med["none"][n] / step, 3),
+            "output_layer_ms": round(1e3 * (med["all"][n] - med["none"][n]), 3),
+            "copy_ms": round(1e3 * (med["runner"][n] - med["all"][n]), 3),
+        }
+        for n in ns
+    ]
     prefill_s = statistics.median(timer.prefill(args.prefill) for _ in range(3))
-    return {"model": name, "path": str(path), "description": model.description, "size_bytes": model.size_bytes,
-            "vocab": model.vocab_size, "repack": not args.no_repack, "step_ms": round(1e3 * step, 3),
-            "rows": rows, "prefill_tokens": args.prefill, "prefill_s": round(prefill_s, 3),
-            "prefill_tok_s": round(args.prefill / prefill_s, 1)}
+    return {
+        "model": name,
+        "path": str(path),
+        "description": model.description,
+        "size_bytes": model.size_bytes,
+        "vocab": model.vocab_size,
+        "repack": not args.no_repack,
+        "step_ms": round(1e3 * step, 3),
+        "rows": rows,
+        "prefill_tokens": args.prefill,
+        "prefill_s": round(prefill_s, 3),
+        "prefill_tok_s": round(args.prefill / prefill_s, 1),
+    }
 
 
 def table(result: dict) -> str:
-    lines = [f"{result['model']} ({result['description']}, repack {'on' if result['repack'] else 'off'}): "
-             f"one-token step {result['step_ms']:.1f} ms; prefill {result['prefill_tokens']} tokens "
-             f"{result['prefill_tok_s']:.0f} tok/s",
-             "| n | layers ms | + output layer (n rows) ms | all ms | v(n) | runner copy-out ms | warp ms | argmax ms |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{result['model']} ({result['description']}, repack {'on' if result['repack'] else 'off'}): "
+        f"one-token step {result['step_ms']:.1f} ms; prefill {result['prefill_tokens']} tokens "
+        f"{result['prefill_tok_s']:.0f} tok/s",
+        "| n | layers ms | + output layer (n rows) ms | all ms | v(n) | runner copy-out ms | warp ms | argmax ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
-        lines.append(f"| {r['n']} | {r['none_ms']:.1f} | {r['output_layer_ms']:.1f} | {r['all_ms']:.1f} | "
-                     f"{r['v_all']:.2f} | {r['copy_ms']:.1f} | {r['warp_ms']:.1f} | {r['argmax_ms']:.2f} |")
+        lines.append(
+            f"| {r['n']} | {r['none_ms']:.1f} | {r['output_layer_ms']:.1f} | {r['all_ms']:.1f} | "
+            f"{r['v_all']:.2f} | {r['copy_ms']:.1f} | {r['warp_ms']:.1f} | {r['argmax_ms']:.2f} |"
+        )
     return "\n".join(lines)
 
 

@@ -43,7 +43,9 @@ def main() -> None:
     runner = hf.HFRunner(model, num_slots=16, max_len=512)
     timed(runner, [16, 8], 1)  # warm-up
     print(f"{spec}, {dtype}, {torch.get_num_threads()} threads, fastest of {repeats}\n")
-    print("| rows | real tokens | one padded forward: tokens / s | grouped (pack_rows): tokens / s | grouped / padded |")
+    print(
+        "| rows | real tokens | one padded forward: tokens / s | grouped (pack_rows): tokens / s | grouped / padded |"
+    )
     print("|---|---|---|---|---|")
     for name, lengths in CASES.items():
         padded_tokens = len(lengths) * max(lengths)
@@ -52,8 +54,10 @@ def main() -> None:
         padded = timed(runner, lengths, repeats)
         hf.PAD_SLACK = 0.25
         grouped = timed(runner, lengths, repeats)
-        print(f"| {name} | {sum(lengths)} | {padded_tokens} / {padded:.2f} | {grouped_tokens} / {grouped:.2f} | "
-              f"{grouped / padded:.2f} |")
+        print(
+            f"| {name} | {sum(lengths)} | {padded_tokens} / {padded:.2f} | {grouped_tokens} / {grouped:.2f} | "
+            f"{grouped / padded:.2f} |"
+        )
 
 
 if __name__ == "__main__":

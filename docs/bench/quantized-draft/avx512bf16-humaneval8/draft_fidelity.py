@@ -68,9 +68,14 @@ def main() -> None:
                 agree_d += (top == p.argmax(-1)).sum().item()
                 tv += 0.5 * (q - p).abs().sum(-1).sum().item()
                 n += len(tt)
-            report[mode] = dict(top1_with_target=agree_t / n, top1_with_draft=agree_d / n, tv_to_draft=tv / n, positions=n)
-            print(f"{mode:12s} top-1 = target {agree_t / n:.3f}   top-1 = unquantized draft {agree_d / n:.3f}   "
-                  f"TV to unquantized draft {tv / n:.4f}   ({n} positions)", flush=True)
+            report[mode] = dict(
+                top1_with_target=agree_t / n, top1_with_draft=agree_d / n, tv_to_draft=tv / n, positions=n
+            )
+            print(
+                f"{mode:12s} top-1 = target {agree_t / n:.3f}   top-1 = unquantized draft {agree_d / n:.3f}   "
+                f"TV to unquantized draft {tv / n:.4f}   ({n} positions)",
+                flush=True,
+            )
     print(json.dumps(report))
 
 

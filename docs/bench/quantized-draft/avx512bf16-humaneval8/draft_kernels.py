@@ -19,8 +19,13 @@ from specdecode.models.quantize import DynamicInt8Linear, Int4WeightOnlyLinear, 
 torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 2)
 LAYERS = 24
 # (name, in, out, count per forward)
-SHAPES = [("q/o proj", 896, 896, 2), ("k/v proj", 896, 128, 2), ("gate/up", 896, 4864, 2),
-          ("down", 4864, 896, 1), ("lm head", 896, 151936, 1 / LAYERS)]
+SHAPES = [
+    ("q/o proj", 896, 896, 2),
+    ("k/v proj", 896, 128, 2),
+    ("gate/up", 896, 4864, 2),
+    ("down", 4864, 896, 1),
+    ("lm head", 896, 151936, 1 / LAYERS),
+]
 
 
 def timed(fn, x, reps=20):
@@ -50,8 +55,10 @@ def kernels(linear_f32: nn.Linear):
 
 
 def main():
-    print(f"threads {torch.get_num_threads()}, torch {torch.__version__}, CPU capability "
-          f"{torch.backends.cpu.get_cpu_capability()}\n")
+    print(
+        f"threads {torch.get_num_threads()}, torch {torch.__version__}, CPU capability "
+        f"{torch.backends.cpu.get_cpu_capability()}\n"
+    )
     for tokens in (1, 5):
         totals = {}
         lines = []
@@ -69,8 +76,9 @@ def main():
         print("| shape | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
         for name, cells in lines:
             print(f"| {name} | " + " | ".join(f"{cells[k]:.3f}" for k in names) + " |")
-        print("| **one forward (24 layers + head), ms** | " + " | ".join(f"**{totals[k]:.1f}**" for k in names)
-              + " |\n")
+        print(
+            "| **one forward (24 layers + head), ms** | " + " | ".join(f"**{totals[k]:.1f}**" for k in names) + " |\n"
+        )
 
 
 if __name__ == "__main__":

@@ -40,13 +40,30 @@ with torch.inference_mode():
 
     res: dict[str, list[float]] = {}
     for _ in range(4):
-        res.setdefault("ours, 1 token", []).append(timed(lambda: runner.logits(runner.forward(slot, torch.tensor([[5]]), torch.tensor([[200]])).hidden)))
+        res.setdefault("ours, 1 token", []).append(
+            timed(lambda: runner.logits(runner.forward(slot, torch.tensor([[5]]), torch.tensor([[200]])).hidden))
+        )
         res.setdefault("transformers, 1 token", []).append(timed(hf_step))
-        res.setdefault("ours, 5 tokens", []).append(timed(lambda: runner.logits(runner.forward(slot, torch.tensor([[5, 6, 7, 8, 9]]), torch.arange(200, 205)[None]).hidden)))
+        res.setdefault("ours, 5 tokens", []).append(
+            timed(
+                lambda: runner.logits(
+                    runner.forward(slot, torch.tensor([[5, 6, 7, 8, 9]]), torch.arange(200, 205)[None]).hidden
+                )
+            )
+        )
     prompt = list(range(1000, 1064))
     for _ in range(2):
         res.setdefault("ours, 64-token prefill", []).append(timed(lambda: runner.prefill([0], [prompt])))
-        res.setdefault("transformers, 64-token prefill", []).append(timed(lambda: model(torch.tensor([prompt]), past_key_values=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)))
+        res.setdefault("transformers, 64-token prefill", []).append(
+            timed(
+                lambda: model(
+                    torch.tensor([prompt]),
+                    past_key_values=DynamicCache(config=model.config),
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+            )
+        )
 print(f"{name} {dtype} threads={torch.get_num_threads()}")
 for key, times in res.items():
     print(f"{key}: median {statistics.median(times):.3f} s over {len(times)}")

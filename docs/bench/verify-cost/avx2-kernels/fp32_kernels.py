@@ -37,9 +37,11 @@ for out_f, in_f in ((8960, 1536), (151936, 1536)):
     for m in (1, 5, 8):
         x = torch.randn(m, in_f)
         packed = torch.ops.mkl._mkl_reorder_linear_weight(w, m)
-        cells = [median_time(lambda: F.linear(x, w)),
-                 median_time(lambda: torch.ops.mkl._mkl_linear(x, packed, w, None, m)),
-                 median_time(lambda: torch._C._nn.mkldnn_linear(x.to_mkldnn(), w_dnn, b_dnn).to_dense())]
+        cells = [
+            median_time(lambda: F.linear(x, w)),
+            median_time(lambda: torch.ops.mkl._mkl_linear(x, packed, w, None, m)),
+            median_time(lambda: torch._C._nn.mkldnn_linear(x.to_mkldnn(), w_dnn, b_dnn).to_dense()),
+        ]
         print(f"| {out_f}×{in_f} | {m} | " + " | ".join(f"{c * 1e3:.1f}" for c in cells) + " |", flush=True)
 
 
@@ -77,5 +79,9 @@ with torch.inference_mode():
             diff = (forward(5) - reference).abs().max().item()
             print(f"oneDNN vs F.linear logits, 5 tokens: max |diff| {diff:.2e}")
         times = {m: median_time(lambda: forward(m), reps=3) for m in (1, 5, 8)}
-        print(f"{name} float32 {tag}: " + ", ".join(f"{m} tokens {t:.3f} s" for m, t in times.items())
-              + f"; v(5) = {times[5] / times[1]:.2f}", flush=True)
+        print(
+            f"{name} float32 {tag}: "
+            + ", ".join(f"{m} tokens {t:.3f} s" for m, t in times.items())
+            + f"; v(5) = {times[5] / times[1]:.2f}",
+            flush=True,
+        )

@@ -27,8 +27,10 @@ for tokens in (1, 2, 3, 5, 9, 17, 64):
         cells.append(min(times) * 1e3)
     rows.append((tokens, *cells))
 base_bf16, base_fp32 = rows[0][1], rows[0][2]
-print(f"threads: {torch.get_num_threads()}, torch {torch.__version__}, CPU capability "
-      f"{torch.backends.cpu.get_cpu_capability()}\n")
+print(
+    f"threads: {torch.get_num_threads()}, torch {torch.__version__}, CPU capability "
+    f"{torch.backends.cpu.get_cpu_capability()}\n"
+)
 print("| tokens | bf16 ms | bf16 / 1 token | fp32 ms | fp32 / 1 token |\n|---|---|---|---|---|")
 for tokens, bf16, fp32 in rows:
     print(f"| {tokens} | {bf16:.2f} | {bf16 / base_bf16:.1f}× | {fp32:.2f} | {fp32 / base_fp32:.1f}× |")
