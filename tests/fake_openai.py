@@ -40,6 +40,7 @@ class Behaviour:
     send_usage: bool = True
     speculation: dict[str, Any] | None = None
     hold_until: int = 0
+    cached_tokens: int | None = None  # sent as usage.prompt_tokens_details.cached_tokens when set
     bodies: list[dict[str, Any]] = field(default_factory=list)
     in_flight: int = 0
 
@@ -107,6 +108,8 @@ async def _stream(
     final: dict[str, Any] = {"choices": []}
     if behaviour.send_usage and body.get("stream_options", {}).get("include_usage"):
         final["usage"] = {"prompt_tokens": 3, "completion_tokens": tokens, "total_tokens": 3 + tokens}
+        if behaviour.cached_tokens is not None:
+            final["usage"]["prompt_tokens_details"] = {"cached_tokens": behaviour.cached_tokens}
     if behaviour.speculation is not None:
         final["speculation"] = behaviour.speculation
     yield event(final)

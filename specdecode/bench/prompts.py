@@ -57,18 +57,22 @@ class Prompt:
     ``max_new_tokens`` is a per-prompt output budget when the set defines one, else ``None``.
     ``suffix`` (completion prompts only) makes it a fill-in-the-middle request with ``text`` the prefix;
     ``fim_stop`` (with a suffix only) is its editor stop rule. ``response_format`` is OpenAI's
-    ``response_format`` object the request carries (None: free text).
+    ``response_format`` object the request carries (None: free text). ``session`` (None: a request alone)
+    groups requests that go in order, ``turn`` its place there; an assistant message whose content is
+    None is a slot for an earlier answer of its session (:mod:`specdecode.bench.sessions`).
     """
 
     id: str
     category: str
     text: str | None
-    messages: list[dict[str, str]] | None
+    messages: list[dict[str, str | None]] | None
     kind: PromptKind
     max_new_tokens: int | None = None
     suffix: str | None = None
     fim_stop: str | None = None
     response_format: dict[str, Any] | None = None
+    session: str | None = None
+    turn: int = 0
 
     def __post_init__(self) -> None:
         if self.kind == "completion" and (self.text is None or self.messages is not None):
@@ -85,6 +89,9 @@ class Prompt:
             isinstance(self.response_format, dict) and isinstance(self.response_format.get("type"), str)
         ):
             raise ValueError(f"prompt {self.id!r}: response_format must be an object with a string 'type'")
+        slots = any(m.get("role") == "assistant" and m.get("content") is None for m in self.messages or [])
+        if slots and self.session is None:
+            raise ValueError(f"prompt {self.id!r}: an answer slot (content None) needs a session")
 
     @property
     def is_fim(self) -> bool:
@@ -317,6 +324,12 @@ def load_prompt_set(
             raise PromptSetError(f"bad split {spec!r}: use {name}, {name}:dev or {name}:test")
         load = load_code_workload if name in CODE_WORKLOADS else load_structured_workload
         return load(name, split if sep else None, n, seed)
+    if name in ("editor_replay", "chat_turns"):  # sessions of requests sharing most of their prompt
+        from specdecode.bench.sessions import load_session_workload
+
+        if categories:
+            raise PromptSetError(f"{name} has no categories; drop the category filter")
+        return load_session_workload(spec, n, seed, path)
     if spec.endswith(".jsonl") or Path(spec).is_file():
         prompts = load_jsonl(spec)
         if categories:
@@ -326,7 +339,8 @@ def load_prompt_set(
         return _non_empty(_sample(prompts, n, seed, spec), f"prompt file {spec}")
     raise PromptSetError(
         f"unknown prompt set {spec!r}: use 'spec-bench', 'humaneval', 'fim', 'code_edit', 'json_extract' (each of "
-        "the last four with :dev or :test for a half) or a path to a .jsonl file"
+        "the last four with :dev or :test for a half), the sessions 'editor_replay' (:dev or :test too) and "
+        "'chat_turns', or a path to a .jsonl file"
     )
 
 

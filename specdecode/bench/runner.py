@@ -209,6 +209,11 @@ def tokenize_prompts(
     fim = None
     for p in prompts:
         stops, rule = {}, None
+        if any(m.get("role") == "assistant" and m.get("content") is None for m in p.messages or []):
+            raise BenchInputError(
+                f"prompt {p.id!r} is a later chat turn: its history holds the endpoint's own earlier answer, "
+                "so run chat_turns with `specdecode load` against a server (editor_replay runs here)"
+            )
         if p.kind == "chat":
             ids = list(
                 tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True, return_dict=False)

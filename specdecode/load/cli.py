@@ -77,7 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="spec-bench",
         help="spec-bench, humaneval[:dev|:test], fim[:dev|:test] (fill-in-the-middle: requests "
         "carry OpenAI's suffix), code_edit[:dev|:test], json_extract[:dev|:test] (structured output: "
-        "requests carry response_format) or a .jsonl file (default: spec-bench)",
+        "requests carry response_format), the sessions editor_replay[:dev|:test] (a file typed into: "
+        "successive FIM requests) and chat_turns (MT-Bench's second turns after the endpoint's own first "
+        "answer), each session's requests in order, or a .jsonl file (default: spec-bench)",
     )
     work.add_argument("--prompts-path", help="Spec-Bench question.jsonl location")
     work.add_argument("--categories", help="comma-separated categories to keep")

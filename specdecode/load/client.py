@@ -102,13 +102,17 @@ async def stream_request(
     index: int,
     level_t0: float,
     timeout_s: float,
+    keep_text: bool = False,
 ) -> RequestRecord:
-    """Send one request and time it; never raises for server or network trouble."""
+    """Send one request and time it; never raises for server or network trouble. ``keep_text``: keep the
+    streamed text in ``record.text`` (a session's next turn carries it in its history)."""
     path, body = request_body(target, prompt, max_tokens)
     t_start = time.perf_counter()
     record = RequestRecord(
         index=index, prompt_id=prompt.id, kind=prompt.kind, max_tokens=max_tokens, start_s=t_start - level_t0
     )
+    if keep_text:
+        record.text = ""
     try:
         async with asyncio.timeout(timeout_s):
             async with client.stream("POST", path, json=body) as response:
@@ -145,6 +149,8 @@ async def _read_stream(response: httpx.Response, record: RequestRecord, t_start:
             return
         now = time.perf_counter()
         if _has_content(chunk):
+            if record.text is not None:
+                record.text += _content(chunk)
             if last_chunk is None:
                 record.ttft_s = now - t_start
             else:
@@ -166,6 +172,13 @@ def _has_content(chunk: dict[str, Any]) -> bool:
     )
 
 
+def _content(chunk: dict[str, Any]) -> str:
+    choice = chunk["choices"][0]
+    delta = choice.get("delta") or {}
+    text = choice.get("text") if isinstance(choice.get("text"), str) else delta.get("content")
+    return text if isinstance(text, str) else ""
+
+
 SERVER_TIMING = ("queue_time_s", "prefill_time_s", "time_to_first_token_s")  # specdecode's usage extension
 
 
@@ -176,9 +189,17 @@ def _read_extras(chunk: dict[str, Any], record: RequestRecord) -> None:
         record.token_source = "usage"
         if isinstance(usage.get("prompt_tokens"), int):
             record.prompt_tokens = usage["prompt_tokens"]
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            record.cached_tokens = details["cached_tokens"]  # OpenAI's field: prompt tokens a cache answered
         timing = {k: float(usage[k]) for k in SERVER_TIMING if isinstance(usage.get(k), (int, float))}
         if timing:
             record.server_timing = timing
+    timings = chunk.get("timings")  # llama-server's own: cache_n prompt tokens reused, prompt_n evaluated
+    if isinstance(timings, dict) and isinstance(timings.get("cache_n"), int) and record.cached_tokens is None:
+        record.cached_tokens = timings["cache_n"]
+        if record.prompt_tokens is None and isinstance(timings.get("prompt_n"), int):
+            record.prompt_tokens = timings["cache_n"] + timings["prompt_n"]
     if isinstance(chunk.get("speculation"), dict):
         record.speculation = chunk["speculation"]
 

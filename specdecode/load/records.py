@@ -31,6 +31,8 @@ class RequestRecord:
     content_chunks: int = 0
     token_source: TokenSource = "chunks"
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # prompt tokens the server's prefix cache answered (when it says)
+    text: str | None = None  # the streamed text, kept only for a session's next turn (not written out)
     speculation: dict[str, Any] | None = None
     server_timing: dict[str, float] | None = None  # from a specdecode server's usage: queue/prefill/TTFT seconds
     error: str | None = None

@@ -52,7 +52,7 @@ def write_outputs(result: SweepResult, config: LoadConfig, slo: Slo, out_dir: Pa
                     "endpoint": run.label,
                     "level": run.level,
                     "mode": run.mode,
-                    **dataclasses.asdict(record),
+                    **{k: v for k, v in dataclasses.asdict(record).items() if k != "text"},
                     "tpot_s": record.tpot_s,
                 }
                 fh.write(json.dumps(row) + "\n")
@@ -121,6 +121,7 @@ def markdown(result: SweepResult, config: LoadConfig, report: Report) -> str:
     lines += [f"| {label} | {e['url']} | {e['model']} |" for label, e in result.endpoints.items()]
     lines += ["", "## Results", "", *_results_table(report, level_name(config.mode))]
     lines += _server_table(report, level_name(config.mode))
+    lines += _cache_table(report, level_name(config.mode))
     lines += _choices_table(report, level_name(config.mode))
     for comparison in report.comparisons:
         lines += ["", *_comparison_section(comparison, level_name(config.mode))]
@@ -200,6 +201,17 @@ def _server_table(report: Report, level: str) -> list[str]:
         f"| {s.label} | {s.level:g} | {_ms(s.server_queue)} | {_ms(s.server_prefill)} | {_ms(s.server_ttft)} |"
         for s in summaries
     ]
+    return rows
+
+
+def _cache_table(report: Report, level: str) -> list[str]:
+    """The share of prompt tokens the server's prefix cache answered, where it says (OpenAI's
+    ``usage.prompt_tokens_details.cached_tokens``, llama-server's ``timings.cache_n``)."""
+    summaries = [s for runs in report.summaries.values() for s in runs if s.cached_share is not None]
+    if not summaries:
+        return []
+    rows = ["", "Prompt tokens answered by the server's prefix cache:", "", f"| endpoint | {level} | cached share |"]
+    rows += ["|---" * 3 + "|"] + [f"| {s.label} | {s.level:g} | {s.cached_share:.1%} |" for s in summaries]
     return rows
 
 

@@ -14,6 +14,11 @@ being cut at an even share while time is left); once it is spent, that endpoint'
 not issued. Request ``index`` is the plan's, so request ``i`` of every endpoint is the same prompt
 (the report pairs them).
 
+Sessions (``editor_replay``, ``chat_turns``: :mod:`specdecode.bench.sessions`) are units of the plan: a
+session's requests go in order, each sent when the one before it ended (a chat turn carries the
+endpoint's own earlier answers in its history), so a level's concurrency (closed loop) counts sessions
+in flight and an open loop's arrivals start sessions. Slices (``rounds``) cut between sessions.
+
 From Python: ``result = run_sweep(LoadConfig(targets=[Target("A", url)], prompts=...))``.
 """
 
@@ -32,6 +37,7 @@ import httpx
 import numpy as np
 
 from specdecode.bench.prompts import Prompt
+from specdecode.bench.sessions import needs_history, sessions, with_history
 from specdecode.load.client import Target, first_model, make_client, stream_request
 from specdecode.load.records import LevelRun, RequestRecord, SweepResult
 
@@ -173,7 +179,7 @@ async def _sweep(config: LoadConfig, result: SweepResult, progress: Progress, st
             targets.append(target)
         for level in config.levels:
             runs: dict[str, LevelRun] = {}
-            for part, target in itertools.product(rounds(len(plan), config.rounds), targets):
+            for part, target in itertools.product(session_rounds(plan, config.rounds), targets):
                 if stop.requested:
                     return
                 run = runs.get(target.label)
@@ -231,30 +237,42 @@ async def run_level(
     own_end = loop.time() + max(0.0, config.duration_s - before)
     stop_at = min(own_end, deadline)
 
-    async def one(index: int) -> None:
-        prompt, max_tokens = plan[index]
-        run.issued += 1
-        record = await stream_request(client, target, prompt, max_tokens, index, t0, config.request_timeout_s)
-        run.records.append(record)
-        progress.request_done(run, record)
+    async def one(unit: range) -> None:
+        """A unit of the plan: one request, or a session's requests in order (each after the last)."""
+        answers: list[str] = []
+        for index in unit:
+            prompt, max_tokens = plan[index]
+            if needs_history(prompt):
+                prompt = with_history(prompt, answers)
+            run.issued += 1
+            keep = index + 1 in unit and plan[index + 1][0].kind == "chat"  # a later turn needs this answer
+            extra = {"keep_text": True} if keep else {}
+            record = await stream_request(
+                client, target, prompt, max_tokens, index, t0, config.request_timeout_s, **extra
+            )
+            run.records.append(record)
+            progress.request_done(run, record)
+            if not record.ok or stopping():
+                return  # a session whose turn failed ends there: its later turns would lack their history
+            answers.append(record.text or "")
 
-    indices = iter(part)
+    units = iter(plan_units(plan, part))
 
     def stopping() -> bool:
         return stop is not None and stop.requested
 
     async def worker() -> None:
-        while not stopping() and (index := next(indices, None)) is not None:
-            await one(index)
+        while not stopping() and (unit := next(units, None)) is not None:
+            await one(unit)
 
     async def arrivals(group: asyncio.TaskGroup) -> None:
         times = arrival_times(run.level, len(plan), config.seed)
         start = time.perf_counter()
-        for index in part:
-            await asyncio.sleep(max(0.0, start + times[index] - times[part.start] - time.perf_counter()))
+        for unit in units:
+            await asyncio.sleep(max(0.0, start + times[unit.start] - times[part.start] - time.perf_counter()))
             if stopping():
                 return
-            group.create_task(one(index))
+            group.create_task(one(unit))
 
     try:
         async with asyncio.timeout_at(stop_at), asyncio.TaskGroup() as group:
@@ -272,10 +290,12 @@ async def run_level(
 
 
 def plan_requests(config: LoadConfig) -> list[tuple[Prompt, int]]:
-    """``num_requests`` (prompt, max_tokens) pairs: prompts shuffled by ``seed``, then cycled."""
+    """``num_requests`` (prompt, max_tokens) pairs: prompts (sessions whole, in turn order) shuffled by
+    ``seed``, then cycled; the last session may be cut short by ``num_requests``."""
     rng = random.Random(config.seed)
-    prompts = list(config.prompts)
-    rng.shuffle(prompts)
+    units = sessions(list(config.prompts))
+    rng.shuffle(units)
+    prompts = [prompt for unit in units for prompt in unit]
     plan = []
     for index in range(config.num_requests):
         prompt = prompts[index % len(prompts)]
@@ -285,6 +305,30 @@ def plan_requests(config: LoadConfig) -> list[tuple[Prompt, int]]:
             max_tokens = prompt.max_new_tokens or DEFAULT_OUTPUT_LEN
         plan.append((prompt, max_tokens))
     return plan
+
+
+def plan_units(plan: list[tuple[Prompt, int]], part: range | None = None) -> list[range]:
+    """The plan's indices (those in ``part``) as units that go in order: each session's consecutive
+    requests (a new unit where the session changes or its turns start again), else one request each."""
+    part = range(len(plan)) if part is None else part
+    units: list[range] = []
+    for index in part:
+        prompt = plan[index][0]
+        if units and index > part.start:
+            last = plan[index - 1][0]
+            if prompt.session is not None and prompt.session == last.session and prompt.turn > last.turn:
+                units[-1] = range(units[-1].start, index + 1)
+                continue
+        units.append(range(index, index + 1))
+    return units
+
+
+def session_rounds(plan: list[tuple[Prompt, int]], count: int) -> list[range]:
+    """:func:`rounds` of the plan, each cut moved forward to the next session boundary (a slice may
+    then be empty, and is dropped)."""
+    starts = {unit.start for unit in plan_units(plan)} | {len(plan)}
+    cuts = [min(s for s in starts if s >= part.start) for part in rounds(len(plan), count)] + [len(plan)]
+    return [range(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
 def arrival_times(rate: float, n: int, seed: int) -> list[float]:

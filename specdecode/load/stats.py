@@ -105,6 +105,8 @@ class LevelSummary:
     server_queue: Distribution | None = None
     server_prefill: Distribution | None = None
     server_ttft: Distribution | None = None
+    # prompt tokens a prefix cache answered / prompt tokens, over requests whose server says both (None: none did)
+    cached_share: float | None = None
 
     def metric(self, name: str) -> float | None:
         """A scalar by dotted name, e.g. ``"output_throughput"`` or ``"tpot.p50"``."""
@@ -143,7 +145,15 @@ def summarize(run: LevelRun, slo: Slo = Slo()) -> LevelSummary:
         server_queue=_server(done, "queue_time_s"),
         server_prefill=_server(done, "prefill_time_s"),
         server_ttft=_server(done, "time_to_first_token_s"),
+        cached_share=cached_share(done),
     )
+
+
+def cached_share(records: Sequence[RequestRecord]) -> float | None:
+    """Prompt tokens the server's cache answered over all prompt tokens (requests that report both)."""
+    pairs = [(r.cached_tokens, r.prompt_tokens) for r in records if r.cached_tokens is not None and r.prompt_tokens]
+    total = sum(p for _, p in pairs)
+    return sum(c for c, _ in pairs) / total if total else None
 
 
 def _server(records: Sequence[RequestRecord], key: str) -> Distribution | None:
