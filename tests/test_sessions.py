@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import random
+from itertools import pairwise
+from pathlib import Path
 
 import pytest
 from fake_openai import Behaviour, FakeServer
@@ -20,7 +22,8 @@ def test_editor_replay_types_the_reference_then_jumps() -> None:
     prompts = load_prompt_set("editor_replay:dev", n=3, seed=1)
     units = sessions(prompts)
     assert len(units) == 3 and sum(map(len, units)) == len(prompts)
-    rows = {r["id"]: r for r in map(json.loads, open("specdecode/data/code_workloads/fim.jsonl"))}
+    lines = Path("specdecode/data/code_workloads/fim.jsonl").read_text().splitlines()
+    rows = {r["id"]: r for r in map(json.loads, lines)}
     for unit in units:
         row = rows[unit[0].session.removeprefix("editor/")]
         assert row["split"] == "dev"
@@ -29,7 +32,7 @@ def test_editor_replay_types_the_reference_then_jumps() -> None:
         typing = [p for p in unit if p.suffix == row["suffix"]]
         # the cursor arrives (nothing typed), the reference is typed in growing steps, all of it at the end
         assert typing[0].text == row["prefix"] and typing[-1].text == row["prefix"] + row["reference"]
-        assert all(b.text.startswith(a.text) and len(b.text) > len(a.text) for a, b in zip(typing, typing[1:]))
+        assert all(b.text.startswith(a.text) and len(b.text) > len(a.text) for a, b in pairwise(typing))
         assert len(typing) <= 13
         window = row["prefix"] + row["reference"] + row["suffix"]
         jumps = unit[len(typing) :]
@@ -73,7 +76,7 @@ def _chat(session: str | None, turn: int, slot: bool = False) -> Prompt:
 
 
 def _config(url: str, prompts: list[Prompt], **kw: object) -> LoadConfig:
-    defaults: dict[str, object] = dict(levels=[2], num_requests=6, duration_s=600, output_len=(4, 4))
+    defaults: dict[str, object] = {"levels": [2], "num_requests": 6, "duration_s": 600, "output_len": (4, 4)}
     return LoadConfig(targets=[Target("A", url)], prompts=prompts, **{**defaults, **kw})  # type: ignore[arg-type]
 
 
