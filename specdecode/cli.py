@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("specdecode.server.cli", "OpenAI-compatible server with continuous batching"),
     "load": ("specdecode.load.cli", "load generator against any OpenAI-compatible endpoint"),
     "heads": ("specdecode.heads.cli", "extract target features and train drafter heads (Medusa)"),
+    "profile": ("specdecode.profile.cli", "this machine's cost profile: v(n), draft cost, break-even, ceiling"),
 }
 
 
