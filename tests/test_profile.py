@@ -177,6 +177,22 @@ def test_the_verdict_names_the_cost_in_the_way():
     assert line.startswith("draft d: pays at best at k =") and "with every draft accepted" in line
 
 
+def test_ceilings_are_also_given_against_the_fastest_backend():
+    """A backend whose own target-only decoding is slow can show a high ceiling over itself: against the
+    fastest one-token decode among the backends it is scaled by the ratio of their speeds."""
+    from specdecode.profile.report import against_the_bar, bar_text
+
+    fast = costs_of(lambda n: 0.02 * (1 + 0.5 * (n - 1)), c=0.5)
+    slow = replace(costs_of(lambda n: 0.1 * (1 + 0.01 * (n - 1)), c=0.3), backend="torch")
+    name, rows = against_the_bar([fast, slow])
+    assert name == "toy"
+    ceilings = {(backend, drafter): (k, x) for backend, drafter, k, x in rows}
+    k, x = ceilings[("torch", "draft d")]
+    assert x == pytest.approx(ceiling(slow.v, k, 0.3) * 0.02 / 0.1)
+    assert ceilings[("toy", "lookup (c = 0)")][1] == pytest.approx(max(ceiling(fast.v, k) for k in range(1, 9)))
+    assert "the bar: toy's one-token decode, 50.0 tok/s" in bar_text([fast, slow])
+
+
 def test_break_even_acceptance_edges():
     v = {n: 1.0 for n in range(1, 10)}  # a free verify: any acceptance pays
     assert break_even_alpha(v, 3) == 0.0
@@ -279,6 +295,7 @@ def test_the_command_prints_caches_and_writes_json_and_png(capsys, tmp_path, mon
     assert "## toy: toy:1" in out and "## toy2: toy:1" in out
     assert "| v(n) = time(n) / time(1) | 1.00 |" in out
     assert "draft toy:1:0.2: " in out and "lookup (c = 0): " in out
+    assert "the bar: " in out and "- toy2, draft toy:1:0.2: " in out
     data = json.loads((out_dir / "profile.json").read_text())
     assert [p["backend"] for p in data["profiles"]] == ["toy", "toy2"]
     first = data["profiles"][0]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from specdecode.errors import UserError
 
-DEFAULT_BUDGET_S = 80.0
+DEFAULT_BUDGET_S = 60.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,6 +69,7 @@ def _finite(x):
 
 def main(args: argparse.Namespace) -> int:
     from specdecode import __version__
+    from specdecode.machine import take_note
     from specdecode.models.backends import get
     from specdecode.profile import cache, report
     from specdecode.profile.run import profile_backend
@@ -77,7 +78,11 @@ def main(args: argparse.Namespace) -> int:
         raise UserError(f"--budget must be > 0 seconds, got {args.budget}")
     names = backends_for(args.target, args.draft, args.backend)
     machine = cache.this_machine()
-    print(f"machine: {machine.cpu}; {args.threads} threads; flags: {machine.simd()}", flush=True)
+    header = f"machine: {machine.cpu}; {args.threads} thread{'s' if args.threads != 1 else ''}; flags: {machine.simd()}"
+    print(header, flush=True)
+    note = take_note()  # a default thread count below the cores: why
+    if note:
+        print(note, flush=True)
     profiles, lines = [], []
     for name in names:
         drafts = [d for d in args.draft if get(name).opens(d)]
@@ -98,6 +103,8 @@ def main(args: argparse.Namespace) -> int:
         profiles.append(profile)
         lines.append(report.text(profile, cached_from))
         print("\n" + lines[-1] + "\n", flush=True)
+    lines.append(report.bar_text(profiles))
+    print(lines[-1] + "\n", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     result = {
         "specdecode": __version__,
@@ -107,10 +114,10 @@ def main(args: argparse.Namespace) -> int:
         "machine": {"cpu": machine.cpu, "simd": machine.simd(), "flags": list(machine.flags)},
         "threads": args.threads,
         "profiles": [p.to_json() | {"summary": _finite(p.summary())} for p in profiles],
+        "against_the_bar": dict(zip(("bar", "ceilings"), report.against_the_bar(profiles))),
     }
     (args.out / "profile.json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    header = f"machine: {machine.cpu}; {args.threads} threads; flags: {machine.simd()}\n\n"
-    (args.out / "report.md").write_text(header + "\n\n".join(lines) + "\n", encoding="utf-8")
+    (args.out / "report.md").write_text(header + "\n\n" + "\n\n".join(lines) + "\n", encoding="utf-8")
     written = [args.out / "profile.json", args.out / "report.md"]
     try:
         written.append(report.plot(profiles, args.out / "profile.png"))
