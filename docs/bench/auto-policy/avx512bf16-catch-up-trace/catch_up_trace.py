@@ -1,5 +1,5 @@
 """Trace `--draft-policy auto`'s catch-up decisions on real prompts: one `auto` engine (the 0.5B GGUF
-draft + n-gram lookup beside the bf16 1.5B target, as `scripts/auto_bench.sh` runs it) serves Spec-Bench
+draft + n-gram lookup beside the bf16 1.5B target, as `docs/bench/auto-policy/auto_bench.sh` runs it) serves Spec-Bench
 prompts one after another, as `bench` does, with the `specdecode.selector` logger at DEBUG: every step
 a draft model would have to catch up on a sequence, one line with its cost, the tokens left, `ready`
 (seconds per token without it), its forecast seconds per token, and the verdict. Then one RESULT line

@@ -9,7 +9,7 @@ config)'s repeats are resampled with replacement, the medians summed again and t
 percentiles. It shows how far the ratio moves with which sampled paths (and timings) the repeats
 happened to draw: a miss whose interval reaches past the target is not beyond that noise.
 
-    python scripts/auto_summary.py runs/auto-mixed
+    python docs/bench/auto-policy/auto_summary.py runs/auto-mixed
 """
 
 from __future__ import annotations

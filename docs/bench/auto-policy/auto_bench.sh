@@ -3,8 +3,8 @@
 # DRAFTS: the drafters and their fixed configs (default: session 9's int8 draft model + n-gram + Medusa);
 # on a CPU with native bf16 (session 13):
 #   DRAFTS="--dtype bfloat16 --draft qwen2.5-coder-0.5b --draft-quantization gguf --draft-lengths 4,6
-#           --extra-draft ngram|k=4" scripts/auto_bench.sh --repeats 2
-cd "$(dirname "$0")/.."
+#           --extra-draft ngram|k=4" docs/bench/auto-policy/auto_bench.sh --repeats 2
+cd "$(dirname "$0")/../../.."
 H=~/.cache/specdecode/heads/qwen2.5-coder-1.5b-medusa
 DEFAULT="--draft qwen2.5-coder-0.5b --draft-quantization int8 --draft-lengths ${LENGTHS:-4} --extra-draft ngram|k=4
          --extra-draft medusa:$H|k=2"

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The real-pair benchmarks behind docs/benchmarks.md, run one after another.
 # Each writes runs/<name>/ (records.jsonl, results.json, report.md, PNGs); rerunning a command resumes it.
-# Usage: scripts/run_benchmarks.sh [name ...]   (default: all, in the order below)
+# Usage: docs/bench/draft-model/run_benchmarks.sh [name ...]   (default: all, in the order below)
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../../.."
 PAIR=(--target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --dtype bfloat16 --threads 1)
 
 run() {

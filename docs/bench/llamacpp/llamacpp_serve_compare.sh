@@ -5,7 +5,7 @@
 # A second run (OFF=1) compares the two with speculation off: llama-server without a draft vs our
 # server with {"speculation": false} per request.
 #   scripts/build-llamacpp-tools.sh llama-server   # once, from the source the backend was built from
-# Usage: scripts/llamacpp_serve_compare.sh TARGET DRAFT [LEVELS] [OUTPUT_LEN] [DURATION_S] [REQUESTS]
+# Usage: docs/bench/llamacpp/llamacpp_serve_compare.sh TARGET DRAFT [LEVELS] [OUTPUT_LEN] [DURATION_S] [REQUESTS]
 #   TARGET, DRAFT: .gguf files or aliases (resolved with `specdecode models list`'s cache)
 # Env: K (draft length, default 4), THREADS (default 2), SLOTS (default 16), PROMPTS (default humaneval),
 #      OUT (default runs/llamacpp-serve), OFF (1: also the speculation-off run; ONLY_OFF=1: that run only),
@@ -13,7 +13,7 @@
 #      TOOLS (llama.cpp tools dir). llama-server keeps prompts' K/V for reuse (slots, host cache) and our
 #      server does not: LLAMA_ARGS="--cache-ram 0" LLAMA_BODY='{"cache_prompt": false}' compares without it.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../../.."
 TARGET=${1:?target}; DRAFT=${2:?draft}; LEVELS=${3:-1,4,16}; OUTLEN=${4:-64}; DURATION=${5:-180}; REQUESTS=${6:-64}
 K=${K:-4}; THREADS=${THREADS:-2}; SLOTS=${SLOTS:-16}; OUT=${OUT:-runs/llamacpp-serve}
 TOOLS=${TOOLS:-$HOME/.cache/specdecode/llama.cpp-tools}

@@ -1,7 +1,7 @@
 """Write a mixed-length prompt file for `specdecode load --prompts FILE.jsonl`: Spec-Bench
 summarization (chat, long articles) and HumanEval test problems 100-163 (completion, short).
 
-    python scripts/mixed_prompts.py runs/mixed.jsonl --max-chars 3000
+    python docs/bench/serving/mixed_prompts.py runs/mixed.jsonl --max-chars 3000
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ config. Decode speed excludes the prompt everywhere (llama-bench's tg at depth d
 same tool's own target-only speed on the same prompt; medians over prompts.
 
     scripts/build-llamacpp-tools.sh llama-bench llama-speculative   # once, same source as the backend
-    python scripts/llamacpp_compare.py --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \\
+    python docs/bench/llamacpp/llamacpp_compare.py --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b \\
         --prompts humaneval:100-107 --max-new-tokens 64 --out docs/bench/llamacpp/avx512f-vs-llama-tools
 
 Writes results.jsonl (one record per run, appended: a rerun resumes) and report.md in --out.

@@ -4,7 +4,7 @@ each other endpoint's row also gets its TTFT and TPOT paired with the baseline's
 (request ``i`` of every endpoint is the same prompt): the median of the ratios over that kind's pairs,
 with its distribution-free 95 % interval (``specdecode.load.stats.median_ci``).
 
-Usage: python scripts/load_by_kind.py runs/prefill-latency/load/requests.jsonl [--baseline off]
+Usage: python docs/bench/serving/load_by_kind.py runs/prefill-latency/load/requests.jsonl [--baseline off]
 """
 
 from __future__ import annotations

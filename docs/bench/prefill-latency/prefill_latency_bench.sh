@@ -2,14 +2,14 @@
 # Serving latency with mixed prompt lengths: a baseline server built from an older commit vs this
 # tree's server, same models and flags, driven by one `specdecode load` run that alternates the two
 # endpoints level by level (streamed requests; TTFT, ITL, TPOT, output tok/s).
-# Usage: scripts/prefill_latency_bench.sh BASE_REF TARGET DRAFT [LEVELS] [OUTPUT_LEN] [DURATION_S] [REQUESTS]
+# Usage: docs/bench/prefill-latency/prefill_latency_bench.sh BASE_REF TARGET DRAFT [LEVELS] [OUTPUT_LEN] [DURATION_S] [REQUESTS]
 # Env: SERVE_ARGS (flags for every server), BASE_ARGS / NEW_ARGS (flags for one of them), NEW2_ARGS
 #      (if set, a third server from this tree with these flags, endpoint "new2"),
 #      MAX_CHARS (longest summarization article, default 3000), OUT (default runs/prefill-latency),
 #      PROMPTS (a prompt set `load` takes, e.g. humaneval, instead of the mixed summarization + HumanEval),
 #      OFF=1 (one more endpoint, "off": the "new" server with {"speculation": false} per request)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../../.."
 BASE=${1:?base commit}; TARGET=${2:?target}; DRAFT=${3:?draft}
 LEVELS=${4:-4,16}; OUTLEN=${5:-32}; DURATION=${6:-600}; REQUESTS=${7:-32}
 OUT=${OUT:-runs/prefill-latency}
@@ -17,7 +17,7 @@ mkdir -p "$OUT"
 WT=$(mktemp -d /tmp/specdecode-base-XXXX)
 git worktree add --detach "$WT" "$BASE" >/dev/null
 PROMPT_SET=${PROMPTS:-$OUT/prompts.jsonl}
-[ -n "${PROMPTS:-}" ] || python scripts/mixed_prompts.py "$OUT/prompts.jsonl" --max-chars "${MAX_CHARS:-3000}"
+[ -n "${PROMPTS:-}" ] || python docs/bench/serving/mixed_prompts.py "$OUT/prompts.jsonl" --max-chars "${MAX_CHARS:-3000}"
 serve() {  # serve DIR PORT ARGS...
   local dir=$1 port=$2; shift 2
   (cd "$dir" && PYTHONPATH="$dir" exec python -m specdecode.cli serve --target "$TARGET" --draft "$DRAFT" \

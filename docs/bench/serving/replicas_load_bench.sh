@@ -3,14 +3,14 @@
 # against one process, `--replicas 1` and `--replicas 2`, speculation on vs off per request
 # ({"speculation": false}), interleaved in rounds; then a replica killed (SIGKILL of its worker process)
 # in the middle of a load run against 2 replicas, to count what was lost.
-# Usage: scripts/replicas_load_bench.sh OUT_DIR
+# Usage: docs/bench/serving/replicas_load_bench.sh OUT_DIR
 # Env: SERVE_ARGS (model flags, default: the real Qwen pair on llama.cpp with auto), THREADS_1 (threads of
 # one process and of one replica, default 2), THREADS_2 (threads per replica when there are 2, default 1),
 # LEVELS (default 1,16), REQUESTS (per level and arm, at least 2 x the level; default 16), OUTLEN (default 64), PORT (default 8211),
 # DURATION (time limit per level and arm in s, default 900: long enough that no request is cut on a slow CPU),
 # PROMPTS (default humaneval:dev), MODES (default "process r1 r2 kill").
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../../.."
 OUT=${1:?output folder}; mkdir -p "$OUT"
 PORT=${PORT:-8211}; KEY=bench-key
 SERVE_ARGS=${SERVE_ARGS:---backend llamacpp --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --draft ngram --draft-policy auto}

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Server under load, speculation on vs off, on one server (requests opt out per request with
 # {"speculation": false}), interleaved by concurrency level. Writes runs/serve-<set>/ per prompt set.
-# Usage: scripts/serve_load_bench.sh TARGET DRAFT [LEVELS] [OUTPUT_LEN] [DURATION_PER_LEVEL_S]
+# Usage: docs/bench/serving/serve_load_bench.sh TARGET DRAFT [LEVELS] [OUTPUT_LEN] [DURATION_PER_LEVEL_S]
 # Env: K (draft length, default 3), SERVE_ARGS (more serve flags), SETS (prompt sets, default
-# "humaneval spec-bench:qa,math_reasoning"; a .jsonl file works too, e.g. one scripts/mixed_prompts.py
+# "humaneval spec-bench:qa,math_reasoning"; a .jsonl file works too, e.g. one docs/bench/serving/mixed_prompts.py
 # wrote), TAG (suffix of the runs/serve-<set><TAG> directories), PORT, REQUESTS (per level and arm,
 # default 64), ROUNDS (the arms alternate in this many slices of each level, default 1: `load --rounds`)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../../.."
 TARGET=${1:?target}; DRAFT=${2:?draft}; LEVELS=${3:-1,4,16}; OUTLEN=${4:-32}; DURATION=${5:-120}
 PORT=${PORT:-8123}
 mkdir -p runs
