@@ -353,7 +353,7 @@ def test_extra_drafters_run_in_the_same_interleaved_run(models, tmp_path):
     report = (out / "report.md").read_text()
     assert "| spec-k3[medusa] | 4 |" in report and "| spec-k3-t2n4[medusa] | 4 |" in report
     with pytest.raises(R.BenchInputError, match="names the same draft model"):
-        cli._prepare(bench_args(models, tmp_path / "bad", "--extra-draft", str(models["draft"])), {}, [], [], [], None)
+        cli._prepare(bench_args(models, tmp_path / "bad", "--extra-draft", str(models["draft"])), {}, [], [], [], None, None)
     assert [c.name for c in R.make_configs([2], [], extra_drafts=["ngram", "ngram:4"], main_draft=False)] == [
         "target",
         "spec-k2[ngram]",

@@ -164,11 +164,12 @@ def main(args: argparse.Namespace) -> int:
         return 2
 
 
-def _settings(args: argparse.Namespace) -> dict:
-    from specdecode.build import announce, choose_backend, config_from_args
+def _settings(args: argparse.Namespace, cfg) -> dict:
+    """What the run records (meta.json): its flags, and the backend ``cfg`` (the run's engine settings) runs on."""
+    from specdecode.build import announce, choose_backend
 
-    choice = choose_backend(config_from_args(args))
-    announce(config_from_args(args), choice)
+    choice = choose_backend(cfg)
+    announce(cfg, choice)
     return {
         "target": args.target,
         "draft": args.draft,
@@ -180,7 +181,7 @@ def _settings(args: argparse.Namespace) -> dict:
         "repeats": args.repeats,
         "grammar": getattr(args, "grammar", True),  # structured prompts constrained (--no-grammar: not)
         "sampling": args.sampling,
-        "draft_lengths": args.draft_lengths or [args.num_draft_tokens],
+        "draft_lengths": _draft_lengths(args),
         "baselines": args.baselines,
         "threads": args.threads,
         "draft_schedule": draft_schedule(args),
@@ -192,6 +193,10 @@ def _settings(args: argparse.Namespace) -> dict:
         "sampler": getattr(args, "sampler", "rejection"),
         "typical": [args.typical_epsilon, args.typical_alpha] if args.acceptance == "typical" else None,
     }
+
+
+def _draft_lengths(args: argparse.Namespace) -> list[int]:
+    return args.draft_lengths or [args.num_draft_tokens]
 
 
 def draft_schedule(args: argparse.Namespace) -> str | None:
@@ -216,9 +221,9 @@ def _run(args: argparse.Namespace) -> int:
     # in bench, a repeated --draft is one more drafter to compare (and for the auto config to choose from)
     args.extra_draft = [*getattr(args, "extra_drafts", []), *args.extra_draft]
     args.extra_drafts = []
-    if args.draft_policy == "auto" and not args.draft:
-        raise BenchInputError("--draft-policy auto chooses among drafters: give at least one --draft")
+    from specdecode.config import config_from_args
 
+    cfg = None if args.report_only else config_from_args(args, "bench")  # the run's engine settings, checked
     configs, samplings = _configs(args)
     store = RecordStore(args.out / "records.jsonl")
     if args.report_only:  # the settings are the stored run's, whatever the flags say
@@ -227,14 +232,14 @@ def _run(args: argparse.Namespace) -> int:
         write_report(args.out, store.records, json.loads((args.out / "meta.json").read_text(encoding="utf-8")))
         print(f"report written to {args.out / 'report.md'}", file=sys.stderr)
         return 0
-    meta = _meta(args.out, _settings(args), env)
+    meta = _meta(args.out, _settings(args, cfg), env)
     prompts = _load_prompts(args)
     if store.dropped_lines:
         print(
             f"warning: {store.dropped_lines} unreadable line(s) in {store.path} (a run cut short); they are redone",
             file=sys.stderr,
         )
-    runner = _prepare(args, meta, configs, samplings, prompts, store)
+    runner = _prepare(args, meta, configs, samplings, prompts, store, cfg)
     return _session(args, runner, store, meta)
 
 
@@ -244,7 +249,7 @@ def _configs(args: argparse.Namespace) -> tuple[list, list]:
     samplings = [bench_setting(s) for s in args.sampling]
     baselines = [] if args.baselines == ["none"] else args.baselines
     configs = make_configs(
-        _settings(args)["draft_lengths"] if args.draft or args.extra_draft else [],
+        _draft_lengths(args) if args.draft or args.extra_draft else [],
         baselines,
         args.tree_shapes,
         args.draft_quantization,
@@ -284,8 +289,9 @@ def _load_prompts(args: argparse.Namespace) -> list:
     return prompts
 
 
-def _prepare(args: argparse.Namespace, meta: dict, configs: list, samplings: list, prompts: list, store):
-    """Load the pair, tokenize and check the prompts, and build the runner (nothing is written before)."""
+def _prepare(args: argparse.Namespace, meta: dict, configs: list, samplings: list, prompts: list, store, cfg):
+    """Load the pair, tokenize and check the prompts, and build the runner (nothing is written before);
+    ``cfg``: the run's engine settings (each config's engine is made from it)."""
     from specdecode.bench.runner import BenchInputError, BenchRunner, tokenize_prompts
     from specdecode.build import load_pair, same_draft_model
     from specdecode.drafters import parse_draft
@@ -308,7 +314,7 @@ def _prepare(args: argparse.Namespace, meta: dict, configs: list, samplings: lis
             f"--draft {args.draft!r}: in bench, give the draft unquantized and compare modes with "
             "--draft-quantization none,int8,..."
         )
-    from specdecode.build import ConfigError, config_from_args
+    from specdecode.build import ConfigError
     from specdecode.models import backends
 
     backend = meta["settings"]["backend"]
@@ -341,11 +347,11 @@ def _prepare(args: argparse.Namespace, meta: dict, configs: list, samplings: lis
             f"cannot pair with a target on {backend} (it pairs {', '.join(supports.draft_modes)})"
         )
     try:  # the draft unquantized: make_backend makes a quantized copy per mode
-        pair = load_pair(replace(config_from_args(args), draft_quantization="none", extra_drafts=extra_models), backend)
+        pair = load_pair(replace(cfg, draft_quantization="none", extra_drafts=extra_models), backend)
     except ConfigError as exc:
         raise BenchInputError(str(exc)) from exc
     model_ctx = pair.target.max_position
-    limit = args.max_context or min(model_ctx, 4096)
+    limit = cfg.context_for(model_ctx)
     if limit > model_ctx:
         raise BenchInputError(f"--max-context {limit} exceeds the model's context of {model_ctx}")
     bench_prompts, skipped = tokenize_prompts(
@@ -355,7 +361,7 @@ def _prepare(args: argparse.Namespace, meta: dict, configs: list, samplings: lis
         print(f"skipped {len(skipped)} prompt(s) too long for {limit} tokens: {', '.join(skipped)}", file=sys.stderr)
     meta["prompt_summary"] = _prompt_summary(bench_prompts, args, skipped)
     _write_meta(args.out, meta)
-    backend = make_backend(pair, args, max(len(p.ids) + p.max_new_tokens for p in bench_prompts) + 8)
+    backend = make_backend(pair, args, cfg, max(len(p.ids) + p.max_new_tokens for p in bench_prompts) + 8)
     return BenchRunner(
         backend,
         bench_prompts,
@@ -412,12 +418,14 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def make_backend(pair, args: argparse.Namespace, max_context: int):
+def make_backend(pair, args: argparse.Namespace, base, max_context: int):
+    """The runner's backend: an engine per config, each ``base`` (the run's engine settings) with the config's
+    drafter, length and tree, and the transformers baselines."""
     import torch
 
     from specdecode.bench.baselines import HFBaseline
     from specdecode.bench.runner import Backend
-    from specdecode.build import config_from_args, engine_from_pair
+    from specdecode.build import engine_from_pair
 
     engines: dict[tuple, object] = {}
     hf: dict[bool, HFBaseline] = {}
@@ -446,9 +454,9 @@ def make_backend(pair, args: argparse.Namespace, max_context: int):
     def engine_for(config):
         key = (config.k, config.tree, config.quantization, config.draft, config.auto)
         if key not in engines:
-            topk, nodes = config.tree or (1, 16)
+            topk, nodes = config.tree or (1, base.tree_nodes)
             cfg = replace(
-                config_from_args(args),
+                base,
                 draft=(config.draft or args.draft) if config.k else None,
                 extra_drafts=(),
                 draft_policy="fixed" if args.draft_policy == "auto" else args.draft_policy,

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 
-from specdecode.check.common import DEFAULT_E2E_SETTINGS, DEFAULT_LAW_SETTINGS, CheckConfig
+from specdecode.check.common import CheckConfig
 from specdecode.check.processors import SAMPLES as PROCESSOR_SAMPLES
-from specdecode.sampling import SamplingSetting
+from specdecode.config import ConfigError, add_field, values_from_args
 
 # Short completion prompts (code and prose): cheap to prefill on a CPU, and they work for base and
 # instruct models alike. --prompts replaces them.
@@ -25,13 +25,34 @@ DEFAULT_PROMPTS = [
     "class Stack:\n    def __init__(self):\n",
 ]
 
-_DEFAULTS = CheckConfig()
+# CheckConfig's fields in the order --help lists them, by group (each field has its flag)
+GENERAL = ("alpha", "seed")
+BUDGETS = (
+    "law_contexts",
+    "law_samples",
+    "law_settings",
+    "e2e_prompts",
+    "e2e_samples",
+    "e2e_tokens",
+    "e2e_batch",
+    "e2e_settings",
+    "greedy_tokens",
+    "greedy_batch",
+    "stop_tokens",
+    "seed_tokens",
+    "seed_batch",
+    "coupled_tokens",
+    "coupled_ks",
+    "coupled_setting",
+    "coupled_samples",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from specdecode.build import add_model_arguments
 
-    add_model_arguments(parser, draft_required=True)
+    add_model_arguments(parser, draft_required=True, tool="check")
+    by_name = {f.name: f for f in fields(CheckConfig)}
     g = parser.add_argument_group("check")
     g.add_argument(
         "--prompts",
@@ -49,91 +70,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="parts to run, e.g. 1,3 (default 1-5, and 6 with --sampler coupled; 7: logit bias, penalties, "
         "min-p and a regex grammar under speculation)",
     )
-    g.add_argument(
-        "--alpha",
-        type=float,
-        default=_DEFAULTS.alpha,
-        help=f"false-alarm probability of the whole check, split over parts 1-2 (default {_DEFAULTS.alpha:g})",
-    )
-    g.add_argument("--seed", type=int, default=0, help="seed of every random draw the check makes (default 0)")
+    for name in GENERAL:
+        add_field(g, by_name[name])
     g.add_argument("--json", metavar="PATH", default=None, help="write the full evidence as JSON")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
 
     b = parser.add_argument_group("budgets")
-    b.add_argument(
-        "--law-contexts", type=int, default=_DEFAULTS.law_contexts, help="part 1: contexts (default %(default)s)"
-    )
-    b.add_argument(
-        "--law-samples",
-        type=int,
-        default=_DEFAULTS.law_samples,
-        help="part 1: verification steps per context and setting (default %(default)s)",
-    )
-    b.add_argument(
-        "--law-settings",
-        default=_names(DEFAULT_LAW_SETTINGS),
-        help="part 1: ';'-separated settings, 'greedy' or t=..,k=..,p=.. (default %(default)r)",
-    )
-    b.add_argument(
-        "--e2e-prompts", type=int, default=_DEFAULTS.e2e_prompts, help="part 2: prompts (default %(default)s)"
-    )
-    b.add_argument(
-        "--e2e-samples",
-        type=int,
-        default=_DEFAULTS.e2e_samples,
-        help="part 2: samples per group, prompt and setting (default %(default)s)",
-    )
-    b.add_argument(
-        "--e2e-tokens", type=int, default=_DEFAULTS.e2e_tokens, help="part 2: tokens per sample (default %(default)s)"
-    )
-    b.add_argument(
-        "--e2e-batch", type=int, default=_DEFAULTS.e2e_batch, help="part 2: batch size (default %(default)s)"
-    )
-    b.add_argument(
-        "--e2e-settings", default=_names(DEFAULT_E2E_SETTINGS), help="part 2: settings (default %(default)r)"
-    )
-    b.add_argument(
-        "--greedy-tokens",
-        type=int,
-        default=_DEFAULTS.greedy_tokens,
-        help="part 3: tokens per prompt (default %(default)s)",
-    )
-    b.add_argument(
-        "--greedy-batch", type=int, default=_DEFAULTS.greedy_batch, help="part 3: batch size > 1 (default %(default)s)"
-    )
-    b.add_argument(
-        "--stop-tokens",
-        type=int,
-        default=_DEFAULTS.stop_tokens,
-        help="part 4: learning-run tokens (default %(default)s)",
-    )
-    b.add_argument(
-        "--seed-tokens",
-        type=int,
-        default=_DEFAULTS.seed_tokens,
-        help="part 5: tokens per request (default %(default)s)",
-    )
-    b.add_argument(
-        "--seed-batch", type=int, default=_DEFAULTS.seed_batch, help="part 5: batch size (default %(default)s)"
-    )
-    b.add_argument(
-        "--coupled-tokens",
-        type=int,
-        default=_DEFAULTS.coupled_tokens,
-        help="part 6: tokens per seeded request (default %(default)s)",
-    )
-    b.add_argument(
-        "--coupled-draft-lengths",
-        default=",".join(map(str, _DEFAULTS.coupled_ks)),
-        help="part 6: draft lengths compared with target-only decoding (default %(default)s)",
-    )
-    b.add_argument("--coupled-setting", default="t=0.7", help="part 6: the sampling setting (default %(default)r)")
-    b.add_argument(
-        "--coupled-samples",
-        type=int,
-        default=_DEFAULTS.coupled_samples,
-        help="part 6: seeds per context and setting of the law test (default %(default)s)",
-    )
+    for name in BUDGETS:
+        add_field(b, by_name[name])
     b.add_argument(
         "--processor-samples",
         type=int,
@@ -142,87 +86,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _names(settings: tuple[SamplingSetting, ...]) -> str:
-    return ";".join(
-        "greedy"
-        if s.greedy
-        else ",".join(
-            [f"t={s.temperature:g}"]
-            + ([f"k={s.top_k}"] if s.top_k else [])
-            + ([f"p={s.top_p:g}"] if s.top_p < 1 else [])
-        )
-        for s in settings
-    )
-
-
 def config_from_args(args: argparse.Namespace) -> CheckConfig:
-    from specdecode.check.common import parse_settings
-
-    from specdecode.sampling import parse_setting
-
+    """The check's config from its flags, in one call (each field from its flag; checked when made)."""
     spec = args.parts or ("1,2,3,4,5,6" if getattr(args, "sampler", "rejection") == "coupled" else "1,2,3,4,5")
     try:
         parts = tuple(sorted({int(p) for p in spec.split(",") if p.strip()}))
     except ValueError:
         parts = ()
     if not parts or any(p not in range(1, 8) for p in parts):
-        raise ValueError(f"--parts must list numbers 1-7, got {spec!r}")
-    try:
-        ks = tuple(int(k) for k in args.coupled_draft_lengths.split(",") if k.strip())
-    except ValueError:
-        ks = ()
-    if not ks or min(ks) < 1:
-        raise ValueError(f"--coupled-draft-lengths must list draft lengths >= 1, got {args.coupled_draft_lengths!r}")
-    coupled_setting = parse_setting(args.coupled_setting)
-    if coupled_setting.greedy:
-        raise ValueError("--coupled-setting must sample (T > 0): greedy decoding is part 3's")
-    for name in (
-        "law_contexts",
-        "law_samples",
-        "e2e_prompts",
-        "e2e_samples",
-        "e2e_tokens",
-        "e2e_batch",
-        "greedy_tokens",
-        "greedy_batch",
-        "stop_tokens",
-        "seed_tokens",
-        "seed_batch",
-        "num_prompts",
-        "max_prompt_tokens",
-        "coupled_tokens",
-        "coupled_samples",
-        "processor_samples",
-    ):
+        raise ConfigError(f"--parts must list numbers 1-7, got {spec!r}")
+    for name in ("num_prompts", "max_prompt_tokens", "processor_samples"):  # the command's own, not the parts'
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    if not 0 < args.alpha < 1:
-        raise ValueError("--alpha must be in (0, 1)")
-    if args.num_draft_tokens < 1:
-        raise ValueError("--num-draft-tokens must be >= 1: the check compares speculation with target-only decoding")
-    return CheckConfig(
-        num_draft_tokens=args.num_draft_tokens,
-        parts=parts,
-        alpha=args.alpha,
-        seed=args.seed,
-        law_contexts=args.law_contexts,
-        law_samples=args.law_samples,
-        law_settings=parse_settings(args.law_settings),
-        e2e_prompts=args.e2e_prompts,
-        e2e_samples=args.e2e_samples,
-        e2e_tokens=args.e2e_tokens,
-        e2e_batch=args.e2e_batch,
-        e2e_settings=parse_settings(args.e2e_settings),
-        greedy_tokens=args.greedy_tokens,
-        greedy_batch=args.greedy_batch,
-        stop_tokens=args.stop_tokens,
-        seed_tokens=args.seed_tokens,
-        seed_batch=args.seed_batch,
-        coupled_tokens=args.coupled_tokens,
-        coupled_ks=ks,
-        coupled_setting=coupled_setting,
-        coupled_samples=args.coupled_samples,
-    )
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1")
+    return CheckConfig(**{**values_from_args(CheckConfig, args), "parts": parts})
 
 
 def encode_prompts(tokenizer, prompts, max_tokens: int) -> list[list[int]]:
@@ -294,27 +170,26 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         cfg = config_from_args(args)
+        base = engine_config(args, "check")  # the engines' settings: each part's engine changes a few
         prompts = load_prompts(args.prompts, args.num_prompts, args.seed)
-        choice = choose_backend(engine_config(args))
-        pair = load_pair(engine_config(args), choice.name)
-        announce(engine_config(args), choice)
+        choice = choose_backend(base)
+        pair = load_pair(base, choice.name)
+        announce(base, choice)
         ids = encode_prompts(pair.tokenizer, prompts, args.max_prompt_tokens)
     except (ValueError, PromptSetError, PairError, OSError) as exc:
         print(f"specdecode check: {exc}", file=sys.stderr)
         return 2
     longest_output = max(cfg.greedy_tokens, cfg.stop_tokens, cfg.seed_tokens + 4, cfg.e2e_tokens, cfg.coupled_tokens)
-    max_context = args.max_context or max(len(p) for p in ids) + longest_output + 8
+    max_context = base.max_context or max(len(p) for p in ids) + longest_output + 8
     store: dict = {}
 
     def factory(k: int, batch: int):
-        engine_cfg = replace(
-            engine_config(args, batch), draft=args.draft if k else None, num_draft_tokens=k, max_context=max_context
-        )
+        changes: dict = {"max_batch_size": batch, "num_draft_tokens": k, "max_context": max_context}
         if not k:  # the target-only reference
-            engine_cfg = replace(engine_cfg, extra_drafts=(), draft_policy="fixed")
-        elif args.draft_policy == "auto":  # the selector drafts up to k tokens
-            engine_cfg = replace(engine_cfg, max_draft_tokens=k)
-        engine = engine_from_pair(pair, engine_cfg)
+            changes.update(draft=None, extra_drafts=(), draft_policy="fixed")
+        elif base.draft_policy == "auto":  # the selector drafts up to k tokens
+            changes.update(max_draft_tokens=k)
+        engine = engine_from_pair(pair, replace(base, **changes))
         reuse_prefills(engine, store)
         return engine
 

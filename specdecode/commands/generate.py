@@ -12,7 +12,7 @@ from specdecode.fim import DEFAULT_FIM_STOP, FIM_STOPS
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from specdecode.build import add_model_arguments
 
-    add_model_arguments(parser)
+    add_model_arguments(parser, tool="generate")
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (continued raw; use --chat to apply the chat template)")
     src.add_argument("--prompt-ids", help="comma-separated prompt token ids, e.g. 1,2,3")
@@ -118,6 +118,8 @@ def _grammar(args):
     """The structured-output spec of the flags (None: free text); GrammarError (a ValueError) if malformed."""
     from pathlib import Path
 
+    if not (args.json_object or args.json_schema is not None or args.regex is not None or args.grammar is not None):
+        return None  # free text needs no grammar (nor llguidance, the `structured` extra)
     from specdecode.grammar import GrammarError, GrammarSpec
 
     def read(path: str, flag: str) -> str:
@@ -256,8 +258,9 @@ def main(args: argparse.Namespace) -> int:
             ]
 
         params({})  # the sampling flags are checked before anything loads
-        # streamed: the first token never waits for the drafter
-        engine = build_engine(config_from_args(args, max_batch_size=args.num_samples, first_token_from_target=True))
+        # the samples decode as one batch; streamed (the config's generate default): the first token never
+        # waits for the drafter
+        engine = build_engine(config_from_args(args, "generate", max_batch_size=args.num_samples))
         fim = {}
         if args.suffix is None:
             prompt = _prompt_ids(args, engine.tokenizer)

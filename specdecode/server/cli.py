@@ -19,9 +19,10 @@ API_KEY_ENV = "SPECDECODE_API_KEY"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from specdecode.build import DEFAULTS, add_model_arguments
+    from specdecode.build import add_model_arguments
+    from specdecode.config import add_setting
 
-    add_model_arguments(parser)
+    add_model_arguments(parser, tool="serve")
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
@@ -63,30 +64,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="seconds a request body may take to arrive, else 408 (default 60)",
     )
-    g.add_argument("--max-batch-size", type=int, default=8, help="sequences decoded together (default 8)")
+    add_setting(g, "max_batch_size", "serve")  # the engine's settings: their defaults for serve are the config's
     g.add_argument(
         "--max-queue",
         type=int,
         default=128,
         help="requests waiting for a batch slot before new ones get 429 (default 128)",
     )
-    g.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=512,
-        help="tokens one engine step carries: the running sequences' verify windows plus a chunk of "
-        "waiting prompts (at least a quarter of it), so a long prompt stalls the running streams "
-        "for one chunk at most (default 512)",
-    )
-    g.add_argument(
-        "--batched-tokens-per-seq",
-        type=int,
-        default=DEFAULTS.batched_tokens_per_seq,
-        help="under load the step budget grows to this many tokens per admitted request when that is "
-        "more than --max-num-batched-tokens (running rows make each step dearer, so a bigger chunk "
-        "costs them relatively less); 0 keeps the budget fixed (default 0: on a CPU it measured "
-        "worse at concurrency 16, docs/server.md)",
-    )
+    add_setting(g, "max_num_batched_tokens", "serve")
+    add_setting(g, "batched_tokens_per_seq", "serve")
     g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit, else 413 (default 1 MiB)")
     g.add_argument(
         "--no-speculation",
@@ -135,7 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_arguments(args: argparse.Namespace) -> str | None:
-    for name in ("max_batch_size", "max_queue", "max_body_bytes"):  # the engine's settings: build.validate_config
+    for name in ("max_queue", "max_body_bytes"):  # the engine's settings: specdecode.config checks them
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1"
     if not 0 <= args.port <= 65535:
@@ -213,6 +199,15 @@ def main(args: argparse.Namespace) -> int:
             args.host,
             "" if args.allowed_hosts else "; only loopback Host headers are answered (--allowed-hosts adds more)",
         )
+    from specdecode.config import ConfigError, config_from_args
+
+    try:  # the engine's settings, with the defaults the config declares for serve: a request's first token
+        # comes from the target's prefill and one step (its drafter catches up after), a drafter's fault stays
+        # in its rows, and each step carries a token budget
+        cfg = config_from_args(args, "serve")
+    except ConfigError as exc:
+        print(f"specdecode serve: {exc}", file=sys.stderr)
+        return 2
     if args.replicas:
         try:
             from specdecode.server import replicas
@@ -221,14 +216,13 @@ def main(args: argparse.Namespace) -> int:
                 f"specdecode serve: --replicas needs Ray Serve (pip install 'specdecode[ray]'): {exc}", file=sys.stderr
             )
             return 2
-        return replicas.main(args)
+        return replicas.main(args, server_config(args), cfg)
 
-    from specdecode.build import PairError, build_engine, config_from_args
+    from specdecode.build import PairError, build_engine
     from specdecode.server.app import create_app
 
     try:
-        # a request's first token comes from the target's prefill and one step; its drafter catches up after
-        engine = build_engine(config_from_args(args, max_batch_size=args.max_batch_size, first_token_from_target=True))
+        engine = build_engine(cfg)
     except (PairError, ValueError, OSError) as exc:
         print(f"specdecode serve: {exc}", file=sys.stderr)
         return 2

@@ -59,6 +59,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from specdecode.config import EngineConfig, config_dict
 from specdecode.server.app import ServerConfig, _AuthAndCount, create_app
 from specdecode.server.protocol import APIError
 
@@ -517,7 +518,8 @@ def build_app(
     """The Ray Serve application: ``serve.run(build_app(...), name="specdecode", route_prefix="/")``.
 
     ``engine_factory``: builds one replica's engine, on the replica (picklable, e.g.
-    ``functools.partial(build_engine, EngineConfig(...))``; the models must be reachable from every node).
+    ``functools.partial(build.build_engine_from, config_dict(EngineConfig(...)))``: a replica makes the config
+    again, so it is checked there; the models must be reachable from every node).
     ``max_ongoing_requests``: requests a replica takes before Ray Serve holds more back at the ingress
     (default: the queue plus 64, so the replica's own 429 ``queue_full`` answers first).
     ``ingress_replicas``: copies of the ingress (2 by default, so none is a single point of failure; module
@@ -547,19 +549,18 @@ def build_app(
     return ingress.bind(replica.bind(engine_factory, config), config, prefix_chars)
 
 
-def main(args: argparse.Namespace) -> int:
-    """``specdecode serve --replicas N``: the application on a Ray cluster, until SIGINT/SIGTERM."""
+def main(args: argparse.Namespace, server: ServerConfig, cfg: EngineConfig) -> int:
+    """``specdecode serve --replicas N``: the application on a Ray cluster, until SIGINT/SIGTERM (``server``: the
+    HTTP settings ``serve``'s flags gave; ``cfg``: the engine's, each replica builds its engine from)."""
     import functools
 
     import ray
 
-    from specdecode.build import ConfigError, build_engine, config_from_args, validate_config
-    from specdecode.server.cli import server_config
+    from specdecode.build import build_engine_from, validate_config
 
-    cfg = config_from_args(args, max_batch_size=args.max_batch_size, first_token_from_target=True)
     try:
         validate_config(cfg)
-    except (ConfigError, ValueError) as exc:
+    except ValueError as exc:
         print(f"specdecode serve: {exc}", file=sys.stderr)
         return 2
     gpus = args.replica_gpus if args.replica_gpus is not None else float(_wants_cuda(cfg.device))
@@ -570,8 +571,8 @@ def main(args: argparse.Namespace) -> int:
     )
     serve.start(http_options={"host": args.host, "port": args.port})
     app = build_app(
-        functools.partial(build_engine, cfg),
-        server_config(args),
+        functools.partial(build_engine_from, config_dict(cfg)),  # plain data: checked again on the replica
+        server,
         args.replicas,
         args.replica_cpus,
         gpus,
