@@ -33,8 +33,6 @@ class PairError(UserError, ValueError):
     """A draft/target pair that cannot be used together."""
 
 
-
-
 class DraftAction(argparse.Action):
     """``--draft`` may repeat: the first is ``args.draft``, the others go to ``args.extra_drafts``."""
 
