@@ -42,9 +42,7 @@ def retain_freed_memory(libc=None) -> bool:
             libc.mallopt.argtypes, libc.mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
         except (OSError, AttributeError):
             return False
-    try:
-        mallopt = libc.mallopt
-        libc.gnu_get_libc_version  # glibc only: musl has no such knobs
-    except AttributeError:
+    if not hasattr(libc, "mallopt") or not hasattr(libc, "gnu_get_libc_version"):  # glibc only: musl has no such knobs
         return False
+    mallopt = libc.mallopt
     return all(mallopt(param, value) == 1 for param, value in SETTINGS)

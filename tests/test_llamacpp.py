@@ -644,7 +644,7 @@ def test_bench_compares_the_gguf_draft_on_llamacpp_with_the_torch_one(tiny, tmp_
 def test_hidden_states_of_the_model_width_go_through_the_files_output_layer(tiny):
     """What a heads checkpoint's fingerprint probe needs: score_hidden() of a final normed state equals the
     torch runner's logits on the same weights (logits() passes its forward's output through)."""
-    from specdecode.heads.features import model_fingerprint
+    from specdecode.models.medusa import model_fingerprint
 
     target, _, gguf, _, _ = tiny
     ll, hf = LlamaCppRunner(gguf), HFRunner(target)

@@ -199,12 +199,12 @@ def test_resolve_kinds(converted, cache_root, tmp_path, monkeypatch):
     assert "alias 'tiny-alias'" in resolved.describe()
 
     assert resolve("Qwen/Qwen2.5-0.5B") == loading.ResolvedSpec("Qwen/Qwen2.5-0.5B", "hub")
-    with pytest.raises(ModelNotFoundError, match="models fetch qwen2.5-coder"):
+    with pytest.raises(ModelNotFoundError, match=r"models fetch qwen2\.5-coder"):
         resolve("qwen2.5-coder-0.5b")  # known but not fetched into this cache root
     with pytest.raises(ModelNotFoundError, match="no such file"):
         resolve(str(tmp_path / "missing.gguf"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ModelNotFoundError, match="no config.json"):
+    with pytest.raises(ModelNotFoundError, match=r"no config\.json"):
         resolve(str(tmp_path / "empty"))
 
 
@@ -213,7 +213,7 @@ def test_unreachable_hub_id_error_is_clear(monkeypatch):
         raise OSError("We couldn't connect to 'https://huggingface.co'")
 
     monkeypatch.setattr(loading, "_from_pretrained", offline)
-    with pytest.raises(ModelNotFoundError, match="the hub could not provide it.*models list"):
+    with pytest.raises(ModelNotFoundError, match=r"the hub could not provide it.*models list"):
         load_model("some-org/some-model")
 
 

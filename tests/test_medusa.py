@@ -23,10 +23,10 @@ from specdecode.drafters.medusa import MedusaDrafter, check_target
 from specdecode.engine import Engine
 from specdecode.heads import features as F
 from specdecode.heads.corpus import CorpusError, documents
-from specdecode.heads.medusa import HeadsError, MedusaConfig, MedusaHeads, static_tree
 from specdecode.heads.train import TrainSettings, train
 from specdecode.models.base import FINAL
 from specdecode.models.hf import HFRunner
+from specdecode.models.medusa import HeadsError, MedusaConfig, MedusaHeads, static_tree
 from specdecode.sampling import SamplingParams
 from specdecode.verify.typical import typical_verifier, verify_typical
 from test_engine import ALPHA, VS, chi_square_p, exact_two_token_law, sample_pairs

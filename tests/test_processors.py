@@ -57,7 +57,7 @@ def test_each_position_equals_the_slow_reference_of_its_full_history(name):
     prompt = [rng.randrange(V) for _ in range(6)]
     procs = build_processors(params, prompt, V)
     generated: list[int] = []
-    for step in range(4):
+    for _ in range(4):
         drafts = [rng.randrange(V) for _ in range(4)]
         parents = [-1, 0, 0, 2]  # a tree over the same tokens
         logits = torch.randn(5, V) * 3

@@ -594,7 +594,7 @@ def _best(summary: Summary, sampling: str, group: str) -> A.Cell | None:
 
 def drafted(cell: A.Cell) -> bool:
     """Did the configuration draft at all (``auto`` may decode plainly throughout)?"""
-    return cell.alpha is not None and (cell.tokens_per_step or 1.0) > 1.0 or bool(cell.nodes_per_step)
+    return (cell.alpha is not None and (cell.tokens_per_step or 1.0) > 1.0) or bool(cell.nodes_per_step)
 
 
 def _verdict(summary: Summary, category: str) -> list[str]:

@@ -6,8 +6,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Protocol
 
-import torch
-
 from specdecode.engine import Engine
 from specdecode.metrics import SpecStats
 from specdecode.sampling import SamplingParams, SamplingSetting, parse_setting
@@ -213,11 +211,3 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
-
-
-@torch.inference_mode()
-def next_token_logits(runner, token_ids: list[int], slot: int = 0) -> torch.Tensor:  # [V] float32
-    """The model's logits for the token after ``token_ids`` (teacher-forced, batch of one)."""
-    runner.prefill([slot], [token_ids[:-1]])
-    pos = torch.tensor([[len(token_ids) - 1]])
-    return runner.logits(runner.forward(torch.tensor([slot]), torch.tensor([[token_ids[-1]]]), pos).hidden)[0, 0].cpu()

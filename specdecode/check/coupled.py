@@ -31,12 +31,13 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from specdecode.check.common import CheckConfig, EnginePool, Progress, first_divergence, next_token_logits, run_requests
+from specdecode.check.common import CheckConfig, EnginePool, Progress, first_divergence, run_requests
 from specdecode.check.contexts import Context
 from specdecode.check.greedy import near_tie_rel
 from specdecode.check.law import per_context_and_setting, real_chain
 from specdecode.check.report import FAIL, PASS, WEAK, PartResult
 from specdecode.check.stats import goodness_of_fit
+from specdecode.models.base import next_token_logits
 from specdecode.sampling import SamplingParams, coupled_choice, params_tensors, race_noise, warp
 
 NAME = "coupled sampler"

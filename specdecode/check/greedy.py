@@ -23,16 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.check.common import (
-    CheckConfig,
-    EnginePool,
-    Progress,
-    Run,
-    first_divergence,
-    next_token_logits,
-    run_requests,
-)
+from specdecode.check.common import CheckConfig, EnginePool, Progress, Run, first_divergence, run_requests
 from specdecode.check.report import FAIL, PASS, PartResult
+from specdecode.models.base import next_token_logits
 from specdecode.sampling import SamplingParams
 
 NEAR_TIE_REL = {torch.bfloat16: 2.0**-5, torch.float16: 2.0**-8, torch.float32: 2.0**-14, torch.float64: 2.0**-40}

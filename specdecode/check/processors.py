@@ -38,10 +38,11 @@ from typing import Sequence
 
 import torch
 
-from specdecode.check.common import EnginePool, Progress, next_token_logits
+from specdecode.check.common import EnginePool, Progress
 from specdecode.check.report import FAIL, PASS, WEAK, PartResult
 from specdecode.check.stats import goodness_of_fit
 from specdecode.engine import Engine
+from specdecode.models.base import next_token_logits
 from specdecode.processors import build_processors
 from specdecode.sampling import SamplingParams, warp, warp_tensors
 

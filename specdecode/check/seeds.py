@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.check.common import CheckConfig, EnginePool, Progress, first_divergence, next_token_logits, run_requests
+from specdecode.check.common import CheckConfig, EnginePool, Progress, first_divergence, run_requests
 from specdecode.check.report import FAIL, PASS, PartResult
+from specdecode.models.base import next_token_logits
 from specdecode.sampling import SamplingSetting
 
 

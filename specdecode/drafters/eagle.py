@@ -1,5 +1,5 @@
 """EAGLE drafting (``--draft eagle:DIR``): a one-layer draft decoder runs autoregressively on the
-target's features (:mod:`specdecode.heads.eagle`), chains or EAGLE-2 dynamic trees.
+target's features (:mod:`specdecode.models.eagle`), chains or EAGLE-2 dynamic trees.
 
 The engine hands the drafter the target's features of every token it caches (``feature_layers``: the
 final state, or EAGLE-3's low/middle/high layers). The drafter's own KV cache holds, at position
@@ -34,10 +34,10 @@ from specdecode.drafters.autoregressive import (
     tree_proposal,
 )
 from specdecode.drafters.base import Proposal, SequenceView, TargetFeatures
-from specdecode.heads.eagle import FINAL_KEY, WEIGHTS, EagleModel
-from specdecode.heads.medusa import HeadsError, check_model, check_sizes, require_dir
 from specdecode.models.base import FINAL, Runner
+from specdecode.models.eagle import FINAL_KEY, WEIGHTS, EagleModel
 from specdecode.models.hf import HFRunner
+from specdecode.models.medusa import HeadsError, check_model, check_sizes, require_dir
 
 
 def layer_ids(keys: list[str]) -> tuple[int, ...]:

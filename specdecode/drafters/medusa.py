@@ -4,7 +4,7 @@ tokens after the pending one — no second model, almost no cost.
 The engine hands the drafter the target's final hidden state of every cached token
 (``feature_layers = (FINAL,)``); the last one, ``h_t``, belongs to the token before the pending
 token ``t + 1``, and head ``j`` proposes token ``t + j + 2`` from it (see
-:mod:`specdecode.heads.medusa`). Chains take each head's top-1 (``--draft-confidence P`` ends a
+:mod:`specdecode.models.medusa`). Chains take each head's top-1 (``--draft-confidence P`` ends a
 chain after a token its head gives less than ``P``: later heads are rarely right, and verifying them
 costs); with ``--tree-topk K > 1`` the
 drafter proposes Medusa's *static* tree of ``--tree-nodes`` nodes (head ``j``'s top-K tokens at
@@ -27,8 +27,8 @@ import torch
 
 from specdecode.drafters.autoregressive import check_tree, draft_settings, invariant_draws
 from specdecode.drafters.base import DrafterBase, Proposal, SequenceView, TargetFeatures
-from specdecode.heads.medusa import HeadsError, MedusaHeads, check_model, check_sizes, static_tree
 from specdecode.models.base import FINAL, Runner
+from specdecode.models.medusa import HeadsError, MedusaHeads, check_model, check_sizes, static_tree
 from specdecode.processors import process_rows, processors_of
 from specdecode.verify.tree import DETERMINISTIC
 
@@ -152,7 +152,7 @@ def check_target(heads: MedusaHeads, target: Runner, where: str) -> None:
 
 def validate(arg: str) -> None:
     """Cheap checks before any model loads: the spec names a heads directory."""
-    from specdecode.heads.medusa import WEIGHTS, require_dir
+    from specdecode.models.medusa import WEIGHTS, require_dir
 
     if not arg:
         raise HeadsError(

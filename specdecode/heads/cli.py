@@ -137,9 +137,87 @@ def _extract(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    """Validate, load the features, train the chosen kind, report: one path for Medusa and EAGLE."""
+    import torch
+
+    from specdecode.allocator import retain_freed_memory
+    from specdecode.heads.eagle_train import EagleSettings, train as train_eagle
+    from specdecode.heads.features import FeatureError, FeatureSet
+    from specdecode.heads.train import TrainSettings, train as train_medusa
+    from specdecode.models.device import native_bf16
+
+    compute = args.compute_dtype
+    if compute == "auto":
+        compute = "bfloat16" if native_bf16("cpu") else "float32"
+    common = dict(
+        draft_vocab=args.draft_vocab,
+        epochs=args.epochs,
+        lr=args.lr or 1e-3,
+        weight_decay=args.weight_decay,
+        warmup=args.warmup,
+        soft_weight=args.soft_weight,
+        held_out=args.held_out,
+        max_train_tokens=args.max_train_tokens,
+        seed=args.seed,
+        compute_dtype=compute,
+    )
+    if args.kind == "eagle":
+        run = train_eagle
+        settings = EagleSettings(
+            layers=args.eagle_layers,
+            intermediate_size=args.intermediate_size,
+            ttt_steps=args.ttt_steps,
+            batch_chunks=args.batch_chunks,
+            level_decay=args.level_decay,
+            feature_weight=args.feature_weight,
+            feature_noise=args.feature_noise,
+            **common,
+        )
+    else:
+        run = train_medusa
+        settings = TrainSettings(
+            num_heads=args.num_heads,
+            depth=args.depth,
+            train_output=args.train_output,
+            batch_size=args.batch_size,
+            head_decay=args.head_decay,
+            **common,
+        )
+    try:
+        settings.validate()
+        if args.checkpoint_every < 1:
+            raise ValueError("--checkpoint-every must be >= 1")
+        fs = FeatureSet(args.features)
+    except (ValueError, FeatureError) as exc:
+        print(f"specdecode heads train: {exc}", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    retain_freed_memory()  # each step frees and reallocates the same large blocks (see specdecode.allocator)
+    target = args.target or fs.manifest["target"].get("spec")
+    try:
+        model = run(fs, args.out, settings, target, args.checkpoint_every, args.evals, not args.no_progress)
+    except (ValueError, FeatureError) as exc:
+        print(f"specdecode heads train: {exc}", file=sys.stderr)
+        return 2
+    training = model.config.training
+    if args.kind == "eagle" and model.config.accuracy:
+        acc = model.config.accuracy
+        print(
+            f"EAGLE drafter written to {args.out}: held-out top-1 by draft position {acc['top1']}, chain "
+            f"{acc['chain']} -> greedy tokens/step {acc['tokens_per_step']} ({training['seconds']} s)"
+        )
+    elif training.get("held_out"):
+        held = training["held_out"]
+        print(
+            f"heads written to {args.out}: held-out top-1 by head {held['top1']}, top-5 {held['top5']} "
+            f"({training['seconds']} s, {training['tokens_seen']} tokens seen)"
+        )
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
     if args.heads_command == "extract":
         return _extract(args)
-    from specdecode.heads.train import main as train_main
-
-    return train_main(args)
+    return _train(args)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from specdecode.errors import UserError
+from specdecode.fsutil import read_jsonl
 
 DEFAULT = "stdlib"
 TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".c", ".h", ".js", ".ts", ".java", ".go", ".rs", ".cpp", ".sh"}
@@ -54,10 +55,8 @@ def _read_file(path: Path) -> Callable[[], str]:
 
 
 def _jsonl(path: Path, render_chat: Callable[[list], str] | None) -> list[Document]:
-    from specdecode.bench.prompts import read_jsonl  # one JSONL reader (blank lines, errors with line numbers)
-
     docs = []
-    for lineno, record in read_jsonl(path):
+    for lineno, record in read_jsonl(path, CorpusError):
         if isinstance(record.get("text"), str):
             text = record["text"]
         elif isinstance(record.get("messages"), list):

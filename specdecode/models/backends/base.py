@@ -121,7 +121,7 @@ class Model:
     def next_token_logits(self, token_ids: list[int], runner: "Runner") -> "torch.Tensor":
         """Float32 logits [V] of the token after ``token_ids``, teacher-forced; ``runner`` is an idle runner
         over this model the backend may use (slot 0)."""
-        from specdecode.check.common import next_token_logits
+        from specdecode.models.base import next_token_logits
 
         return next_token_logits(runner, token_ids)
 

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specdecode.heads.medusa import CONFIG, HeadsError, load_dir, save_dir
+from specdecode.models.medusa import CONFIG, HeadsError, load_dir, save_dir
 
 WEIGHTS = "eagle.safetensors"
 FINAL_KEY = "final"
