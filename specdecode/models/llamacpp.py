@@ -45,8 +45,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -107,6 +107,75 @@ def lib():
     return _LIB
 
 
+class Binding:
+    """A libllama as the runner drives it: the C API under llama.cpp's current names (``llama_decode``,
+    ``llama_memory_seq_rm``, ...) plus the few calls whose parameters differ between llama.cpp and its
+    forks. This one is llama-cpp-python's (every name is the module's); :mod:`specdecode.models.ik_llamacpp`
+    maps ik_llama.cpp's onto the same names, so one runner drives both."""
+
+    name = "llama.cpp"  # what messages call it
+    backend = "llamacpp"  # the backend's registry name
+    install_hint = INSTALL_HINT
+    stream_per_sequence = True  # can give each sequence its own KV stream (kv_unified off)
+
+    def __getattr__(self, name: str):
+        return getattr(lib(), name)
+
+    def model_params(self, repack: bool, mmap: bool):
+        params = self.llama_model_default_params()
+        params.n_gpu_layers = 0
+        # llama.cpp's CPU repack (weights in interleaved blocks, a gemm for each 4 rows of a batch and a gemv
+        # for the rest) makes a row's logits depend on the batch width; without it every row takes one path
+        params.use_extra_bufts = repack
+        # NONE: read into its own buffers; AUTO (its default): on a CPU, a memory map
+        params.load_mode = self.LLAMA_LOAD_MODE_AUTO if mmap else self.LLAMA_LOAD_MODE_NONE
+        return params
+
+    def context_params(self, n_ctx: int, n_seq_max: int, threads: int, threads_batch: int, unified: bool):
+        params = self.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = params.n_ubatch = BATCH_TOKENS
+        params.n_seq_max = n_seq_max
+        params.n_threads, params.n_threads_batch = threads, threads_batch
+        params.kv_unified = unified
+        params.pooling_type = 0  # LLAMA_POOLING_TYPE_NONE: per-token embeddings when asked for
+        params.embeddings = False
+        params.no_perf = True
+        return params
+
+    def end_tokens(self, model) -> set[int]:
+        vocab = self.llama_model_get_vocab(model)
+        return {int(t) for t in (self.llama_vocab_eos(vocab), self.llama_vocab_eot(vocab)) if t >= 0}
+
+    def kv_width(self, model, hidden_size: int) -> int:
+        """K (or V) values per token and layer."""
+        return self.llama_model_n_head_kv(model) * (hidden_size // self.llama_model_n_head(model))
+
+    def seq_state(self, ctx, seq: int, streams: int, own: int):
+        """Sequence ``seq``'s state, in a form :meth:`set_seq_state` takes into any context over the weights.
+
+        llama.cpp frames a sequence's state as ``[magic][seq id][n_stream]`` then ``[count, cells]`` per
+        stream, only the sequence's own stream non-empty, and refuses it in a context with another stream
+        count. The snapshot keeps the magic and that one stream's record, so any context over these weights
+        (another batch size: another stream count) can import it."""
+        size = self.llama_state_seq_get_size(ctx, seq)
+        buf = (ctypes.c_uint8 * size)()
+        data = bytes(buf[: self.llama_state_seq_get_data(ctx, buf, size, seq)])
+        head, tail = 12 + 4 * own, len(data) - 4 * (int.from_bytes(data[8:12], "little") - own - 1)
+        if int.from_bytes(data[8:12], "little") != streams or any(data[12:head]) or any(data[tail:]):
+            raise RuntimeError("unexpected llama.cpp sequence-state layout (another llama-cpp-python version?)")
+        return data[:4], data[head:tail]
+
+    def set_seq_state(self, ctx, seq: int, state, streams: int) -> bool:
+        magic, record = state
+        data = magic + seq.to_bytes(4, "little") + streams.to_bytes(4, "little") + record + bytes(4 * (streams - 1))
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)  # llama.cpp reads the record into seq's stream
+        return self.llama_state_seq_set_data(ctx, buf, len(data), seq) != 0
+
+
+MAINLINE = Binding()
+
+
 def default_threads() -> int:
     """A library caller's default (the command line passes its own: :func:`specdecode.machine.default_threads`)."""
     from specdecode.machine import usable_cores
@@ -150,34 +219,35 @@ class LlamaCppModel:
     mapping it (``load_mode`` NONE), so the kernel cannot drop the pages and read them back mid-request (see
     :func:`specdecode.models.loading.make_resident`); repacked weights are llama.cpp's own copies either way."""
 
-    def __init__(self, path: str | Path, threads: int | None = None, repack: bool = True, mmap: bool = True) -> None:
-        ll = lib()
+    def __init__(
+        self,
+        path: str | Path,
+        threads: int | None = None,
+        repack: bool = True,
+        mmap: bool = True,
+        binding: Binding = MAINLINE,
+    ) -> None:
+        ll = self.binding = binding
         self.path = Path(path).resolve()
         if not self.path.is_file():
             raise FileNotFoundError(f"{self.path}: no such GGUF file")
         self.threads = threads or default_threads()
         if self.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
-        params = ll.llama_model_default_params()
-        params.n_gpu_layers = 0
-        # llama.cpp's CPU repack (weights in interleaved blocks, a gemm for each 4 rows of a batch and a gemv
-        # for the rest) makes a row's logits depend on the batch width; without it every row takes one path
-        params.use_extra_bufts = repack
-        # NONE: read into its own buffers; AUTO (its default): on a CPU, a memory map
-        params.load_mode = ll.LLAMA_LOAD_MODE_AUTO if mmap else ll.LLAMA_LOAD_MODE_NONE
+        params = ll.model_params(repack, mmap)
         self.repack, self.mmap = repack, mmap
         self.invariant_widths: dict[int, int] = {}  # threads -> widest invariant decode (probed by a runner)
         self.ptr = ll.llama_model_load_from_file(str(self.path).encode(), params)
         if not self.ptr:
-            raise ValueError(f"llama.cpp could not load {self.path} (not a GGUF model it supports?)")
+            raise ValueError(f"{ll.name} could not load {self.path} (not a GGUF model it supports?)")
         vocab = ll.llama_model_get_vocab(self.ptr)
         self.vocab_size = int(ll.llama_vocab_n_tokens(vocab))
         self.hidden_size = int(ll.llama_model_n_embd(self.ptr))
         self.num_layers = int(ll.llama_model_n_layer(self.ptr))
         self.context_length = int(ll.llama_model_n_ctx_train(self.ptr))
-        self.eos_token_ids = {int(t) for t in (ll.llama_vocab_eos(vocab), ll.llama_vocab_eot(vocab)) if t >= 0}
+        self.eos_token_ids = ll.end_tokens(self.ptr)
         stat = self.path.stat()
-        self.identity = f"llamacpp:{self.path}:{stat.st_size}:{stat.st_mtime_ns}"
+        self.identity = f"{ll.backend}:{self.path}:{stat.st_size}:{stat.st_mtime_ns}"
         # what commands read off a model: its context length (like a transformers config)
         buf = ctypes.create_string_buffer(256)
         ll.llama_model_desc(self.ptr, buf, len(buf))
@@ -186,8 +256,8 @@ class LlamaCppModel:
 
     def __del__(self) -> None:
         ptr, self.ptr = getattr(self, "ptr", None), None
-        if ptr and _LIB is not None:
-            _LIB.llama_model_free(ptr)
+        if ptr and getattr(self, "binding", None) is not None:
+            self.binding.llama_model_free(ptr)
 
 
 def output_layer(path: Path, hidden: torch.Tensor, rows: int = 16384) -> torch.Tensor:
@@ -231,7 +301,8 @@ class LlamaCppRunner(Runner):
                 f"batch-invariant llama.cpp needs the model loaded without CPU repack "
                 f"(LlamaCppModel(repack=False); --batch-invariant on does it): {model.path}"
             )
-        self.ll = lib()
+        self.ll = model.binding
+        self.backend = model.binding.backend
         self.model = model
         self.trees = trees
         self.batch_invariant = invariant
@@ -256,7 +327,7 @@ class LlamaCppRunner(Runner):
     @property
     def where(self) -> str:
         mode = f", batch-invariant (decodes of <= {self.decode_width} tokens)" if self.batch_invariant else ""
-        return f"llama.cpp {self.model.description}, {self.threads} threads{mode}"
+        return f"{self.ll.name} {self.model.description}, {self.threads} threads{mode}"
 
     # -- sizes ------------------------------------------------------------------------------------
     def ensure_capacity(self, num_slots: int, max_len: int) -> None:
@@ -267,22 +338,20 @@ class LlamaCppRunner(Runner):
             raise BackendUnsupported(f"llama.cpp serves at most 256 sequences per context, asked for {num_slots}")
         self._free()
         per_slot = -(-max_len // KV_PAD) * KV_PAD
-        params = self.ll.llama_context_default_params()
-        params.n_ctx = per_slot * num_slots
-        params.n_batch = params.n_ubatch = BATCH_TOKENS
         tree = NodeTable(num_slots) if self.trees else None  # (refuses too many slots before anything is made)
-        params.n_seq_max = MAX_SEQ if self.trees else num_slots
-        params.n_threads = params.n_threads_batch = self.model.threads
-        if self.batch_invariant:  # one-token decodes on one thread: no split-KV flash attention (see above)
-            params.n_threads = 1
-        # chains: a stream per sequence, a row attends to its own cache only; trees: one stream, ids per path
-        params.kv_unified = self.trees
-        params.pooling_type = 0  # LLAMA_POOLING_TYPE_NONE: per-token embeddings when asked for
-        params.embeddings = False
-        params.no_perf = True
+        # chains: a stream per sequence where the library has them, a row attends to its own cache only;
+        # trees: one stream, ids per path. One-token decodes of the invariant mode run on one thread (no
+        # split-KV flash attention, see above)
+        params = self.ll.context_params(
+            per_slot * num_slots,
+            MAX_SEQ if self.trees else num_slots,
+            1 if self.batch_invariant else self.model.threads,
+            self.model.threads,
+            unified=self.trees,
+        )
         ctx = self.ll.llama_init_from_model(self.model.ptr, params)
         if not ctx:
-            raise RuntimeError(f"llama.cpp could not create a context of {num_slots} x {per_slot} positions")
+            raise RuntimeError(f"{self.ll.name} could not create a context of {num_slots} x {per_slot} positions")
         self.ctx, self.mem = ctx, self.ll.llama_get_memory(ctx)
         self._embeddings = False
         self._batch = self.ll.llama_batch_init(BATCH_TOKENS, 0, MAX_SEQ if self.trees else 1)
@@ -337,8 +406,7 @@ class LlamaCppRunner(Runner):
         if self.ctx is None:
             return 0
         # K and V of every layer in float16 (llama.cpp's default cache type), for every slot's stream
-        m = self.model.ptr
-        kv_width = self.ll.llama_model_n_head_kv(m) * (self.hidden_size // self.ll.llama_model_n_head(m))
+        kv_width = self.ll.kv_width(self.model.ptr, self.hidden_size)
         return 2 * 2 * self.num_layers * kv_width * self.num_slots * (-(-self.max_len // KV_PAD) * KV_PAD)
 
     # -- forward ----------------------------------------------------------------------------------
@@ -678,42 +746,24 @@ class LlamaCppRunner(Runner):
         self._forget_from(dst, length)
 
     def export_kv(self, slot: int, length: int):
-        """The slot's llama.cpp sequence state (the slot is untouched); import keeps ``length``.
-
-        llama.cpp frames a sequence's state as ``[magic][seq id][n_stream]`` then ``[count, cells]``
-        per stream, only the sequence's own stream non-empty, and refuses it in a context with another
-        stream count. The snapshot keeps the magic and that one stream's record, so any context over
-        these weights (another batch size: another stream count) can import it."""
-        size = self.ll.llama_state_seq_get_size(self.ctx, slot)
-        buf = (ctypes.c_uint8 * size)()
-        data = bytes(buf[: self.ll.llama_state_seq_get_data(self.ctx, buf, size, slot)])
-        streams, own = int.from_bytes(data[8:12], "little"), self._stream(slot)
-        head, tail = 12 + 4 * own, len(data) - 4 * (streams - own - 1)
-        if streams != self._streams() or any(data[12:head]) or any(data[tail:]):
-            raise RuntimeError("unexpected llama.cpp sequence-state layout (another llama-cpp-python version?)")
-        return (self.identity, length, self._length[slot], (data[:4], data[head:tail]))
+        """The slot's sequence state (the slot is untouched), in a form any context over these weights takes
+        (:meth:`Binding.seq_state`); import keeps ``length``."""
+        state = self.ll.seq_state(self.ctx, slot, self._streams(), self._stream(slot))
+        return (self.identity, length, self._length[slot], state)
 
     def import_kv(self, slot: int, state) -> None:
-        identity, length, held, (magic, record) = state
+        identity, length, held, data = state
         if identity != self.identity:
             raise ValueError("a KV snapshot of other weights cannot be imported")
         self._release_tree(slot)
         self.ll.llama_memory_seq_rm(self.mem, slot, -1, -1)
-        data = (
-            magic
-            + slot.to_bytes(4, "little")
-            + self._streams().to_bytes(4, "little")
-            + record
-            + bytes(4 * (self._streams() - 1))
-        )  # llama.cpp reads the record into the slot's own stream
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        if self.ll.llama_state_seq_set_data(self.ctx, buf, len(data), slot) == 0:
-            raise RuntimeError(f"llama.cpp refused a KV snapshot for slot {slot}")
+        if not self.ll.set_seq_state(self.ctx, slot, data, self._streams()):
+            raise RuntimeError(f"{self.ll.name} refused a KV snapshot for slot {slot}")
         self._length[slot] = held
         self._forget_from(slot, length)
 
     def _streams(self) -> int:
-        return 1 if self.trees else self.num_slots
+        return 1 if self.trees or not self.ll.stream_per_sequence else self.num_slots
 
     def _stream(self, slot: int) -> int:
-        return 0 if self.trees else slot
+        return 0 if self._streams() == 1 else slot
