@@ -85,7 +85,7 @@ def measured(target_runner, draft_runner, clock, rounds=5):
     target = Costed(target_runner, clock, *costs[0], outlier=100.0, outlier_n=3, outlier_at=3)
     draft = Costed(draft_runner, clock, *costs[1])
     profile = profile_runners(
-        "toy", 1, ("toy:1", target), [("toy:1:0.2", draft)], rounds * one + one / 2, clock, machine=MACHINE
+        "toy", 1, ("toy:1", target), [("toy:1:0.2", draft)], (rounds + 1) * one + one / 2, clock, machine=MACHINE
     )
     return profile, costs
 
@@ -93,7 +93,7 @@ def measured(target_runner, draft_runner, clock, rounds=5):
 def check_arithmetic(profile: Profile, costs) -> None:
     (a, b, o), (da, db, do) = costs
     t1 = a + b + o
-    assert profile.target.repeats == 5  # the budget held five rounds after the warm-up
+    assert profile.target.repeats == 5  # the budget held the warm-up and five rounds
     for n in M.WIDTHS:
         assert profile.target.step_s[n] == pytest.approx(a + (b + o) * n, rel=1e-9)  # the outlier is not the median
         assert profile.v[n] == pytest.approx((a + (b + o) * n) / t1, rel=1e-9)

@@ -8,7 +8,7 @@ machine hits them alike), each width ``n`` is timed twice after that context and
   drafts runs; ``n = 1`` is a decode step);
 * ``layers``: ``runner.prefill`` of the same ``n`` tokens (the layers without the output layer: no logits).
 
-One warm-up round is not counted; its length decides how many rounds fit the time budget. The medians go
+One warm-up round is not counted; its length decides how many rounds fit the rest of the time budget. The medians go
 into a :class:`~specdecode.profile.result.ModelCost`. The clock is injected (tests count simulated seconds).
 """
 
@@ -117,14 +117,15 @@ def rounds_for(budget_s: float, round_s: float) -> int:
 def run_rounds(
     probes: list[Probe], budget_s: float, clock: Clock = time.perf_counter, progress: str | None = None
 ) -> tuple[int, float]:
-    """One warm-up round, then as many rounds of every probe as fit ``budget_s`` seconds; the rounds run and
-    the seconds they took. ``progress``: a bar with an ETA on stderr under that name."""
+    """One warm-up round, then as many rounds of every probe as fit what is left of ``budget_s`` seconds; the
+    rounds run and the seconds they took. ``progress``: a bar with an ETA on stderr under that name."""
     from tqdm import tqdm
 
     t0 = clock()
     for p in probes:
         p.round(record=False)
-    rounds = rounds_for(budget_s, clock() - t0)
+    warm_up = clock() - t0
+    rounds = rounds_for(budget_s - warm_up, warm_up)  # the warm-up counts against the budget
     bar = tqdm(
         total=rounds,
         disable=progress is None,

@@ -140,7 +140,8 @@ def plot(profiles: list[Profile], path: Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     machine = profiles[0].machine
-    fig.suptitle(f"{machine.cpu}, {profiles[0].threads} threads: {machine.simd()}", fontsize=8)
+    threads = profiles[0].threads
+    fig.suptitle(f"{machine.cpu}, {threads} thread{'s' if threads != 1 else ''}: {machine.simd()}", fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
