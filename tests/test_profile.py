@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from specdecode.models.backends import toy
-from specdecode.profile import cache, cached, store
+from specdecode.profile import cache, cached, decode_speeds, store
 from specdecode.profile import measure as M
 from specdecode.profile.result import (
     Machine,
@@ -249,6 +249,9 @@ def test_the_cache_round_trip_and_what_invalidates_it(model_dirs, monkeypatch):
     assert cached(target, "torch", 1) is None  # other threads
     assert cached(target, "llamacpp", 2) is None  # another backend
     assert cached(target, "torch", 2, context=512) is None  # another context
+    speeds = decode_speeds(2)  # what --backend auto reads: tok/s per (backend, target)
+    assert speeds("torch", target) == pytest.approx(1 / 0.04) and speeds("llamacpp", target) is None
+    assert decode_speeds(1)("torch", target) is None
     touch(draft)  # the draft's files changed: its c goes, the target's profile stays
     assert cached(target, "torch", 2) == replace(profile, drafts={})
     touch(target)  # the target's files changed: nothing fits

@@ -14,6 +14,7 @@ import json
 import os
 import platform
 from dataclasses import replace
+from collections.abc import Callable
 from pathlib import Path
 
 from specdecode.profile.result import CONTEXT, FORMAT, Machine, Profile
@@ -106,3 +107,14 @@ def cached(
         return None
     drafts = {name: d for name, d in profile.drafts.items() if d.fingerprint == fingerprint(name)}
     return replace(profile, drafts=drafts)
+
+
+def decode_speeds(threads: int, cache_dir: Path | None = None) -> Callable[[str, str], float | None]:
+    """What ``--backend auto`` reads (``specdecode.models.backends.choose``'s ``measured``): (backend, target) ->
+    the one-token decode tok/s of the cached profile with ``threads`` threads on this machine, or None."""
+
+    def measured(backend: str, target: str) -> float | None:
+        profile = cached(target, backend, threads, cache_dir)
+        return None if profile is None else profile.target.tok_s
+
+    return measured
