@@ -15,7 +15,10 @@ DEFAULT_BUDGET_S = 60.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", required=True, help="the target model: an alias, a .gguf file or a directory")
+    from specdecode.config import add_setting
+    from specdecode.models.backends import names
+
+    add_setting(p, "target", required=True)
     p.add_argument(
         "--draft", action="append", default=[], help="a draft model to price (c = its step / the target's); repeat"
     )
@@ -23,9 +26,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--backend",
         action="append",
         default=[],
+        choices=names(),
         help="a backend to profile; repeat (default: every installed backend that opens the target)",
     )
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: the idle cores)")
+    add_setting(p, "threads")
     p.add_argument(
         "--budget",
         type=float,
