@@ -6,7 +6,9 @@ machine hits them alike), each width ``n`` is timed twice after that context and
 
 * ``step``: ``runner.forward`` of ``n`` tokens and ``runner.logits`` of every row (what a verify of ``n - 1``
   drafts runs; ``n = 1`` is a decode step);
-* ``layers``: ``runner.prefill`` of the same ``n`` tokens (the layers without the output layer: no logits).
+* ``layers``: ``runner.prefill`` of the same ``n`` tokens (the layers without the output layer: no logits), so
+  ``step - layers`` is the output layer with whatever the runner does to hand its rows over (llama.cpp: the
+  copy of ``n`` x vocabulary floats out of its buffer).
 
 One warm-up round is not counted; its length decides how many rounds fit the rest of the time budget. The medians go
 into a :class:`~specdecode.profile.result.ModelCost`. The clock is injected (tests count simulated seconds).
