@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from datetime import UTC, datetime
 
 from specdecode.profile import cache
@@ -16,7 +17,7 @@ def profile_runners(
     backend: str,
     threads: int,
     target: tuple[str, object],
-    drafts: list[tuple[str, object]] = (),  # type: ignore[assignment]
+    drafts: Sequence[tuple[str, object]] = (),
     budget_s: float = 30.0,
     clock: Clock = time.perf_counter,
     progress: str | None = None,
