@@ -301,7 +301,7 @@ def cursors(file: File, rng: random.Random) -> dict[str, list[tuple[int, int, in
 
 
 def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
-    return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+    return round(math.exp(rng.uniform(math.log(lo), math.log(hi))))
 
 
 def fim_row(file: File, kind: str, line: int, col: int, n: int, rng: random.Random) -> dict | None:
@@ -461,7 +461,7 @@ def rename(code: str, old: str, new: str) -> str | None:
         {
             (n.lineno - 1, n.col_offset)
             for n in ast.walk(tree)
-            if isinstance(n, ast.Name) and n.id == old or isinstance(n, ast.arg) and n.arg == old
+            if (isinstance(n, ast.Name) and n.id == old) or (isinstance(n, ast.arg) and n.arg == old)
         },
         reverse=True,
     )
@@ -546,15 +546,15 @@ def edits(code: str, fn: ast.FunctionDef) -> list[dict]:
             continue
         break
     if any(
-        isinstance(n, ast.Call)
+        (isinstance(n, ast.Call)
         and isinstance(n.func, ast.Attribute)
         and n.func.attr == "format"
         and isinstance(n.func.value, ast.Constant)
-        and isinstance(n.func.value.value, str)
-        or isinstance(n, ast.BinOp)
+        and isinstance(n.func.value.value, str))
+        or (isinstance(n, ast.BinOp)
         and isinstance(n.op, ast.Mod)
         and isinstance(n.left, ast.Constant)
-        and isinstance(n.left.value, str)
+        and isinstance(n.left.value, str))
         for n in ast.walk(fn)
     ):
         out.append(

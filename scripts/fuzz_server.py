@@ -35,10 +35,10 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis import strategies as st
 
-import test_server_fuzz as F  # noqa: E402
+import test_server_fuzz as F
 
 BODY_LIMIT = 2000  # characters of a request body kept in the summary
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import re
 import signal
@@ -106,7 +105,7 @@ async def one(
         async with asyncio.timeout(leave_after) if leave_after is not None else _null():
             if stream:
                 async with client.stream("POST", path, json=body) as r:
-                    async for line in r.aiter_lines():
+                    async for _ in r.aiter_lines():
                         pass
                     status = r.status_code
             else:
@@ -204,7 +203,7 @@ def main() -> int:
         *(["--draft", draft] if draft else []),
         *args.serve_args.split(),
     ]
-    log = open(args.out / "server.log", "w")
+    log = open(args.out / "server.log", "w")  # noqa: SIM115 - the server's log stays open while it runs
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -62,4 +62,4 @@ def require(module: str, what: str) -> ModuleType:
         found = missing_extra(exc)
         if found is None:
             raise
-        raise MissingExtra(found.name, found.extra, what) from None
+        raise MissingExtra(found.name or module, found.extra, what) from None

@@ -20,6 +20,7 @@ request that asks for none costs nothing (:meth:`Engine._logprobs` runs only for
 
 from __future__ import annotations
 
+import builtins
 import codecs
 import math
 import re
@@ -81,8 +82,8 @@ class Spelling:
     (``b""`` for a special token, which the text skips)."""
 
     token: str
-    bytes: bytes
-    text_bytes: bytes
+    bytes: builtins.bytes
+    text_bytes: builtins.bytes
 
 
 @dataclass(frozen=True)

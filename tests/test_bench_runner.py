@@ -353,7 +353,9 @@ def test_extra_drafters_run_in_the_same_interleaved_run(models, tmp_path):
     report = (out / "report.md").read_text()
     assert "| spec-k3[medusa] | 4 |" in report and "| spec-k3-t2n4[medusa] | 4 |" in report
     with pytest.raises(R.BenchInputError, match="names the same draft model"):
-        cli._prepare(bench_args(models, tmp_path / "bad", "--extra-draft", str(models["draft"])), {}, [], [], [], None, None)
+        cli._prepare(
+            bench_args(models, tmp_path / "bad", "--extra-draft", str(models["draft"])), {}, [], [], [], None, None
+        )
     assert [c.name for c in R.make_configs([2], [], extra_drafts=["ngram", "ngram:4"], main_draft=False)] == [
         "target",
         "spec-k2[ngram]",
@@ -408,7 +410,7 @@ def test_auto_policy_runs_beside_every_fixed_configuration_it_chooses_from(model
     report = (out / "report.md").read_text()
     assert "| auto | 4 |" in report and "## What --draft-policy auto chose" in report
     why = auto[-1]["policy"]  # what its choices rested on: the costs and each drafter's acceptance
-    assert why["calibration"] in ("quiet", "busy") and set(why["drafters"]) == {"spec", "ngram"} or why["drafters"]
+    assert (why["calibration"] in ("quiet", "busy") and set(why["drafters"]) == {"spec", "ngram"}) or why["drafters"]
     assert all({"alpha", "tried", "speed_vs_plain", "best_k"} <= set(x) for x in why["drafters"].values())
     assert not any("policy" in r for r in fixed)
 

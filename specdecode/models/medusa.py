@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -167,7 +168,7 @@ def require_dir(directory: Path, weights: str, kind: str, noun: str, spec: str =
         )
 
 
-def load_dir(directory: str | Path, weights: str, config_type: type, noun: str) -> tuple:
+def load_dir(directory: str | Path, weights: str, config_type: Any, noun: str) -> tuple:
     """Read a directory :func:`save_dir` wrote: ``(config, state)``, or a :class:`HeadsError` naming what is
     wrong. ``config_type`` (a dataclass with a ``kind``) names the kind; ``noun`` ("a heads") the directory."""
     from safetensors import SafetensorError

@@ -321,7 +321,7 @@ class Ingress:
 
     async def _asgi(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
-            while (message := await receive())["type"] != "lifespan.shutdown":
+            while (await receive())["type"] != "lifespan.shutdown":
                 await send({"type": "lifespan.startup.complete"})
             return await send({"type": "lifespan.shutdown.complete"})
         if scope["type"] != "http":
