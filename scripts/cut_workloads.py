@@ -546,15 +546,19 @@ def edits(code: str, fn: ast.FunctionDef) -> list[dict]:
             continue
         break
     if any(
-        (isinstance(n, ast.Call)
-        and isinstance(n.func, ast.Attribute)
-        and n.func.attr == "format"
-        and isinstance(n.func.value, ast.Constant)
-        and isinstance(n.func.value.value, str))
-        or (isinstance(n, ast.BinOp)
-        and isinstance(n.op, ast.Mod)
-        and isinstance(n.left, ast.Constant)
-        and isinstance(n.left.value, str))
+        (
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and n.func.attr == "format"
+            and isinstance(n.func.value, ast.Constant)
+            and isinstance(n.func.value.value, str)
+        )
+        or (
+            isinstance(n, ast.BinOp)
+            and isinstance(n.op, ast.Mod)
+            and isinstance(n.left, ast.Constant)
+            and isinstance(n.left.value, str)
+        )
         for n in ast.walk(fn)
     ):
         out.append(

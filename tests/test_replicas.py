@@ -40,17 +40,7 @@ from specdecode.server.replicas import (
 )
 from test_server_harness import one_torch_thread  # noqa: F401 (autouse fixture)
 from test_server_harness import serve as serve_one
-from test_server_harness import (
-    CLIENT_TIMEOUT_S,
-    KEY,
-    MODEL,
-    engine,
-    reference,
-    scrape,
-    sse_events,
-    tokenizer,
-    until,
-)
+from test_server_harness import CLIENT_TIMEOUT_S, KEY, MODEL, engine, reference, scrape, sse_events, tokenizer, until
 
 GATE_ENV = "SPECDECODE_TEST_REPLICA_GATE"
 STEPS_BEFORE_HOLD = 4  # engine steps a replica takes after the gate appears, before it waits
