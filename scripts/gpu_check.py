@@ -51,6 +51,7 @@ import transformers
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from specdecode.bench.analysis import break_even_alpha, predicted_speedup
+from specdecode.config import EngineSettings
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.engine import Engine
 from specdecode.models.device import DTYPE_CHOICES, device_arg, dtype_arg, dtype_name, resolve_device
@@ -194,7 +195,7 @@ class Deadline:
 def measure_decode(target, device, plan) -> dict:
     """Target-only decode through the engine at batch 1: median of ``decode_repeats`` after a warm-up."""
     n, ctx = plan["new_tokens"], plan["context"]
-    engine = Engine(HFRunner(target), IdTokenizer(), None, 0, max_batch_size=1, max_context=ctx + n + 1)
+    engine = Engine(HFRunner(target), IdTokenizer(), None, 0, EngineSettings(max_batch_size=1, max_context=ctx + n + 1))
     prompt = random_prompts(1, ctx, engine.target.vocab_size, seed=1)[0]
     params = SamplingParams(max_new_tokens=n, ignore_eos=True)
     engine.generate([prompt], SamplingParams(max_new_tokens=min(8, n), ignore_eos=True))  # warm-up
@@ -317,7 +318,9 @@ def measure_spec_step(target, draft, device, plan, verify: dict, draft_cost: dic
     k, steps, ctx = plan["spec_k"], plan["spec_steps"], plan["context"]
     n = (steps + 2) * (k + 1)  # enough tokens for ``steps`` full steps after the first, whatever the acceptance
     drafter = DraftModelDrafter(HFRunner(draft), target.config.vocab_size)
-    engine = Engine(HFRunner(target), IdTokenizer(), drafter, k, max_batch_size=1, max_context=ctx + n + 1)
+    engine = Engine(
+        HFRunner(target), IdTokenizer(), drafter, k, EngineSettings(max_batch_size=1, max_context=ctx + n + 1)
+    )
     prompt = random_prompts(1, ctx, target.config.vocab_size, seed=3)[0]
     engine.generate([prompt], SamplingParams(max_new_tokens=min(8, n), ignore_eos=True))  # warm-up
     sync(device)

@@ -9,6 +9,7 @@ import torch
 import specdecode.engine as engine_mod
 from specdecode.check import CheckConfig, run_check
 from specdecode.check.report import FAIL, PASS, WEAK
+from specdecode.config import EngineSettings
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.engine import Engine
 from specdecode.models.hf import HFRunner
@@ -58,9 +59,8 @@ def factory_for(pair, engine_cls=Engine, draft=None, speculative=None):
     def factory(k: int, batch: int) -> Engine:
         max_len = 64
         drafter = DraftModelDrafter(HFRunner(draft)) if k else None
-        return engine_cls(
-            HFRunner(target), TOK, drafter, k, max_batch_size=batch, max_context=max_len, verifier=verifier
-        )
+        settings = EngineSettings(max_batch_size=batch, max_context=max_len)
+        return engine_cls(HFRunner(target), TOK, drafter, k, settings, verifier=verifier)
 
     return factory
 
@@ -207,10 +207,8 @@ def tree_factory_for(pair, tree_verifier=None, topk=3, nodes=8):
             TOK,
             drafter,
             k,
-            max_batch_size=batch,
-            max_context=64,
+            EngineSettings(max_batch_size=batch, max_context=64, max_tree_nodes=nodes if k else 0),
             verifier=verifier,
-            max_tree_nodes=nodes if k else 0,
         )
 
     return factory

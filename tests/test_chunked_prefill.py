@@ -10,6 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdecode.config import EngineSettings
+from specdecode.drafters.eagle import EagleDrafter
+from specdecode.drafters.medusa import MedusaDrafter
 from specdecode.engine import Engine, PrefillError
 from specdecode.models.hf import HFRunner
 from specdecode.sampling import SamplingParams
@@ -28,12 +31,24 @@ def pair():
     return target, perturbed_copy(target, noise=0.3)
 
 
-def _engine(pair, k=3, budget=None, slots=3, draft=True, first_token_from_target=False):
+def _engine(pair, k=3, budget=None, slots=3, draft=True, first_token_from_target=False, **settings):
     target, draft_model = pair
-    eng = make_engine(target, TOK, draft_model if draft else None, k=k, num_slots=slots, max_len=160)
-    eng.max_num_batched_tokens = budget
-    eng.first_token_from_target = first_token_from_target
-    return eng
+    return make_engine(
+        target,
+        TOK,
+        draft_model if draft else None,
+        k=k,
+        num_slots=slots,
+        max_len=160,
+        max_num_batched_tokens=budget,
+        first_token_from_target=first_token_from_target,
+        **settings,
+    )
+
+
+def _feature_engine(drafter, target, **settings) -> Engine:
+    """An engine drafting 3 tokens with a feature drafter (Medusa, EAGLE), built with ``settings``."""
+    return Engine(HFRunner(target), TOK, drafter, 3, EngineSettings(max_batch_size=4, max_context=128, **settings))
 
 
 def _record_prefills(owner) -> list[tuple[list[int], list[int], list[int]]]:
@@ -131,8 +146,8 @@ def test_step_budget_grows_with_the_admitted_sequences(pair):
     eng.batched_tokens_per_seq = 0
     eng.step()
     assert calls[-1] == ([1], [4], [11])  # fixed again: 8 - 4
-    with pytest.raises(ValueError, match="batched_tokens_per_seq"):
-        Engine(eng.target, TOK, None, 0, max_batch_size=1, max_context=64, batched_tokens_per_seq=-1)
+    with pytest.raises(ValueError, match="--batched-tokens-per-seq"):
+        Engine(eng.target, TOK, None, 0, EngineSettings(max_batch_size=1, max_context=64, batched_tokens_per_seq=-1))
 
 
 def test_slots_stay_packed_when_sequences_finish_or_abort_mid_prefill(pair):
@@ -229,16 +244,14 @@ def test_drafter_prefill_in_chunks_starts_drafting_late_and_survives_a_fault(pai
     # per step from the second token on, the step of the 7th drafting at once: tokens 2..7 target-only
     assert seq.draft.prefilled == 56 and drafted_from == 7 and seq.output_ids == ref
 
-    failures = []
-    eng = _engine(pair, budget=8, slots=2, first_token_from_target=True)
-    eng.isolate_drafter_faults(failures.append)
+    eng = _engine(pair, budget=8, slots=2, first_token_from_target=True, isolate_drafter_faults=True)
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected")
 
     eng.drafter.inner.prefill = broken
     out = eng.generate([PROMPTS[2]], greedy)[0]
-    assert failures and failures[0] == "prefill" and out.token_ids == ref
+    assert eng.drafter_faults == (1, 0) and out.token_ids == ref  # (its prefill failed once, alone)
 
 
 def test_long_prompt_chunks_interleave_with_the_running_streams(pair):
@@ -269,21 +282,20 @@ def test_long_prompt_chunks_interleave_with_the_running_streams(pair):
 
 
 def test_feature_drafters_see_the_same_prompt_features_in_chunks():
-    from test_eagle import eagle_engine, tiny_eagle
-    from test_medusa import medusa_engine, tiny_heads
+    from test_eagle import tiny_eagle
+    from test_medusa import tiny_heads
 
     target = make_model(V, seed=3, hidden=32)
     params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
     for build in (
-        lambda: medusa_engine(target, tiny_heads(target), k=3),
-        lambda: eagle_engine(target, tiny_eagle(target, layers=("layer1", "layer2")), k=3),
+        lambda **settings: _feature_engine(MedusaDrafter(tiny_heads(target)), target, **settings),
+        lambda **settings: _feature_engine(
+            EagleDrafter(tiny_eagle(target, layers=("layer1", "layer2")), HFRunner(target)), target, **settings
+        ),
     ):
-        whole = build()
-        whole.first_token_from_target = True  # (both: the same draft schedule, see above)
-        whole = whole.generate(PROMPTS, params)
-        eng = build()
-        eng.max_num_batched_tokens, eng.first_token_from_target = 6, True
-        chunked = eng.generate(PROMPTS, params)
+        # (both first_token_from_target: the same draft schedule, see above)
+        whole = build(first_token_from_target=True).generate(PROMPTS, params)
+        chunked = build(max_num_batched_tokens=6, first_token_from_target=True).generate(PROMPTS, params)
         assert [o.token_ids for o in chunked] == [o.token_ids for o in whole]
         # the drafts too: the drafter was fed the prompt's features chunk by chunk, in order
         assert [o.stats.accepted for o in chunked] == [o.stats.accepted for o in whole]
@@ -317,8 +329,10 @@ def test_runner_prefill_continues_where_the_slot_ends(pair):
 
 def test_engine_refuses_a_budget_below_one(pair):
     target, _ = pair
-    with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        Engine(HFRunner(target), TOK, None, 0, max_batch_size=1, max_context=64, max_num_batched_tokens=0)
+    with pytest.raises(ValueError, match="--max-num-batched-tokens"):
+        Engine(
+            HFRunner(target), TOK, None, 0, EngineSettings(max_batch_size=1, max_context=64, max_num_batched_tokens=0)
+        )
 
 
 @pytest.mark.parametrize("budget", [None, 7])
@@ -370,22 +384,22 @@ def test_a_shared_prefill_that_fails_aborts_its_copies_too(pair):
 def test_equal_prompts_share_the_prefill_with_feature_drafters_too():
     """EAGLE and Medusa read the target's prompt features: a copy takes its leader's features of the same
     chunk, so its drafts (and outputs) are those it would make alone; budget 6 (chunks) and whole."""
-    from test_eagle import eagle_engine, tiny_eagle
-    from test_medusa import medusa_engine, tiny_heads
+    from test_eagle import tiny_eagle
+    from test_medusa import tiny_heads
 
     target = make_model(V, seed=3, hidden=32)
     prompts = [PROMPTS[2], PROMPTS[2], PROMPTS[0], PROMPTS[2]]
     params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
     for build in (
-        lambda: medusa_engine(target, tiny_heads(target), k=3),
-        lambda: eagle_engine(target, tiny_eagle(target, layers=("layer1", "layer2")), k=3),
+        lambda **settings: _feature_engine(MedusaDrafter(tiny_heads(target)), target, **settings),
+        lambda **settings: _feature_engine(
+            EagleDrafter(tiny_eagle(target, layers=("layer1", "layer2")), HFRunner(target)), target, **settings
+        ),
     ):
         for budget in (None, 6):
-            eng = build()
-            eng.max_num_batched_tokens, eng.first_token_from_target = budget, True
+            eng = build(max_num_batched_tokens=budget, first_token_from_target=True)
             alone = [eng.generate([p], params)[0] for p in prompts]
-            eng = build()
-            eng.max_num_batched_tokens, eng.first_token_from_target = budget, True
+            eng = build(max_num_batched_tokens=budget, first_token_from_target=True)
             outs = eng.generate(prompts, params)
             assert [o.token_ids for o in outs] == [o.token_ids for o in alone]
             assert [o.stats.accepted for o in outs] == [o.stats.accepted for o in alone]

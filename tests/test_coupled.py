@@ -19,6 +19,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from specdecode.config import EngineSettings
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.eagle import EagleDrafter
 from specdecode.drafters.medusa import MedusaDrafter
@@ -133,7 +134,7 @@ def test_ngram_chains_equal_target_only(pair, k):
     target, _ = pair
     prompts = [p * 3 for p in PROMPTS]  # repeats give lookup something to find
     params = [coupled(20 + i, 30, 0.5) for i in range(len(prompts))]
-    engine = Engine(HFRunner(target), TOK, NgramDrafter(), k, max_batch_size=3, max_context=128)
+    engine = Engine(HFRunner(target), TOK, NgramDrafter(), k, EngineSettings(max_batch_size=3, max_context=128))
     assert_equal_and_exercised(engine.generate(prompts, params), reference(target, prompts, params))
 
 
@@ -141,7 +142,9 @@ def test_ngram_chains_equal_target_only(pair, k):
 def test_draft_model_trees_equal_target_only(pair, topk, nodes):
     target, draft = pair
     drafter = DraftModelDrafter(HFRunner(draft), tree_topk=topk, tree_nodes=nodes)
-    engine = Engine(HFRunner(target), TOK, drafter, 4, max_batch_size=3, max_context=128, max_tree_nodes=nodes)
+    engine = Engine(
+        HFRunner(target), TOK, drafter, 4, EngineSettings(max_batch_size=3, max_context=128, max_tree_nodes=nodes)
+    )
     outs = engine.generate(PROMPTS, MIXED)
     assert_equal_and_exercised(outs, reference(target, PROMPTS, MIXED))
     assert_trees_when_asked(outs, nodes)
@@ -156,9 +159,7 @@ def test_ngram_trees_equal_target_only(pair):
         TOK,
         NgramDrafter(tree_topk=3, tree_nodes=8),
         4,
-        max_batch_size=2,
-        max_context=128,
-        max_tree_nodes=8,
+        EngineSettings(max_batch_size=2, max_context=128, max_tree_nodes=8),
     )
     assert_equal_and_exercised(engine.generate(prompts, params), reference(target, prompts, params))
 
@@ -174,9 +175,7 @@ def test_suffix_drafts_equal_target_only(pair, topk, nodes):
         TOK,
         SuffixDrafter(tree_topk=topk, tree_nodes=nodes),
         4,
-        max_batch_size=3,
-        max_context=128,
-        max_tree_nodes=nodes,
+        EngineSettings(max_batch_size=3, max_context=128, max_tree_nodes=nodes),
     )
     outs = engine.generate(prompts, params)
     assert_equal_and_exercised(outs, reference(target, prompts, params))
@@ -198,7 +197,9 @@ def test_heads_equal_target_only(head_target, kind, topk, nodes):
         drafter = EagleDrafter(tiny_eagle(head_target), HFRunner(head_target), tree_topk=topk, tree_nodes=nodes)
     params = [coupled(80 + i, 24, 0.6) for i in range(len(PROMPTS))] + [coupled(90, 20, 0.9, top_k=6)]
     prompts = PROMPTS + [[5, 6, 7]]
-    engine = Engine(HFRunner(head_target), TOK, drafter, 3, max_batch_size=3, max_context=128, max_tree_nodes=nodes)
+    engine = Engine(
+        HFRunner(head_target), TOK, drafter, 3, EngineSettings(max_batch_size=3, max_context=128, max_tree_nodes=nodes)
+    )
     outs = engine.generate(prompts, params)
     assert_equal_and_exercised(outs, reference(head_target, prompts, params))
     assert_trees_when_asked(outs, nodes)
@@ -388,7 +389,9 @@ def _check(pair, verifier=None):
 
     def factory(k: int, batch: int) -> Engine:
         drafter = DraftModelDrafter(HFRunner(draft)) if k else None
-        return Engine(HFRunner(target), TOK, drafter, k, max_batch_size=batch, max_context=64, verifier=verifier)
+        return Engine(
+            HFRunner(target), TOK, drafter, k, EngineSettings(max_batch_size=batch, max_context=64), verifier=verifier
+        )
 
     cfg = CheckConfig(
         num_draft_tokens=3, parts=(6,), law_contexts=2, coupled_tokens=12, greedy_batch=3, coupled_samples=1500

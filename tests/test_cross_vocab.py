@@ -13,6 +13,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from specdecode.check.stats import goodness_of_fit
+from specdecode.config import DraftSettings, EngineSettings
 from specdecode.drafters import DraftContext, DraftSpecError, build_drafter, check_draft, parse_draft
 from specdecode.drafters.cross_vocab import CrossVocabDrafter, TextState, Translator, Vocab, incomplete_tail
 from specdecode.engine import Engine
@@ -94,7 +95,9 @@ def drafter(pair, mode, cls=CrossVocabDrafter, **kw):
 def engine(pair, mode, k=4, slots=4, max_len=160, cls=CrossVocabDrafter):
     target, t_tok = pair[0], pair[1]
     d = drafter(pair, mode, cls) if mode else None
-    return Engine(HFRunner(target), t_tok, d, k if mode else 0, max_batch_size=slots, max_context=max_len)
+    return Engine(
+        HFRunner(target), t_tok, d, k if mode else 0, EngineSettings(max_batch_size=slots, max_context=max_len)
+    )
 
 
 # -- the two tokenizers really differ ------------------------------------------------------------------
@@ -144,7 +147,11 @@ def test_greedy_equality_as_served(pair):
     d = drafter(pair, "slem")
     assert d.prefill([0], [prompts[0][:2]], [0]) is False  # pieces of target ids never reach the draft's cache
     spec = Engine(
-        HFRunner(target), t_tok, d, 4, max_batch_size=4, max_context=160, **serving(max_num_batched_tokens=16)
+        HFRunner(target),
+        t_tok,
+        d,
+        4,
+        EngineSettings(max_batch_size=4, max_context=160, **serving(max_num_batched_tokens=16)),
     ).generate(prompts, params)
     assert [s.token_ids for s in spec] == [b.token_ids for b in base]
     assert sum(s.stats.accepted for s in spec) > 0
@@ -168,7 +175,9 @@ def test_greedy_equality_beside_other_drafters(pair):
         multi = MultiDrafter(
             {"xvocab": d, "ngram": NgramDrafter()}, route=lambda s: "xvocab" if (len(s.token_ids) // 5) % 2 else "ngram"
         )
-        spec = Engine(HFRunner(target), t_tok, multi, 4, max_batch_size=4, max_context=160).generate(prompts, params)
+        spec = Engine(HFRunner(target), t_tok, multi, 4, EngineSettings(max_batch_size=4, max_context=160)).generate(
+            prompts, params
+        )
         assert [s.token_ids for s in spec] == [b.token_ids for b in base], mode
         assert sum(s.stats.accepted for s in spec) > 0 and sum(proposed) > 0, mode
 
@@ -240,7 +249,7 @@ def test_auto_chooses_among_two_draft_models_with_two_tokenizers(pair, saved, mo
         part.propose = counting
     from dataclasses import replace
 
-    auto = eng.policy.inner
+    auto = eng.policy  # (the selector itself: a request that does not speculate is never planned)
     auto.settings = replace(auto.settings, explore_every=2, explore_cost=1.0)  # every drafter tried here
     prompts = [t_tok.encode(p) for p in PROMPTS]
     params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
@@ -327,12 +336,16 @@ def test_coupled_sampler_outputs_equal_target_only(pair):
     target, t_tok = pair[0], pair[1]
     prompts = [t_tok.encode(p) for p in PROMPTS]
     params = [SamplingParams(temperature=1.0, seed=7 + i, max_new_tokens=30, ignore_eos=True) for i in range(4)]
-    base = Engine(HFRunner(target), t_tok, None, 0, max_batch_size=4, max_context=160, sampler="coupled").generate(
-        prompts, params
-    )
+    base = Engine(
+        HFRunner(target), t_tok, None, 0, EngineSettings(max_batch_size=4, max_context=160, sampler="coupled")
+    ).generate(prompts, params)
     for mode in ("slem", "tli"):
         spec = Engine(
-            HFRunner(target), t_tok, drafter(pair, mode), 4, max_batch_size=4, max_context=160, sampler="coupled"
+            HFRunner(target),
+            t_tok,
+            drafter(pair, mode),
+            4,
+            EngineSettings(max_batch_size=4, max_context=160, sampler="coupled"),
         ).generate(prompts, params)
         assert [s.token_ids for s in spec] == [b.token_ids for b in base], mode
         assert sum(s.stats.accepted for s in spec) > 0, mode
@@ -348,14 +361,14 @@ def test_greedy_equals_target_only_on_llamacpp(pair):
     target, t_tok, draft, d_tok = pair
     prompts = [t_tok.encode(p) for p in PROMPTS[:2]]
     params = SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)
-    base = Engine(runner_for(target, "llamacpp"), t_tok, None, 0, max_batch_size=2, max_context=96).generate(
-        prompts, params
-    )
+    base = Engine(
+        runner_for(target, "llamacpp"), t_tok, None, 0, EngineSettings(max_batch_size=2, max_context=96)
+    ).generate(prompts, params)
     for mode in ("slem", "tli"):
         d = CrossVocabDrafter(runner_for(draft, "llamacpp"), t_tok, d_tok, target.config.vocab_size, mode)
-        spec = Engine(runner_for(target, "llamacpp"), t_tok, d, 4, max_batch_size=2, max_context=96).generate(
-            prompts, params
-        )
+        spec = Engine(
+            runner_for(target, "llamacpp"), t_tok, d, 4, EngineSettings(max_batch_size=2, max_context=96)
+        ).generate(prompts, params)
         assert [s.token_ids for s in spec] == [b.token_ids for b in base], mode
         assert sum(s.stats.accepted for s in spec) > 0, mode
 
@@ -552,17 +565,15 @@ def test_specs_parse_and_bad_ones_are_clear():
 def test_build_through_the_registry(pair):
     target, t_tok, draft, d_tok = pair
 
-    class Config:
-        tree_topk, tree_nodes, draft_confidence = 1, 0, 0.0
-
-    ctx = DraftContext(HFRunner(target), Config(), lambda: HFRunner(draft), t_tok, d_tok)
+    config = DraftSettings(tree_topk=1, tree_nodes=1)
+    ctx = DraftContext(HFRunner(target), config, lambda: HFRunner(draft), t_tok, d_tok)
     assert build_drafter("xvocab:tiny", ctx).mode == "slem"
     assert build_drafter("xvocab-tli:tiny", ctx).mode == "tli"
     with pytest.raises(DraftSpecError, match="tokenizers"):
-        build_drafter("xvocab:tiny", DraftContext(HFRunner(target), Config(), lambda: HFRunner(draft)))
-    Config.tree_topk = 2
+        build_drafter("xvocab:tiny", DraftContext(HFRunner(target), config, lambda: HFRunner(draft)))
+    trees = DraftContext(HFRunner(target), DraftSettings(tree_topk=2), lambda: HFRunner(draft), t_tok, d_tok)
     with pytest.raises(DraftSpecError, match="chains"):
-        build_drafter("xvocab:tiny", ctx)
+        build_drafter("xvocab:tiny", trees)
 
 
 def test_a_single_file_wheel_is_fetched_verified_and_registered(tmp_path, monkeypatch):

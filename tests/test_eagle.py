@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 
+from specdecode.config import EngineSettings
 from specdecode.drafters.base import TargetFeatures
 from specdecode.drafters.eagle import EagleDrafter, check_target
 from specdecode.engine import Engine
@@ -60,7 +61,7 @@ def tiny_eagle(target, layers=("final",), draft_vocab=None, seed=0, scale=1.0) -
 
 def eagle_engine(target, model, k=3, topk=1, nodes=0, slots=4, max_len=128):
     drafter = EagleDrafter(model, HFRunner(target), tree_topk=topk, tree_nodes=nodes)
-    return Engine(HFRunner(target), TOK, drafter, k, max_batch_size=slots, max_context=max_len)
+    return Engine(HFRunner(target), TOK, drafter, k, EngineSettings(max_batch_size=slots, max_context=max_len))
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +73,7 @@ def target():
 @pytest.mark.parametrize("layers", [("final",), ("layer1", "layer2")], ids=["eagle1", "fusion"])
 @pytest.mark.parametrize("topk,nodes", [(1, 0), (3, 8)], ids=["chain", "tree"])
 def test_greedy_with_eagle_equals_target_only(target, layers, topk, nodes):
-    ref = Engine(HFRunner(target), TOK, None, 0, max_batch_size=4, max_context=128)
+    ref = Engine(HFRunner(target), TOK, None, 0, EngineSettings(max_batch_size=4, max_context=128))
     params = [SamplingParams(0.0, max_new_tokens=24, ignore_eos=True) for _ in PROMPTS]
     want = [o.token_ids for o in ref.generate(PROMPTS, params)]
     engine = eagle_engine(target, tiny_eagle(target, layers), k=3, topk=topk, nodes=nodes)
@@ -96,12 +97,14 @@ def test_the_draft_layer_computes_in_bf16_only_where_bf16_is_native(monkeypatch)
 @pytest.mark.parametrize("topk,nodes", [(1, 0), (3, 8)], ids=["chain", "tree"])
 def test_a_bf16_draft_layer_on_a_bf16_target_keeps_greedy_equality(topk, nodes):
     target = make_model(V, seed=3, hidden=32).to(torch.bfloat16)
-    ref = Engine(HFRunner(target), TOK, None, 0, max_batch_size=4, max_context=128)
+    ref = Engine(HFRunner(target), TOK, None, 0, EngineSettings(max_batch_size=4, max_context=128))
     params = [SamplingParams(0.0, max_new_tokens=24, ignore_eos=True) for _ in PROMPTS]
     want = [o.token_ids for o in ref.generate(PROMPTS, params)]
     drafter = EagleDrafter(tiny_eagle(target), HFRunner(target), dtype=torch.bfloat16, tree_topk=topk, tree_nodes=nodes)
     assert next(drafter.model.parameters()).dtype == torch.bfloat16
-    outs = Engine(HFRunner(target), TOK, drafter, 3, max_batch_size=4, max_context=128).generate(PROMPTS, params)
+    outs = Engine(HFRunner(target), TOK, drafter, 3, EngineSettings(max_batch_size=4, max_context=128)).generate(
+        PROMPTS, params
+    )
     assert [o.token_ids for o in outs] == want
     assert sum(o.stats.drafted for o in outs) > 0
 
@@ -168,7 +171,7 @@ def test_eagle_keeps_the_target_law(sp, tree):
         tree_topk=3 if tree else 1,
         tree_nodes=5 if tree else 0,
     )
-    engine = Engine(HFRunner(model), make_tokenizer(VS), drafter, 2, max_batch_size=50, max_context=32)
+    engine = Engine(HFRunner(model), make_tokenizer(VS), drafter, 2, EngineSettings(max_batch_size=50, max_context=32))
     prompt = [1, 2, 3]
     n = 3000
     counts = sample_pairs(engine, prompt, sp, n, batch=50)
@@ -185,7 +188,9 @@ def test_check_passes_an_eagle_engine(target, tree):
 
     def factory(k, batch):
         drafter = EagleDrafter(model, HFRunner(target), tree_topk=2 if tree else 1, tree_nodes=4 if tree else 0)
-        return Engine(HFRunner(target), TOK, drafter if k else None, k, max_batch_size=batch, max_context=64)
+        return Engine(
+            HFRunner(target), TOK, drafter if k else None, k, EngineSettings(max_batch_size=batch, max_context=64)
+        )
 
     report = run_check(factory, [[1, 2, 3], [4, 5, 6, 7, 8]], cfg)
     assert {p.part: p.status for p in report.parts if p.part in (1, 3)} == {1: PASS, 3: PASS}, [

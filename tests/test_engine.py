@@ -4,6 +4,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from specdecode.config import EngineSettings
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.engine import Engine, RequestError
 from specdecode.models.hf import HFRunner
@@ -54,7 +55,7 @@ def test_greedy_speculative_equals_target_only(arch, k, num_slots):
 
 def test_ngram_drafter_greedy_equality_and_acceptance(pair):
     target, _ = pair
-    engine = Engine(HFRunner(target, 2, 300), TOK, NgramDrafter(), 4, max_context=290)
+    engine = Engine(HFRunner(target, 2, 300), TOK, NgramDrafter(), 4, EngineSettings(max_context=290))
     base = make_engine(target, TOK, num_slots=2).generate(PROMPTS, greedy(40))
     spec = engine.generate(PROMPTS, greedy(40))
     assert [s.token_ids for s in spec] == [b.token_ids for b in base]
@@ -66,7 +67,7 @@ def test_a_step_verifies_no_padding_when_the_lookup_finds_nothing(pair):
     and what was found, never the padding up to k (on a CPU each verified position costs about a step)."""
     target, _ = pair
     drafter = NgramDrafter()
-    engine = Engine(HFRunner(target, 2, 300), TOK, drafter, 4, max_context=290)
+    engine = Engine(HFRunner(target, 2, 300), TOK, drafter, 4, EngineSettings(max_context=290))
     steps: list[tuple[int, int]] = []  # per step that asked the drafter: (longest row found, draft width verified)
     asked: list[int] = []
     propose, verify = drafter.propose, engine._verify_chain
@@ -253,7 +254,7 @@ def test_draft_confidence_stopping_keeps_target_law(small_pair, sp):
         make_tokenizer(VS),
         DraftModelDrafter(HFRunner(draft, 250, 12), confidence=0.3),
         3,
-        max_context=8,
+        EngineSettings(max_context=8),
     )
     n, counts, shortened = 4000, torch.zeros(VS, VS), 0
     for start in range(0, n, 250):

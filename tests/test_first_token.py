@@ -3,9 +3,12 @@ Server-side queue / prefill / first-token times reach the response's usage, /met
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
+from specdecode.config import EngineSettings
 from specdecode.drafters.base import DrafterBase
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.engine import Engine
@@ -43,7 +46,13 @@ class LoggingDrafter(DrafterBase):
 def test_first_token_comes_from_the_target_before_any_drafter_work():
     log: list = []
     target = HFRunner(make_model(V, seed=2))
-    eng = Engine(target, TOK, LoggingDrafter(log), 3, max_batch_size=2, max_context=96, first_token_from_target=True)
+    eng = Engine(
+        target,
+        TOK,
+        LoggingDrafter(log),
+        3,
+        EngineSettings(max_batch_size=2, max_context=96, first_token_from_target=True),
+    )
     params = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
     a = eng.add([1, 2, 3, 1, 2, 3, 1, 2], params)
     first = eng.step()
@@ -63,7 +72,7 @@ def test_first_token_comes_from_the_target_before_any_drafter_work():
 
     while eng.running:
         eng.step()
-    ref = Engine(HFRunner(make_model(V, seed=2)), TOK, None, 0, max_batch_size=1, max_context=96)
+    ref = Engine(HFRunner(make_model(V, seed=2)), TOK, None, 0, EngineSettings(max_batch_size=1, max_context=96))
     for seq in (a, b):
         assert seq.output_ids == ref.generate([seq.prompt_ids], params)[0].token_ids
 
@@ -75,9 +84,7 @@ def test_a_request_that_ends_at_its_first_token_never_reaches_the_drafter():
         TOK,
         LoggingDrafter(log),
         3,
-        max_batch_size=2,
-        max_context=96,
-        first_token_from_target=True,
+        EngineSettings(max_batch_size=2, max_context=96, first_token_from_target=True),
     )
     out = eng.generate([[1, 2, 3]], SamplingParams(max_new_tokens=1))
     assert len(out[0].token_ids) == 1 and log == []
@@ -85,7 +92,9 @@ def test_a_request_that_ends_at_its_first_token_never_reaches_the_drafter():
 
 def test_by_default_the_drafter_prefills_at_admission():
     log: list = []
-    eng = Engine(HFRunner(make_model(V, seed=2)), TOK, LoggingDrafter(log), 3, max_batch_size=2, max_context=96)
+    eng = Engine(
+        HFRunner(make_model(V, seed=2)), TOK, LoggingDrafter(log), 3, EngineSettings(max_batch_size=2, max_context=96)
+    )
     eng.add([1, 2, 3, 1, 2], SamplingParams(max_new_tokens=8))
     assert log == [("start", (0,))]
 
@@ -174,8 +183,8 @@ def test_tokens_after_a_target_first_token_follow_the_target_law(wrong):
         num_slots=250,
         max_len=8,
         verifier=Verifier(speculative=wrong_rule) if wrong else None,
+        first_token_from_target=True,
     )
-    engine.first_token_from_target = True
     sp = SamplingParams(1.0)
     counts = _second_and_third_token_counts(engine, sp, 4000)
     p = chi_square_p(counts, _marginal_law(target, sp), 4000)
@@ -189,13 +198,10 @@ def test_a_request_that_opted_out_of_speculation_never_reaches_the_drafter():
         TOK,
         LoggingDrafter(log),
         3,
-        max_batch_size=2,
-        max_context=96,
-        first_token_from_target=True,
+        EngineSettings(max_batch_size=2, max_context=96, first_token_from_target=True),
     )
     params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
-    eng.switch.opt_out("quiet")
-    quiet = eng.add([1, 2, 3, 1, 2], params, request_id="quiet")
+    quiet = eng.add([1, 2, 3, 1, 2], replace(params, speculation=False), request_id="quiet")
     loud = eng.add([4, 5, 4, 5], params, request_id="loud")
     while eng.running:
         eng.step()
@@ -203,7 +209,7 @@ def test_a_request_that_opted_out_of_speculation_never_reaches_the_drafter():
     assert [entry for entry in log if entry[0] == "start"] == [("start", (1,))]
     proposed = [entry[1] for entry in log if entry[0] == "propose"]
     assert proposed and all(slots == (1,) for slots in proposed)  # only loud was ever asked to draft
-    assert quiet.stats.drafted == 0 and len(quiet.output_ids) == 10
+    assert quiet.stats.drafted == 0 and len(quiet.output_ids) == 10 and loud.stats.drafted > 0
 
 
 def test_an_opted_out_request_keeps_no_target_features_for_a_feature_drafter():
@@ -219,12 +225,11 @@ def test_an_opted_out_request_keeps_no_target_features_for_a_feature_drafter():
         TOK,
         FeatureLogger(log),
         3,
-        max_batch_size=2,
-        max_context=96,
-        first_token_from_target=True,
+        EngineSettings(max_batch_size=2, max_context=96, first_token_from_target=True),
     )
-    eng.switch.opt_out("quiet")
-    quiet = eng.add([1, 2, 3, 1, 2], SamplingParams(max_new_tokens=12, ignore_eos=True), request_id="quiet")
+    quiet = eng.add(
+        [1, 2, 3, 1, 2], SamplingParams(max_new_tokens=12, ignore_eos=True, speculation=False), request_id="quiet"
+    )
     for _ in range(4):
         eng.step()
     assert quiet.draft.early_features == [] and not quiet.draft.started and log == []

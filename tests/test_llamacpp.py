@@ -18,6 +18,7 @@ pytestmark = pytest.mark.llamacpp
 pytest.importorskip("llama_cpp", reason="the llama.cpp backend is not installed (scripts/install-llamacpp.sh)")
 
 from gguf_util import tiny_llamacpp_pair, write_gguf_like  # noqa: E402
+from specdecode.config import EngineSettings  # noqa: E402
 from specdecode.drafters.draft_model import DraftModelDrafter  # noqa: E402
 from specdecode.drafters.ngram import NgramDrafter  # noqa: E402
 from specdecode.engine import Engine  # noqa: E402
@@ -189,9 +190,11 @@ def test_greedy_speculation_equals_llamacpp_target_only(tiny, k):
     tok = make_tokenizer(V)
     prompts = [[1, 2, 3, 1, 2, 3], [4, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2]]
     sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    ref = Engine(LlamaCppRunner(gguf_t), tok, None, 0, max_batch_size=1, max_context=64).generate(prompts, sp)
+    ref = Engine(LlamaCppRunner(gguf_t), tok, None, 0, EngineSettings(max_batch_size=1, max_context=64)).generate(
+        prompts, sp
+    )
     for drafter in (DraftModelDrafter(LlamaCppRunner(gguf_d)), NgramDrafter()):
-        eng = Engine(LlamaCppRunner(gguf_t), tok, drafter, k, max_batch_size=3, max_context=64)
+        eng = Engine(LlamaCppRunner(gguf_t), tok, drafter, k, EngineSettings(max_batch_size=3, max_context=64))
         outs = eng.generate(prompts, sp)
         assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
         assert sum(o.stats.accepted for o in outs) > 0
@@ -209,7 +212,9 @@ def test_a_llamacpp_draft_model_started_late_drafts_exactly(tiny):
     tok = make_tokenizer(V)
     prompts = [[1, 2, 3, 1, 2, 3], [4, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2]]
     sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    ref = Engine(LlamaCppRunner(gguf_t), tok, None, 0, max_batch_size=1, max_context=80).generate(prompts, sp)
+    ref = Engine(LlamaCppRunner(gguf_t), tok, None, 0, EngineSettings(max_batch_size=1, max_context=80)).generate(
+        prompts, sp
+    )
     full = {tuple(p): p + o.token_ids for p, o in zip(prompts, ref)}
     route = lambda s: "model" if len(s.token_ids) - len(s.prompt_ids) >= 20 else "ngram"  # noqa: E731
     model = DraftModelDrafter(LlamaCppRunner(gguf_t))
@@ -226,7 +231,9 @@ def test_a_llamacpp_draft_model_started_late_drafts_exactly(tiny):
 
     model.propose = recording
     multi = MultiDrafter({"model": model, "ngram": NgramDrafter()}, route)
-    outs = Engine(LlamaCppRunner(gguf_t), tok, multi, 3, max_batch_size=3, max_context=80).generate(prompts, sp)
+    outs = Engine(LlamaCppRunner(gguf_t), tok, multi, 3, EngineSettings(max_batch_size=3, max_context=80)).generate(
+        prompts, sp
+    )
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     assert proposed and min(proposed) >= 20 and len(hits) >= 20
     assert sum(hits) >= 0.9 * len(hits), f"{sum(hits)} of {len(hits)} proposals were the target's tokens"
@@ -246,7 +253,9 @@ def test_a_llamacpp_draft_model_reads_a_backlog_in_pieces(tiny, pieces):
     tok = make_tokenizer(V)
     prompts = [[1, 2, 3, 1, 2, 3], [9, 8, 7, 6, 5, 4, 3, 2]]
     sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    ref = Engine(LlamaCppRunner(gguf_t), tok, None, 0, max_batch_size=1, max_context=80).generate(prompts, sp)
+    ref = Engine(LlamaCppRunner(gguf_t), tok, None, 0, EngineSettings(max_batch_size=1, max_context=80)).generate(
+        prompts, sp
+    )
     model = DraftModelDrafter(LlamaCppRunner(gguf_t))
     model.reserve(2, 80)
     multi = MultiDrafter({"model": model, "ngram": NgramDrafter()}, lambda s: "model")
@@ -279,14 +288,16 @@ def test_medusa_heads_draft_from_the_llamacpp_final_state(tiny):
     tok = make_tokenizer(V)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]
     sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
-    ref = Engine(LlamaCppRunner(gguf), tok, None, 0, max_batch_size=3, max_context=64).generate(prompts, sp)
+    ref = Engine(LlamaCppRunner(gguf), tok, None, 0, EngineSettings(max_batch_size=3, max_context=64)).generate(
+        prompts, sp
+    )
     heads = tiny_heads(target, noise=0.0, draft_vocab=V)
-    outs = Engine(LlamaCppRunner(gguf), tok, MedusaDrafter(heads), 3, max_batch_size=3, max_context=64).generate(
-        prompts, sp
-    )
-    on_torch = Engine(HFRunner(target), tok, MedusaDrafter(heads), 3, max_batch_size=3, max_context=64).generate(
-        prompts, sp
-    )
+    outs = Engine(
+        LlamaCppRunner(gguf), tok, MedusaDrafter(heads), 3, EngineSettings(max_batch_size=3, max_context=64)
+    ).generate(prompts, sp)
+    on_torch = Engine(
+        HFRunner(target), tok, MedusaDrafter(heads), 3, EngineSettings(max_batch_size=3, max_context=64)
+    ).generate(prompts, sp)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref] == [o.token_ids for o in on_torch]
     accepted, drafted = sum(o.stats.accepted for o in outs), sum(o.stats.drafted for o in outs)
     assert accepted > 0 and abs(accepted - sum(o.stats.accepted for o in on_torch)) <= 0.1 * drafted
@@ -331,8 +342,7 @@ def test_samples_follow_the_llamacpp_target_law(tmp_path, sp, wrong):
         make_tokenizer(VS),
         DraftModelDrafter(LlamaCppRunner(gd)),
         3,
-        max_batch_size=batch,
-        max_context=8,
+        EngineSettings(max_batch_size=batch, max_context=8),
         verifier=Verifier(speculative=wrong_rule) if wrong else None,
     )
     counts = torch.zeros(VS, VS)
@@ -521,8 +531,7 @@ def test_torch_target_with_a_llamacpp_draft_keeps_the_target_law(tmp_path, wrong
         make_tokenizer(VS),
         DraftModelDrafter(LlamaCppRunner(gd)),
         3,
-        max_batch_size=batch,
-        max_context=8,
+        EngineSettings(max_batch_size=batch, max_context=8),
         verifier=Verifier(speculative=wrong_rule) if wrong else None,
     )
     counts = torch.zeros(VS, VS)
@@ -544,7 +553,7 @@ def test_requantized_drafts_are_cached_and_draft_exactly(tiny, tmp_path, monkeyp
     tok = make_tokenizer(V)
     prompts = [[1, 2, 3, 1, 2, 3], [4, 5, 6, 7]]
     sp = SamplingParams(max_new_tokens=30, ignore_eos=True)
-    ref = Engine(HFRunner(target), tok, None, 0, max_batch_size=2, max_context=64).generate(prompts, sp)
+    ref = Engine(HFRunner(target), tok, None, 0, EngineSettings(max_batch_size=2, max_context=64)).generate(prompts, sp)
     for mode in ("q8_0", "q4_0"):
         path = llamacpp.requantize(gd.path, mode, threads=1)
         assert path.is_file() and path.parent.parent == tmp_path / "cache"
@@ -553,7 +562,9 @@ def test_requantized_drafts_are_cached_and_draft_exactly(tiny, tmp_path, monkeyp
         assert llamacpp.requantize(gd.path, mode, threads=1) == path  # the cached file
         monkeypatch.setattr(llamacpp.lib(), "llama_model_quantize", real)
         drafter = DraftModelDrafter(LlamaCppRunner(LlamaCppModel(path, threads=1)))
-        outs = Engine(HFRunner(target), tok, drafter, 3, max_batch_size=2, max_context=64).generate(prompts, sp)
+        outs = Engine(HFRunner(target), tok, drafter, 3, EngineSettings(max_batch_size=2, max_context=64)).generate(
+            prompts, sp
+        )
         assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
         assert sum(o.stats.accepted for o in outs) > 0
     with pytest.raises(ValueError, match="q8_0"):
@@ -706,7 +717,11 @@ def test_coupled_speculation_on_an_invariant_target_equals_target_only(tiny, inv
 
     def run(drafter, k, batch):
         eng = Engine(
-            LlamaCppRunner(invariant_target, invariant=True), tok, drafter, k, max_batch_size=batch, max_context=64
+            LlamaCppRunner(invariant_target, invariant=True),
+            tok,
+            drafter,
+            k,
+            EngineSettings(max_batch_size=batch, max_context=64),
         )
         outs = [
             o

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.llamacpp
 pytest.importorskip("llama_cpp", reason="the llama.cpp backend is not installed (scripts/install-llamacpp.sh)")
 
 from gguf_util import tiny_llamacpp_pair, write_gguf_like  # noqa: E402
+from specdecode.config import EngineSettings  # noqa: E402
 from specdecode.drafters.draft_model import DraftModelDrafter  # noqa: E402
 from specdecode.drafters.ngram import NgramDrafter  # noqa: E402
 from specdecode.engine import Engine  # noqa: E402
@@ -257,10 +258,16 @@ def test_greedy_draft_model_trees_equal_llamacpp_target_only(tiny, k, topk, node
     _, _, gt, gd = tiny
     tok = make_tokenizer(V)
     sp = SamplingParams(max_new_tokens=20, ignore_eos=True)
-    ref = Engine(LlamaCppRunner(gt), tok, None, 0, max_batch_size=1, max_context=64).generate(PROMPTS, sp)
+    ref = Engine(LlamaCppRunner(gt), tok, None, 0, EngineSettings(max_batch_size=1, max_context=64)).generate(
+        PROMPTS, sp
+    )
     drafter = DraftModelDrafter(LlamaCppRunner(gd, trees=True), tree_topk=topk, tree_nodes=nodes)
     engine = Engine(
-        LlamaCppRunner(gt, trees=True), tok, drafter, k, max_batch_size=3, max_context=64, max_tree_nodes=nodes
+        LlamaCppRunner(gt, trees=True),
+        tok,
+        drafter,
+        k,
+        EngineSettings(max_batch_size=3, max_context=64, max_tree_nodes=nodes),
     )
     outs = engine.generate(PROMPTS, sp)  # 3 slots, 5 prompts: ragged
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
@@ -276,7 +283,9 @@ def test_greedy_ngram_and_medusa_trees_equal_llamacpp_target_only(tiny):
     target, _, gt, _ = tiny
     tok = make_tokenizer(V)
     sp = SamplingParams(max_new_tokens=20, ignore_eos=True)
-    ref = Engine(LlamaCppRunner(gt), tok, None, 0, max_batch_size=1, max_context=64).generate(PROMPTS, sp)
+    ref = Engine(LlamaCppRunner(gt), tok, None, 0, EngineSettings(max_batch_size=1, max_context=64)).generate(
+        PROMPTS, sp
+    )
     heads = tiny_heads(target, noise=0.0, draft_vocab=V)
     for drafter in (NgramDrafter(tree_topk=2, tree_nodes=8), MedusaDrafter(heads, tree_topk=2, tree_nodes=6)):
         engine = Engine(
@@ -284,9 +293,7 @@ def test_greedy_ngram_and_medusa_trees_equal_llamacpp_target_only(tiny):
             tok,
             drafter,
             3,
-            max_batch_size=2,
-            max_context=64,
-            max_tree_nodes=drafter.max_tree_nodes,
+            EngineSettings(max_batch_size=2, max_context=64, max_tree_nodes=drafter.max_tree_nodes),
         )
         outs = engine.generate(PROMPTS, sp)
         assert [o.token_ids for o in outs] == [o.token_ids for o in ref], drafter.name
@@ -320,9 +327,7 @@ def test_sampled_trees_on_llamacpp_follow_the_target_law(tmp_path, wrong):
         make_tokenizer(VS),
         DraftModelDrafter(LlamaCppRunner(gd, trees=True), tree_topk=3, tree_nodes=6),
         3,
-        max_batch_size=batch,
-        max_context=8,
-        max_tree_nodes=6,
+        EngineSettings(max_batch_size=batch, max_context=8, max_tree_nodes=6),
         verifier=Verifier(tree=iid_rule) if wrong else None,
     )
     counts = sample_pairs(engine, prompt, sp, n, batch, max_new_tokens=3)  # the first step drafts depth 2

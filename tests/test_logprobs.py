@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from specdecode.config import EngineSettings
 import specdecode.engine as engine_module
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.ngram import NgramDrafter
@@ -101,24 +102,20 @@ def spec_engines(target, draft):
     return {
         "draft-k3": make_engine(target, TOK, draft, k=3, num_slots=3),
         "draft-k5": make_engine(target, TOK, draft, k=5, num_slots=3),
-        "ngram-k4": Engine(HFRunner(target), TOK, NgramDrafter(), 4, max_batch_size=3, max_context=64),
+        "ngram-k4": Engine(HFRunner(target), TOK, NgramDrafter(), 4, EngineSettings(max_batch_size=3, max_context=64)),
         "draft-tree": Engine(
             HFRunner(target),
             TOK,
             DraftModelDrafter(HFRunner(draft), tree_topk=2, tree_nodes=8),
             4,
-            max_batch_size=3,
-            max_context=64,
-            max_tree_nodes=8,
+            EngineSettings(max_batch_size=3, max_context=64, max_tree_nodes=8),
         ),
         "ngram-tree": Engine(
             HFRunner(target),
             TOK,
             NgramDrafter(tree_topk=2, tree_nodes=8),
             4,
-            max_batch_size=3,
-            max_context=64,
-            max_tree_nodes=8,
+            EngineSettings(max_batch_size=3, max_context=64, max_tree_nodes=8),
         ),
     }
 

@@ -19,6 +19,7 @@ import torch
 
 from specdecode.check import CheckConfig, run_check
 from specdecode.check.report import FAIL, PASS
+from specdecode.config import EngineSettings
 from specdecode.drafters.medusa import MedusaDrafter, check_target
 from specdecode.engine import Engine
 from specdecode.heads import features as F
@@ -63,7 +64,9 @@ def tiny_heads(target, num_heads=3, draft_vocab=None, seed=0, noise=0.5) -> Medu
 
 def medusa_engine(target, heads, k=3, topk=1, nodes=0, slots=4, max_len=128, verifier=None):
     drafter = MedusaDrafter(heads, tree_topk=topk, tree_nodes=nodes)
-    return Engine(HFRunner(target), TOK, drafter, k, max_batch_size=slots, max_context=max_len, verifier=verifier)
+    return Engine(
+        HFRunner(target), TOK, drafter, k, EngineSettings(max_batch_size=slots, max_context=max_len), verifier=verifier
+    )
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +98,7 @@ def test_the_drafter_reads_the_hidden_state_before_the_pending_token(target):
 
 @pytest.mark.parametrize("topk,nodes", [(1, 0), (3, 8)])
 def test_greedy_with_medusa_equals_target_only(target, topk, nodes):
-    ref = Engine(HFRunner(target), TOK, None, 0, max_batch_size=4, max_context=128)
+    ref = Engine(HFRunner(target), TOK, None, 0, EngineSettings(max_batch_size=4, max_context=128))
     params = [SamplingParams(0.0, max_new_tokens=24, ignore_eos=True) for _ in PROMPTS]
     want = [o.token_ids for o in ref.generate(PROMPTS, params)]
     engine = medusa_engine(target, tiny_heads(target), k=3, topk=topk, nodes=nodes)
@@ -106,7 +109,7 @@ def test_greedy_with_medusa_equals_target_only(target, topk, nodes):
 
 def test_draft_confidence_ends_chains_where_a_head_is_unsure(target):
     heads = tiny_heads(target, noise=2.0)
-    ref = Engine(HFRunner(target), TOK, None, 0, max_batch_size=4, max_context=128)
+    ref = Engine(HFRunner(target), TOK, None, 0, EngineSettings(max_batch_size=4, max_context=128))
     params = [SamplingParams(0.0, max_new_tokens=16, ignore_eos=True) for _ in PROMPTS]
     want = [o.token_ids for o in ref.generate(PROMPTS, params)]
     full = medusa_engine(target, heads, k=3).generate(PROMPTS, params)
@@ -137,8 +140,7 @@ def test_medusa_keeps_the_target_law(sp, tree):
         make_tokenizer(VS),
         MedusaDrafter(heads, tree_topk=3 if tree else 1, tree_nodes=5 if tree else 0),
         2,
-        max_batch_size=50,
-        max_context=32,
+        EngineSettings(max_batch_size=50, max_context=32),
     )
     prompt = [1, 2, 3]
     n = 3000
@@ -174,7 +176,14 @@ def test_check_fails_typical_acceptance_and_passes_exact(target):
     def factory_for(verifier):
         def factory(k, batch):
             drafter = MedusaDrafter(heads) if k else None
-            return Engine(HFRunner(target), TOK, drafter, k, max_batch_size=batch, max_context=64, verifier=verifier)
+            return Engine(
+                HFRunner(target),
+                TOK,
+                drafter,
+                k,
+                EngineSettings(max_batch_size=batch, max_context=64),
+                verifier=verifier,
+            )
 
         return factory
 

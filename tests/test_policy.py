@@ -1,9 +1,10 @@
 import pytest
 
+from specdecode.config import EngineSettings
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.engine import Engine
 from specdecode.models.hf import HFRunner
-from specdecode.policy import AcceptancePolicy, BudgetPolicy, FixedPolicy, PerSequence
+from specdecode.policy import AcceptancePolicy, BudgetPolicy, FixedPolicy, PerSequence, Plan
 from specdecode.sampling import SamplingParams
 from tiny import make_engine, make_model, make_tokenizer, perturbed_copy
 
@@ -38,7 +39,7 @@ def test_bad_policy_arguments(kwargs):
 
 def _engine(target, draft, policy, slots=3, max_len=128):
     runner = lambda m: HFRunner(m, slots, max_len + policy.max_k + 1)  # noqa: E731
-    return Engine(runner(target), TOK, DraftModelDrafter(runner(draft)), policy, max_context=max_len)
+    return Engine(runner(target), TOK, DraftModelDrafter(runner(draft)), policy, EngineSettings(max_context=max_len))
 
 
 def test_adaptive_drafts_grow_with_acceptance_and_keep_greedy_output():
@@ -63,7 +64,7 @@ def _confident_engine(target, draft, k, confidence, slots=3, max_len=128):
         TOK,
         DraftModelDrafter(runner(draft), confidence=confidence),
         FixedPolicy(k),
-        max_context=max_len,
+        EngineSettings(max_context=max_len),
     )
 
 
@@ -163,7 +164,7 @@ class _Planner(PerSequence):
 
     def plan(self, seqs, batch_size):
         self.calls.append(("plan", len(seqs)))
-        return [4] * len(seqs)
+        return Plan([4] * len(seqs))
 
     def idle(self, seqs):
         self.calls.append(("idle", len(seqs)))
@@ -182,7 +183,7 @@ def test_a_budget_at_its_cap_idles_the_policy_instead_of_planning():
     inner = _Planner()
     capped = BudgetPolicy(inner, budget=4)
     seqs = [object() for _ in range(4)]
-    assert capped.plan(seqs, 4) == [0] * 4 and inner.calls == [("idle", 4)]  # 4 // 4 - 1 = 0: nothing may draft
-    assert capped.plan(seqs[:2], 2) == [1, 1] and inner.calls[-1] == ("plan", 2)
+    assert capped.plan(seqs, 4).lengths == [0] * 4 and inner.calls == [("idle", 4)]  # 4 // 4 - 1 = 0: nothing may draft
+    assert capped.plan(seqs[:2], 2).lengths == [1, 1] and inner.calls[-1] == ("plan", 2)
     assert capped.label(seqs[0], 1) == "k1"  # the rest of the protocol reaches the inner policy as it is
     assert FixedPolicy(2).label(seqs[0], 2) is None and FixedPolicy(2).idle(seqs) is None  # (the defaults)

@@ -11,6 +11,7 @@ import torch
 
 from specdecode.check import CheckConfig, run_check
 from specdecode.check.report import PASS
+from specdecode.config import EngineSettings
 from specdecode.drafters import parse_draft
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.engine import Engine
@@ -80,7 +81,11 @@ def test_greedy_with_a_quantized_draft_equals_target_only(mode):
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     reference = make_engine(target, TOK, num_slots=2).generate(PROMPTS, params)
     engine = Engine(
-        HFRunner(target), TOK, DraftModelDrafter(HFRunner(quantized(target, mode))), 4, max_batch_size=2, max_context=64
+        HFRunner(target),
+        TOK,
+        DraftModelDrafter(HFRunner(quantized(target, mode))),
+        4,
+        EngineSettings(max_batch_size=2, max_context=64),
     )
     outs = engine.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
@@ -93,7 +98,11 @@ def test_quantized_draft_keeps_the_target_law(sp):
     target = make_model(VS, seed=5, scale=0.5)
     draft = Q.quantize_model(perturbed_copy(target, noise=0.6, seed=3), "int8")
     engine = Engine(
-        HFRunner(target), make_tokenizer(VS), DraftModelDrafter(HFRunner(draft)), 3, max_batch_size=250, max_context=8
+        HFRunner(target),
+        make_tokenizer(VS),
+        DraftModelDrafter(HFRunner(draft)),
+        3,
+        EngineSettings(max_batch_size=250, max_context=8),
     )
     counts = sample_pairs(engine, [1, 2, 3], sp, 4000, 250)
     assert chi_square_p(counts, exact_two_token_law(target, [1, 2, 3], sp), 4000) > ALPHA
@@ -107,7 +116,7 @@ def test_check_passes_with_a_quantized_draft():
 
     def factory(k, batch):
         drafter = DraftModelDrafter(HFRunner(draft)) if k else None
-        return Engine(HFRunner(target), CHECK_TOK, drafter, k, max_batch_size=batch, max_context=64)
+        return Engine(HFRunner(target), CHECK_TOK, drafter, k, EngineSettings(max_batch_size=batch, max_context=64))
 
     report = run_check(factory, CHECK_PROMPTS, CheckConfig(**{**CFG.__dict__, "parts": (1, 3)}))
     assert report.part(1).status == PASS and report.part(3).status == PASS, [p.summary for p in report.parts]

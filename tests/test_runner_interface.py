@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from specdecode.config import EngineSettings
 from specdecode.drafters import DraftContext, build_drafter, parse_draft
 from specdecode.drafters.base import DrafterBase, TargetFeatures
 from specdecode.drafters.draft_model import DraftModelDrafter
@@ -171,7 +172,7 @@ class RecordingDrafter(DrafterBase):
 def test_drafter_receives_the_targets_hidden_states_of_every_cached_token():
     model = make_model(V, seed=4, layers=3)
     drafter = RecordingDrafter()
-    engine = Engine(HFRunner(model), TOK, drafter, 3, max_batch_size=2, max_context=64)
+    engine = Engine(HFRunner(model), TOK, drafter, 3, EngineSettings(max_batch_size=2, max_context=64))
     prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 6, 5, 6, 5]]
     seqs = engine.add_batch([(p, SamplingParams(max_new_tokens=20, ignore_eos=True), None) for p in prompts])
     for _ in range(4):  # a few steps, all sequences still running
@@ -197,7 +198,7 @@ def test_a_drafter_without_feature_layers_is_never_observed():
             raise AssertionError("observe called")
 
     model = make_model(V, seed=4)
-    engine = Engine(HFRunner(model), TOK, Strict(), 3, max_batch_size=1, max_context=32)
+    engine = Engine(HFRunner(model), TOK, Strict(), 3, EngineSettings(max_batch_size=1, max_context=32))
     assert engine.generate([[1, 2, 1, 2]], SamplingParams(max_new_tokens=6))[0].finish_reason
 
 
@@ -215,7 +216,7 @@ def reference_greedy(runner: ToyRunner, prompt: list[int], n: int) -> list[int]:
 def test_toy_runner_drives_the_engine(drafter_kind):
     target = ToyRunner(V, seed=0)
     drafter = DraftModelDrafter(ToyRunner(V, seed=1)) if drafter_kind == "model" else NgramDrafter()
-    engine = Engine(target, TOK, drafter, 4, max_batch_size=3, max_context=64)
+    engine = Engine(target, TOK, drafter, 4, EngineSettings(max_batch_size=3, max_context=64))
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 4, 5], [9], [10, 11, 10, 11]]
     params = SamplingParams(max_new_tokens=15, ignore_eos=True)
     outs = engine.generate(prompts, params)
@@ -226,7 +227,9 @@ def test_toy_runner_drives_the_engine(drafter_kind):
 
 def test_step_events_carry_drafted_and_accepted_counts():
     target = ToyRunner(V, seed=0)
-    engine = Engine(target, TOK, DraftModelDrafter(ToyRunner(V, seed=1)), 3, max_batch_size=2, max_context=64)
+    engine = Engine(
+        target, TOK, DraftModelDrafter(ToyRunner(V, seed=1)), 3, EngineSettings(max_batch_size=2, max_context=64)
+    )
     totals: dict[str, list[int]] = {}
     for ev in engine.stream([[1, 2, 3], [4, 5]], SamplingParams(temperature=1.0, seed=3, max_new_tokens=12)):
         t = totals.setdefault(ev.seq.request_id, [0, 0])
@@ -239,7 +242,7 @@ def test_step_events_carry_drafted_and_accepted_counts():
 
 def test_engine_sizes_runner_caches_from_the_policy():
     target, draft = ToyRunner(V, seed=0), ToyRunner(V, seed=1)
-    Engine(target, TOK, DraftModelDrafter(draft), 6, max_batch_size=3, max_context=40)
+    Engine(target, TOK, DraftModelDrafter(draft), 6, EngineSettings(max_batch_size=3, max_context=40))
     assert (target.num_slots, target.max_len) == (3, 40 + 7) and (draft.num_slots, draft.max_len) == (3, 47)
 
 
@@ -266,8 +269,7 @@ def test_engine_tensors_follow_the_runner_device():
         TOK,
         DraftModelDrafter(HFRunner(perturbed_copy(model, 0.2))),
         3,
-        max_batch_size=2,
-        max_context=32,
+        EngineSettings(max_batch_size=2, max_context=32),
     )
     assert engine.device == next(model.parameters()).device
 

@@ -5,7 +5,6 @@ ALPHA = 1e-4) over a mixed drafter set."""
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 from dataclasses import dataclass, field
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 from specdecode import costmodel
+from specdecode.config import EngineSettings
 from specdecode.costmodel import CostModel
 from specdecode.costmodel import judge as real_judge  # (conftest judges every calibration of the suite quiet)
 from specdecode.drafters.base import Proposal
@@ -88,6 +88,16 @@ class FakeParts:
 
     def shadow(self, seqs, name, k):
         return self._shadow(seqs, name, k)
+
+
+def plan(policy, seqs, batch):
+    """``policy``'s plan for ``seqs`` (its lengths), the catch-up reads it names done through its parts, as the
+    engine has the drafter side do them (planning itself reads nothing)."""
+    p = policy.plan(seqs, batch)
+    parts = (policy.inner if isinstance(policy, BudgetPolicy) else policy).parts
+    for r in p.reads:
+        parts.read(list(r.seqs), r.part, r.budget)
+    return p.lengths
 
 
 def auto(drafters, cost, parts=None, *, max_k=8, catch_up_tokens=64, history=None, **settings):
@@ -216,7 +226,7 @@ def test_after_a_busy_calibration_auto_explores_and_drafts_when_drafting_pays():
         policy = auto(["model"], cost, max_k=8, explore_every=16)
         seq, drafted, gen = Req(params=SamplingParams(max_new_tokens=1000)), 0, torch.Generator().manual_seed(0)
         for _ in range(steps):
-            k = policy.plan([seq], 1)[0]
+            k = plan(policy, [seq], 1)[0]
             accepted = 0
             if k:
                 cost.record("model", 1, k, 0.25 * k)
@@ -247,7 +257,7 @@ def test_after_a_busy_calibration_a_width_never_timed_is_tried_and_then_timed():
         seq, widths, gen = Req(params=SamplingParams(max_new_tokens=1000)), [], torch.Generator().manual_seed(0)
         teach(policy, seq, "d", [3] * 20, k=4)  # a free drafter right 75 % of the time a token
         for _ in range(steps):
-            k = policy.plan([seq], 1)[0]
+            k = plan(policy, [seq], 1)[0]
             widths.append(k + 1)
             cost.record("verify", 1, k + 1, costmodel._interp2(true_verify, 1, k + 1))
             cost.record("d", 1, k, 1e-6) if k else None
@@ -293,8 +303,7 @@ def test_calibration_measures_every_grid_point_through_the_protocols():
         TOK,
         MultiDrafter(Parts({"m": draft, "ngram": NgramDrafter()}), lambda s: "m"),
         4,
-        max_batch_size=4,
-        max_context=100,
+        EngineSettings(max_batch_size=4, max_context=100),
     )
     cm = costmodel.calibrate(engine.target, engine.drafter.parts, 4, 5, 4, 40, reps=1, prompt_len=16)
     assert sorted(cm.verify) == [1, 2, 4] and sorted(cm.verify[4]) == [1, 2, 3, 5]
@@ -302,7 +311,7 @@ def test_calibration_measures_every_grid_point_through_the_protocols():
     assert list(cm.catch_up) == ["m"] and cm.catch_up["m"] > 0  # only the draft model reads histories itself
     assert all(sorted(row) == [1, 2, 3, 5] for row in cm.verify.values())  # every (batch, width) point measured
     # the engine still works afterwards (calibration leaves no sequence behind)
-    ref = Engine(HFRunner(make_model(V, seed=0)), TOK, None, 0, max_batch_size=1, max_context=100)
+    ref = Engine(HFRunner(make_model(V, seed=0)), TOK, None, 0, EngineSettings(max_batch_size=1, max_context=100))
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     assert engine.generate([[1, 2, 3]], params)[0].token_ids == ref.generate([[1, 2, 3]], params)[0].token_ids
 
@@ -332,7 +341,11 @@ def test_calibration_proposals_are_real_for_every_kind_of_drafter():
         "medusa": counting("medusa", MedusaDrafter(tiny_heads(model))),
     }
     engine = Engine(
-        HFRunner(model), TOK, MultiDrafter(Parts(parts), lambda s: "m"), 3, max_batch_size=2, max_context=60
+        HFRunner(model),
+        TOK,
+        MultiDrafter(Parts(parts), lambda s: "m"),
+        3,
+        EngineSettings(max_batch_size=2, max_context=60),
     )
     cm = costmodel.calibrate(engine.target, engine.drafter.parts, 2, 4, 3, 60, reps=2, prompt_len=24)
     assert (
@@ -400,12 +413,12 @@ def test_the_selector_picks_what_the_arithmetic_says():
     seq = Seq()
     teach(policy, seq, "model", [3, 4, 4, 2, 4, 4, 3, 4])  # ~0.9 per token
     teach(policy, seq, "ngram", [0, 1, 0, 0, 1, 0, 0, 0])  # ~0.2
-    ks = policy.plan([seq], 1)
+    ks = plan(policy, [seq], 1)
     assert (policy.route(seq), ks[0]) == brute_force(policy, seq) and policy.route(seq) == "model"
     other = Seq()
     teach(policy, other, "model", [0, 1, 0, 0, 0, 0])  # the model fails on this one
     teach(policy, other, "ngram", [4, 4, 4, 3, 4, 4])  # and lookup succeeds (copying text)
-    ks = policy.plan([other], 1)
+    ks = plan(policy, [other], 1)
     assert (policy.route(other), ks[0]) == brute_force(policy, other) and policy.route(other) == "ngram"
     assert policy.label(other, ks[0]) == f"ngram:k{ks[0]}"
 
@@ -418,7 +431,7 @@ def test_the_selector_switches_when_acceptance_drifts():
     teach(policy, seq, "b", [2, 2, 1, 2], k=4)  # b: middling
     chosen = []
     for step in range(50):
-        ks = policy.plan([seq], 1)
+        ks = plan(policy, [seq], 1)
         drafter = policy.route(seq)
         chosen.append(drafter)
         good = "a" if step < 20 else "b"  # a is right at first, then stops being right
@@ -437,9 +450,9 @@ def test_the_selector_stops_drafting_when_verification_stops_being_free():
     seqs = [Seq(slot=i) for i in range(16)]
     for s in seqs:
         teach(policy, s, "d", [3, 3, 4, 2], k=4)  # ~0.75 per token
-    assert max(policy.plan(seqs[:1], 1)) > 0
+    assert max(plan(policy, seqs[:1], 1)) > 0
     for _ in range(30):  # never, not even to explore: it could not pay at this load if it were always right
-        assert policy.plan(seqs, 16) == [0] * 16
+        assert plan(policy, seqs, 16) == [0] * 16
         assert all(policy.label(s, 0) == "off" for s in seqs)
         for s in seqs:
             policy.observe(s, 0, 0)
@@ -453,15 +466,15 @@ def test_the_selector_explores_a_drafter_it_does_not_use():
     teach(policy, seq, "b", [0, 0, 0, 0, 0, 0], k=4)
     routes = []
     for _ in range(20):
-        ks = policy.plan([seq], 1)
+        ks = plan(policy, [seq], 1)
         routes.append(policy.route(seq))
         policy.observe(seq, ks[0], ks[0] if routes[-1] == "a" else 0)
     assert routes.count("b") in (3, 4) and routes.count("a") == 20 - routes.count("b")  # b once every 5 steps
     # a sequence that learns b is now better (its text turned repetitive) is switched to it
     for _ in range(20):  # (b's history, all misses, holds it down for a few explorations)
-        ks = policy.plan([seq], 1)
+        ks = plan(policy, [seq], 1)
         policy.observe(seq, ks[0], ks[0] if policy.route(seq) == "b" else 0)
-    assert policy.route(seq) == "b" or policy.plan([seq], 1) and policy.route(seq) == "b"
+    assert policy.route(seq) == "b" or (plan(policy, [seq], 1) and policy.route(seq) == "b")
 
 
 def test_exploration_costs_the_batch_at_most_its_share():
@@ -481,12 +494,12 @@ def test_exploration_costs_the_batch_at_most_its_share():
         teach(policy, s, "a", [0, 0, 0, 0, 0, 0])
         teach(policy, s, "b", [0, 0, 0, 0, 0, 0])
     for _ in range(12):  # no drafter pays at 16, and exploring would cost the batch more than its share
-        assert policy.plan(seqs, 16) == [0] * 16
+        assert plan(policy, seqs, 16) == [0] * 16
         for s in seqs:
             policy.observe(s, 0, 0)
     routes = []
     for _ in range(12):  # alone, exploring costs 2 % of a step: b and a are tried once every 4 steps
-        ks = policy.plan(seqs[:1], 1)
+        ks = plan(policy, seqs[:1], 1)
         routes.append(policy.route(seqs[0]))
         policy.observe(seqs[0], ks[0], 0)
     assert routes.count("a") >= 2 and routes.count("b") >= 2, routes
@@ -495,7 +508,7 @@ def test_exploration_costs_the_batch_at_most_its_share():
         teach(policy, s, "a", [4] * 12)
     explored = 0
     for _ in range(8):
-        ks = policy.plan(seqs, 16)
+        ks = plan(policy, seqs, 16)
         assert min(ks) > 0 and all(policy.route(s) in ("a", "b") for s in seqs)
         explored += sum(policy.route(s) == "b" for s in seqs)
         for s, k in zip(seqs, ks):
@@ -510,7 +523,7 @@ def test_history_gives_new_sequences_a_prior():
         teach(policy, Seq(slot=i), "b", [4, 4, 3, 4], k=4)
         teach(policy, Seq(slot=i), "a", [0, 1, 0, 0], k=4)
     fresh = Seq()
-    policy.plan([fresh], 1)
+    plan(policy, [fresh], 1)
     assert policy.route(fresh) == "b"
 
 
@@ -533,7 +546,7 @@ def _fixed_length_efficiency(alpha, prior_weight, seed, requests=40, steps=12):
     for r in range(requests):
         seq = Seq()
         for _ in range(steps):
-            k = policy.plan([seq], 1)[0]
+            k = plan(policy, [seq], 1)[0]
             accepted = 0
             while accepted < k and rng.random() < alpha:
                 accepted += 1
@@ -561,16 +574,20 @@ def test_a_drafter_never_tried_is_explored_at_the_first_chance():
     pay even if always right (here: drafting costs more than a step) is never tried."""
     cost = flat_cost(verify_per_token=0.02, drafts={"model": 0.05, "ngram": 0.001, "dear": 2.0})
 
-    def fresh(drafters, history={}):
+    def fresh(drafters, history=None):
         # lookup: right ~90 % of the time
         return auto(
-            drafters, cost, max_k=8, explore_every=16, history={"ngram": Counts(30.0, 3.0, 36.0, 40.0), **history}
+            drafters,
+            cost,
+            max_k=8,
+            explore_every=16,
+            history={"ngram": Counts(30.0, 3.0, 36.0, 40.0), **(history or {})},
         )
 
     def routes(policy, steps=8):
         seq, out = Seq(), []
         for _ in range(steps):
-            k = policy.plan([seq], 1)[0]
+            k = plan(policy, [seq], 1)[0]
             out.append(policy.route(seq))
             policy.observe(seq, k, k if out[-1] == "ngram" else 0)
         return out
@@ -627,9 +644,11 @@ def test_a_draft_model_never_routed_to_never_runs():
     runner = CountingRunner(HFRunner(perturbed_copy(target, 0.1)))
     route = {"to": "ngram"}
     multi = MultiDrafter(Parts({"model": DraftModelDrafter(runner), "ngram": NgramDrafter()}), lambda s: route["to"])
-    engine = Engine(HFRunner(target), TOK, multi, 3, max_batch_size=2, max_context=80)
+    engine = Engine(HFRunner(target), TOK, multi, 3, EngineSettings(max_batch_size=2, max_context=80))
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
-    reference = Engine(HFRunner(target), TOK, None, 0, max_batch_size=2, max_context=80).generate(PROMPTS, params)
+    reference = Engine(HFRunner(target), TOK, None, 0, EngineSettings(max_batch_size=2, max_context=80)).generate(
+        PROMPTS, params
+    )
     assert [o.token_ids for o in engine.generate(PROMPTS, params)] == [r.token_ids for r in reference]
     assert runner.calls == []  # four requests, not one token read by the draft model
     assert multi.parts.lag(Seq(slot=0, token_ids=[1, 2, 3]), "ngram") == 0
@@ -709,7 +728,7 @@ def test_a_catch_up_is_paid_only_when_it_pays_back():
     long, short = request(100), request(5)
     routes = {"long": [], "short": []}
     for _ in range(8):  # exploration included (every 2 steps): the short one never starts the model
-        ks = policy.plan([long, short], 2)
+        ks = plan(policy, [long, short], 2)
         for name, seq, k in (("long", long, ks[0]), ("short", short, ks[1])):
             routes[name].append(policy.route(seq))
             policy.observe(seq, k, k if policy.route(seq) == "model" else 0)
@@ -717,11 +736,11 @@ def test_a_catch_up_is_paid_only_when_it_pays_back():
     # the catch-up runs inside the step: at batch 16 all 16 wait 5 s (80 s of waiting) for a
     # sequence to save ~46 s over its 100 tokens: not a candidate, not even to explore
     for _ in range(4):
-        ks = policy.plan([long], 16)
+        ks = plan(policy, [long], 16)
         assert policy.route(long) != "model"
         policy.observe(long, ks[0], 0)
     lags[(id(short), "model")] = 0  # read (say, it was routed there earlier)
-    policy.plan([short], 1)
+    plan(policy, [short], 1)
     assert policy.route(short) == "model"
 
 
@@ -739,7 +758,7 @@ def test_late_starts_are_reported_as_catch_up_apart_from_proposals():
         lambda s: "model" if len(s.output_ids) >= 25 else "ngram",
         on_timing=lambda name, rows, k, sec: timed.append((name, sec)),
     )
-    engine = Engine(HFRunner(target), TOK, multi, 2, max_batch_size=1, max_context=80)
+    engine = Engine(HFRunner(target), TOK, multi, 2, EngineSettings(max_batch_size=1, max_context=80))
     prompt = [4, 5, 6, 7, 8, 9, 10]
     out = engine.generate([prompt], SamplingParams(max_new_tokens=40, ignore_eos=True))[0]
     # started at the first step with >= 25 tokens generated: the prompt (6 cached tokens), then the
@@ -764,8 +783,12 @@ def test_through_the_engine_a_draft_model_runs_only_when_its_catch_up_pays(per_t
     )
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
     prompts = [p for p in PROMPTS if len(p) > 1]  # (a one-token prompt leaves nothing to read at the first step)
-    outs = Engine(HFRunner(target), TOK, multi, policy, max_batch_size=2, max_context=80).generate(prompts, params)
-    reference = Engine(HFRunner(target), TOK, None, 0, max_batch_size=2, max_context=80).generate(prompts, params)
+    outs = Engine(HFRunner(target), TOK, multi, policy, EngineSettings(max_batch_size=2, max_context=80)).generate(
+        prompts, params
+    )
+    reference = Engine(HFRunner(target), TOK, None, 0, EngineSettings(max_batch_size=2, max_context=80)).generate(
+        prompts, params
+    )
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
     used = sum(n for o in outs for label, n in o.stats.choices.items() if label.startswith("model:"))
     if per_token:  # 10 s a token to read a prompt: never worth it for 10 tokens, not even to explore
@@ -809,7 +832,7 @@ def test_a_long_backlog_is_read_in_pieces_while_others_wait():
     lags[(id(other), "model")] = 0
     routes = []
     for _ in range(4):
-        ks = policy.plan([late, other], 2)
+        ks = plan(policy, [late, other], 2)
         routes.append(policy.route(late))
         assert policy.route(other) == "model"
         for seq, k in zip((late, other), ks):
@@ -818,15 +841,15 @@ def test_a_long_backlog_is_read_in_pieces_while_others_wait():
     assert reads == [("model", [id(late)], 64)] * 2
     # alone: nobody waits for the catch-up, so it is read whole inside the step, and it drafts at once
     alone, reads[:] = request(), []
-    policy.plan([alone], 1)
+    plan(policy, [alone], 1)
     assert policy.route(alone) == "model" and reads == []
     # a verify budget at its cap (nothing may draft): no reads either, and nothing left to observe
     capped = BudgetPolicy(policy, 4)
     for seq in (late, other):
         lags[(id(seq), "model")] = 150
-    assert capped.plan([late, other], 4) == [0, 0] and reads == []
+    assert plan(capped, [late, other], 4) == [0, 0] and reads == []
     assert policy.route(late) is None and policy.route(other) is None
-    assert capped.plan([late, other], 2) and reads == [("model", [id(late), id(other)], 64)]
+    assert plan(capped, [late, other], 2) and reads == [("model", [id(late), id(other)], 64)]
 
 
 def test_an_exploration_that_must_read_first_reads_in_pieces_and_stays_due():
@@ -860,7 +883,7 @@ def test_an_exploration_that_must_read_first_reads_in_pieces_and_stays_due():
     lags[(id(seq), "model")] = 150
     routes = []
     for _ in range(5):
-        ks = policy.plan([seq, other], 2)
+        ks = plan(policy, [seq, other], 2)
         routes.append(policy.route(seq))
         for s, k in zip((seq, other), ks):
             policy.observe(s, k, k)
@@ -874,7 +897,7 @@ def test_an_exploration_that_must_read_first_reads_in_pieces_and_stays_due():
         9.0, 30, cost.verify_s(2, 1), seconds_per_token(cost, "model", (0.999, 1.0), 2, policy.lengths), 2, 0.0
     )
     for _ in range(4):
-        policy.plan([short, other], 2)
+        plan(policy, [short, other], 2)
         policy.observe(short, 0, 0)
     assert reads == [] and policy.route(short) != "model"
 
@@ -966,11 +989,13 @@ def test_through_the_engine_late_starts_read_in_pieces_and_stay_exact():
         history={"ngram": USELESS},
     )
     multi = MultiDrafter(parts, policy.route, cost.record)
-    engine = Engine(HFRunner(target), TOK, multi, policy, max_batch_size=2, max_context=80)
+    engine = Engine(HFRunner(target), TOK, multi, policy, EngineSettings(max_batch_size=2, max_context=80))
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, V, (30,), generator=gen).tolist() for _ in range(2)]
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
-    reference = Engine(HFRunner(target), TOK, None, 0, max_batch_size=2, max_context=80).generate(prompts, params)
+    reference = Engine(HFRunner(target), TOK, None, 0, EngineSettings(max_batch_size=2, max_context=80)).generate(
+        prompts, params
+    )
     outs = engine.generate(prompts, params)
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
     # each read 29 prompt tokens and more generated, all but the last <= 8 (fed by a proposal) in pieces
@@ -1007,15 +1032,16 @@ def auto_engine(target, draft, slots, cost=None, explore_every=3, max_context=80
         TOK if target.config.vocab_size == V else make_tokenizer(target.config.vocab_size),
         multi,
         policy,
-        max_batch_size=slots,
-        max_context=max_context,
+        EngineSettings(max_batch_size=slots, max_context=max_context),
     )
 
 
 def test_greedy_auto_over_a_model_and_ngram_equals_target_only():
     target = make_model(V, seed=0)
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
-    reference = Engine(HFRunner(target), TOK, None, 0, max_batch_size=2, max_context=80).generate(PROMPTS, params)
+    reference = Engine(HFRunner(target), TOK, None, 0, EngineSettings(max_batch_size=2, max_context=80)).generate(
+        PROMPTS, params
+    )
     _, engine = auto_engine(target, perturbed_copy(target, 0.2), slots=2)
     outs = engine.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
@@ -1037,7 +1063,9 @@ def test_greedy_auto_under_a_grammar_equals_constrained_target_only():
 
     target = make_model(V, seed=0)
     params = SamplingParams(max_new_tokens=20, grammar=GrammarSpec.regex("[a-f]+( [a-f]+)*"))
-    reference = Engine(HFRunner(target), TOK, None, 0, max_batch_size=2, max_context=80).generate(PROMPTS, params)
+    reference = Engine(HFRunner(target), TOK, None, 0, EngineSettings(max_batch_size=2, max_context=80)).generate(
+        PROMPTS, params
+    )
     _, engine = auto_engine(target, perturbed_copy(target, 0.2), slots=2)
     outs = engine.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
@@ -1071,7 +1099,9 @@ def test_mixed_rows_in_one_step_keep_the_target_law():
     def engine(multi_cls=MultiDrafter):
         parts = {"model": DraftModelDrafter(HFRunner(draft)), "ngram": NgramDrafter()}
         multi = multi_cls(Parts(parts), lambda s: "model" if s.slot % 2 else "ngram")
-        return Engine(HFRunner(target), make_tokenizer(VS), multi, 2, max_batch_size=250, max_context=12)
+        return Engine(
+            HFRunner(target), make_tokenizer(VS), multi, 2, EngineSettings(max_batch_size=250, max_context=12)
+        )
 
     law = exact_two_token_law(target, prompt, sp)
     assert chi_square_p(sample_pairs(engine(), prompt, sp, 4000, 250), law, 4000) > ALPHA
@@ -1098,14 +1128,14 @@ def test_check_passes_with_the_selector_over_a_model_and_ngram():
 
     def factory(k, batch):
         if not k:
-            return Engine(HFRunner(target), CHECK_TOK, None, 0, max_batch_size=batch, max_context=64)
+            return Engine(HFRunner(target), CHECK_TOK, None, 0, EngineSettings(max_batch_size=batch, max_context=64))
         multi, policy = auto_drafting(
             {"model": DraftModelDrafter(HFRunner(draft)), "ngram": NgramDrafter()},
             flat_cost(verify_per_token=0.001, drafts={"model": 0.02, "ngram": 0.001}),
             max_k=k,
             settings=SelectorSettings(explore_every=2),
         )
-        return Engine(HFRunner(target), CHECK_TOK, multi, policy, max_batch_size=batch, max_context=64)
+        return Engine(HFRunner(target), CHECK_TOK, multi, policy, EngineSettings(max_batch_size=batch, max_context=64))
 
     report = run_check(factory, CHECK_PROMPTS, CheckConfig(**{**CFG.__dict__, "parts": (1, 3)}))
     assert report.part(1).status == PASS and report.part(3).status == PASS, [p.summary for p in report.parts]
@@ -1123,7 +1153,9 @@ def test_the_server_reports_the_choices_and_keeps_greedy_outputs_under_concurren
         max_k=4,
         settings=SelectorSettings(explore_every=3),
     )
-    eng = Engine(HFRunner(target), tokenizer(), multi, policy, max_batch_size=4, max_context=96, **serving())
+    eng = Engine(
+        HFRunner(target), tokenizer(), multi, policy, EngineSettings(max_batch_size=4, max_context=96, **serving())
+    )
     prompts = ["abcabcab", "hello", "xyzzy", "kitten", "q", "mmmm"]
     with serve(eng) as s:
 
@@ -1169,7 +1201,7 @@ def test_the_multi_drafter_and_its_selector_are_built_complete():
     assert multi.route == policy.route and policy.parts is multi.parts and policy.free == ("ngram",)
     assert policy.cost is cost and policy.drafters == ["model", "ngram"]
     capped = BudgetPolicy(policy, 12)  # under a verify budget, nobody unwraps it
-    engine = Engine(HFRunner(target), TOK, multi, capped, max_batch_size=2, max_context=80)
+    engine = Engine(HFRunner(target), TOK, multi, capped, EngineSettings(max_batch_size=2, max_context=80))
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     engine.generate([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [4, 5, 6]], params)
     assert {"verify", "ngram"} <= set(cost.correction)  # measured times reached the cost model
@@ -1194,7 +1226,7 @@ def test_a_free_drafter_is_scored_every_step_without_drafting(shadowed):
     teach(policy, seq, "model", [2, 2, 2, 2])
     routes = []
     for _ in range(10):
-        k = policy.plan([seq], 1)[0]
+        k = plan(policy, [seq], 1)[0]
         routes.append(policy.route(seq))
         accepted = min(k, 2) if routes[-1] == "model" else k  # the model gets 2 right, n-gram all
         seq.token_ids = seq.token_ids + truth[len(seq.token_ids) - 3 : len(seq.token_ids) - 3 + accepted + 1]
@@ -1230,7 +1262,7 @@ def test_shadow_scoring_counts_the_matched_prefix_and_censors_past_the_emitted()
         history={"model": Counts(9.0, 1.0, 10.0, 10.0), "ngram": USELESS},
     )
     seq = Seq(token_ids=[1, 2, 3])
-    k = policy.plan([seq], 1)[0]
+    k = plan(policy, [seq], 1)[0]
     assert policy.route(seq) == "model" and asked == [seq]
     seq.token_ids = [1, 2, 3, 5, 9]
     policy.observe(seq, k, 1)
@@ -1288,9 +1320,9 @@ def test_a_catch_up_must_beat_what_the_sequence_has_without_one():
     assert model < lookup  # the model is the better drafter once caught up
     assert pays_back(15.0, 100, cost.verify_s(1, 1), model, 1, 1.0)  # against plain decoding it pays back
     assert not pays_back(15.0, 100, lookup, model, 1, 1.0)  # against lookup it does not
-    policy.plan([good], 1)
+    plan(policy, [good], 1)
     assert policy.route(good) == "ngram"
-    policy.plan([poor], 1)
+    plan(policy, [poor], 1)
     assert policy.route(poor) == "model"
 
 
@@ -1320,7 +1352,7 @@ def test_a_dear_catch_up_waits_until_lookup_has_been_watched(lookup_matches, loo
     lags[(id(seq), "model")] = 1500
     routes = []
     for _ in range(6):
-        k = policy.plan([seq], 1)[0]
+        k = plan(policy, [seq], 1)[0]
         routes.append(policy.route(seq))
         if routes[-1] == "model":
             lags[(id(seq), "model")] = 0  # (read inside the step)
@@ -1345,7 +1377,7 @@ def test_a_short_catch_up_or_no_free_drafter_does_not_wait():
         policy = auto(["model", "ngram"], cost, parts, max_k=8, explore_every=0, history={"ngram": USELESS})
         teach(policy, Seq(), "model", [4] * 6)
         seq = Req(params=SamplingParams(max_new_tokens=40))
-        policy.plan([seq], 1)
+        plan(policy, [seq], 1)
         assert policy.route(seq) == "model"
         # (the scripted catch-up: 0.01 s a token; nothing scored yet)
         assert not look_first({"model": 0.01 * lag}, {}, free, cost.verify_s(1, 1), 1, 3, 0.25)
@@ -1379,7 +1411,7 @@ def test_a_catch_up_is_judged_against_the_whole_request_not_its_last_steps():
     lookup = {e: seconds_per_token(cost, "ngram", e, 1, policy.lengths) for e in (fast, whole)}
     assert pays_back(catch, 40, lookup[fast], model, 1, 0.0)  # (the control)
     assert not pays_back(catch, 40, lookup[whole], model, 1, 0.0)
-    policy.plan([seq], 1)
+    plan(policy, [seq], 1)
     assert policy.route(seq) != "model"
 
 
@@ -1403,7 +1435,7 @@ def test_exploration_never_tries_a_catch_up_that_cannot_beat_what_the_sequence_h
     perfect = seconds_per_token(cost, "model", (0.999, 1.0), 1, policy.lengths)
     assert pays_back(1.5, 30, cost.verify_s(1, 1), perfect, 1, 1.0)  # against plain decoding (the scripted 1.5 s)
     for _ in range(6):
-        k = policy.plan([seq], 1)[0]
+        k = plan(policy, [seq], 1)[0]
         assert policy.route(seq) == "ngram"
         policy.observe(seq, k, k)
 

@@ -672,6 +672,7 @@ def test_a_quantized_target_is_marked_lossy_in_every_response():
 
 
 def test_a_tree_drafting_server_answers_concurrent_greedy_requests_like_target_only():
+    from specdecode.config import EngineSettings
     from specdecode.drafters.draft_model import DraftModelDrafter
     from specdecode.engine import Engine
     from specdecode.models.hf import HFRunner
@@ -683,9 +684,7 @@ def test_a_tree_drafting_server_answers_concurrent_greedy_requests_like_target_o
         tokenizer(),
         DraftModelDrafter(HFRunner(draft), tree_topk=2, tree_nodes=6),
         3,
-        max_batch_size=3,
-        max_context=MAX_LEN,
-        **serving(),
+        EngineSettings(max_batch_size=3, max_context=MAX_LEN, **serving()),
     )
     prompts = ["abc", "hello", "xyz", "tree"]
     with serve(eng) as s:

@@ -137,13 +137,14 @@ def test_the_policy_and_selector_defaults_are_the_settings():
 
     policy = AcceptancePolicy()
     assert (policy.start_k, policy.max_k) == (C.DEFAULTS.num_draft_tokens, C.DEFAULTS.max_draft_tokens)
-    assert CATCH_UP_TOKENS == C.DEFAULTS.catch_up_tokens
+    assert C.DEFAULTS.catch_up_tokens == CATCH_UP_TOKENS
     assert CheckConfig().num_draft_tokens == C.DEFAULTS.num_draft_tokens
 
 
 BAD = [
     ({"num_draft_tokens": -1}, "--num-draft-tokens must be >= 0"),
     ({"num_draft_tokens": 2.5}, "--num-draft-tokens must be an integer"),
+    ({"num_draft_tokens": None}, "--num-draft-tokens must be given"),
     ({"max_batch_size": 0}, "--max-batch-size must be >= 1"),
     ({"max_context": 0}, "--max-context must be >= 1"),
     ({"draft_policy": "greedy"}, "--draft-policy must be fixed, acceptance or auto"),

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from specdecode.config import DraftSettings, EngineSettings
 from specdecode.costmodel import CostModel
 from specdecode.drafters import DraftSpecError, check_draft, parse_draft
 from specdecode.drafters.draft_model import DraftModelDrafter
@@ -262,12 +263,9 @@ def test_the_spec_parses_and_refuses_bad_options():
         with pytest.raises(DraftSpecError):
             check_draft(bad)
 
-    @dataclass
-    class Config:
-        tree_topk: int = 2
-        tree_nodes: int = 7
-
-    d = build_drafter("suffix:depth=16,history=0,prob=0.2", DraftContext(None, Config()))
+    d = build_drafter(
+        "suffix:depth=16,history=0,prob=0.2", DraftContext(None, DraftSettings(tree_topk=2, tree_nodes=7))
+    )
     assert (d.depth, d.history.budget, d.min_prob, d.tree_topk, d.max_tree_nodes, d.free) == (16, 0, 0.2, 2, 7, True)
 
 
@@ -296,7 +294,9 @@ def reference(target):
 
 
 def test_greedy_chains_equal_target_only_and_speculate(target, reference):
-    engine = Engine(HFRunner(target), TOK, SuffixDrafter(), 4, max_batch_size=2, max_context=80)  # ragged: moves
+    engine = Engine(
+        HFRunner(target), TOK, SuffixDrafter(), 4, EngineSettings(max_batch_size=2, max_context=80)
+    )  # ragged: moves
     outs = engine.generate(PROMPTS, greedy())
     assert [o.token_ids for o in outs] == reference
     assert sum(o.stats.drafted for o in outs) > 0 and sum(o.stats.accepted for o in outs) > 0
@@ -307,7 +307,9 @@ def test_the_history_drafts_a_repeated_request_and_only_with_history(target):
     prompt = [7, 9, 11, 13, 2]
     accepted = {}
     for budget in (65536, 0):
-        engine = Engine(HFRunner(target), TOK, SuffixDrafter(history=budget), 4, max_batch_size=1, max_context=80)
+        engine = Engine(
+            HFRunner(target), TOK, SuffixDrafter(history=budget), 4, EngineSettings(max_batch_size=1, max_context=80)
+        )
         first, again = (engine.generate([prompt], greedy(40))[0] for _ in range(2))
         assert again.token_ids == first.token_ids
         accepted[budget] = (first.stats.accepted, again.stats.accepted)
@@ -322,9 +324,7 @@ def test_greedy_trees_equal_target_only(target, reference, topk, nodes):
         TOK,
         SuffixDrafter(tree_topk=topk, tree_nodes=nodes, min_prob=0.05),
         4,
-        max_batch_size=2,
-        max_context=80,
-        max_tree_nodes=nodes,
+        EngineSettings(max_batch_size=2, max_context=80, max_tree_nodes=nodes),
     )
     outs = engine.generate(PROMPTS, greedy())
     assert [o.token_ids for o in outs] == reference
@@ -355,7 +355,7 @@ def test_auto_beside_a_draft_model_and_ngram_equals_target_only(target, referenc
         catch_up_tokens=4,
         settings=SelectorSettings(explore_every=3),
     )
-    engine = Engine(HFRunner(target), TOK, multi, policy, max_batch_size=2, max_context=80)
+    engine = Engine(HFRunner(target), TOK, multi, policy, EngineSettings(max_batch_size=2, max_context=80))
     outs = engine.generate(PROMPTS, greedy())
     assert [o.token_ids for o in outs] == reference
     chosen = {label.split(":")[0] for o in outs for label in o.stats.choices}
@@ -420,9 +420,7 @@ def law_engine(model, drafter, verifier=None, nodes=0):
         make_tokenizer(VS),
         drafter,
         2,
-        max_batch_size=250,
-        max_context=16,
-        max_tree_nodes=nodes,
+        EngineSettings(max_batch_size=250, max_context=16, max_tree_nodes=nodes),
         verifier=verifier,
     )
 

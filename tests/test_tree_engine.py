@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdecode.config import EngineSettings
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.drafters.ngram import NgramDrafter
 from specdecode.engine import Engine
@@ -36,9 +37,7 @@ def tree_engine(target, draft, k, topk, nodes, slots=3, max_len=64, verifier=Non
         TOK if target.config.vocab_size == V else make_tokenizer(VS),
         drafter,
         k,
-        max_batch_size=slots,
-        max_context=max_len,
-        max_tree_nodes=nodes,
+        EngineSettings(max_batch_size=slots, max_context=max_len, max_tree_nodes=nodes),
         verifier=verifier,
     )
 
@@ -64,9 +63,7 @@ def test_greedy_ngram_trees_equal_target_only(pair, topk, nodes):
         TOK,
         NgramDrafter(tree_topk=topk, tree_nodes=nodes),
         4,
-        max_batch_size=2,
-        max_context=64,
-        max_tree_nodes=nodes,
+        EngineSettings(max_batch_size=2, max_context=64, max_tree_nodes=nodes),
     )
     outs = engine.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
@@ -76,9 +73,9 @@ def test_greedy_ngram_trees_equal_target_only(pair, topk, nodes):
 def test_trees_on_the_toy_runner_equal_target_only():
     target = ToyRunner(V, seed=0)
     drafter = DraftModelDrafter(ToyRunner(V, seed=1), tree_topk=3, tree_nodes=10)
-    engine = Engine(target, TOK, drafter, 4, max_batch_size=2, max_context=64, max_tree_nodes=10)
+    engine = Engine(target, TOK, drafter, 4, EngineSettings(max_batch_size=2, max_context=64, max_tree_nodes=10))
     outs = engine.generate([[1, 2, 3], [4, 5, 6, 7], [9]], SamplingParams(max_new_tokens=15, ignore_eos=True))
-    reference = Engine(ToyRunner(V, seed=0), TOK, None, 0, max_batch_size=1, max_context=64).generate(
+    reference = Engine(ToyRunner(V, seed=0), TOK, None, 0, EngineSettings(max_batch_size=1, max_context=64)).generate(
         [[1, 2, 3], [4, 5, 6, 7], [9]], SamplingParams(max_new_tokens=15, ignore_eos=True)
     )
     assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
@@ -143,9 +140,7 @@ def test_sampled_ngram_trees_follow_the_target_law(small_pair):
         make_tokenizer(VS),
         NgramDrafter(max_ngram=2, tree_topk=3, tree_nodes=6),
         2,
-        max_batch_size=250,
-        max_context=16,
-        max_tree_nodes=6,
+        EngineSettings(max_batch_size=250, max_context=16, max_tree_nodes=6),
     )
     counts = sample_first_two(engine, prompt, sp, 4000, 250)
     assert chi_square_p(counts, exact_two_token_law(target, prompt, sp), 4000) > ALPHA

@@ -9,6 +9,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from specdecode.config import EngineSettings, default
 from specdecode.engine import Engine
 from specdecode.models.hf import HFRunner
 
@@ -112,10 +113,10 @@ def make_engine(
     drafter=None,
     verifier=None,
     backend: str | None = None,
-    **engine_kwargs,
+    **settings,
 ):
     """An engine on tiny models; it sizes both runners' caches itself (see :func:`runner_for`);
-    ``engine_kwargs`` go to :class:`Engine` (``serving()`` gives a server's)."""
+    ``settings`` go to its :class:`EngineSettings` (``serving()`` gives a server's)."""
     from specdecode.drafters.draft_model import DraftModelDrafter
 
     if draft is not None:
@@ -125,17 +126,14 @@ def make_engine(
         tokenizer,
         drafter,
         k,
-        max_batch_size=num_slots,
-        max_context=max_len,
+        EngineSettings(max_batch_size=num_slots, max_context=max_len, **settings),
         verifier=verifier,
-        **engine_kwargs,
     )
 
 
-def serving(max_num_batched_tokens: int = 512, batched_tokens_per_seq: int = 0) -> dict:
-    """Engine arguments of an engine built for serving, as `specdecode serve` builds it by default."""
-    return dict(
-        first_token_from_target=True,
-        max_num_batched_tokens=max_num_batched_tokens,
-        batched_tokens_per_seq=batched_tokens_per_seq,
-    )
+def serving(**changes) -> dict:
+    """:class:`EngineSettings` of an engine built for serving, as `specdecode serve` builds it by default (the
+    defaults the config declares for serve: first token from the target, drafter faults isolated, a step
+    budget); ``changes``: other values (``max_num_batched_tokens=16``)."""
+    names = ("first_token_from_target", "isolate_drafter_faults", "max_num_batched_tokens", "batched_tokens_per_seq")
+    return {**{name: default(name, "serve") for name in names}, **changes}

@@ -4,8 +4,9 @@ progress hook, and small helpers to run requests and compare token lists."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
+from specdecode.config import ConfigError, check_fields, default, setting
 from specdecode.engine import Engine
 from specdecode.metrics import SpecStats
 from specdecode.sampling import SamplingParams, SamplingSetting, parse_setting
@@ -37,40 +38,111 @@ PART_NAMES = {
 OPTIONAL_PARTS = {6}  # run when asked (the CLI asks with --sampler coupled); not listed otherwise
 
 
+def setting_names(settings: tuple[SamplingSetting, ...]) -> str:
+    """Settings as ``--law-settings`` takes them: :func:`parse_settings`'s inverse."""
+    return ";".join("greedy" if s.greedy else _setting_text(s) for s in settings)
+
+
+def _setting_text(s: SamplingSetting) -> str:
+    return ",".join(
+        [f"t={s.temperature:g}"] + ([f"k={s.top_k}"] if s.top_k else []) + ([f"p={s.top_p:g}"] if s.top_p < 1 else [])
+    )
+
+
+def parse_lengths(text: str) -> tuple[int, ...]:
+    """``"2,4,8"`` -> draft lengths, each >= 1."""
+    try:
+        ks = tuple(int(k) for k in text.split(",") if k.strip())
+    except ValueError:
+        ks = ()
+    if not ks or min(ks) < 1:
+        raise ValueError(f"must list draft lengths >= 1, got {text!r}")
+    return ks
+
+
+def _budget(default: int, flag: str, help: str) -> Any:
+    return setting(default, flag, type=int, minimum=1, help=help + " (default %(default)s)")
+
+
 @dataclass
 class CheckConfig:
-    """Budgets of every part (the CLI flags). ``alpha`` is the false-alarm probability of the whole
-    check: half goes to part 1 and half to part 2, Bonferroni-split across their tests; parts 3-5
-    are exact comparisons."""
+    """Budgets of every part: each field is its flag's one definition (``specdecode check`` makes its flags
+    from them and this config from its flags in one call). ``alpha`` is the false-alarm probability of the
+    whole check: half goes to part 1 and half to part 2, Bonferroni-split across their tests; parts 3-5
+    are exact comparisons. Checked when made."""
 
-    num_draft_tokens: int = 4
-    parts: tuple[int, ...] = (1, 2, 3, 4, 5)
-    alpha: float = 1e-3
-    seed: int = 0
+    # the draft length of every speculative engine: the engine's setting (its flag is the model flags')
+    num_draft_tokens: int = setting(default("num_draft_tokens"), type=int, minimum=1)
+    parts: tuple[int, ...] = (1, 2, 3, 4, 5)  # --parts (its default depends on --sampler: check.cli)
+    alpha: float = setting(
+        1e-3,
+        "--alpha",
+        type=float,
+        help="false-alarm probability of the whole check, split over parts 1-2 (default %(default)g)",
+    )
+    seed: int = setting(0, "--seed", type=int, help="seed of every random draw the check makes (default %(default)s)")
     # part 1: verifier law on the pair's real distributions
-    law_contexts: int = 3
-    law_samples: int = 2000  # verification steps per (context, setting)
-    law_settings: tuple[SamplingSetting, ...] = DEFAULT_LAW_SETTINGS
+    law_contexts: int = _budget(3, "--law-contexts", "part 1: contexts")
+    law_samples: int = _budget(2000, "--law-samples", "part 1: verification steps per context and setting")
+    law_settings: tuple[SamplingSetting, ...] = setting(
+        DEFAULT_LAW_SETTINGS,
+        "--law-settings",
+        parse=lambda text: parse_settings(text),
+        text=setting_names,
+        help="part 1: ';'-separated settings, 'greedy' or t=..,k=..,p=.. (default %(default)r)",
+    )
     # part 2: end-to-end two-sample test
-    e2e_prompts: int = 1
-    e2e_samples: int = 64  # per group (speculative, target-only) and per (prompt, setting)
-    e2e_tokens: int = 2
-    e2e_batch: int = 16
-    e2e_settings: tuple[SamplingSetting, ...] = DEFAULT_E2E_SETTINGS
+    e2e_prompts: int = _budget(1, "--e2e-prompts", "part 2: prompts")
+    e2e_samples: int = _budget(64, "--e2e-samples", "part 2: samples per group, prompt and setting")
+    e2e_tokens: int = _budget(2, "--e2e-tokens", "part 2: tokens per sample")
+    e2e_batch: int = _budget(16, "--e2e-batch", "part 2: batch size")
+    e2e_settings: tuple[SamplingSetting, ...] = setting(
+        DEFAULT_E2E_SETTINGS,
+        "--e2e-settings",
+        parse=lambda text: parse_settings(text),
+        text=setting_names,
+        help="part 2: settings (default %(default)r)",
+    )
     # part 3: greedy equality
-    greedy_tokens: int = 12
-    greedy_batch: int = 4
+    greedy_tokens: int = _budget(12, "--greedy-tokens", "part 3: tokens per prompt")
+    greedy_batch: int = _budget(4, "--greedy-batch", "part 3: batch size > 1")
     # part 4: stops and length
-    stop_tokens: int = 12
+    stop_tokens: int = _budget(12, "--stop-tokens", "part 4: learning-run tokens")
     # part 5: seeds
-    seed_tokens: int = 8
-    seed_batch: int = 3
+    seed_tokens: int = _budget(8, "--seed-tokens", "part 5: tokens per request")
+    seed_batch: int = _budget(3, "--seed-batch", "part 5: batch size")
     seed_setting: SamplingSetting = SamplingSetting(1.0)
     # part 6: the coupled sampler (--sampler coupled): seeded equality, and its law on part 1's contexts
-    coupled_tokens: int = 16
-    coupled_ks: tuple[int, ...] = (2, 4, 8)
-    coupled_setting: SamplingSetting = SamplingSetting(0.7)
-    coupled_samples: int = 2000  # seeds per (context, setting) of the law test
+    coupled_tokens: int = _budget(16, "--coupled-tokens", "part 6: tokens per seeded request")
+    coupled_ks: tuple[int, ...] = setting(
+        (2, 4, 8),
+        "--coupled-draft-lengths",
+        parse=parse_lengths,
+        text=lambda ks: ",".join(map(str, ks)),
+        metavar="K,...",
+        help="part 6: draft lengths compared with target-only decoding (default %(default)s)",
+    )
+    coupled_setting: SamplingSetting = setting(
+        SamplingSetting(0.7),
+        "--coupled-setting",
+        parse=parse_setting,
+        text=_setting_text,
+        help="part 6: the sampling setting (default %(default)r)",
+    )
+    coupled_samples: int = _budget(2000, "--coupled-samples", "part 6: seeds per context and setting of the law test")
+
+    def __post_init__(self) -> None:
+        if self.num_draft_tokens < 1:
+            raise ConfigError(
+                "--num-draft-tokens must be >= 1: the check compares speculation with target-only decoding"
+            )
+        check_fields(self)
+        if not self.parts or any(p not in range(1, 8) for p in self.parts):
+            raise ConfigError(f"--parts must list numbers 1-7, got {','.join(map(str, self.parts))!r}")
+        if not 0 < self.alpha < 1:
+            raise ConfigError("--alpha must be in (0, 1)")
+        if self.coupled_setting.greedy:
+            raise ConfigError("--coupled-setting must sample (T > 0): greedy decoding is part 3's")
 
     @property
     def statistical_parts(self) -> list[int]:

@@ -41,6 +41,7 @@ import torch
 from specdecode.check.common import EnginePool, Progress
 from specdecode.check.report import FAIL, PASS, WEAK, PartResult
 from specdecode.check.stats import goodness_of_fit
+from specdecode.config import EngineSettings
 from specdecode.engine import Engine
 from specdecode.models.base import next_token_logits
 from specdecode.processors import build_processors
@@ -222,11 +223,11 @@ def engines(spec: Engine, params: SamplingParams) -> dict[str, tuple[Engine, Sam
             spec.tokenizer,
             drafter or spec.drafter,
             1,
+            EngineSettings(
+                max_batch_size=spec.max_batch_size, max_context=spec.max_context, max_tree_nodes=spec.max_tree_nodes
+            ),
             eos_token_ids=spec.eos_token_ids,
-            max_batch_size=spec.max_batch_size,
-            max_context=spec.max_context,
             verifier=verifier or spec.verifier,
-            max_tree_nodes=spec.max_tree_nodes,
         )
 
     grammars = spec.grammars if params.grammar is not None else None

@@ -35,6 +35,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from specdecode.config import DraftSettings
 from specdecode.drafters.base import DrafterBase, Proposal, SequenceView
 from specdecode.drafters.dynamic_tree import GROWTH, GrownTree, grow_trees
 from specdecode.models.base import Runner
@@ -48,21 +49,15 @@ FeedFn = Callable[[torch.Tensor, int], torch.Tensor]
 LevelFn = Callable[..., torch.Tensor]
 
 
-def draft_settings(config) -> dict:
-    """``confidence``, ``tree_topk`` and ``tree_nodes`` from the engine config (defaults without one)."""
-    if not config:
-        return {"confidence": 0.0, "tree_topk": 1, "tree_nodes": 0}
-    return {
-        "confidence": getattr(config, "draft_confidence", 0.0),
-        "tree_topk": getattr(config, "tree_topk", 1),
-        "tree_nodes": getattr(config, "tree_nodes", 0),
-    }
+def draft_settings(config: DraftSettings) -> dict:
+    """``confidence``, ``tree_topk`` and ``tree_nodes`` from the drafters' settings (``DraftContext.config``)."""
+    return {"confidence": config.draft_confidence, "tree_topk": config.tree_topk, "tree_nodes": config.tree_nodes}
 
 
-def invariant_draws(module: torch.nn.Module, config) -> None:
-    """Under ``--batch-invariant`` a drafter's own module computes each row alike whatever the batch too,
-    so its draws do not depend on the batch either."""
-    if getattr(config, "batch_invariant", False):
+def invariant_draws(module: torch.nn.Module, config: DraftSettings) -> None:
+    """Under ``--batch-invariant`` (as resolved for the target) a drafter's own module computes each row alike
+    whatever the batch too, so its draws do not depend on the batch either."""
+    if config.batch_invariant:
         from specdecode.models import batch_invariant
 
         batch_invariant.enable(module, batch_invariant.DRAFT_WORKLOAD)

@@ -91,7 +91,7 @@ class NgramDrafter(DrafterBase):
 
 def build(arg: str, ctx) -> NgramDrafter:
     """``--draft ngram`` (longest suffix 3 tokens) or ``ngram:MAX`` / ``ngram:MIN-MAX``."""
-    tree = (getattr(ctx.config, "tree_topk", 1), getattr(ctx.config, "tree_nodes", 0)) if ctx.config else (1, 0)
+    tree = (ctx.config.tree_topk, ctx.config.tree_nodes)
     if not arg:
         return NgramDrafter(3, 1, *tree)
     lo, sep, hi = arg.partition("-")

@@ -499,5 +499,5 @@ def validate(arg: str) -> None:
 def build(arg: str, ctx) -> SuffixDrafter:
     """``--draft suffix`` (depth 64, history 32,768 tokens, min confidence 0.1, factor 1) or
     ``suffix:depth=D,history=N,prob=P,factor=F``."""
-    tree = (getattr(ctx.config, "tree_topk", 1), getattr(ctx.config, "tree_nodes", 0)) if ctx.config else (1, 0)
+    tree = (ctx.config.tree_topk, ctx.config.tree_nodes)
     return SuffixDrafter(**parse(arg), tree_topk=tree[0], tree_nodes=tree[1])

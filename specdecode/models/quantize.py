@@ -52,7 +52,8 @@ MODES = ("none", "int8", "int4", "auto")
 # a .gguf draft kept quantized on llama.cpp's kernels beside any target: its own types ("gguf"), or
 # requantized once by llama.cpp's quantizer into the cache (see specdecode.models.llamacpp.requantize)
 GGUF_MODES = ("gguf", "q8_0", "q4_0")
-DRAFT_MODES = MODES + GGUF_MODES
+DRAFT_MODES = MODES + GGUF_MODES  # --draft-quantization
+TARGET_MODES = ("none", "int8", "int4")  # --target-quantization (auto measures a draft's speed, not a target's)
 INT4_GROUP = 32
 
 

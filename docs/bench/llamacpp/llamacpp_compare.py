@@ -157,7 +157,9 @@ def main() -> int:
     def engine_for(name: str):
         if name not in engines:
             if name == "target":
-                cfg = EngineConfig(args.target, None, num_draft_tokens=0, backend="llamacpp", threads=args.threads)
+                cfg = EngineConfig(
+                    args.target, None, num_draft_tokens=0, backend="llamacpp", threads=args.threads, max_context=4096
+                )
             else:
                 m = re.fullmatch(r"(draft|ngram)-k(\d+)(?:-conf([\d.]+))?", name)
                 cfg = EngineConfig(
@@ -167,8 +169,8 @@ def main() -> int:
                     backend="llamacpp",
                     threads=args.threads,
                     draft_confidence=float(m.group(3) or 0),
+                    max_context=4096,
                 )
-            cfg.max_context = 4096
             engines[name] = engine_from_pair(pair, cfg)
         return engines[name]
 
