@@ -31,7 +31,6 @@ next start measures again.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import math
 import statistics
@@ -58,9 +57,7 @@ def _interp1(points: dict[int, float], x: float) -> float:
     xs = sorted(points)
     if len(xs) == 1 or x <= xs[0]:
         return points[xs[0]]
-    for lo, hi in zip(xs, xs[1:]):
-        if x <= hi:
-            break
+    lo, hi = next(((a, b) for a, b in zip(xs, xs[1:]) if x <= b), (xs[-2], xs[-1]))  # (past the last: its slope)
     t = (x - lo) / (hi - lo)
     return max(0.0, points[lo] + t * (points[hi] - points[lo]))
 

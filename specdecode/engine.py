@@ -18,10 +18,17 @@ running batch, so a long prompt never stalls running streams for more than one c
 when that is more). A prompt whose
 last chunk ran takes its first decode step in the same step.
 
+A step reads top to bottom (:meth:`Engine.step`): plan -> propose -> verify -> commit. The policy's plan
+(:class:`specdecode.policy.Plan`) only decides; the drafter side
+(:class:`specdecode.drafters.session.DraftSession`) owns the drafter's lifecycle over the sequences (when it
+starts on each, catching up, prefilling in chunks, letting go) and does the catch-up reads a plan names, so
+the engine never asks whether a drafter has started, caught up or prefilled a sequence.
+
 The engine talks to models only through the runner interface (:mod:`specdecode.models.base`) and to
-drafters only through their protocol (:mod:`specdecode.drafters.base`); it sizes the caches itself
-(context + the longest verify window), verifies with an injected :class:`~specdecode.verify.Verifier`,
-and hands a drafter that asks for them the target's hidden states of every token it caches. Every
+drafters only through their protocol (:mod:`specdecode.drafters.base`), by way of its ``DraftSession``; it
+sizes the caches itself (context + the longest verify window), verifies with an injected
+:class:`~specdecode.verify.Verifier`, and hands a drafter that asks for them the target's hidden states of
+every token it caches. Every
 tensor it builds lives on the target's device; random draws come from per-request CPU generators, or for
 a request of the coupled sampler (``--sampler coupled``) from noise keyed by its seed and each token's
 position, verified by the coupled rule (:mod:`specdecode.verify.coupled`).
@@ -37,15 +44,17 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 
+from specdecode.config import EngineSettings
 from specdecode.drafters.base import Drafter, Proposal, TargetFeatures
+from specdecode.drafters.session import DraftSession
 from specdecode.drafters.state import DraftState
 from specdecode.errors import UserError
 from specdecode.logprobs import TokenLogprob, token_logprobs
 from specdecode.metrics import SpecStats
 from specdecode.models.base import Runner
-from specdecode.policy import DraftPolicy, FixedPolicy, SwitchPolicy
+from specdecode.policy import DraftPolicy, FixedPolicy, Plan
 from specdecode.processors import LogitsProcessor, build_processors, chain_prefixes, tree_prefixes
-from specdecode.sampling import SAMPLERS, SamplingParams, make_generator, race_noises, warp, warp_tensors
+from specdecode.sampling import SamplingParams, make_generator, race_noises, warp, warp_tensors
 from specdecode.text import IncrementalText
 from specdecode.tree import tree_layout
 from specdecode.verify import Verifier
@@ -83,7 +92,7 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)  # prompt + generated
     finish_reason: str | None = None  # "stop" (EOS, stop token, string or rule) | "length" | "abort" | "error"
     stats: SpecStats = field(default_factory=SpecStats)
-    draft: DraftState = field(default_factory=DraftState)  # the engine's bookkeeping of the drafter for it
+    draft: DraftState = field(default_factory=DraftState)  # the drafter side's record of it (DraftSession's)
     prefilled: int = 0  # prompt tokens the target has cached (all but the last once prefill is complete)
     prefill_began: float | None = None  # perf_counter at the start / end of its target prefill
     prefill_ended: float | None = None
@@ -151,43 +160,38 @@ class Engine:
         tokenizer,
         drafter: Drafter | None = None,
         policy: DraftPolicy | int = 0,
-        eos_token_ids: set[int] | None = None,
-        max_batch_size: int | None = None,
-        max_context: int | None = None,
+        settings: EngineSettings = EngineSettings(),
+        *,
         verifier: Verifier | None = None,
-        max_tree_nodes: int = 0,
-        first_token_from_target: bool = False,
-        max_num_batched_tokens: int | None = None,
-        batched_tokens_per_seq: int = 0,
-        target_quantization: str = "none",
-        lossy: dict | None = None,
-        sampler: str = "rejection",
+        eos_token_ids: set[int] | None = None,
     ) -> None:
+        """``settings``: the engine's slice of the config, checked when it was made
+        (:meth:`specdecode.config.EngineConfig.engine_settings`; tests and scripts make one directly)."""
         self.target = target
         self.tokenizer = tokenizer
-        self.drafter = drafter
-        inner = FixedPolicy(policy if drafter is not None else 0) if isinstance(policy, int) else policy
-        # the policy says how many tokens to draft; its switch turns drafting off server-wide or per request
-        self.policy = self.switch = SwitchPolicy(inner)
+        self.settings = settings
+        # the policy decides how many tokens to draft (a request that does not speculate is never planned)
+        self.policy = FixedPolicy(policy if drafter is not None else 0) if isinstance(policy, int) else policy
         self.verifier = verifier or Verifier()
-        if sampler not in SAMPLERS:
-            raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
-        self.sampler = sampler  # a request's sampler when its params name none (--sampler)
+        self.sampler = settings.sampler  # a request's sampler when its params name none (--sampler)
         self.eos_token_ids = set(eos_token_ids if eos_token_ids is not None else default_eos_ids(target, tokenizer))
         self.device = target.device
         # the verify window: the pending token plus the longest chain or largest tree a step may carry
-        max_tree_nodes = max(max_tree_nodes, drafter.max_tree_nodes if drafter is not None else 0)
-        self.window = max(inner.max_k, max_tree_nodes) + 1
+        max_tree_nodes = max(settings.max_tree_nodes, drafter.max_tree_nodes if drafter is not None else 0)
+        self.window = max(self.policy.max_k, max_tree_nodes) + 1
         self.max_tree_nodes = max_tree_nodes  # > 0: the drafter proposes trees of up to this many nodes
-        self.target_quantization = target_quantization  # "int8"/"int4": a LOSSY, quantized target
-        self.lossy: dict = dict(lossy or {})  # why outputs do not follow the named target's law ({} = exact)
-        self.max_batch_size = max_batch_size or target.num_slots or 1
-        if max_context is None:
+        self.target_quantization = settings.target_quantization  # "int8"/"int4": a LOSSY, quantized target
+        self.lossy: dict = dict(settings.lossy)  # why outputs do not follow the named target's law ({} = exact)
+        self.max_batch_size = settings.max_batch_size or target.num_slots or 1
+        max_context = settings.max_context
+        if max_context is None:  # what the runner's cache holds beside the verify window
             if not target.max_len:
                 raise ValueError("max_context is needed when the runner has no cache yet")
             max_context = target.max_len - self.window
-        if max_context < 1:
-            raise ValueError(f"max_context must be >= 1, got {max_context}")
+            if max_context < 1:
+                raise ValueError(
+                    f"the runner's cache of {target.max_len} leaves no context beside a window of {self.window}"
+                )
         self.max_context = max_context
         target.ensure_capacity(self.max_batch_size, max_context + self.window)
         if drafter is not None:
@@ -195,16 +199,21 @@ class Engine:
         self.feature_layers = tuple(drafter.feature_layers) if drafter is not None else ()
         # True (the server, `generate`): a new sequence's first token comes from the target alone and the
         # drafter sees its prompt only after that (see add_batch), so speculation never delays it
-        self.first_token_from_target = first_token_from_target
+        self.first_token_from_target = settings.first_token_from_target
         # tokens one step may carry (the verify windows of the running batch + a chunk of waiting
         # prompts); None: a prompt is prefilled whole in the step after its admission
-        if max_num_batched_tokens is not None and max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_batched_tokens = settings.max_num_batched_tokens
         # > 0: the budget grows with load, to this many tokens per admitted sequence (0: fixed budget)
-        if batched_tokens_per_seq < 0:
-            raise ValueError(f"batched_tokens_per_seq must be >= 0, got {batched_tokens_per_seq}")
-        self.batched_tokens_per_seq = batched_tokens_per_seq
+        self.batched_tokens_per_seq = settings.batched_tokens_per_seq
+        # the drafter's side: its lifecycle over the sequences (starts, late starts, chunked prefill, release);
+        # True (the server): a drafter exception makes the rows involved decode target-only (drafters.guard)
+        self.drafts = DraftSession(
+            drafter,
+            after_first_token=settings.first_token_from_target,
+            prefill_chunk=settings.max_num_batched_tokens,
+            isolate_faults=settings.isolate_drafter_faults,
+        )
+        self.drafter = self.drafts.drafter  # (inside its fault guard when isolating faults)
         self.running: list[Sequence] = []
         self.prefilling: list[Sequence] = []  # admitted, prompt not yet fully cached; slots after the running ones
         self._ids = itertools.count()
@@ -229,26 +238,17 @@ class Engine:
 
     def runners(self) -> dict[str, Runner]:
         """Every model runner in use, by role: ``target`` and whatever the drafter owns."""
-        return {"target": self.target, **(self.drafter.runners() if self.drafter is not None else {})}
-
-    def isolate_drafter_faults(self, on_failure=lambda where: None, on_retry=lambda where, rows: None) -> None:
-        """From now on a drafter exception is absorbed: the rows involved are retried one by one, and a
-        row that fails alone decodes target-only for the rest of its request (see
-        :class:`specdecode.drafters.guard.GuardedDrafter`)."""
-        from specdecode.drafters.guard import GuardedDrafter
-
-        if self.drafter is not None and not isinstance(self.drafter, GuardedDrafter):
-            if self.running:
-                raise RuntimeError("isolate drafter faults before admitting requests")
-            self.drafter = GuardedDrafter(self.drafter, on_failure, on_retry)
+        return {"target": self.target, **self.drafts.runners()}
 
     @property
     def draft_slots_used(self) -> int:
         """Slots the drafter holds state for (after a drafter fault, fewer than the running ones)."""
-        if self.drafter is None:
-            return 0
-        held = self.drafter.held_slots()  # a fault-isolating drafter knows
-        return len(held) if held is not None else sum(s.draft.started for s in self.running)
+        return self.drafts.slots_used(self.running)
+
+    @property
+    def drafter_faults(self) -> tuple[int, int]:
+        """(drafter failures, rows retried alone) absorbed so far (``isolate_drafter_faults``)."""
+        return self.drafts.faults
 
     # -- admission ------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -280,18 +280,24 @@ class Engine:
         """Admit one request (see :meth:`add_batch`)."""
         return self.add_batch([(prompt_ids, params, request_id)])[0]
 
-    def add_batch(self, requests: list[tuple[list[int], SamplingParams, str | None]]) -> list[Sequence]:
+    def add_batch(
+        self, requests: list[tuple[list[int], SamplingParams, str | None]], checked: bool = False
+    ) -> list[Sequence]:
         """Admit requests and prefill them now, whole (every prompt token but the last, which becomes
         the pending token), in one batched pass: :meth:`admit` then :meth:`prefill`."""
-        seqs = self.admit(requests)
+        seqs = self.admit(requests, checked)
         self.prefill()
         return seqs
 
-    def admit(self, requests: list[tuple[list[int], SamplingParams, str | None]]) -> list[Sequence]:
+    def admit(
+        self, requests: list[tuple[list[int], SamplingParams, str | None]], checked: bool = False
+    ) -> list[Sequence]:
         """Give requests free slots; their prompts wait in ``prefilling`` (first come, first served)
-        until :meth:`prefill` or the next :meth:`step` caches them. Nothing is computed here."""
-        for prompt_ids, params, *_ in requests:
-            self.validate(prompt_ids, params)
+        until :meth:`prefill` or the next :meth:`step` caches them. Nothing is computed here. Each request is
+        checked (:meth:`validate`) unless ``checked``: its caller validated it already (once per request)."""
+        if not checked:
+            for prompt_ids, params, *_ in requests:
+                self.validate(prompt_ids, params)
         if len(requests) > self.free_slots():
             raise RuntimeError("not enough free slots: check free_slots() first")
         first = len(self.running) + len(self.prefilling)
@@ -339,11 +345,11 @@ class Engine:
         budget; the drafter still prefills each. Prompts keep their queue order: a copy that is complete waits
         in ``prefilling`` until those before it are.
 
-        The drafter prefills the same prompts right after, unless ``first_token_from_target``: then a
-        new sequence's first step drafts nothing, so its first token comes from the target alone,
-        sampled exactly as target-only decoding would, and the drafter catches up on the prompt at
-        the start of the sequence's second step (target features it wants are kept until then), so
-        speculation never delays the first token."""
+        The drafter side then hears of the cached prompts (:meth:`DraftSession.prompts_cached`): the drafter
+        prefills them right after, unless ``first_token_from_target``: then a new sequence's first step
+        drafts nothing, so its first token comes from the target alone, sampled exactly as target-only
+        decoding would, and the drafter catches up on the prompt at the start of the sequence's second step
+        (target features it wants are kept until then), so speculation never delays the first token."""
         chunks: list[tuple[Sequence, int]] = []  # (sequence, tokens this call)
         leaders: dict[tuple[int, ...], tuple[Sequence, int]] = {}  # prompt -> its first sequence and chunk
         followers: list[tuple[Sequence, Sequence, int]] = []  # (sequence, the one it copies, tokens it gains)
@@ -387,14 +393,16 @@ class Engine:
                 for s in failed:
                     self.abort(s)
                 raise PrefillError(failed) from exc
+        fresh: dict[Sequence, TargetFeatures] = {}  # this call's target features for the drafter, by sequence
+        if work:
             for (s, n), piece, f in zip(work, pieces, feats):
                 if self.feature_layers:
-                    s.draft.early_features.append(TargetFeatures(s.prefilled, piece, f))
+                    fresh[s] = TargetFeatures(s.prefilled, piece, f)
                 s.prefilled += n
         for s, lead, n in followers:  # (n choices of one request, or equal prompts admitted together)
             self.target.copy_slot(lead.slot, s.slot, lead.prefilled)
             if self.feature_layers:
-                s.draft.early_features.append(lead.draft.early_features[-1])
+                fresh[s] = fresh[lead]
             s.prefilled += n
             s.stats.prefill_copied += n
         t1 = time.perf_counter()
@@ -407,8 +415,8 @@ class Engine:
             s.prefill_ended = t1
         del self.prefilling[: len(done)]
         self.running.extend(done)
-        if self.drafter is not None and not self.first_token_from_target:
-            self._start_drafter([s for s in done if self.switch.drafts_for(s)])
+        self.drafts.cached(list(fresh), list(fresh.values()))
+        self.drafts.prompts_cached(done)
         return done
 
     def abort(self, seq: Sequence) -> None:
@@ -421,45 +429,27 @@ class Engine:
             self._pack_prefilling()
 
     def forget_outputs(self) -> None:
-        """The drafter drops what it keeps of finished requests' outputs (see Drafter.forget_outputs)."""
-        if self.drafter is not None:
-            self.drafter.forget_outputs()
+        """The drafter drops what it keeps of finished requests' outputs (the ``history`` capability)."""
+        self.drafts.forget_outputs()
 
     def remember(self, output: list[int]) -> None:
-        """The drafter keeps ``output`` as a finished request's (see Drafter.remember)."""
-        if self.drafter is not None:
-            self.drafter.remember(list(output))
+        """The drafter keeps ``output`` as a finished request's (the ``history`` capability)."""
+        self.drafts.remember(list(output))
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[StepEvent]:
-        """One step: a chunk of waiting prompts' prefill (all of them when ``max_num_batched_tokens`` is
-        None), then one draft + verify of every running sequence, those just prefilled included.
+        """One step: plan -> propose -> verify -> commit for every running sequence, after a chunk of the
+        waiting prompts' prefill (all of them when ``max_num_batched_tokens`` is None), those just prefilled
+        included (their first token comes from the target alone).
 
         A failure that belongs to one row (its sampling parameters, its text) fails that row alone: its
         event carries the ``error``, it emits nothing and leaves the batch; the others step on. A failure
         of the shared forward raises (the caller decides about the whole batch)."""
-        if self.drafter is not None:
-            # (a request that opted out of speculation never costs the drafter anything)
-            late = [
-                s
-                for s in self.running
-                if not s.draft.started
-                and s.draft.eligible
-                and self.switch.drafts_for(s)
-                and (s.output_ids or not self.first_token_from_target)
-            ]
-            if late and self.max_num_batched_tokens is not None:
-                late = self._drafter_prefill(late)  # a chunk; those whose prompt it has cached start now
-            if late:
-                self._start_drafter(late)
-        # the policy plans the sequences that may draft: not one whose drafter has not seen its prompt
-        # yet (its first step), nor one with a single token left; never past the token budget (a step
-        # emits depth + 1 tokens at most)
         seqs = self.running
-        room = [s.params.max_new_tokens - len(s.output_ids) - 1 if s.draft.started else 0 for s in seqs]
-        ready = [s for s, r in zip(seqs, room) if r > 0]
-        planned = dict(zip(map(id, ready), self.policy.plan(ready, len(seqs)) if ready and self.drafter else []))
-        ks = [max(0, min(planned.get(id(s), 0), r)) for s, r in zip(seqs, room)]
+        self.drafts.catch_up(seqs)  # the drafter starts where it owes a start (late, or after a chunked prefill)
+        plan = self._plan(seqs)  # the policy decides; it runs nothing
+        self.drafts.read_ahead(plan.reads)  # the catch-up reads the plan names, before anything is proposed
+        ks = list(plan.lengths)
         if self.prefilling:
             done = self.prefill(self._chunk_budget(ks))
             ks += [0] * len(done)  # (their first token comes from the target alone)
@@ -477,10 +467,7 @@ class Engine:
                 s.stats.record_choice(label)
 
         t0 = time.perf_counter()
-        # (trimmed: a drafter that found less than it was asked for must not have its padding verified)
-        proposal = (
-            self.drafter.propose(seqs, ks).trimmed() if self.drafter is not None and any(ks) else Proposal.empty(bsz)
-        )
+        proposal = self.drafts.propose(seqs, ks)
         t1 = time.perf_counter()
         verified = (
             self._verify_tree(seqs, proposal) if proposal.parents is not None else self._verify_chain(seqs, proposal)
@@ -499,21 +486,29 @@ class Engine:
                     fault = exc
             seq.finish_reason, seq.error = "error", fault
             events.append(StepEvent(seq, [], True, error=fault))
-        if self.feature_layers:
-            live = [(b, s) for b, s in enumerate(seqs) if not s.finished and s.draft.started]
-            if live:
-                self.drafter.observe([s.slot for _, s in live], [self._features(verified, b, s) for b, s in live])
-            for b, s in enumerate(seqs):
-                if s.finished or s.draft.started or not s.draft.eligible:
-                    continue
-                if self.switch.drafts_for(s):
-                    s.draft.early_features.append(self._features(verified, b, s))
-                else:  # not drafting (opted out): keep nothing; it decodes target-only to the end
-                    s.draft.early_features, s.draft.eligible = [], False
+        if self.feature_layers:  # what the target cached of the live rows, for the drafter
+            live = [(b, s) for b, s in enumerate(seqs) if not s.finished]
+            self.drafts.cached([s for _, s in live], [self._features(verified, b, s) for b, s in live])
         for ev in events:
             if ev.finished:
                 self._release(ev.seq)
         return events
+
+    def _plan(self, seqs: list[Sequence]) -> Plan:
+        """The policy's plan for the step, one length per running row. Planned are the rows the drafter may
+        draft for (not one in its first step whose drafter has not seen its prompt yet, nor a request that
+        does not speculate) with more than one token left; no row drafts past its token budget (a step emits
+        depth + 1 tokens at most)."""
+        room = [
+            s.params.max_new_tokens - len(s.output_ids) - 1 if ready else 0
+            for s, ready in zip(seqs, self.drafts.ready(seqs))
+        ]
+        planned = [s for s, r in zip(seqs, room) if r > 0]
+        if not planned:
+            return Plan([0] * len(seqs))
+        plan = self.policy.plan(planned, len(seqs))
+        ks = dict(zip(map(id, planned), plan.lengths))
+        return Plan([max(0, min(ks.get(id(s), 0), r)) for s, r in zip(seqs, room)], plan.reads)
 
     def _commit(self, seq: Sequence, verified: "_Verified", b: int, draft_s: float, verify_s: float) -> StepEvent:
         """Row ``b``'s verified tokens into its sequence and cache."""
@@ -552,29 +547,6 @@ class Engine:
             return None
         return max(budget - sum(1 + k for k in ks), max(1, budget // 4))
 
-    def _drafter_prefill(self, seqs: list[Sequence]) -> list[Sequence]:
-        """The drafter's prompt prefill in chunks too (a draft model's): at most
-        ``max_num_batched_tokens`` prompt tokens per sequence and step; returns the sequences whose
-        prompt the drafter has cached (all of them when it does nothing in pieces). The others keep
-        decoding target-only until then. The chunk is per sequence, not shared, so when a request
-        starts drafting never depends on the rest of the batch (nor, then, do its seeded samples)."""
-        prefill = self.drafter.prefill
-        work = [(s, min(len(s.prompt_ids) - 1 - s.draft.prefilled, self.max_num_batched_tokens)) for s in seqs]
-        work = [(s, n) for s, n in work if n > 0]
-        if work:
-            t0 = time.perf_counter()
-            if not prefill(
-                [s.slot for s, _ in work],
-                [s.prompt_ids[s.draft.prefilled : s.draft.prefilled + n] for s, n in work],
-                [s.draft.prefilled for s, _ in work],
-            ):
-                return seqs
-            elapsed = time.perf_counter() - t0
-            for s, n in work:
-                s.draft.prefilled += n
-                s.stats.prefill_s += elapsed
-        return [s for s in seqs if s.draft.prefilled >= len(s.prompt_ids) - 1]
-
     def _pack_prefilling(self) -> None:
         """Move the prefilling sequences down to the slots right after the running block (in order)."""
         for j, s in enumerate(self.prefilling):
@@ -582,23 +554,6 @@ class Engine:
             if s.slot != slot:
                 self.target.copy_slot(s.slot, slot, s.prefilled)
                 s.slot = slot
-
-    def _start_drafter(self, seqs: list[Sequence]) -> None:
-        """The drafter's prefill for ``seqs`` (at admission, or after their first token): the prompt,
-        then the target features kept since admission, in order (the draft catches up on tokens
-        generated meanwhile at its next proposal)."""
-        if not seqs:
-            return
-        t0 = time.perf_counter()
-        slots = [s.slot for s in seqs]
-        self.drafter.start(slots, [s.prompt_ids for s in seqs])
-        for j in range(max(len(s.draft.early_features) for s in seqs)):
-            rows = [s for s in seqs if j < len(s.draft.early_features)]
-            self.drafter.observe([s.slot for s in rows], [s.draft.early_features[j] for s in rows])
-        elapsed = time.perf_counter() - t0
-        for s in seqs:
-            s.draft.started, s.draft.early_features = True, []
-            s.stats.prefill_s += elapsed
 
     def _features(self, verified: "_Verified", b: int, seq: Sequence) -> TargetFeatures:
         """The target's hidden states of the pending token and the accepted drafts of row ``b``."""
@@ -817,11 +772,12 @@ class Engine:
             new.append(tok)
             for proc in seq.processors:
                 proc.commit([tok])
-            if (tok in self.eos_token_ids and not seq.params.ignore_eos) or tok in seq.params.stop_token_ids:
-                seq.finish_reason = "stop"
-            elif seq.text.add(tok):
-                seq.finish_reason = "stop"
-            elif seq.processors and any(getattr(p, "finished", False) for p in seq.processors):
+            if (
+                (tok in self.eos_token_ids and not seq.params.ignore_eos)
+                or tok in seq.params.stop_token_ids
+                or seq.text.add(tok)  # (the text hears every token up to a stop: only here, in this order)
+                or (seq.processors and any(getattr(p, "finished", False) for p in seq.processors))
+            ):
                 seq.finish_reason = "stop"
             elif len(seq.output_ids) >= seq.params.max_new_tokens or len(seq.token_ids) >= self.max_context:
                 seq.finish_reason = "length"
@@ -833,12 +789,10 @@ class Engine:
         i = self.running.index(seq)
         last = self.running.pop()
         self.policy.forget(seq)
-        if self.drafter is not None and (seq.draft.started or seq.draft.prefilled):
-            self.drafter.release(seq.slot)
+        self.drafts.release(seq)
         if last is not seq:  # keep slots contiguous: move the last sequence into the freed slot
             self.target.copy_slot(last.slot, i, len(last.token_ids) - 1)
-            if self.drafter is not None and (last.draft.started or last.draft.prefilled):
-                self.drafter.move(last.slot, i)
+            self.drafts.move(last, i)
             last.slot = i
             self.running[i] = last
         self._pack_prefilling()
@@ -856,7 +810,7 @@ class Engine:
             if queue and self.free_slots():
                 admit, queue = queue[: self.free_slots()], queue[self.free_slots() :]
                 # whole prompts now, or (chunked prefill) a chunk per step from the next step on
-                (self.add_batch if self.max_num_batched_tokens is None else self.admit)(admit)
+                (self.add_batch if self.max_num_batched_tokens is None else self.admit)(admit, checked=True)
             yield from self.step()
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams) -> list[Output]:

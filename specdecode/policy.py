@@ -1,17 +1,40 @@
 """How many tokens to draft for each sequence at each step.
 
-A policy answers ``plan(seqs, batch_size)`` before a step (one draft length per sequence that may
-draft; most policies decide per sequence with ``num_draft``), hears ``observe(seq, drafted,
-accepted)`` for each sequence and ``observe_step(...)`` for the whole step after it, and
-``forget(seq)`` when the sequence finishes. ``label(seq, k)`` names the choice for per-request
-stats (``None``: nothing worth recording). It only changes speed, never the output law:
-verification is exact for any draft length. The workload-aware selector that also picks the
-drafter lives in :mod:`specdecode.selector`.
+A policy answers ``plan(seqs, batch_size)`` before a step with a :class:`Plan`: one draft length per
+sequence that may draft (most policies decide per sequence with ``num_draft``) and, for a policy that
+chooses among drafters, the catch-up reads a late drafter must do before it proposes. Planning only
+decides: it runs no model (the engine has the drafter side do the reads, then propose). It hears
+``observe(seq, drafted, accepted)`` for each sequence and ``observe_step(...)`` for the whole step after
+it, and ``forget(seq)`` when the sequence finishes. ``label(seq, k)`` names the choice for per-request
+stats (``None``: nothing worth recording). It only changes speed, never the output law: verification is
+exact for any draft length. The workload-aware selector that also picks the drafter lives in
+:mod:`specdecode.selector`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
+
+from specdecode.config import default
+
+
+@dataclass(frozen=True)
+class Read:
+    """A catch-up a plan asks for: drafter ``part`` reads at most ``budget`` tokens, in all, of what ``seqs``
+    (in that order) have and it has not read, without drafting (:meth:`specdecode.drafters.multi.Parts.read`)."""
+
+    part: str
+    seqs: tuple
+    budget: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A step's plan: what to draft, and what to read first. Plain data; making it runs nothing."""
+
+    lengths: list[int]  # per planned sequence: tokens to draft (0: none)
+    reads: tuple[Read, ...] = ()  # catch-up reads before anything is proposed, in order
 
 
 class DraftPolicy(Protocol):
@@ -27,7 +50,7 @@ class DraftPolicy(Protocol):
 
     def forget(self, seq) -> None: ...
 
-    def plan(self, seqs: list, batch_size: int) -> list[int]: ...
+    def plan(self, seqs: list, batch_size: int) -> Plan: ...
 
     def idle(self, seqs: list) -> None:
         """A step in which nothing may draft (a verify budget at its cap): no plan is asked for."""
@@ -43,8 +66,8 @@ class DraftPolicy(Protocol):
 class PerSequence:
     """Defaults for policies that decide each sequence on its own."""
 
-    def plan(self, seqs: list, batch_size: int) -> list[int]:
-        return [self.num_draft(s, batch_size) for s in seqs]  # type: ignore[attr-defined]
+    def plan(self, seqs: list, batch_size: int) -> Plan:
+        return Plan([self.num_draft(s, batch_size) for s in seqs])  # type: ignore[attr-defined]
 
     def idle(self, seqs: list) -> None:
         pass
@@ -89,7 +112,13 @@ class AcceptancePolicy(PerSequence):
     per sequence, so one hard prompt does not shorten the drafts of the others.
     """
 
-    def __init__(self, start_k: int = 4, max_k: int = 16, min_k: int = 1, grow: int = 2) -> None:
+    def __init__(
+        self,
+        start_k: int = default("num_draft_tokens"),
+        max_k: int = default("max_draft_tokens"),
+        min_k: int = 1,
+        grow: int = 2,
+    ) -> None:
         self.min_k, self.max_k = _check_k("min draft length", min_k), _check_k("max draft length", max_k)
         self.start_k, self.grow = _check_k("start draft length", start_k), _check_k("growth", grow)
         if not self.min_k <= self.start_k <= self.max_k:
@@ -128,12 +157,13 @@ class BudgetPolicy(PerSequence):
     def _cap(self, batch_size: int) -> int:
         return max(0, self.budget // max(1, batch_size) - 1)
 
-    def plan(self, seqs: list, batch_size: int) -> list[int]:
+    def plan(self, seqs: list, batch_size: int) -> Plan:
         cap = self._cap(batch_size)
-        if cap == 0:  # not planned at all (a planner may do work ahead, e.g. the selector's reads)
+        if cap == 0:  # not planned at all (nor are a planner's reads ahead: nothing would draft after them)
             self.inner.idle(seqs)
-            return [0] * len(seqs)
-        return [min(k, cap) for k in self.inner.plan(seqs, batch_size)]
+            return Plan([0] * len(seqs))
+        inner = self.inner.plan(seqs, batch_size)
+        return Plan([min(k, cap) for k in inner.lengths], inner.reads)
 
     def idle(self, seqs: list) -> None:
         self.inner.idle(seqs)
@@ -151,52 +181,4 @@ class BudgetPolicy(PerSequence):
         return self.inner.explain()
 
     def forget(self, seq) -> None:
-        self.inner.forget(seq)
-
-
-class SwitchPolicy:
-    """Turns drafting off around another policy: everywhere (``enabled = False``, the server's
-    ``--no-speculation``) or for chosen requests (``opt_out(request_id)``, a request's
-    ``"speculation": false``). Every engine has one around its policy (``Engine.switch``)."""
-
-    def __init__(self, inner: DraftPolicy) -> None:
-        self.inner, self.max_k = inner, inner.max_k
-        self.enabled = True
-        self._opted_out: set[str] = set()
-
-    def opt_out(self, request_id: str) -> None:
-        self._opted_out.add(request_id)
-
-    def clear(self, request_id: str) -> None:
-        """Forget an opt-out (a request that ends before it was admitted)."""
-        self._opted_out.discard(request_id)
-
-    def drafts_for(self, seq) -> bool:
-        return self.enabled and getattr(seq, "request_id", None) not in self._opted_out
-
-    def num_draft(self, seq, batch_size: int) -> int:
-        return self.inner.num_draft(seq, batch_size) if self.drafts_for(seq) else 0
-
-    def plan(self, seqs: list, batch_size: int) -> list[int]:
-        drafting = [s for s in seqs if self.drafts_for(s)]
-        ks = dict(zip(map(id, drafting), self.inner.plan(drafting, batch_size) if drafting else []))
-        return [ks.get(id(s), 0) for s in seqs]
-
-    def idle(self, seqs: list) -> None:
-        self.inner.idle([s for s in seqs if self.drafts_for(s)])
-
-    def observe(self, seq, drafted: int, accepted: int) -> None:
-        self.inner.observe(seq, drafted, accepted)
-
-    def observe_step(self, batch_size: int, width: int, draft_s: float, verify_s: float) -> None:
-        self.inner.observe_step(batch_size, width, draft_s, verify_s)
-
-    def label(self, seq, k: int) -> str | None:
-        return self.inner.label(seq, k)
-
-    def explain(self) -> dict | None:
-        return self.inner.explain()
-
-    def forget(self, seq) -> None:
-        self._opted_out.discard(getattr(seq, "request_id", None))
         self.inner.forget(seq)

@@ -107,8 +107,13 @@ class SamplingParams:
     # report each emitted token's log-probability and this many top entries (0..20; specdecode.logprobs has
     # the law); None: none computed (a request that asks for none costs nothing)
     logprobs: int | None = None
+    # False: decode this request with the target alone (its drafter never sees it; the law is the same either
+    # way, only the speed differs): the server's ``"speculation": false`` or ``--no-speculation``
+    speculation: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.speculation, bool):
+            raise SamplingError(f"speculation must be true or false, got {self.speculation!r}", "speculation")
         if self._number("temperature", lambda v: 0 <= v <= TEMPERATURE_MAX) < GREEDY_TEMPERATURE:
             object.__setattr__(self, "temperature", 0.0)
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:

@@ -60,7 +60,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Collection, Mapping, Protocol, Sequence
 
+from specdecode.config import default
 from specdecode.costmodel import CostModel
+from specdecode.policy import Plan as StepPlan
+from specdecode.policy import Read
 
 if TYPE_CHECKING:
     from specdecode.drafters.base import Drafter
@@ -68,7 +71,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("specdecode.selector")
 
-CATCH_UP_TOKENS = 64  # default --catch-up-tokens: backlog tokens read per step while others wait for it
+CATCH_UP_TOKENS = default("catch_up_tokens")  # backlog tokens read per step while others wait for it
 Estimate = tuple[float, float]  # (alpha, fill)
 Choice = tuple["str | None", int]  # (drafter, length); (None, 0): no drafting
 Rows = dict[tuple[str, int], int]  # (drafter, length) -> rows of the step drafting that
@@ -442,9 +445,6 @@ class PartsView(Protocol):
     def lag(self, seq, name: str) -> int:
         """Tokens part ``name`` must read for ``seq`` before it can draft."""
 
-    def read(self, seqs: list, name: str, budget: int) -> int:
-        """Part ``name`` reads at most ``budget`` tokens of the backlogs of ``seqs``, without drafting."""
-
     def shadow(self, seqs: list, name: str, k: int) -> list[list[int]]:
         """What free part ``name`` would propose for each of ``seqs`` at length ``k``."""
 
@@ -532,7 +532,11 @@ class AutoPolicy:
         )
 
     # -- the policy protocol ----------------------------------------------------------------------
-    def plan(self, seqs: list, batch_size: int) -> list[int]:
+    def plan(self, seqs: list, batch_size: int) -> StepPlan:
+        """Each sequence's drafter and length (:meth:`route` then names the drafter), and the backlogs
+        drafters must read first (``Plan.reads``: the engine has the drafter side read them; nothing is
+        read here). Free drafters are asked what they would propose (a lookup, no model: scored by
+        :meth:`observe`)."""
         s = self.settings
         chunk = read_chunk(batch_size, self.catch_up_tokens if self.parts is not None else None, self.max_k)
         outlooks = [self._outlook(seq, batch_size, chunk) for seq in seqs]
@@ -575,10 +579,8 @@ class AutoPolicy:
                 rows, choice = moved(rows, choice, explore), explore
             state.choice = choice
             out.append(choice[1])
-        for d, rows_of in reading.items():
-            self.parts.read(rows_of, d, chunk)
         self._look(seqs, plan.lengths)
-        return out
+        return StepPlan(out, tuple(Read(d, tuple(rows_of), chunk) for d, rows_of in reading.items()))
 
     def _trace(self, seqs: list, outlooks: list[Outlook], batch: int) -> None:
         """Log each pending catch-up decision at DEBUG (what it would cost, what it would save)."""
@@ -620,7 +622,7 @@ class AutoPolicy:
                 self._state(seq).shadow[d] = (k, len(seq.token_ids), list(tokens))
 
     def num_draft(self, seq, batch_size: int) -> int:
-        return self.plan([seq], batch_size)[0]
+        return self.plan([seq], batch_size).lengths[0]
 
     def explain(self, batch: int = 1) -> dict:
         """What the plans rest on now, at ``batch``: the costs (and whether their calibration was a quiet

@@ -12,7 +12,6 @@ from specdecode.drafters.base import DrafterBase, Proposal
 from specdecode.server import protocol as P
 from specdecode.server.cli import add_arguments, check_arguments, server_config
 from specdecode.drafters.guard import GuardedDrafter
-from specdecode.policy import FixedPolicy, SwitchPolicy
 
 
 class FakeDrafter(DrafterBase):
@@ -57,16 +56,6 @@ def test_guard_drafts_only_for_live_rows():
     p = guard.propose([seq(1, "b")], [3])
     assert p.tokens.shape == (1, 0) and p.num_tokens.tolist() == [0] and inner.calls[-1][0] == "propose"
     assert failures == []
-
-
-def test_switch_policy_opts_requests_out_and_turns_drafting_off():
-    switch = SwitchPolicy(FixedPolicy(3))
-    switch.opt_out("b")
-    assert [switch.num_draft(seq(i, r), 3) for i, r in enumerate("abc")] == [3, 0, 3]
-    switch.forget(seq(1, "b"))  # the request finished: its opt-out is gone
-    assert switch.num_draft(seq(1, "b"), 3) == 3
-    switch.enabled = False
-    assert switch.num_draft(seq(0, "a"), 1) == 0 and switch.max_k == 3
 
 
 def test_guard_absorbs_failures_and_releases_the_rows_involved():

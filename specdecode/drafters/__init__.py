@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from specdecode.config import DraftSettings
 from specdecode.drafters.base import Drafter
 from specdecode.errors import UserError
 from specdecode.models.base import Runner
@@ -23,35 +24,64 @@ class DraftSpecError(UserError, ValueError):
 
 @dataclass(frozen=True)
 class DrafterKind:
+    """A registry entry: where the drafter's factory lives, what its ARG names, and what it offers beyond the
+    engine's protocol (:class:`specdecode.drafters.base.Drafter`): ``capabilities``, names from
+    :data:`specdecode.drafters.base.CAPABILITIES` (a test checks each against the drafter it builds)."""
+
     module: str  # holds ``build(arg, ctx) -> Drafter``
     loads_model: bool  # ARG names a model that build() gets through ``ctx.draft_runner()``
     help: str
     needs_arg: bool = False  # KIND alone is not a spec (medusa:DIR)
     reads_layers: bool = False  # reads intermediate layers and feeds input embeddings (a backend must expose them)
+    files: bool = False  # ARG names weights (a model, trained heads): resolved and checked as files
+    cross_vocabulary: bool = False  # its model has its own tokenizer: it drafts for any target (reads text)
+    capabilities: frozenset[str] = frozenset()  # optional capabilities (catch_up, free, runners, history)
 
 
+_LAZY_MODEL = frozenset({"catch_up", "runners"})  # a draft model: starts late and catches up; runs its own model
 KINDS: dict[str, DrafterKind] = {
-    "model": DrafterKind("specdecode.drafters.draft_model", True, "a smaller causal LM with the target's vocabulary"),
+    "model": DrafterKind(
+        "specdecode.drafters.draft_model",
+        True,
+        "a smaller causal LM with the target's vocabulary",
+        files=True,
+        capabilities=_LAZY_MODEL,
+    ),
     "xvocab": DrafterKind(
         "specdecode.drafters.cross_vocab",
         True,
         "a causal LM with its own tokenizer, any target (string-level exact match; "
         "xvocab-tli:MODEL: token-level intersection)",
+        files=True,
+        cross_vocabulary=True,
+        capabilities=_LAZY_MODEL,
     ),
     "xvocab-tli": DrafterKind(
         "specdecode.drafters.cross_vocab_tli",
         True,
         "a causal LM with its own tokenizer, any target (token-level intersection)",
+        files=True,
+        cross_vocabulary=True,
+        capabilities=_LAZY_MODEL,
     ),
-    "ngram": DrafterKind("specdecode.drafters.ngram", False, "prompt lookup: copy what followed the suffix earlier"),
+    "ngram": DrafterKind(
+        "specdecode.drafters.ngram",
+        False,
+        "prompt lookup: copy what followed the suffix earlier",
+        capabilities=frozenset({"free"}),
+    ),
     "suffix": DrafterKind(
-        "specdecode.drafters.suffix", False, "suffix-tree lookup over the sequence and earlier outputs (SuffixDecoding)"
+        "specdecode.drafters.suffix",
+        False,
+        "suffix-tree lookup over the sequence and earlier outputs (SuffixDecoding)",
+        capabilities=frozenset({"free", "history"}),
     ),
     "medusa": DrafterKind(
         "specdecode.drafters.medusa",
         False,
         "Medusa heads on the target's final hidden state (medusa:DIR from `specdecode heads train`)",
         needs_arg=True,
+        files=True,
     ),
     "eagle": DrafterKind(
         "specdecode.drafters.eagle",
@@ -59,6 +89,8 @@ KINDS: dict[str, DrafterKind] = {
         "an EAGLE draft layer on the target's features (eagle:DIR from `specdecode heads train --kind eagle`)",
         needs_arg=True,
         reads_layers=True,
+        files=True,
+        capabilities=frozenset({"runners"}),
     ),
 }
 
@@ -72,6 +104,11 @@ class DraftSpec:
     @property
     def loads_model(self) -> bool:
         return KINDS[self.kind].loads_model
+
+    @property
+    def kind_entry(self) -> DrafterKind:
+        """Its kind's registry entry (what its ARG names, its capabilities)."""
+        return KINDS[self.kind]
 
 
 def parse_draft(spec: str) -> DraftSpec:
@@ -97,10 +134,14 @@ class DraftContext:
     """What a drafter factory may use."""
 
     target: Runner
-    config: Any  # the EngineConfig (draft flags such as draft_confidence)
+    config: DraftSettings | None  # the drafters' slice of the EngineConfig (None: every default)
     make_draft_runner: Callable[[], Runner] | None = None  # for kinds that load a model
     tokenizer: Any = None  # the target's (a cross-vocabulary draft reads the text)
     draft_tokenizer: Any = None  # the loaded draft model's own
+
+    def __post_init__(self) -> None:
+        if self.config is None:
+            self.config = DraftSettings()
 
     def draft_runner(self) -> Runner:
         if self.make_draft_runner is None:

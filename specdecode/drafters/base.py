@@ -73,45 +73,29 @@ class TargetFeatures:
 
 
 class Drafter(Protocol):
-    """Members with a default in :class:`DrafterBase` are optional capabilities: a drafter that has
-    them overrides the default."""
+    """What the engine calls (through :class:`specdecode.drafters.session.DraftSession`, which owns when each
+    call happens). Everything else a drafter may offer is an optional capability (:data:`CAPABILITIES`),
+    declared on its registry entry (:class:`specdecode.drafters.DrafterKind`) and defaulted in
+    :class:`DrafterBase`."""
 
     name: str
     feature_layers: tuple[int, ...]  # target feature layers it wants (see models.base); () = none
     max_tree_nodes: int  # the largest tree it proposes (0: chains only)
-    # its state is the tokens it has read (a draft model): it may start on a sequence late and catch up
-    # (specdecode.drafters.multi); such a drafter also implements ``lag`` and ``read``
-    lazy_start: bool
-    free: bool  # a proposal costs no model forward (n-gram lookup): the selector may ask it for any sequence
-    # told of each backlog a proposal first read through prefill (tokens, seconds): catch-up, not drafting
-    on_catch_up: Callable[[int, float], None]
 
     def reserve(self, num_slots: int, max_len: int) -> None:
         """Size per-slot state (the engine calls this once, from its batch size and context)."""
-
-    def runners(self) -> dict[str, Runner]:
-        """The model runners it owns, by role (e.g. ``{"draft": runner}``); ``{}`` for none."""
 
     def start(self, slots: list[int], prompts: list[list[int]]) -> None:
         """New sequences occupy ``slots``; ``prompts[i]`` is the prompt of ``slots[i]``."""
 
     def prefill(self, slots: list[int], pieces: list[list[int]], starts: list[int]) -> bool:
-        """Optional, ahead of ``start`` (the engine's chunked prefill): cache the prompt tokens
-        ``pieces[i]`` at positions ``starts[i]..`` of the new sequence in ``slots[i]`` (``0``: its first
-        piece), so ``start`` later has only the rest to do. False: nothing is done in pieces (then
-        ``start`` takes whole prompts); :class:`DrafterBase` says False."""
+        """Ahead of ``start`` (the engine's chunked prefill): cache the prompt tokens ``pieces[i]`` at
+        positions ``starts[i]..`` of the new sequence in ``slots[i]`` (``0``: its first piece), so ``start``
+        later has only the rest to do. False: nothing is done in pieces (then ``start`` takes whole
+        prompts); :class:`DrafterBase` says False."""
 
     def observe(self, slots: list[int], features: list[TargetFeatures]) -> None:
         """Target features of newly cached tokens (only called when ``feature_layers`` is non-empty)."""
-
-    def lag(self, seq: SequenceView) -> int:
-        """Tokens the next proposal for ``seq`` must read beyond the usual one or two; 0 for a drafter
-        that is always in step."""
-
-    def read(self, seqs: Sequence[SequenceView], budget: int) -> int:
-        """Read up to ``budget`` tokens, in all, of what ``seqs`` have that the drafter has not read,
-        without drafting (a slot it has never seen has read nothing: a lazy drafter starts this way).
-        Returns the tokens read; 0 for a drafter that is always in step."""
 
     def propose(self, seqs: Sequence[SequenceView], num_tokens: list[int]) -> Proposal:
         """Propose up to ``num_tokens[b]`` tokens continuing each sequence."""
@@ -122,18 +106,65 @@ class Drafter(Protocol):
     def release(self, slot: int) -> None:
         """The sequence in ``slot`` has finished."""
 
+
+class CatchesUp(Protocol):
+    """Capability ``catch_up``: its state is the tokens it has read (a draft model), so it may start on a
+    sequence late and catch up (:mod:`specdecode.drafters.multi` starts it only when the selector first routes
+    a sequence to it; :mod:`specdecode.costmodel` times its catch-up)."""
+
+    lazy_start: bool  # True
+    # told of each backlog a proposal first read through prefill (tokens, seconds): catch-up, not drafting
+    on_catch_up: Callable[[int, float], None]
+
+    def lag(self, seq: SequenceView) -> int:
+        """Tokens the next proposal for ``seq`` must read beyond the usual one or two."""
+
+    def read(self, seqs: Sequence[SequenceView], budget: int) -> int:
+        """Read up to ``budget`` tokens, in all, of what ``seqs`` have that the drafter has not read,
+        without drafting (a slot it has never seen has read nothing: a lazy drafter starts this way).
+        Returns the tokens read."""
+
+
+class OwnsRunners(Protocol):
+    """Capability ``runners``: it runs models of its own (reports, memory, where each model runs)."""
+
+    def runners(self) -> dict[str, Runner]:
+        """The model runners it owns, by role (e.g. ``{"draft": runner}``)."""
+
+
+class KeepsHistory(Protocol):
+    """Capability ``history``: it drafts from earlier requests' outputs (suffix decoding), which a benchmark
+    must control."""
+
     def forget_outputs(self) -> None:
-        """Drop what it keeps of finished requests' outputs (a cross-request history), so the next
-        request drafts as if none had run: a benchmark's repeat must not draft from its own earlier
-        output. A drafter that keeps nothing across requests does nothing."""
+        """Drop what it keeps of finished requests' outputs, so the next request drafts as if none had run:
+        a benchmark's repeat must not draft from its own earlier output."""
 
     def remember(self, output: list[int]) -> None:
-        """Keep ``output`` as the output of a finished request, as ``release`` would have kept it: a
-        resumed benchmark replays the runs it skips, so what follows drafts as in an unbroken run."""
+        """Keep ``output`` as the output of a finished request, as ``release`` would have kept it: a resumed
+        benchmark replays the runs it skips, so what follows drafts as in an unbroken run."""
 
-    def held_slots(self) -> set[int] | None:
-        """The slots it holds state for, where it keeps count (a fault-isolating wrapper drops the slots of
-        rows that failed); None: every sequence it was started on."""
+
+# optional capabilities, by the name a registry entry declares (``DrafterKind.capabilities``)
+CAPABILITIES: dict[str, str] = {
+    "catch_up": "starts late and catches up on what it has not read (CatchesUp: lazy_start, lag, read, on_catch_up)",
+    "free": "a proposal costs no model forward (free = True): the selector asks it what it would propose anywhere",
+    "runners": "owns model runners (OwnsRunners: runners)",
+    "history": "drafts from earlier requests' outputs (KeepsHistory: forget_outputs, remember)",
+}
+
+
+def capabilities(drafter: object) -> frozenset[str]:
+    """The optional capabilities ``drafter`` has (what its class adds to :class:`DrafterBase`'s defaults)."""
+    found = set()
+    if getattr(drafter, "lazy_start", False):
+        found.add("catch_up")
+    if getattr(drafter, "free", False):
+        found.add("free")
+    for name, member in (("runners", "runners"), ("history", "remember")):
+        if getattr(type(drafter), member, None) not in (None, getattr(DrafterBase, member)):
+            found.add(name)
+    return frozenset(found)
 
 
 def common_prefix(a: list[int], b: list[int], start: int = 0) -> int:
@@ -146,21 +177,19 @@ def common_prefix(a: list[int], b: list[int], start: int = 0) -> int:
 
 
 class DrafterBase:
-    """Defaults for the optional parts of the protocol: no features, no runners, no per-slot state,
-    chains, started with every sequence and always in step, each proposal costing a forward."""
+    """Defaults for the parts of the protocol a drafter may leave out (no features, chains, nothing done in
+    pieces, no per-slot state) and for every optional capability (always in step, each proposal costing a
+    forward, no runners, no history): a drafter that has a capability overrides its default."""
 
     name = "drafter"
     feature_layers: tuple[int, ...] = ()
     max_tree_nodes = 0  # the largest tree it proposes (0: chains only); the engine sizes its window by it
-    lazy_start = False
-    free = False
-    on_catch_up: Callable[[int, float], None] = staticmethod(lambda tokens, seconds: None)
+    lazy_start = False  # (catch_up)
+    free = False  # (free)
+    on_catch_up: Callable[[int, float], None] = staticmethod(lambda tokens, seconds: None)  # (catch_up)
 
     def reserve(self, num_slots: int, max_len: int) -> None:
         pass
-
-    def runners(self) -> dict[str, Runner]:
-        return {}
 
     def start(self, slots: list[int], prompts: list[list[int]]) -> None:
         pass
@@ -171,23 +200,24 @@ class DrafterBase:
     def observe(self, slots: list[int], features: list[TargetFeatures]) -> None:
         pass
 
-    def lag(self, seq: SequenceView) -> int:
-        return 0
-
-    def read(self, seqs: Sequence[SequenceView], budget: int) -> int:
-        return 0
-
     def move(self, src: int, dst: int) -> None:
         pass
 
     def release(self, slot: int) -> None:
         pass
 
-    def forget_outputs(self) -> None:
+    # -- optional capabilities' defaults ------------------------------------------------------------------
+    def lag(self, seq: SequenceView) -> int:  # (catch_up)
+        return 0
+
+    def read(self, seqs: Sequence[SequenceView], budget: int) -> int:  # (catch_up)
+        return 0
+
+    def runners(self) -> dict[str, Runner]:  # (runners)
+        return {}
+
+    def forget_outputs(self) -> None:  # (history)
         pass
 
-    def remember(self, output: list[int]) -> None:
+    def remember(self, output: list[int]) -> None:  # (history)
         pass
-
-    def held_slots(self) -> set[int] | None:
-        return None

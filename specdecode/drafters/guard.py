@@ -1,4 +1,5 @@
-"""Fault isolation around a drafter (used by the server through ``Engine.isolate_drafter_faults``).
+"""Fault isolation around a drafter (the server's engines: ``Engine(..., isolate_drafter_faults=True)``, built
+by :class:`specdecode.drafters.session.DraftSession`).
 
 It only ever *reduces* what is drafted (a row's proposal may be shorter than requested, down to
 zero: the engine then decodes that row target-only), so outputs stay exactly those of the target. A
@@ -36,12 +37,12 @@ class GuardedDrafter(DrafterBase):
         self.live: set[int] = set()  # slots the inner drafter holds state for
         self._on_failure = on_failure
         self._on_retry = on_retry  # (where, rows retried alone after a call for several rows failed)
-
-    def held_slots(self) -> set[int]:
-        return self.live
+        self.failures = 0  # calls that failed for good (a row then decodes target-only), so far
+        self.retries = 0  # rows retried alone after a call for several rows failed, so far
 
     def _failed(self, where: str, slots: Sequence[int]) -> None:
         log.exception("drafter failed in %s; slots %s fall back to target-only decoding", where, list(slots))
+        self.failures += 1
         self._on_failure(where)
         for slot in slots:
             self.release(slot)
@@ -50,6 +51,7 @@ class GuardedDrafter(DrafterBase):
         """After a call for several ``rows`` failed: ``call([row])`` for each row alone; a row that fails
         alone is released. Returns the rows that succeeded, with their results."""
         log.warning("drafter failed in %s for %d rows; retrying each alone", where, len(rows), exc_info=True)
+        self.retries += len(rows)
         self._on_retry(where, len(rows))
         done = []
         for row in rows:
@@ -148,6 +150,13 @@ class GuardedDrafter(DrafterBase):
             self.inner.release(slot)
         except Exception:
             log.exception("drafter failed to release slot %d", slot)
+
+    def read_ahead(self, reads) -> None:
+        """A plan's catch-up reads (a multi-drafter's); a failure makes the rows involved decode target-only."""
+        try:
+            self.inner.read_ahead(reads)
+        except Exception:
+            self._failed("read", sorted({s.slot for r in reads for s in r.seqs} & self.live))
 
     def forget_outputs(self) -> None:
         self.inner.forget_outputs()

@@ -21,7 +21,8 @@ sequence the selector never routes to a draft model never costs that model a for
 load, or for a request too short to pay back a long prompt's prefill, choosing among drafters costs
 no more than not drafting. :meth:`Parts.lag` tells the selector how many tokens a part would have to
 catch up on first, :meth:`Parts.read` lets it have a part read a bounded piece of that backlog at a
-step without drafting (a long catch-up spread over several steps), and ``on_catch_up(name, tokens,
+step without drafting (a long catch-up spread over several steps: the selector's plan names the reads,
+:meth:`MultiDrafter.read_ahead` does them), and ``on_catch_up(name, tokens,
 seconds)`` reports what each catch-up cost.
 """
 
@@ -222,6 +223,12 @@ class MultiDrafter(DrafterBase):
             # (a backlog read through prefill inside the proposal is catch-up, reported apart)
             self.on_timing(name, len(rows), max(ks), time.perf_counter() - t0 - (self.parts.caught_up_s - caught_up))
         return merge(bsz, parts)
+
+    def read_ahead(self, reads) -> None:
+        """A plan's catch-up reads (:class:`specdecode.policy.Read`, the selector's): each names a part and
+        the sequences whose backlogs it reads, at most ``budget`` tokens in all, without drafting."""
+        for r in reads:
+            self.parts.read(list(r.seqs), r.part, r.budget)
 
     def move(self, src: int, dst: int) -> None:
         self.parts.move(src, dst)

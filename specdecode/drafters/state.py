@@ -1,8 +1,9 @@
-"""What the engine keeps per sequence about its drafter: when the drafter starts on it, and what it is owed.
+"""What the drafter side keeps per sequence about its lifecycle: when the drafter starts on it, and what it is
+owed until then.
 
-The drafter itself keeps its own per-slot state (a KV cache, an n-gram index); this is the engine's side
-of the bookkeeping, one record per sequence (``Sequence.draft``), so the sequence itself holds only what
-a request is (its tokens, its parameters, its stats).
+The drafter itself keeps its own per-slot state (a KV cache, an n-gram index); this record is
+:class:`specdecode.drafters.session.DraftSession`'s, one per sequence (``Sequence.draft``), read and written by
+the session alone: the engine never looks inside it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from specdecode.drafters.base import TargetFeatures
 
 @dataclass
 class DraftState:
-    # the drafter has seen the prompt (the first token may come from the target alone: Engine.add_batch)
+    # the drafter has seen the prompt (the first token may come from the target alone: DraftSession)
     started: bool = False
     # target features of tokens cached before the drafter started, handed over when it starts
     early_features: list[TargetFeatures] = field(default_factory=list)

@@ -78,13 +78,15 @@ def create_app(engine: Engine | Callable[[], Engine], config: ServerConfig | Non
         eng = engine if isinstance(engine, Engine) else await asyncio.to_thread(engine)
         scheduler = Scheduler(eng, metrics, config.max_queue, config.speculation)
         app.state.scheduler = scheduler
-        app.state.max_prompt_chars = await asyncio.to_thread(max_prompt_chars, eng.tokenizer, eng.max_context)
+        app.state.max_prompt_chars = await asyncio.to_thread(
+            max_prompt_chars, scheduler.tokenizer, scheduler.max_context
+        )
         app.state.tokenize_pool = ThreadPoolExecutor(TOKENIZE_WORKERS, thread_name_prefix="specdecode-tokenize")
         app.state.grammar_pool = ThreadPoolExecutor(GRAMMAR_WORKERS, thread_name_prefix="specdecode-grammar")
         app.state.known_grammar_pool = ThreadPoolExecutor(
             GRAMMAR_WORKERS, thread_name_prefix="specdecode-known-grammar"
         )
-        app.state.grammars = await asyncio.to_thread(_build_grammars, eng)
+        app.state.grammars = await asyncio.to_thread(_build_grammars, scheduler)
         loop = asyncio.get_running_loop()
 
         def drain(seconds: float) -> None:  # at shutdown (connections.DrainingServer): then 503 to the rest
@@ -103,7 +105,7 @@ def create_app(engine: Engine | Callable[[], Engine], config: ServerConfig | Non
             app.state.grammar_pool.shutdown(wait=False, cancel_futures=True)
             app.state.known_grammar_pool.shutdown(wait=False, cancel_futures=True)
             await asyncio.to_thread(scheduler.stop)
-            await asyncio.to_thread(_close_grammars, eng)
+            await asyncio.to_thread(_close_grammars, scheduler)
 
     # no redirects: "/v1/completions/" is a 404 with the error body, not a 307 that clients would follow
     app = FastAPI(
@@ -138,7 +140,7 @@ def create_app(engine: Engine | Callable[[], Engine], config: ServerConfig | Non
         if (fim := P.fim_input(req)) is not None:  # fill-in-the-middle: the model's own FIM prompt
             prefix, suffix = fim
             _check_length(request, len(prefix) + len(suffix), "prompt")
-            tokenizer = request.app.state.scheduler.engine.tokenizer
+            tokenizer = request.app.state.scheduler.tokenizer
             tokens = await _off_loop(request, _fim_tokens, request.app.state, tokenizer)
             params = P.sampling_params(
                 req,
@@ -154,7 +156,7 @@ def create_app(engine: Engine | Callable[[], Engine], config: ServerConfig | Non
             prompt_ids = prompt
         else:
             _check_length(request, len(prompt), "prompt")
-            tokenizer = request.app.state.scheduler.engine.tokenizer
+            tokenizer = request.app.state.scheduler.tokenizer
             prompt_ids = await _off_loop(request, _encode, tokenizer, prompt)
         return await _generate(request, req, prompt_ids, params, _CompletionFormat(config.model_name))
 
@@ -164,9 +166,9 @@ def create_app(engine: Engine | Callable[[], Engine], config: ServerConfig | Non
         _check_model(req.model, config)
         messages = P.chat_messages(req)
         _check_length(request, sum(len(m["content"]) for m in messages), "messages")
-        engine_ = request.app.state.scheduler.engine
-        prompt_ids = await _off_loop(request, _apply_chat_template, engine_.tokenizer, messages)
-        room = engine_.max_context - len(prompt_ids)  # chat default: the rest of the context
+        scheduler = request.app.state.scheduler
+        prompt_ids = await _off_loop(request, _apply_chat_template, scheduler.tokenizer, messages)
+        room = scheduler.max_context - len(prompt_ids)  # chat default: the rest of the context
         params = P.sampling_params(req, P.requested_max_tokens(req), max(room, 1))
         return await _generate(request, req, prompt_ids, params, _ChatFormat(config.model_name))
 
@@ -246,7 +248,7 @@ def _check_length(request: Request, chars: int, param: str) -> None:
     if chars > limit:
         raise P.bad_request(
             f"the {param} has {chars} characters, more than can fit the context of "
-            f"{request.app.state.scheduler.engine.max_context} tokens (at most {limit})",
+            f"{request.app.state.scheduler.max_context} tokens (at most {limit})",
             param,
             "context_length_exceeded",
         )
@@ -285,13 +287,13 @@ def _encode_fim(tokenizer, prefix: str, suffix: str, tokens: FimTokens) -> list[
         raise P.bad_request(f"the tokenizer could not encode the prompt or suffix: {exc}", "prompt") from None
 
 
-def _build_grammars(engine: Engine) -> GrammarCompiler | None:
+def _build_grammars(scheduler: Scheduler) -> GrammarCompiler | None:
     """The tokenizer's grammar compiler and its sandbox child, at startup (seconds for a 150k-token
     vocabulary: not on the first structured request's time to first token). A tokenizer it cannot serve
     answers those requests 400. Every new spec is compiled first in the sandbox (a crash there costs the
     child, never the server: :mod:`specdecode.grammar_worker`)."""
     try:
-        grammars = engine.grammars
+        grammars = scheduler.grammars
     except Exception as exc:
         log.warning("structured outputs unavailable for this tokenizer: %s", exc)
         return None
@@ -302,16 +304,16 @@ def _build_grammars(engine: Engine) -> GrammarCompiler | None:
     return grammars
 
 
-def _close_grammars(engine: Engine) -> None:
+def _close_grammars(scheduler: Scheduler) -> None:
     with contextlib.suppress(Exception):
-        engine.grammars.close()
+        scheduler.grammars.close()
 
 
-def _prepare_grammar(engine: Engine, spec: GrammarSpec, n: int) -> None:
+def _prepare_grammar(scheduler: Scheduler, spec: GrammarSpec, n: int) -> None:
     """Validate the spec (sandbox, bounds) and compile the request's ``n`` matchers with their first
     masks here, in a grammar thread, so that the engine thread only takes them."""
     try:
-        engine.grammars.prepare(spec, n)
+        scheduler.grammars.prepare(spec, n)
     except GrammarError as exc:  # the engine's own words about the schema, regex or grammar, or the bound
         raise P.bad_request(str(exc), P.grammar_param(spec), "invalid_grammar") from None
     except SandboxClosed:  # the server is shutting down: the sandbox starts no new child
@@ -346,26 +348,16 @@ async def _generate(request: Request, req: P.SamplingFields, prompt_ids: list[in
         state = request.app.state  # a spec served before needs no sandbox job: its own threads
         known = state.grammars is not None and state.grammars.known(params.grammar)
         pool = state.known_grammar_pool if known else state.grammar_pool
-        await asyncio.get_running_loop().run_in_executor(pool, _prepare_grammar, scheduler.engine, params.grammar, n)
-    try:
-        scheduler.engine.validate(prompt_ids, params)
+        await asyncio.get_running_loop().run_in_executor(pool, _prepare_grammar, scheduler, params.grammar, n)
+    rid = fmt.new_id()
+    try:  # n choices: n requests of their own (ids rid/1, rid/2, ... inside; the response says rid)
+        handles = scheduler.submit(prompt_ids, params, req.stream, rid, n)
     except RequestError as exc:  # an empty prompt, an id outside the vocabulary, or too long
-        too_long = exc.param is None and len(prompt_ids) + params.max_new_tokens > scheduler.engine.max_context
+        too_long = exc.param is None and len(prompt_ids) + params.max_new_tokens > scheduler.max_context
         raise P.bad_request(
             str(exc), None if too_long else (exc.param or "prompt"), "context_length_exceeded" if too_long else None
         ) from None
-    rid = fmt.new_id()
-    handles: list[Handle] = []
-    try:  # n choices: n requests of their own (ids rid/1, rid/2, ... inside; the response says rid)
-        for i, choice_params in enumerate(P.choice_params(params, n)):
-            handles.append(
-                scheduler.submit(
-                    prompt_ids, choice_params, req.stream, req.speculation, rid if i == 0 else f"{rid}/{i}", group=rid
-                )
-            )
     except QueueFull:
-        for h in handles:
-            scheduler.cancel(h)
         request.app.state.metrics.rejected.labels("queue_full").inc()
         raise APIError(
             429,
@@ -374,10 +366,6 @@ async def _generate(request: Request, req: P.SamplingFields, prompt_ids: list[in
             code="queue_full",
             headers={"Retry-After": str(config.retry_after_s)},
         ) from None
-    except BaseException:
-        for h in handles:
-            scheduler.cancel(h)
-        raise
     if req.stream:
         return StreamingResponse(
             _stream(scheduler, handles, rid, fmt, len(prompt_ids), req.include_usage),

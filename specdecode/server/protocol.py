@@ -361,6 +361,7 @@ def sampling_params(
             ignore_eos=req.ignore_eos,
             sampler=req.sampler,
             grammar=grammar,
+            speculation=req.speculation,
             **processing,
             **fim,
         )

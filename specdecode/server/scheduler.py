@@ -21,7 +21,13 @@ Results travel back to the asyncio side as immutable :class:`Update` objects thr
 ``loop.call_soon_threadsafe`` into each request's ``asyncio.Queue``. Streaming requests get one
 update per step that produced text; other requests only their final update.
 
-Faults stay local: a drafter failure is absorbed (``Engine.isolate_drafter_faults``: the rows involved
+The scheduler is what the HTTP app sees of the engine: its tokenizer, context length and grammar compiler,
+and :meth:`Scheduler.submit`, which checks a request once (the engine's :meth:`~specdecode.engine.Engine.validate`)
+and queues its choices. It writes nothing onto the engine: the server's engine is built for serving
+(``first_token_from_target``, a step budget, ``isolate_drafter_faults``), and ``--no-speculation`` makes each
+request's ``SamplingParams.speculation`` false.
+
+Faults stay local: a drafter failure is absorbed (``isolate_drafter_faults``: the rows involved
 are retried one by one, and only a row that fails alone decodes target-only); a failing prefill fails
 that request; a failure of one row's sampling or text fails that request alone (``StepEvent.error``);
 only a failure of the shared forward fails the requests in the batch, and the loop keeps serving. If the loop itself dies, every waiting request is failed and
@@ -35,13 +41,13 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from specdecode.engine import Engine, PrefillError, RequestError, Sequence
+from specdecode.engine import Engine, PrefillError, Sequence
 from specdecode.logprobs import ReportedToken, TokenSpeller
 from specdecode.sampling import SamplingParams
 from specdecode.server.metrics import ServerMetrics
-from specdecode.server.protocol import APIError
+from specdecode.server.protocol import APIError, choice_params
 
 log = logging.getLogger("specdecode.server")
 
@@ -70,7 +76,6 @@ class Handle:
     prompt_ids: list[int]
     params: SamplingParams
     stream: bool
-    speculate: bool
     loop: asyncio.AbstractEventLoop
     group: str = ""  # the request an n > 1 choice belongs to (its share is that request's); "": its own
     updates: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -158,18 +163,22 @@ class Scheduler:
         # speculation never delays it; and each step carries at most a token budget (the running rows'
         # verify windows + a chunk of waiting prompts), so a long prompt neither stalls the running
         # sequences for more than one chunk nor keeps the engine busy once its client has left
-        if not engine.first_token_from_target or engine.max_num_batched_tokens is None:
+        # and a drafter's failure makes the rows involved decode target-only instead of failing them
+        settings = engine.settings
+        if (
+            not settings.first_token_from_target
+            or settings.max_num_batched_tokens is None
+            or not settings.isolate_drafter_faults
+        ):
             raise ValueError(
-                "the server needs an engine built for serving: first_token_from_target=True and a "
-                "max_num_batched_tokens step budget (EngineConfig / Engine arguments)"
+                "the server needs an engine built for serving: first_token_from_target=True, a "
+                "max_num_batched_tokens step budget and isolate_drafter_faults=True (EngineConfig / EngineSettings)"
             )
         self.engine = engine
         self.metrics = metrics
         self.max_queue = max_queue
-        engine.isolate_drafter_faults(
-            lambda where: metrics.draft_failures.inc(), lambda where, rows: metrics.draft_retries.inc(rows)
-        )
-        engine.switch.enabled = speculation
+        self.speculation = speculation  # False (--no-speculation): every request decodes target-only
+        self._faults = (0, 0)  # the engine's drafter faults (failures, rows retried) already counted in metrics
         self._queue: collections.deque[Handle] = collections.deque()
         self._running: dict[int, Handle] = {}  # id(seq) -> handle
         self._cond = threading.Condition()
@@ -184,7 +193,22 @@ class Scheduler:
     # -- asyncio side ---------------------------------------------------------------------------
     @property
     def speculation_enabled(self) -> bool:
-        return self.engine.drafter is not None and self.engine.switch.enabled
+        return self.engine.drafter is not None and self.speculation
+
+    @property
+    def tokenizer(self):
+        """The engine's tokenizer (the app encodes prompts with it, off the event loop)."""
+        return self.engine.tokenizer
+
+    @property
+    def max_context(self) -> int:
+        """Tokens a request's prompt and output may hold together."""
+        return self.engine.max_context
+
+    @property
+    def grammars(self):
+        """The tokenizer's grammar compiler (structured outputs), built on first use."""
+        return self.engine.grammars
 
     def start(self) -> None:
         self._thread.start()
@@ -193,29 +217,31 @@ class Scheduler:
         return self._thread.is_alive() and self.dead is None
 
     def submit(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        stream: bool,
-        speculate: bool,
-        request_id: str,
-        group: str | None = None,
-    ) -> Handle:
-        """Queue one request (429 past ``max_queue``); the choices of an ``n > 1`` request share a ``group``
-        (their request's id), whose share of the slots is one request's."""
-        handle = Handle(
-            request_id, prompt_ids, params, stream, speculate, asyncio.get_running_loop(), group=group or request_id
-        )
+        self, prompt_ids: list[int], params: SamplingParams, stream: bool, request_id: str, n: int = 1
+    ) -> list[Handle]:
+        """Check a request (:class:`~specdecode.engine.RequestError`: an empty prompt, an id outside the
+        vocabulary, too long for the context, a grammar the engine refuses) and queue its ``n`` choices, all or
+        none (:class:`QueueFull` past ``max_queue``). The checks are the request's, once: they do not depend on
+        a choice's seed, the one thing the choices differ in (ids ``request_id``, ``request_id/1``, ...; their
+        share of the slots is one request's)."""
+        self.engine.validate(prompt_ids, params)
+        if not self.speculation and params.speculation:
+            params = replace(params, speculation=False)
+        loop = asyncio.get_running_loop()
+        handles = [
+            Handle(request_id if i == 0 else f"{request_id}/{i}", prompt_ids, p, stream, loop, group=request_id)
+            for i, p in enumerate(choice_params(params, n))
+        ]
         with self._cond:
             if (e := self._expired) is not None:  # (a fresh exception per request: each gets raised)
                 raise APIError(e.status, e.message, e.type, e.param, e.code, e.headers)
             if not self.alive() or self._stopping:
                 raise APIError(503, "the engine is not running", "server_error", code="engine_unavailable")
-            if len(self._queue) >= self.max_queue:
+            if len(self._queue) + len(handles) > self.max_queue:
                 raise QueueFull
-            self._queue.append(handle)
+            self._queue.extend(handles)
             self._cond.notify()
-        return handle
+        return handles
 
     def cancel(self, handle: Handle) -> None:
         if handle.done or handle.cancelled:
@@ -316,18 +342,12 @@ class Scheduler:
                 if h.cancelled:
                     self.metrics.finished(h, "abort")
                     continue
-                try:
-                    self.engine.validate(h.prompt_ids, h.params)  # checked on arrival too; fail only this one
-                    batch.append(h)
-                    held[h.group or h.request_id] += 1
-                except RequestError as exc:
-                    self._fail(h, APIError(400, str(exc)))
+                batch.append(h)
+                held[h.group or h.request_id] += 1
         if not batch:
             return
-        for h in batch:
-            if not h.speculate:
-                self.engine.switch.opt_out(h.request_id)
-        for h, seq in zip(batch, self.engine.admit([(h.prompt_ids, h.params, h.request_id) for h in batch])):
+        requests = [(h.prompt_ids, h.params, h.request_id) for h in batch]
+        for h, seq in zip(batch, self.engine.admit(requests, checked=True)):  # (checked in submit)
             h.seq = seq
             self._running[id(seq)] = h
 
@@ -358,6 +378,7 @@ class Scheduler:
             return
         finally:
             self.busy_since = None
+            self._count_draft_faults()
         now = time.perf_counter()
         self.metrics.step_time.observe(now - t0)
         for h in waiting:  # whose prefill began or ended in this step
@@ -391,7 +412,7 @@ class Scheduler:
         seq = h.seq
         self._running.pop(id(seq), None)
         self.engine.abort(seq)  # no-op when the engine already released it
-        self.engine.switch.clear(h.request_id)
+        self._count_draft_faults()  # (a drafter may fail to let go of the slot)
         self.metrics.finished(h, reason)
         if error is not None:
             h.push(Update(error=error))
@@ -429,8 +450,16 @@ class Scheduler:
             self._running.pop(id(h.seq), None)
             h.push(Update(error=error))
 
+    def _count_draft_faults(self) -> None:
+        """The drafter faults the engine absorbed since the last count, into the metrics."""
+        failures, retries = self.engine.drafter_faults
+        if failures > self._faults[0]:
+            self.metrics.draft_failures.inc(failures - self._faults[0])
+        if retries > self._faults[1]:
+            self.metrics.draft_retries.inc(retries - self._faults[1])
+        self._faults = (failures, retries)
+
     def _fail(self, h: Handle, error: APIError) -> None:
-        self.engine.switch.clear(h.request_id)
         self.metrics.finished(h, "error")
         h.push(Update(error=error))
 
