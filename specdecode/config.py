@@ -121,9 +121,13 @@ def check_fields(obj) -> None:
     :class:`ConfigError` naming the flag): the one validator of each setting."""
     for f in fields(obj):
         meta, value = f.metadata, getattr(obj, f.name)
-        if not meta or value is None:
+        if not meta:
             continue
         kind, flag = meta.get("type"), flag_name(f)
+        if value is None:  # "not set" where the default is None (--max-context: the model's), else refused
+            if f.default is not None and kind is not None:
+                raise ConfigError(f"{flag} must be given, got None")
+            continue
         if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
             raise ConfigError(f"{flag} must be an integer, got {value!r}")
         if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
@@ -361,9 +365,8 @@ class EngineConfig:
         tools={"serve": 512},  # the scheduler needs a step budget; a library call prefills a prompt whole
         help="tokens one engine step carries: the running sequences' verify windows plus a chunk of "
         "waiting prompts (at least a quarter of it), so a long prompt stalls the running streams "
-        "for one chunk at most (default %(default)s; none: a prompt is prefilled whole in the step "
-        "after its admission)",
-    )
+        "for one chunk at most (default %(default)s)",
+    )  # None (a library call's default): a prompt is prefilled whole in the step after its admission
     batched_tokens_per_seq: int = setting(
         0,
         "--batched-tokens-per-seq",
