@@ -443,6 +443,13 @@ class EngineConfig:
         return DraftSettings(self.draft_confidence, self.tree_topk, self.tree_nodes, batch_invariant)
 
 
+def tool_defaults(tool: str) -> dict[str, Any]:
+    """The defaults ``tool`` declares for the settings (``serve``: 8 sequences, a 512-token step budget, first
+    tokens from the target, drafter faults isolated): ``EngineConfig(target, **tool_defaults("serve"))`` is
+    an engine as that command builds it by default."""
+    return {name: f.metadata["tools"][tool] for name, f in _FIELDS.items() if tool in f.metadata.get("tools", {})}
+
+
 def default(name: str, tool: str | None = None) -> Any:
     """The default of setting ``name`` (the one a ``tool`` declares for it, where it declares one)."""
     f = _FIELDS[name]
@@ -550,10 +557,7 @@ def config_from_args(args: argparse.Namespace, tool: str | None = None, **decide
     """The one :class:`EngineConfig` of a command: each field from the flag of the same name where the
     command has that flag, else ``tool``'s declared default, else the field's; ``decided``: what the
     command sets itself (generate: ``max_batch_size=--num-samples``)."""
-    values = values_from_args(EngineConfig, args)
-    for n, f in _FIELDS.items():
-        if n not in values and tool in f.metadata.get("tools", {}):
-            values[n] = default(n, tool)
+    values = {**(tool_defaults(tool) if tool else {}), **values_from_args(EngineConfig, args)}
     if not getattr(args, "dtype_given", True):  # cli.py resolved --dtype auto for reports: the plan keeps auto
         values["dtype"] = "auto"
     if isinstance(values.get("draft_quantization"), list):  # bench sweeps several: the first is the plan's

@@ -106,6 +106,7 @@ def test_tool_defaults_are_declared_beside_the_field_and_used():
     parsers = subparsers()
     serve = parsers["serve"].parse_args(["--target", "t"])
     cfg = C.config_from_args(serve, "serve")
+    assert cfg == EngineConfig("t", **C.tool_defaults("serve"))  # the flags add nothing of their own
     assert (cfg.max_batch_size, cfg.max_num_batched_tokens) == (default("max_batch_size", "serve"), 512)
     assert cfg.first_token_from_target and cfg.isolate_drafter_faults
     assert (EngineConfig("t").max_batch_size, EngineConfig("t").max_num_batched_tokens) == (1, None)
