@@ -4,6 +4,7 @@ side does the catch-up reads the plan names, then proposes; the drafter's lifecy
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specdecode.config import EngineSettings
@@ -132,3 +133,42 @@ def test_each_registry_entry_declares_the_capabilities_its_drafter_has():
         assert capabilities(cls.__new__(cls)) == KINDS[kind].capabilities, kind
     assert {k for k, e in KINDS.items() if e.cross_vocabulary} == {"xvocab", "xvocab-tli"}
     assert {k for k, e in KINDS.items() if e.files} == {"model", "xvocab", "xvocab-tli", "medusa", "eagle"}
+
+
+def test_the_scheduler_takes_an_engine_built_for_serving_and_writes_nothing_onto_it():
+    from specdecode.server.metrics import ServerMetrics
+    from specdecode.server.scheduler import Scheduler
+    from test_server_harness import engine as serving_engine
+
+    for missing in ("first_token_from_target", "isolate_drafter_faults"):
+        with pytest.raises(ValueError, match="built for serving"):
+            Scheduler(serving_engine(**{missing: False}), ServerMetrics())
+    eng = serving_engine()
+    before = {name: id(value) for name, value in vars(eng).items()}
+    scheduler = Scheduler(eng, ServerMetrics(), speculation=False)
+    assert {name: id(value) for name, value in vars(eng).items()} == before  # nothing written onto it
+    assert not scheduler.speculation_enabled and eng.drafter is not None  # --no-speculation is the scheduler's
+    assert (scheduler.tokenizer, scheduler.max_context) == (eng.tokenizer, eng.max_context)
+
+
+def test_a_request_is_validated_once_and_its_speculation_travels_with_it():
+    """Through the HTTP app: one ``Engine.validate`` per request whatever its ``n`` (the app asks the scheduler,
+    which checks once and queues the choices; the engine admits them unchecked), a bad one refused with a 400;
+    ``"speculation": false`` reaches the engine as each choice's ``SamplingParams.speculation``."""
+    from test_server_harness import KEY, MODEL, serve
+    from test_server_harness import engine as serving_engine
+
+    eng = serving_engine()
+    checked, admitted = [], []
+    validate, admit = eng.validate, eng.admit
+    eng.validate = lambda prompt_ids, params: checked.append(params) or validate(prompt_ids, params)
+    eng.admit = lambda requests, checked=False: admitted.extend(p for _, p, _ in requests) or admit(requests, checked)
+    with serve(eng) as s, s.http(KEY) as c:
+        body = {"model": MODEL, "prompt": "hello", "max_tokens": 6, "n": 3, "temperature": 1.0, "seed": 7}
+        assert c.post("/v1/completions", json=body).status_code == 200
+        assert len(checked) == 1 and len(admitted) == 3
+        r = c.post("/v1/completions", json=body | {"n": 2, "speculation": False})
+        assert r.status_code == 200 and r.json()["speculation"]["drafted"] == 0
+        assert len(checked) == 2 and [p.speculation for p in admitted[3:]] == [False, False]
+        too_long = c.post("/v1/completions", json=body | {"n": 1, "max_tokens": 10_000})
+        assert too_long.status_code == 400 and len(checked) == 3 and len(admitted) == 5
