@@ -1,5 +1,5 @@
-"""Fault isolation around a drafter (the server's engines: ``Engine(..., isolate_drafter_faults=True)``, built
-by :class:`specdecode.drafters.session.DraftSession`).
+"""Fault isolation around a drafter (the server's engines: ``EngineSettings(isolate_drafter_faults=True)``; the
+engine's :class:`specdecode.drafters.session.DraftSession` wraps its drafter, and counts what was absorbed).
 
 It only ever *reduces* what is drafted (a row's proposal may be shorter than requested, down to
 zero: the engine then decodes that row target-only), so outputs stay exactly those of the target. A
