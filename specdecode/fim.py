@@ -103,14 +103,14 @@ def fim_tokens(tokenizer) -> FimTokens:
         return next((vocab[s] for s in spellings if isinstance(vocab.get(s), int)), None)
 
     for conv in CONVENTIONS:
-        markers = [first(conv.prefix), first(conv.suffix), first(conv.middle)]
-        if None in markers:
+        prefix, suffix, middle = first(conv.prefix), first(conv.suffix), first(conv.middle)
+        if prefix is None or suffix is None or middle is None:
             continue
-        end = {vocab[s] for s in conv.end if isinstance(vocab.get(s), int)} | set(markers)
+        end: set[int] = {vocab[s] for s in conv.end if isinstance(vocab.get(s), int)} | {prefix, suffix, middle}
         eos = getattr(tokenizer, "eos_token_id", None)
         end |= {eos} if isinstance(eos, int) else set(eos or ())
         lead = [t for t in tokenizer("", add_special_tokens=True).input_ids if t != eos]
-        return FimTokens(conv.name, *markers, tuple(sorted(end)), tuple(lead))
+        return FimTokens(conv.name, prefix, suffix, middle, tuple(sorted(end)), tuple(lead))
     looked = "; ".join(conv.describe() for conv in CONVENTIONS)
     raise FimUnsupported(
         f"this model has no fill-in-the-middle tokens (looked for {looked}): "

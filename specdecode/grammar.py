@@ -520,12 +520,12 @@ class GrammarProcessor:
         bits = torch.full((P, self._words), -1, dtype=torch.int32)
         live, complete = [False] * P, [False] * P
         path: list[int] = []  # tokens consumed past the committed state
-        prefixes = [[int(t) for t in prefix] for prefix in prefixes]
+        rows = [[int(t) for t in prefix] for prefix in prefixes]
         # drafted tokens are walked on a copy: one that puts the engine in its error state (a limit) must not
         # end the committed output, which may never contain it
-        walker = self.matcher.deep_copy() if any(prefixes) else self.matcher
-        for p in sorted(range(P), key=lambda p: prefixes[p]):
-            prefix = prefixes[p]
+        walker = self.matcher.deep_copy() if any(rows) else self.matcher
+        for p in sorted(range(P), key=lambda p: rows[p]):
+            prefix = rows[p]
             common = 0
             while common < min(len(path), len(prefix)) and path[common] == prefix[common]:
                 common += 1
@@ -537,7 +537,7 @@ class GrammarProcessor:
             row = bits[p]
             if len(path) == len(prefix):
                 walker.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
-            elif not (walker.is_error() or self._allowed_at(bits, live, prefixes, path, prefix[len(path)])):
+            elif not (walker.is_error() or self._allowed_at(bits, live, rows, path, prefix[len(path)])):
                 continue  # dead: a forbidden drafted token
             if walker.is_error():  # the engine hit a limit on this prefix: only the end tokens (an end, incomplete)
                 row.zero_()

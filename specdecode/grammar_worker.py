@@ -40,9 +40,12 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specdecode.extras import MissingExtra
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 try:
     import llguidance
@@ -54,7 +57,8 @@ STALL_S = 1.5  # the "stall" test fault: the child sleeps this long before compi
 READY_TIMEOUT_S = 300.0  # a child builds llguidance's tokenizer before its first job (not in any job's budget)
 POLL_S = 0.05  # how often the parent reads the child's CPU time while a job runs
 BOUNDED_WHITESPACE = r"(?: |\n{1,2}[ \t]{0,20})"  # llama.cpp's JSON whitespace: one space, or 1-2 newlines + indent
-WHITESPACE = {  # GrammarSpec.whitespace -> llguidance's JSON options (a schema's own "x-guidance" wins)
+# GrammarSpec.whitespace -> llguidance's JSON options (a schema's own "x-guidance" wins)
+WHITESPACE: dict[str, JsonCompileOptions] = {
     "bounded": {"whitespace_pattern": BOUNDED_WHITESPACE},
     "flexible": {"whitespace_flexible": True},
     "compact": {"whitespace_flexible": False},
@@ -71,7 +75,7 @@ def llguidance_grammar(kind: str, text: str, whitespace: str | None = None) -> s
         if isinstance(schema, bool):  # options apply to an object schema: true is {}, false stays unsatisfiable
             text, schema = ("{}", {}) if schema else (text, None)
         own = schema.get("x-guidance", {}) if isinstance(schema, dict) else {}
-        options = (
+        options: JsonCompileOptions = (
             {}
             if schema is None or (isinstance(own, dict) and {"whitespace_pattern", "whitespace_flexible"} & set(own))
             else WHITESPACE[whitespace or "bounded"]
@@ -389,10 +393,15 @@ class GrammarSandbox:
             self._stop()
             raise RuntimeError("the grammar sandbox did not start")
 
+    def _child(self) -> tuple[subprocess.Popen, tuple[int, int]]:
+        """The running child and its pipes (read from it, write to it); only while one runs."""
+        assert self._proc is not None and self._fds is not None, "no sandbox child is running"
+        return self._proc, self._fds
+
     def _wait(self, timeout_s: float) -> Any:
         """The child's next message, or None if it died (then it is reaped) or said nothing within
         ``timeout_s`` (then it still runs)."""
-        fd = self._fds[0]
+        proc, (fd, _) = self._child()
         ready, _, _ = select.select([fd], [], [], timeout_s)
         if not ready:
             return None
@@ -402,14 +411,15 @@ class GrammarSandbox:
             message = None
         if message is None:  # the pipe closed: the child is gone or going
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self._proc.wait(timeout=10.0)
+                proc.wait(timeout=10.0)
         return message
 
     def _job_reply(self) -> tuple[Any, str]:
         """The child's reply to the job just sent, or (None, why not): "died" (it is reaped), "cpu" (it
         used more than the time budget of CPU) or "wall" (no answer within the wall-clock limit); then it
         still runs. Without /proc, the time budget is wall clock."""
-        pid, fd = self._proc.pid, self._fds[0]
+        proc, (fd, _) = self._child()
+        pid = proc.pid
         start = _cpu_seconds(pid)
         limit = self.wall_limit_s if start is not None else min(self.time_budget_s, self.wall_limit_s)
         deadline = time.monotonic() + limit
@@ -422,7 +432,7 @@ class GrammarSandbox:
                 message = self._wait(0)
                 return message, "died"
             used = _cpu_seconds(pid) if start is not None else None
-            if used is not None and used - start > self.time_budget_s:
+            if start is not None and used is not None and used - start > self.time_budget_s:
                 return None, "cpu"
 
     def _stop(self) -> None:
@@ -475,7 +485,7 @@ class GrammarSandbox:
         with self._lock:
             self._ensure()
             try:
-                _write_message(self._fds[1], job)
+                _write_message(self._child()[1][1], job)
                 reply, why = self._job_reply()
             except OSError:
                 reply, why = None, "died"
@@ -483,9 +493,10 @@ class GrammarSandbox:
                 self._stop()
                 raise SandboxClosed("the grammar sandbox was closed")
             if reply is None:
-                if why == "died" and self._proc.poll() is None:  # it closed its pipe, then did not exit
+                proc = self._child()[0]
+                if why == "died" and proc.poll() is None:  # it closed its pipe, then did not exit
                     why = "wall"
-                code = self._proc.poll()
+                code = proc.poll()
                 self._stop()
                 self.restarts += 1
                 if why == "cpu" or code == -signal.SIGXCPU:

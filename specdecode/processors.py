@@ -68,6 +68,8 @@ def _prefix_index(prefixes: Prefixes, device) -> tuple[Tensor, Tensor]:
 class _OnDevice:
     """State tensors kept on the device of the logits they are applied to (moved once)."""
 
+    _state: tuple[str, ...] = ()  # the attributes that hold them
+
     def _on(self, device) -> None:
         for name in self._state:
             t = getattr(self, name)

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 # the longest stop string accepted (characters); matching is incremental, so its cost per token does
 # not grow with the text, but each stop's table is built when the request is admitted
 MAX_STOP_CHARS = 1000
+
+
+class Matcher(Protocol):
+    """What :class:`IncrementalText` asks of a stop rule (:class:`StopMatcher`, :class:`DedentStop`); ``states`` is
+    the rule's own."""
+
+    states: Any
+
+    def feed(self, text: str, offset: int, states: Any = None) -> tuple[int | None, Any]: ...
+
+    def held(self, states: Any) -> int: ...
 
 
 def _prefix_function(s: str) -> list[int]:
@@ -135,7 +148,7 @@ class IncrementalText:
         self._sent = 0
         # stop strings, and the block rule (``stop_dedent``: see DedentStop); their states cover _stable
         # (which only grows)
-        self._stops = ([StopMatcher(stop)] if stop else []) + (
+        self._stops: list[Matcher] = ([StopMatcher(stop)] if stop else []) + (
             [DedentStop(stop_dedent)] if stop_dedent is not None else []
         )
         self._held = 0  # characters at the end of ``text`` that could still become a stop string

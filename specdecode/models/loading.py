@@ -283,9 +283,11 @@ def load_model(
     """
     resolved = resolve(str(spec))
     if resolved.kind == "gguf":
+        assert resolved.path is not None  # a local file
         source, _ = convert_gguf(resolved.path, dtype, in_subprocess=convert_in_subprocess)
         model, tokenizer = _from_pretrained(source, dtype)
     elif resolved.kind == "dir":
+        assert resolved.path is not None  # a local directory
         model, tokenizer = _from_pretrained(resolved.path, dtype)
     else:
         for var in ("HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT"):
@@ -299,7 +301,7 @@ def load_model(
                 f"{resolved.spec!r}: not a local path or alias, and the hub could not provide it{offline}: {first}. "
                 "See `specdecode models list`; `specdecode models fetch qwen2.5-coder` fetches the known pair"
             ) from exc
-    model.to(device)
+    model.to(device)  # type: ignore[arg-type]  # transformers' wrapper of .to confuses mypy about its argument
     if resident and torch.device(device).type == "cpu":
         make_resident(model)
     model.eval()

@@ -181,6 +181,7 @@ def verify_tree(
         if rule == DETERMINISTIC:
             accept = u < target_x
         else:
+            assert draft_probs is not None  # the random rules verify draft laws
             first = cursor == 0
             drawn_from = draft_probs[rows, node_idx]  # [B, V]
             if q is None or rule == IID:
@@ -202,6 +203,7 @@ def verify_tree(
             residual = p_norm.clone()
             residual[rows, x] = torch.where(reject, torch.zeros_like(target_x), residual[rows, x])
         else:
+            assert q is not None  # set above, on every random rule's first step
             residual = (p_norm - q).clamp(min=0)
             if rule == WITHOUT_REPLACEMENT:
                 removed = q.clone()
