@@ -271,7 +271,7 @@ def test_under_a_grammar_masked_tokens_are_never_listed(pair):
     assert all(v > -float("inf") for o in spec for e in o.logprobs for _, v in e.top)
 
 
-def test_generate_prints_logprobs_in_its_json_output(model_dirs, capsys):
+def test_generate_prints_logprobs_in_its_json_output(model_dirs, capsys):  # noqa: F811 (the fixture imported above)
     from test_cli_generate import run
 
     common = [

@@ -121,7 +121,7 @@ class Int4WeightOnlyLinear(nn.Module):
 
 def _replace_linears(model: nn.Module, make) -> int:
     count = 0
-    for name, module in list(model.named_modules()):
+    for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, child_name, make(child))
@@ -168,7 +168,7 @@ def _own_memory(model: nn.Module) -> None:
         for module in model.modules():
             if isinstance(module, quantized):
                 continue
-            for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            for _, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
                 if tensor is not None and tensor.device.type == "cpu":
                     tensor.data = tensor.data.clone()
     gc.collect()
