@@ -810,7 +810,7 @@ class Engine:
             if queue and self.free_slots():
                 admit, queue = queue[: self.free_slots()], queue[self.free_slots() :]
                 # whole prompts now, or (chunked prefill) a chunk per step from the next step on
-                (self.add_batch if self.max_num_batched_tokens is None else self.admit)(admit, checked=True)
+                (self.add_batch if self.max_num_batched_tokens is None else self.admit)(admit)
             yield from self.step()
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams) -> list[Output]:
