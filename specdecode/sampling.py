@@ -302,7 +302,7 @@ def parse_setting(spec: str) -> SamplingSetting:
                 kw[key] = int(value) if key == "k" else float(value)
             except ValueError:
                 raise SamplingError(f"bad setting {spec!r}: {key}={value.strip()!r} is not a number") from None
-        return SamplingSetting(kw["t"], kw["k"], kw["p"], min_p=kw["minp"])
+        return SamplingSetting(kw["t"], int(kw["k"]), kw["p"], min_p=kw["minp"])
     m = _BENCH_SPEC.fullmatch(spec)
     if not m:
         raise SamplingError(

@@ -240,7 +240,9 @@ EMPTY = Draft([], [], [])
 def walk(text: list[int], positions: list[int], max_len: int, min_prob: float) -> Draft:
     """The chain of most frequent children from the node at ``positions``, while its confidence stays
     at or above ``min_prob``, at most ``max_len`` tokens."""
-    out, conf, path = [], 1.0, []
+    out: list[int] = []
+    path: list[float] = []
+    conf = 1.0
     while len(out) < max_len and positions:
         if len(positions) == 1:  # one occurrence: its continuation, at the same confidence
             q = positions[0] + 1
