@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
 # Install the ik_llama.cpp backend (`--backend ik_llamacpp`): ik-llama-cpp-python, built from its sdist here.
 # The PyPI wheel is a generic AVX2 build; built here with native flags it uses this CPU's AVX512 / VNNI kernels.
-#   -DGGML_NATIVE=ON   kernels for this machine's CPU (AVX2 / AVX512 / AVX512-VNNI / AVX512-BF16 as present)
+#   -DGGML_NATIVE=ON                  kernels for this machine's CPU (AVX2 / AVX512 / AVX512-VNNI / AVX512-BF16 as present)
+#   -DCMAKE_INSTALL_RPATH=$ORIGIN     libllama.so finds the libggml.so beside it (the sdist's build sets no RPATH)
 # The sdist is pinned by version and sha256 (below). It leaves out
 # vendor/ik_llama.cpp/common/cmake/build-info-gen-cpp.cmake, the script that writes build-info.cpp; a stand-in that
-# fills common/build-info.cpp.in with fixed values takes its place. The wheel is kept in
-# $SPECDECODE_CACHE/wheels (default ~/.cache/specdecode), named by version, flags and this CPU, so a second run
-# installs it in seconds.
+# fills common/build-info.cpp.in with fixed values takes its place. One source line is patched (PATCH below): the
+# decode's attention window (kv_self.n) comes from llama_kv_cache_cell_max(kv_self, pad), which looks at one cell
+# per 256 and misses used cells above an empty one, so with several sequences in the cache (slots, tree paths:
+# holes where drafts were rolled back) attention skipped cells it must see; the exact scan beside it replaces it.
+# The wheel is kept in $SPECDECODE_CACHE/wheels (default ~/.cache/specdecode), named by version, flags, patch and
+# this CPU, so a second run installs it in seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VERSION="0.1.5"
 SHA256="33c67eb99e4dcab5e611050433243815709b8b3067753f9ce18375013cf002ad"
-export CMAKE_ARGS="${SPECDECODE_IK_LLAMACPP_CMAKE_ARGS:--DGGML_NATIVE=ON}"
+export CMAKE_ARGS="${SPECDECODE_IK_LLAMACPP_CMAKE_ARGS:--DGGML_NATIVE=ON -DCMAKE_INSTALL_RPATH=\$ORIGIN}"
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
+PATCH='s/auto max_cell = llama_kv_cache_cell_max(kv_self, pad);/auto max_cell = llama_kv_cache_cell_max(kv_self);/'
 CACHE="${SPECDECODE_CACHE:-$HOME/.cache/specdecode}"
-KEY="$(cat <(echo "$VERSION $SHA256 $CMAKE_ARGS") <(uname -m) <(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true) \
+KEY="$(cat <(echo "$VERSION $SHA256 $CMAKE_ARGS $PATCH") <(uname -m) <(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true) \
        | sha256sum | cut -c1-12)"
 WHEELS="$CACHE/wheels/ik-llama-cpp-python-$VERSION-$KEY"
 if ! ls "$WHEELS"/ik_llama_cpp_python-*.whl >/dev/null 2>&1; then
@@ -39,6 +44,10 @@ set(BUILD_TARGET "native")
 configure_file("${CMAKE_CURRENT_LIST_DIR}/../build-info.cpp.in" "${CMAKE_CURRENT_LIST_DIR}/../build-info.cpp")
 EOF
   fi
+  llama="$src/vendor/ik_llama.cpp/src/llama.cpp"
+  [ "$(grep -c 'auto max_cell = llama_kv_cache_cell_max(kv_self, pad);' "$llama")" = 1 ] \
+    || { echo "install-ik-llamacpp: the line to patch is not in $llama (another version?)" >&2; exit 1; }
+  sed -i "$PATCH" "$llama"
   ( start=$SECONDS; while sleep 10; do echo "  ... still building ik-llama-cpp-python ($((SECONDS - start)) s)" >&2; done ) &
   heartbeat=$!
   python3 -m pip wheel --quiet --no-deps "$src" -w "$work/wheel"

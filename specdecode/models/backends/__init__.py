@@ -30,6 +30,7 @@ __all__ = [
 
 BACKENDS: dict[str, str] = {  # name -> module holding BACKEND; --backend auto tries them in this order
     "llamacpp": "specdecode.models.backends.llamacpp",
+    "ik_llamacpp": "specdecode.models.backends.ik_llamacpp",  # auto: only where a cached profile measured it faster
     "torch": "specdecode.models.backends.pytorch",
     "toy": "specdecode.models.backends.toy",
 }
@@ -54,9 +55,11 @@ class Choice:
         return f"backend: {self.name} ({self.reason})"
 
 
-def choose(asked: str, request: Request) -> Choice:
+def choose(asked: str, request: Request, measured=None) -> Choice:
     """The backend that runs ``request``: ``asked`` when it can (else a :class:`BackendRefused` saying why),
-    or for ``auto`` the first in :data:`BACKENDS` that can. Loads nothing."""
+    or for ``auto`` one whose :meth:`~Backend.ahead_in_auto` gives a reason from ``measured`` (a cached
+    profile's tok/s per backend and target, read by the caller), else the first in :data:`BACKENDS` that can.
+    Loads nothing."""
     from specdecode.models.loading import ModelNotFoundError
 
     if asked != "auto":
@@ -64,6 +67,9 @@ def choose(asked: str, request: Request) -> Choice:
         if why:
             raise BackendRefused(f"--backend {asked} cannot run these settings: {why}")
         return Choice(asked, "asked for")
+    for name in BACKENDS:
+        if (ahead := get(name).ahead_in_auto(request, measured)) is not None:
+            return Choice(name, ahead)
     passed = []
     for name in BACKENDS:
         backend = get(name)

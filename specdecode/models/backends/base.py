@@ -190,5 +190,10 @@ class Backend:
         """Why ``--backend auto`` picked it, when it was the first to accept."""
         return f"the first in the table that runs {self.supports.opens_text} with these settings"
 
+    def ahead_in_auto(self, request: Request, measured) -> str | None:
+        """Why ``--backend auto`` should take it ahead of the table's order (None: in its place). ``measured``
+        (backend name, target) -> one-token decode tok/s from a cached profile of this machine, or None."""
+        return None
+
     def load(self, spec: str, settings: Settings) -> Model:
         raise NotImplementedError
