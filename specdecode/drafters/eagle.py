@@ -72,7 +72,7 @@ class EagleDrafter(AutoregressiveDrafter):
         self.model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
         self.target = target  # its input embeddings are the drafter's
         self.feature_layers = layer_ids(model.config.feature_layers)
-        self.runner = HFRunner(self.model.decoder)
+        self.runner: HFRunner = HFRunner(self.model.decoder)  # it takes inputs_embeds
         self.vocab_size = target.vocab_size
         self.id_map = self.model.id_map.to(self.runner.device)
         self._raw_layer = () if model.config.final_mode else (1,)  # the fed-back feature of fusion drafters

@@ -130,6 +130,7 @@ class MedusaDrafter(DrafterBase):
         return Proposal(tokens, None, num)
 
     def _trees(self, batch: int, rows: list[int], ranked: torch.Tensor, num_tokens: list[int]) -> Proposal:
+        assert self.tree is not None  # trees are proposed only when the drafter was built with one
         parents_all, depths, ranks = self.tree
         tokens = torch.zeros(batch, self.max_tree_nodes, dtype=torch.long)
         parents = torch.full((batch, self.max_tree_nodes), -1, dtype=torch.long)

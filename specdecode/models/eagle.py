@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -134,6 +135,11 @@ def unroll_mask(valid: torch.Tensor, level: int) -> torch.Tensor:
 
 
 class EagleModel(nn.Module):
+    id_map: torch.Tensor  # [draft_vocab] target ids of the draft vocabulary's rows (a buffer)
+    feat_mean: torch.Tensor  # [n, H] per-dimension statistics of the training features (buffers)
+    feat_std: torch.Tensor
+    decoder: Any  # the one-layer transformers causal LM; its parts are reached by name (base_model.layers[0])
+
     def __init__(self, config: EagleConfig, id_map: torch.Tensor) -> None:
         super().__init__()
         if id_map.shape != (config.draft_vocab,):
@@ -172,10 +178,13 @@ class EagleModel(nn.Module):
     def step_input(self, g: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         return self.fc(torch.cat([g, self.emb_norm(emb.to(g.dtype))], dim=-1))
 
-    def feedback(self, normed: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+    def feedback(self, normed: torch.Tensor, raw: torch.Tensor | None) -> torch.Tensor:
         """The next step's feature: the normed output, which predicts the next token's standardised
-        final feature (EAGLE-1), or the raw output (fusion, EAGLE-3)."""
-        return normed if self.config.final_mode else raw
+        final feature (EAGLE-1), or the raw output (fusion, EAGLE-3; the runner was asked for it)."""
+        if self.config.final_mode:
+            return normed
+        assert raw is not None
+        return raw
 
     def to_feature(self, normed: torch.Tensor) -> torch.Tensor:
         """The draft layer's normed output -> what the LM head reads: the predicted final feature

@@ -60,6 +60,8 @@ class ResBlock(nn.Module):
 
 
 class MedusaHeads(nn.Module):
+    id_map: torch.Tensor  # [draft_vocab] target ids of the draft vocabulary's rows (a buffer)
+
     def __init__(self, config: MedusaConfig, id_map: torch.Tensor, out_weight: torch.Tensor | None = None) -> None:
         super().__init__()
         if id_map.shape != (config.draft_vocab,):
