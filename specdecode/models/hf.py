@@ -10,7 +10,7 @@ whose logits are ``lm_head(final hidden state)`` (Llama, Qwen2/2.5/3, Mistral an
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+from typing import Any, Sequence, cast
 
 import torch
 
@@ -43,7 +43,10 @@ class HFRunner(Runner):
     def __init__(
         self, model: torch.nn.Module, num_slots: int = 0, max_len: int = 0, batch_invariant: bool = False
     ) -> None:
-        cfg = model.config
+        # a transformers causal LM: its config, base model and head are reached by name, which torch's Module
+        # typing cannot follow (a submodule attribute reads as ``Tensor | Module``)
+        hf = cast(Any, model)
+        cfg = hf.config
         if getattr(cfg, "final_logit_softcapping", None):
             raise ValueError(f"{cfg.model_type}: final logit soft-capping is not supported")
         if batch_invariant and not batch_invariant_mode.is_enabled(model):  # rows alike whatever the batch
@@ -51,9 +54,9 @@ class HFRunner(Runner):
         self.batch_invariant = batch_invariant_mode.is_enabled(model)
         if self.batch_invariant:  # every kernel shape probed now, under one progress bar, not mid-request
             batch_invariant_mode.prepare(model)
-        self.model = model
-        self.base = model.base_model
-        self.lm_head = model.get_output_embeddings()
+        self.model = hf
+        self.base = hf.base_model
+        self.lm_head = hf.get_output_embeddings()
         self.vocab_size = int(getattr(self.lm_head, "out_features", None) or self.lm_head.weight.shape[0])
         self.hidden_size = int(cfg.hidden_size)
         self.num_layers = int(cfg.num_hidden_layers)
@@ -84,6 +87,12 @@ class HFRunner(Runner):
     def kv_bytes(self) -> int:
         return self.cache.nbytes() if self.cache is not None else 0
 
+    @property
+    def _kv(self) -> StaticKVCache:
+        """The cache (made by :meth:`ensure_capacity`, which the engine calls before any forward)."""
+        assert self.cache is not None, "ensure_capacity first"
+        return self.cache
+
     # -- forward ----------------------------------------------------------------------------------
     def _mask(
         self,
@@ -98,14 +107,15 @@ class HFRunner(Runner):
         if tree_mask is None:  # chain: everything written at or before the query's own index
             visible = keys <= writes[:, :, None]  # [B, q, kv_len]
         else:  # tree: the cache before the row's window, then the window's columns the tree mask allows
+            assert tree_start is not None  # forward fills it in for a tree
             q, width = tree_mask.shape[1], tree_mask.shape[2]
             visible = (keys < tree_start[:, None, None]).expand(-1, q, -1).clone()
             columns = tree_start[:, None, None] + torch.arange(width, device=self.device)[None, None, :]
             visible.scatter_(2, columns.expand(-1, q, -1), tree_mask)
         if window:
             near = keys > positions[:, :, None] - window
-            if tree_mask is not None:  # tree keys are not at their position: the window applies to the prefix
-                near |= keys >= tree_start[:, None, None]
+            if tree_mask is not None and tree_start is not None:  # tree keys are not at their position: the
+                near |= keys >= tree_start[:, None, None]  # window applies to the prefix
             visible &= near
         visible = visible[:, None]  # [B, 1, q, kv_len]
         if self.sdpa:
@@ -138,12 +148,11 @@ class HFRunner(Runner):
         elif write_positions is not None and not torch.equal(writes, positions):
             q = writes.shape[1]  # separate write indices without a tree: a chain over the queries
             tree_mask = torch.ones(q, q, dtype=torch.bool, device=dev).tril_()[None].expand(writes.shape[0], -1, -1)
-        if tree_mask is not None:
-            tree_start = writes.min(dim=1).values if tree_start is None else tree_start.to(dev)
         kv_len = int(writes.max()) + 1
         if tree_mask is not None:
+            tree_start = writes.min(dim=1).values if tree_start is None else tree_start.to(dev)
             kv_len = max(kv_len, int(tree_start.max()) + tree_mask.shape[2])
-        masks = {
+        by_type = {
             t: self._mask(
                 positions,
                 writes,
@@ -155,10 +164,10 @@ class HFRunner(Runner):
             for t in set(self.layer_types)
         }
         # a 4D tensor is used as-is by every HF model; the per-type dict only by hybrid-attention ones
-        masks = next(iter(masks.values())) if len(masks) == 1 else masks
+        masks = next(iter(by_type.values())) if len(by_type) == 1 else by_type
         captured: Features = {}
         hooks = self._capture(layers, captured)
-        self.cache.bind(slots, writes, kv_len)
+        self._kv.bind(slots, writes, kv_len)
         try:
             out = self.base(
                 input_ids=None if inputs_embeds is not None else input_ids,
@@ -169,7 +178,7 @@ class HFRunner(Runner):
                 use_cache=True,
             )
         finally:
-            self.cache.unbind()
+            self._kv.unbind()
             for h in hooks:
                 h.remove()
         hidden = out.last_hidden_state
@@ -261,22 +270,22 @@ class HFRunner(Runner):
         """Free in a static cache: positions past ``length`` are masked by position, then overwritten."""
 
     def compact(self, slot: int, src: Sequence[int], dst_start: int) -> None:
-        self.cache.move(slot, list(src), dst_start)
+        self._kv.move(slot, list(src), dst_start)
 
     def copy_slot(self, src: int, dst: int, length: int) -> None:
-        self.cache.copy_slot(src, dst, length)
+        self._kv.copy_slot(src, dst, length)
 
     def export_kv(self, slot: int, length: int):
-        return self.cache.export(slot, length)
+        return self._kv.export(slot, length)
 
     def import_kv(self, slot: int, state) -> None:
-        self.cache.load(slot, state)
+        self._kv.load(slot, state)
 
 
 _IDENTITIES = itertools.count()
 
 
-def _identity(model: torch.nn.Module) -> str:
+def _identity(model: Any) -> str:
     """A name for the weights, the same for every runner over this model object (never reused, unlike id())."""
     if not hasattr(model, "_specdecode_identity"):
         model._specdecode_identity = f"hf:{next(_IDENTITIES)}"
