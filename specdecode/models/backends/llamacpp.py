@@ -10,19 +10,24 @@ loads the target without llama.cpp's CPU repack and decodes in invariant widths 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from specdecode.models.backends.base import Backend, Model, Request, Settings, Supports
+
+if TYPE_CHECKING:
+    from specdecode.models.llamacpp import LlamaCppModel
 
 
 @dataclass
 class LlamaCppModelHandle(Model):
-    model: object = field(default=None, repr=False)  # specdecode.models.llamacpp.LlamaCppModel
+    model: LlamaCppModel | None = field(default=None, repr=False)
     source: str = ""  # the .gguf file named (a requantized copy is made from it)
 
     def runner(self, *, batch_invariant: bool = False, trees: bool = False, draft: bool = False):
         from specdecode.models.llamacpp import LlamaCppRunner
 
         # a draft's numerics never reach the output (greedy and coupled tokens are the target's): it stays fast
+        assert self.model is not None  # set by the backend's load
         return LlamaCppRunner(self.model, trees=trees, invariant=batch_invariant and not draft)
 
     def check_tree(self, batch: int, width: int, what: str) -> None:
@@ -67,6 +72,7 @@ class LlamaCppBackend(Backend):
         resolved = resolve(spec)
         if resolved.kind != "gguf":
             raise ModelNotFoundError(f"{spec!r} is a {resolved.describe()}; the llama.cpp backend runs .gguf files")
+        assert resolved.path is not None  # a local .gguf file
         mode = "gguf" if settings.quantization == "none" else settings.quantization
         path = resolved.path if mode == "gguf" else llamacpp.requantize(resolved.path, mode, settings.threads)
         invariant = settings.batch_invariant and settings.role == "target"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -17,8 +18,9 @@ from specdecode.models.backends.base import Backend, Model, Settings, Supports
 from specdecode.models.device import resolve_device, resolve_dtype
 
 
-def token_rows(model: torch.nn.Module) -> int:
-    """Token ids the module can both embed and score (a quantized head has out_features; its weight may be packed)."""
+def token_rows(model: Any) -> int:
+    """Token ids a transformers model can both embed and score (a quantized head has out_features; its weight may
+    be packed)."""
     rows = [model.get_input_embeddings().weight.shape[0]]
     output = model.get_output_embeddings()
     if output is not None:
@@ -71,7 +73,7 @@ class TorchModel(Model):
         return replace(self, module=module, hf_model=module, quantization=resolved)
 
     def next_token_logits(self, token_ids: list[int], runner=None) -> torch.Tensor:
-        ids = torch.tensor([token_ids], device=self.module.device)
+        ids = torch.tensor([token_ids], device=next(self.module.parameters()).device)
         return self.module(ids, logits_to_keep=1).logits[0, -1].float().cpu()
 
 
