@@ -43,7 +43,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, cast
 
 import torch
 import torch.nn.functional as F
@@ -365,7 +365,7 @@ def needs(model: torch.nn.Module) -> list[_Need]:
     steps and in prefill (the output layer only in steps: prefill keeps hidden states, not logits), and
     the attention products per head size."""
     out: dict[tuple, _Need] = {}
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = cast(Any, model).get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     device = next(model.parameters()).device
     for m in model.modules():
         if isinstance(m, InvariantLinear):
@@ -464,7 +464,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor, workload: tuple[int, ...] = TARGET_WOR
     mode = _mode()
     plan = _PLANS.get(_key("bmm", tuple(b.shape[1:]), mode, a.dtype, a.device, workload))
     if plan is None:
-        plan = _plan(_bmm_need(tuple(b.shape[1:]), a.device, workload, mode, a.dtype))
+        plan = _plan(_bmm_need((b.shape[1], b.shape[2]), a.device, workload, mode, a.dtype))
     return _by_plan(a, plan, run)
 
 
@@ -551,7 +551,7 @@ def enable(model: torch.nn.Module, workload: tuple[int, ...] = TARGET_WORKLOAD) 
         if isinstance(m, InvariantLinear):
             m.workload = workload
         if hasattr(m, "layer_idx") or type(m).__name__.endswith("Attention"):
-            m._specdecode_workload = workload
+            cast(Any, m)._specdecode_workload = workload  # read by the attention function (a plain attribute)
         config = getattr(m, "config", None)
         if config is not None and hasattr(config, "_attn_implementation"):
             if getattr(config, "attn_logit_softcapping", None):
@@ -569,9 +569,9 @@ def disable(model: torch.nn.Module) -> torch.nn.Module:
     """Undo :func:`enable` (for side-by-side measurements on one set of weights)."""
     for m in model.modules():
         if type(m) is InvariantLinear:
-            m.__class__ = torch.nn.Linear
+            cast(Any, m).__class__ = torch.nn.Linear
         config = getattr(m, "config", None)
-        if getattr(config, "_attn_implementation", None) == NAME:
+        if config is not None and getattr(config, "_attn_implementation", None) == NAME:
             config._attn_implementation = getattr(config, "_specdecode_plain_attention", "sdpa")
     return model
 

@@ -43,6 +43,7 @@ import json
 import statistics
 import time
 import warnings
+from typing import Any, cast
 from pathlib import Path
 
 import torch
@@ -95,7 +96,8 @@ class Int4WeightOnlyLinear(nn.Module):
         n, k = linear.weight.shape
         if k % group:
             raise ValueError(f"int4: {k} input features are not a multiple of the group size {group}")
-        packed, sz = [], []
+        packed: list[torch.Tensor] = []
+        sz: list[torch.Tensor] = []
         for w in _row_blocks(linear.weight):  # the CPU packing works in 64-row tiles: blocks concatenate
             w = w.reshape(-1, k // group, group)
             lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
@@ -106,8 +108,8 @@ class Int4WeightOnlyLinear(nn.Module):
             sz.append(torch.stack([scale.squeeze(-1), zero.squeeze(-1)], dim=-1))  # [rows, K/g, 2]
         self.in_features, self.out_features, self.group = k, n, group
         self.register_buffer("weight", torch.cat(packed))
-        sz = torch.cat(sz)  # [N, K/g, 2]
-        self.register_buffer("scales_and_zeros", sz.transpose(0, 1).contiguous().to(torch.bfloat16))
+        scales_and_zeros = torch.cat(sz)  # [N, K/g, 2]
+        self.register_buffer("scales_and_zeros", scales_and_zeros.transpose(0, 1).contiguous().to(torch.bfloat16))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -119,7 +121,7 @@ class Int4WeightOnlyLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def _replace_linears(model: nn.Module, make) -> int:
+def _replace_linears(model: Any, make) -> int:  # a transformers model (its output layer by name)
     count = 0
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
@@ -154,7 +156,7 @@ def quantize_model(model: nn.Module, mode: str, row_independent: bool = False) -
             raise ValueError("int4 draft quantization runs on the CPU kernel only; use int8 on CUDA")
         _replace_linears(model, Int4WeightOnlyLinear)
     _own_memory(model)
-    model.quantization = mode
+    cast(Any, model).quantization = mode  # a plain attribute: what the draft was quantized to
     return model
 
 
@@ -206,7 +208,7 @@ def _with_qconfig(linear: nn.Linear, per_channel: bool = True) -> nn.Linear:
     # of its agreement with the target (docs/benchmarks.md, session 12; docs/bench/quantized-draft/avx512bf16-humaneval8/draft_fidelity.py)
     from torch.ao.quantization import default_dynamic_qconfig, per_channel_dynamic_qconfig
 
-    linear.qconfig = per_channel_dynamic_qconfig if per_channel else default_dynamic_qconfig
+    cast(Any, linear).qconfig = per_channel_dynamic_qconfig if per_channel else default_dynamic_qconfig
     return linear
 
 
@@ -248,12 +250,12 @@ def auto_mode(model: nn.Module, name: str, cache_dir: Path | None = None, recali
         return json.loads(path.read_text())["mode"]
     device = param.device
     candidates = ["none", "int8"] + (["int4"] if device.type == "cpu" else [])
-    times = {}
+    times: dict[str, float] = {}
     for mode in candidates:
         trial = model if mode == "none" else quantize_model(copy.deepcopy(model), mode)
         times[mode] = _time_forward(trial)
         del trial
-    best = min(times, key=times.get)
+    best = min(times, key=lambda m: times[m])
     if times[best] > 0.9 * times["none"]:  # not clearly faster: keep the draft as it is
         best = "none"
     path.parent.mkdir(parents=True, exist_ok=True)
