@@ -70,7 +70,7 @@ def choose(asked: str, request: Request, measured=None) -> Choice:
     for name in BACKENDS:
         if (ahead := get(name).ahead_in_auto(request, measured)) is not None:
             return Choice(name, ahead)
-    passed = []
+    passed: list[tuple[str, str]] = []  # (backend, why it refused)
     for name in BACKENDS:
         backend = get(name)
         if not backend.supports.auto:

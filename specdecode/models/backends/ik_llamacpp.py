@@ -75,6 +75,7 @@ class IkLlamaCppBackend(Backend):
         resolved = resolve(spec)
         if resolved.kind != "gguf":
             raise ModelNotFoundError(f"{spec!r} is a {resolved.describe()}; the ik_llamacpp backend runs .gguf files")
+        assert resolved.path is not None  # a local .gguf file
         model = llamacpp.LlamaCppModel(
             resolved.path,
             settings.threads,
