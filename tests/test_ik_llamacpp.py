@@ -113,7 +113,8 @@ def test_attention_sees_cells_above_an_empty_one(tiny):
     after_hole = _fwd(r, [2], [[4]], [[10]])
     fresh = LlamaCppRunner(gguf, 1, 64)
     fresh.prefill([0], [own])
-    assert (after_hole - _fwd(fresh, [0], [[4]], [[10]])).abs().max() < 1e-3
+    # (float16 K/V attended over another window: ~3e-3 apart; without its own cells the row is another function)
+    assert (after_hole - _fwd(fresh, [0], [[4]], [[10]])).abs().max() < 1e-2
 
 
 def test_copy_slot_export_and_import(tiny):
@@ -270,7 +271,7 @@ def test_generate_runs_on_ik_and_equals_its_target_only(tiny, capsys, monkeypatc
     code, out, err = _cli([*base, "--draft", str(gd.path)], capsys)
     assert code == 0, err
     spec = json.loads(out)
-    code, out, err = _cli([*base, "--draft", "none"], capsys)
+    code, out, err = _cli(base, capsys)
     assert code == 0, err
     plain = json.loads(out)
     assert spec["backend"] == plain["backend"] == "ik_llamacpp" and spec["token_ids"] == plain["token_ids"]
