@@ -377,6 +377,17 @@ class EngineConfig:
         "costs them relatively less); 0 keeps the budget fixed (default %(default)s: on a CPU it measured "
         "worse at concurrency 16, docs/server.md)",
     )
+    prefix_cache_mb: int = setting(
+        0,
+        "--prefix-cache-mb",
+        type=int,
+        minimum=0,
+        metavar="MB",
+        tools={"serve": 1024},
+        help="keep the target's KV of finished prompts and outputs, up to this many MiB, and start a request "
+        "whose prompt begins with one of them from there: only the rest is prefilled (specdecode.prefix_cache; "
+        "least recently used entries go first); 0 turns it off (default %(default)s)",
+    )
 
     def __post_init__(self) -> None:
         if self.batch_invariant in (True, False):  # a bool is on/off
@@ -434,6 +445,7 @@ class EngineConfig:
             batched_tokens_per_seq=self.batched_tokens_per_seq,
             sampler=self.sampler,
             isolate_drafter_faults=self.isolate_drafter_faults,
+            prefix_cache_mb=self.prefix_cache_mb,
             target_quantization=target_quantization,
             lossy=dict(lossy or {}),
         )
@@ -478,6 +490,7 @@ class EngineSettings:
     batched_tokens_per_seq: int = _same("batched_tokens_per_seq")
     sampler: str = _same("sampler")  # a request's sampler when its params name none
     isolate_drafter_faults: bool = _same("isolate_drafter_faults")
+    prefix_cache_mb: int = _same("prefix_cache_mb")  # > 0: the target's prefix cache (specdecode.prefix_cache)
     target_quantization: str = _same("target_quantization")  # not none: a LOSSY, quantized target
     lossy: Mapping = field(default_factory=dict)  # why outputs would not follow the named target's law ({}: exact)
 

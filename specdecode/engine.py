@@ -52,6 +52,7 @@ from specdecode.errors import UserError
 from specdecode.logprobs import TokenLogprob, token_logprobs
 from specdecode.metrics import SpecStats
 from specdecode.models.base import Runner
+from specdecode.prefix_cache import RunnerPrefixCache
 from specdecode.policy import DraftPolicy, FixedPolicy, Plan
 from specdecode.processors import LogitsProcessor, build_processors, chain_prefixes, tree_prefixes
 from specdecode.sampling import SamplingParams, make_generator, race_noises, warp, warp_tensors
@@ -96,6 +97,7 @@ class Sequence:
     prefilled: int = 0  # prompt tokens the target has cached (all but the last once prefill is complete)
     prefill_began: float | None = None  # perf_counter at the start / end of its target prefill
     prefill_ended: float | None = None
+    cache_looked_up: bool = False  # its prompt was looked up in the prefix cache (Engine.prefill)
     cancelled: bool = False  # set from any thread: the client has gone; the engine skips its work at once
     error: BaseException | None = None  # why it failed alone (finish_reason "error"; see Engine.step)
     # its logits processors (logit bias, penalties: specdecode.processors); () for plain requests
@@ -214,6 +216,11 @@ class Engine:
             isolate_faults=settings.isolate_drafter_faults,
         )
         self.drafter = self.drafts.drafter  # (inside its fault guard when isolating faults)
+        # the target's KV of earlier prompts and outputs: a prompt that begins with one is prefilled from there
+        # (off where the drafter reads the target's features of every prompt token: a restored prefix has none)
+        self.prefix_cache: RunnerPrefixCache | None = None
+        if settings.prefix_cache_mb and not self.feature_layers and RunnerPrefixCache.supported(target):
+            self.prefix_cache = RunnerPrefixCache(target, settings.prefix_cache_mb << 20)
         self.running: list[Sequence] = []
         self.prefilling: list[Sequence] = []  # admitted, prompt not yet fully cached; slots after the running ones
         self._ids = itertools.count()
@@ -350,6 +357,13 @@ class Engine:
         drafts nothing, so its first token comes from the target alone, sampled exactly as target-only
         decoding would, and the drafter catches up on the prompt at the start of the sequence's second step
         (target features it wants are kept until then), so speculation never delays the first token."""
+        if self.prefix_cache is not None:  # a new prompt starts after its longest cached prefix
+            for s in self.prefilling:
+                if s.prefilled == 0 and s.stats.prefill_cached == 0 and not s.cache_looked_up:
+                    s.cache_looked_up = True
+                    s.prefilled = s.stats.prefill_cached = self.prefix_cache.restore(
+                        s.slot, s.prompt_ids, len(s.prompt_ids) - 1
+                    )
         chunks: list[tuple[Sequence, int]] = []  # (sequence, tokens this call)
         leaders: dict[tuple[int, ...], tuple[Sequence, int]] = {}  # prompt -> its first sequence and chunk
         followers: list[tuple[Sequence, Sequence, int]] = []  # (sequence, the one it copies, tokens it gains)
@@ -415,6 +429,9 @@ class Engine:
             s.prefill_ended = t1
         del self.prefilling[: len(done)]
         self.running.extend(done)
+        if self.prefix_cache is not None:
+            for s in done:
+                self.prefix_cache.save(s.slot, s.prompt_ids[:-1])
         self.drafts.cached(list(fresh), list(fresh.values()))
         self.drafts.prompts_cached(done)
         return done
@@ -786,6 +803,8 @@ class Engine:
         return new
 
     def _release(self, seq: Sequence) -> None:
+        if self.prefix_cache is not None and seq.finish_reason in ("stop", "length"):
+            self.prefix_cache.save(seq.slot, seq.token_ids[:-1])  # the prompt and its output: a chat's next turn
         i = self.running.index(seq)
         last = self.running.pop()
         self.policy.forget(seq)

@@ -37,6 +37,7 @@ class SpecStats:
     verify_s: float = 0.0
     prefill_s: float = 0.0
     prefill_copied: int = 0  # prompt tokens whose cache was copied from an equal prompt's (Engine.prefill)
+    prefill_cached: int = 0  # prompt tokens restored from the prefix cache (specdecode.prefix_cache), not computed
     choices: dict[str, int] = field(default_factory=dict)  # --draft-policy auto: steps per choice ("ngram:k4", "off")
 
     def record_choice(self, label: str) -> None:
@@ -68,6 +69,7 @@ class SpecStats:
             "verify_s",
             "prefill_s",
             "prefill_copied",
+            "prefill_cached",
         ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         n = max(len(self.drafted_at), len(other.drafted_at))

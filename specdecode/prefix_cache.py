@@ -132,6 +132,17 @@ class PrefixCache:
         self.stats.inserts += 1
         return entry
 
+    def holds(self, tokens: Sequence[int]) -> bool:
+        """Whether an entry holds all of ``tokens`` (as it is or as a prefix); marks it used. No stats."""
+        tokens = tuple(tokens)
+        keys = list(self._keys(tokens))
+        candidates = self.by_key.get(keys[-1], {}) if keys else self.entries
+        for entry in candidates.values():
+            if len(entry.tokens) >= len(tokens) and entry.tokens[: len(tokens)] == tokens:
+                self.entries.move_to_end(id(entry))
+                return True
+        return False
+
     def pin(self, entry: Entry) -> None:
         entry.pins += 1
 
@@ -164,3 +175,59 @@ def _common(a: Sequence[int], b: Sequence[int], limit: int) -> int:
             break
         n += 1
     return n
+
+
+class RunnerPrefixCache:
+    """A :class:`PrefixCache` over one runner: :meth:`restore` the longest saved prefix of a prompt into a
+    slot, :meth:`save` what a slot holds. What it keeps is the runner's own ``export_kv`` snapshot, so a
+    restored prefix is the KV that runner computed for those very tokens (``import_kv`` then ``truncate``)."""
+
+    def __init__(self, runner, budget_bytes: int, block: int = BLOCK) -> None:
+        self.runner = runner
+        self.index = PrefixCache(budget_bytes, block)
+
+    @staticmethod
+    def supported(runner) -> bool:
+        """Whether ``runner`` saves and restores its KV (``export_kv`` / ``import_kv``)."""
+        from specdecode.models.base import Runner
+
+        kind = type(runner)
+        return kind.export_kv is not Runner.export_kv and kind.import_kv is not Runner.import_kv
+
+    def restore(self, slot: int, tokens: Sequence[int], limit: int) -> int:
+        """Restore into ``slot`` the longest saved prefix of ``tokens`` (at most ``limit`` tokens); returns its
+        length (0: nothing restored, the slot untouched)."""
+        entry, n = self.index.lookup(tokens, limit)
+        if entry is None:
+            return 0
+        self.index.pin(entry)
+        try:
+            self.runner.import_kv(slot, entry.value)
+            self.runner.truncate(slot, n)
+        finally:
+            self.index.unpin(entry)
+        return n
+
+    def save(self, slot: int, tokens: Sequence[int]) -> None:
+        """Keep the KV ``slot`` holds for ``tokens`` (its first ``len(tokens)`` positions)."""
+        if len(tokens) < self.index.block or self.index.holds(tokens):
+            return
+        state = self.runner.export_kv(slot, len(tokens))
+        self.index.insert(tokens, state, state_nbytes(state))
+
+
+def state_nbytes(state: Any) -> int:
+    """The memory a runner's KV snapshot holds: its tensors, arrays and byte strings, however nested."""
+    if isinstance(state, (bytes, bytearray)):
+        return len(state)
+    if isinstance(state, memoryview):
+        return state.nbytes
+    if hasattr(state, "element_size") and hasattr(state, "numel"):  # a torch tensor
+        return int(state.numel() * state.element_size())
+    if hasattr(state, "nbytes") and isinstance(state.nbytes, int):  # a numpy array
+        return int(state.nbytes)
+    if isinstance(state, dict):
+        return sum(state_nbytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_nbytes(v) for v in state)
+    return 0

@@ -75,3 +75,137 @@ def test_stats_and_clear() -> None:
     assert cache.stats.lookup_tokens == 20 and cache.stats.hit_rate == pytest.approx(8 / 20)
     cache.clear()
     assert len(cache) == 0 and cache.nbytes == 0 and evicted == ["a"] and not cache.by_key
+
+
+# -- the engine with a prefix cache ---------------------------------------------------------------------
+import torch  # noqa: E402
+
+from specdecode.sampling import SamplingParams  # noqa: E402
+from tiny import make_engine, make_model, make_tokenizer, perturbed_copy, serving  # noqa: E402
+
+V = 32
+TOK = make_tokenizer(V)
+_g = torch.Generator().manual_seed(5)
+BASE = torch.randint(1, V, (40,), generator=_g).tolist()
+OTHER = torch.randint(1, V, (37,), generator=_g).tolist()
+# a session's prompts: the base, then the base grown, cut back, and with another ending
+PROMPTS = [BASE, BASE + [3, 4, 5, 6], BASE[:30] + [7] * 9, OTHER, BASE + [3, 4, 9], OTHER[:-1] + [1]]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = make_model(V, seed=3, hidden=32)
+    return target, perturbed_copy(target, noise=0.3)
+
+
+def _engine(pair, cache_mb: int = 0, backend: str | None = None, **settings):
+    target, draft = pair
+    return make_engine(
+        target, TOK, draft, k=3, num_slots=2, max_len=160, backend=backend, prefix_cache_mb=cache_mb, **settings
+    )
+
+
+def _one_by_one(engine, prompts, params):
+    return [engine.generate([p], [params])[0] for p in prompts]  # each after the last: the cache holds them
+
+
+@pytest.mark.parametrize("backend", [None, pytest.param("llamacpp", marks=pytest.mark.llamacpp)])
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_a_cached_prefix_changes_no_output(pair, backend, sampling) -> None:
+    if backend == "llamacpp":
+        pytest.importorskip("llama_cpp", reason="needs the llama.cpp backend (scripts/install-llamacpp.sh)")
+    temperature, seed = (0.0, None) if sampling == "greedy" else (0.8, 7)
+    params = SamplingParams(max_new_tokens=10, temperature=temperature, seed=seed, ignore_eos=True)
+    plain = _one_by_one(_engine(pair, backend=backend), PROMPTS, params)
+    engine = _engine(pair, cache_mb=1, backend=backend)
+    cached = _one_by_one(engine, PROMPTS, params)
+    assert [o.token_ids for o in cached] == [o.token_ids for o in plain]
+    hits = [o.stats.prefill_cached for o in cached]
+    assert hits[0] == 0 and hits[3] == 0  # nothing earlier shares their start
+    assert hits[1] >= len(BASE)  # the base (and its output) were kept
+    assert hits[2] == 30 and hits[4] >= len(BASE) and hits[5] == len(OTHER) - 1
+    assert all(h <= len(p) - 1 for h, p in zip(hits, PROMPTS))  # the last prompt token is always fed again
+    assert sum(o.stats.accepted for o in cached) > 0  # speculation ran on the restored prefixes
+    stats = engine.prefix_cache.index.stats
+    assert stats.hit_tokens == sum(hits) and engine.prefix_cache.index.nbytes <= 1 << 20
+
+
+def test_chunked_prefill_continues_after_a_cached_prefix(pair) -> None:
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    plain = _one_by_one(_engine(pair, **serving(max_num_batched_tokens=8)), PROMPTS, params)
+    cached = _one_by_one(_engine(pair, cache_mb=1, **serving(max_num_batched_tokens=8)), PROMPTS, params)
+    assert [o.token_ids for o in cached] == [o.token_ids for o in plain]
+    assert sum(o.stats.prefill_cached for o in cached) > 0 and sum(o.stats.accepted for o in cached) > 0
+
+
+def test_concurrent_prompts_sharing_all_but_the_last_token_are_not_answered_from_each_other(pair) -> None:
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    alone = _engine(pair)
+    outputs = {y: alone.generate([BASE + [y]], [params])[0].token_ids for y in range(1, V)}
+    y = next(y for y in range(2, V) if outputs[y] != outputs[1])  # two last tokens that lead elsewhere
+    a, b = BASE + [1], BASE + [y]
+    plain = [outputs[1], outputs[y]]
+    engine = _engine(pair, cache_mb=1)
+    engine.generate([BASE + [0]], [params])  # the shared prefix is cached
+    out = engine.generate([a, b], [params, params])
+    assert [o.token_ids for o in out] == plain and plain[0] != plain[1]
+    assert [o.stats.prefill_cached for o in out] == [len(BASE), len(BASE)]
+
+
+def test_negative_control_a_wrong_entry_is_caught(pair) -> None:
+    """Swap two entries' saved KV (a stale or wrong-prefix entry): the outputs restored from them must then
+    differ from plain decoding, so the equality above would catch such a cache."""
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    prompts = [BASE + [3, 4, 5, 6], OTHER + [2, 2]]
+    plain = _one_by_one(_engine(pair), prompts, params)
+    engine = _engine(pair, cache_mb=1)
+    _one_by_one(engine, [BASE, OTHER], params)
+    first, second = engine.prefix_cache.index.entries.values()
+    first.value, second.value = second.value, first.value
+    wrong = _one_by_one(engine, prompts, params)
+    assert all(o.stats.prefill_cached > 0 for o in wrong)
+    assert [o.token_ids for o in wrong] != [o.token_ids for o in plain]
+
+
+def test_a_small_budget_evicts_and_no_cache_without_saved_state(pair) -> None:
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    engine = _engine(pair, cache_mb=1)
+    per_token = engine.target.kv_bytes() // (2 * (160 + engine.window))  # bytes per cached token of one slot
+    engine.prefix_cache.index.budget_bytes = per_token * 60  # room for about one prompt and its output
+    _one_by_one(engine, [BASE, OTHER, BASE + [1]], params)
+    index = engine.prefix_cache.index
+    assert index.nbytes <= index.budget_bytes and index.stats.evictions + index.stats.superseded >= 1
+    assert _engine(pair).prefix_cache is None  # 0 MiB: off
+
+
+# -- the server -------------------------------------------------------------------------------------------
+def test_the_server_reports_cached_tokens_and_its_cache_in_metrics() -> None:
+    import httpx
+
+    from test_server_harness import KEY, MODEL, engine, reference, serve, tokenizer
+
+    prompt = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
+    with serve(engine(k=3, slots=4, prefix_cache_mb=1)) as s:
+        headers = {"Authorization": f"Bearer {KEY}"}
+
+        def complete(text: str) -> dict:
+            body = {"model": MODEL, "prompt": text, "max_tokens": 8, "temperature": 0}
+            r = httpx.post(f"{s.url}/v1/completions", json=body, headers=headers, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        first, again = complete(prompt), complete(prompt + "print(fib(10))")
+        assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        n = len(tokenizer()(prompt).input_ids)
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] <= n + 8
+        text, finish, _ = reference(tokenizer()(prompt + "print(fib(10))").input_ids, max_new_tokens=8)
+        assert (again["choices"][0]["text"], again["choices"][0]["finish_reason"]) == (text, finish)
+        assert again["speculation"]["drafted"] > 0
+        metrics = httpx.get(f"{s.url}/metrics", headers=headers, timeout=60).text
+    hits = [line for line in metrics.splitlines() if line.startswith("specdecode_prefix_cache_hit_tokens_total")]
+    assert hits and float(hits[0].split()[-1]) >= 16
+    assert any(
+        line.startswith("specdecode_prefix_cache_entries ") and float(line.split()[-1]) >= 1
+        for line in metrics.splitlines()
+    )

@@ -80,7 +80,11 @@ def test_every_flag_of_every_command_has_one_definition(command):
     else:  # --target, --draft, the model settings; serve's batch flags; check's own budgets
         from specdecode.build import MODEL_SETTINGS
 
-        serve = ("max_batch_size", "max_num_batched_tokens", "batched_tokens_per_seq") if command == "serve" else ()
+        serve = (
+            ("max_batch_size", "max_num_batched_tokens", "batched_tokens_per_seq", "prefix_cache_mb")
+            if command == "serve"
+            else ()
+        )
         check = [f for f in CHECK_FIELDS.values() if f.metadata.get("flags")] if command == "check" else []
         assert walked == 2 + len(MODEL_SETTINGS) + len(serve) + len(check)
 

@@ -470,6 +470,7 @@ def _usage(prompt_tokens: int, updates: list[Update]) -> dict:
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": updates[0].cached_tokens},  # from the prefix cache
         **(updates[0].timing or {}),
     }
 

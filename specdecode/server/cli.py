@@ -73,6 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_setting(g, "max_num_batched_tokens", "serve")
     add_setting(g, "batched_tokens_per_seq", "serve")
+    add_setting(g, "prefix_cache_mb", "serve")
     g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit, else 413 (default 1 MiB)")
     g.add_argument(
         "--no-speculation",

@@ -138,7 +138,20 @@ class ServerMetrics:
                 p + "kv_tokens_used", "target KV-cache positions holding valid entries", registry=r
             ),
             "draft_slots_used": Gauge(p + "draft_slots_used", "slots for which the drafter holds state", registry=r),
+            "prefix_cache_bytes": Gauge(p + "prefix_cache_bytes", "memory the prefix cache holds", registry=r),
+            "prefix_cache_entries": Gauge(p + "prefix_cache_entries", "sequences the prefix cache holds", registry=r),
+            "prefix_cache_evictions": Gauge(
+                p + "prefix_cache_evictions", "prefix cache entries evicted for room (so far)", registry=r
+            ),
+            "prefix_cache_hit_rate": Gauge(
+                p + "prefix_cache_hit_rate",
+                "prompt tokens answered by the prefix cache / prompt tokens looked up",
+                registry=r,
+            ),
         }
+        self.prefix_cache_hits = Counter(
+            p + "prefix_cache_hit_tokens", "prompt tokens restored from the prefix cache, not computed", registry=r
+        )
         self.speculation = Gauge(
             p + "speculation_enabled", "1 when the server drafts (a draft is loaded and speculation is on)", registry=r
         )
@@ -156,6 +169,7 @@ class ServerMetrics:
         now = time.perf_counter()
         n_out = len(seq.output_ids)
         self.prompt_tokens.inc(len(seq.prompt_ids))
+        self.prefix_cache_hits.inc(seq.stats.prefill_cached)
         self.generation_tokens.inc(n_out)
         if h.first_token_at is not None:
             self.ttft.observe(h.first_token_at - h.arrival)

@@ -50,6 +50,7 @@ from specdecode.server.metrics import ServerMetrics
 from specdecode.server.protocol import APIError, choice_params
 
 log = logging.getLogger("specdecode.server")
+PREFIX_CACHE_STATE = ("prefix_cache_bytes", "prefix_cache_entries", "prefix_cache_evictions", "prefix_cache_hit_rate")
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class Update:
     completion_tokens: int = 0
     speculation: dict | None = None
     timing: dict | None = None  # queue, prefill and first-token times of the request (final update)
+    cached_tokens: int = 0  # prompt tokens the prefix cache answered (final update; OpenAI's usage field)
     # the request's tokens' logprobs not sent before, spelled (None: it asked for none; specdecode.logprobs)
     logprobs: tuple[ReportedToken, ...] | None = None
     error: APIError | None = None
@@ -425,6 +427,7 @@ class Scheduler:
                     len(seq.output_ids),
                     speculation_summary(seq, self.engine.lossy),
                     h.timing(),
+                    cached_tokens=seq.stats.prefill_cached,
                     logprobs=self._new_logprobs(h),
                 )
             )
@@ -471,7 +474,7 @@ class Scheduler:
         for h in list(self._running.values()):
             self._drop(h, error)  # (the engine may be what broke; the client still gets its error)
 
-    def state(self) -> dict[str, int]:
+    def state(self) -> dict[str, float]:
         """Batch and KV occupancy (read from other threads: a snapshot, not a transaction)."""
         running, prefilling = list(self.engine.running), list(self.engine.prefilling)
         return {
@@ -480,4 +483,19 @@ class Scheduler:
             "kv_slots_used": len(running) + len(prefilling),
             "kv_tokens_used": sum(len(s.token_ids) - 1 for s in running) + sum(s.prefilled for s in prefilling),
             "draft_slots_used": self.engine.draft_slots_used,
+            **self.prefix_cache_state(),
+        }
+
+    def prefix_cache_state(self) -> dict[str, float]:
+        """The prefix cache's size and counts (zeros when it is off)."""
+        cache = self.engine.prefix_cache
+        if cache is None:
+            return dict.fromkeys(PREFIX_CACHE_STATE, 0.0)
+        index = cache.index
+        stats = index.stats
+        return {
+            "prefix_cache_bytes": float(index.nbytes),
+            "prefix_cache_entries": float(len(index)),
+            "prefix_cache_evictions": float(stats.evictions),
+            "prefix_cache_hit_rate": stats.hit_rate,
         }
