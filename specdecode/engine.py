@@ -214,6 +214,7 @@ class Engine:
             after_first_token=settings.first_token_from_target,
             prefill_chunk=settings.max_num_batched_tokens,
             isolate_faults=settings.isolate_drafter_faults,
+            prefix_cache_bytes=settings.prefix_cache_mb << 20,  # the draft model's own, beside the target's
         )
         self.drafter = self.drafts.drafter  # (inside its fault guard when isolating faults)
         # the target's KV of earlier prompts and outputs: a prompt that begins with one is prefilled from there

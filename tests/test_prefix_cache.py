@@ -128,14 +128,22 @@ def test_a_cached_prefix_changes_no_output(pair, backend, sampling) -> None:
     assert sum(o.stats.accepted for o in cached) > 0  # speculation ran on the restored prefixes
     stats = engine.prefix_cache.index.stats
     assert stats.hit_tokens == sum(hits) and engine.prefix_cache.index.nbytes <= 1 << 20
+    draft = engine.drafter.prefixes.index  # the draft model kept and restored its own KV too
+    assert draft.stats.hit_tokens >= len(BASE) and draft.nbytes <= 1 << 20
 
 
 def test_chunked_prefill_continues_after_a_cached_prefix(pair) -> None:
     params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
     plain = _one_by_one(_engine(pair, **serving(max_num_batched_tokens=8)), PROMPTS, params)
-    cached = _one_by_one(_engine(pair, cache_mb=1, **serving(max_num_batched_tokens=8)), PROMPTS, params)
+    engine = _engine(pair, cache_mb=1, **serving(max_num_batched_tokens=8))
+    starts = []
+    real = engine.drafter.prefill  # (the draft model's chunks: the first one starts after its kept prefix)
+    engine.drafter.prefill = lambda slots, pieces, st: starts.extend(st) or real(slots, pieces, st)
+    cached = _one_by_one(engine, PROMPTS, params)
     assert [o.token_ids for o in cached] == [o.token_ids for o in plain]
     assert sum(o.stats.prefill_cached for o in cached) > 0 and sum(o.stats.accepted for o in cached) > 0
+    assert engine.drafter.inner.prefixes.index.stats.hit_tokens > 0  # (the server's drafter is in its fault guard)
+    assert any(start >= 16 and start % 8 for start in starts)  # a chunk began at a restored length, not a multiple of 8
 
 
 def test_concurrent_prompts_sharing_all_but_the_last_token_are_not_answered_from_each_other(pair) -> None:

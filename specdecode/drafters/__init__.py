@@ -45,7 +45,7 @@ KINDS: dict[str, DrafterKind] = {
         True,
         "a smaller causal LM with the target's vocabulary",
         files=True,
-        capabilities=_LAZY_MODEL,
+        capabilities=_LAZY_MODEL | {"prefixes"},
     ),
     "xvocab": DrafterKind(
         "specdecode.drafters.cross_vocab",

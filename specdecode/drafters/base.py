@@ -145,12 +145,25 @@ class KeepsHistory(Protocol):
         benchmark replays the runs it skips, so what follows drafts as in an unbroken run."""
 
 
+class KeepsPrefixes(Protocol):
+    """Capability ``prefixes``: it keeps its own model's KV of finished sequences and starts a new prompt after
+    the longest prefix it kept (:class:`specdecode.prefix_cache.RunnerPrefixCache`), as the target does."""
+
+    def keep_prefixes(self, budget_bytes: int) -> None:
+        """Keep finished sequences' KV, up to ``budget_bytes`` (the engine calls this once)."""
+
+    def restore(self, slot: int, tokens: list[int]) -> int:
+        """Before a new sequence's first prefill in ``slot``: restore the longest kept prefix of ``tokens`` (all
+        but the last token at most); returns its length (0: nothing kept, nothing done)."""
+
+
 # optional capabilities, by the name a registry entry declares (``DrafterKind.capabilities``)
 CAPABILITIES: dict[str, str] = {
     "catch_up": "starts late and catches up on what it has not read (CatchesUp: lazy_start, lag, read, on_catch_up)",
     "free": "a proposal costs no model forward (free = True): the selector asks it what it would propose anywhere",
     "runners": "owns model runners (OwnsRunners: runners)",
     "history": "drafts from earlier requests' outputs (KeepsHistory: forget_outputs, remember)",
+    "prefixes": "keeps its model's KV of finished sequences for the next prompt (KeepsPrefixes: keep_prefixes, restore)",
 }
 
 
@@ -161,7 +174,7 @@ def capabilities(drafter: object) -> frozenset[str]:
         found.add("catch_up")
     if getattr(drafter, "free", False):
         found.add("free")
-    for name, member in (("runners", "runners"), ("history", "remember")):
+    for name, member in (("runners", "runners"), ("history", "remember"), ("prefixes", "restore")):
         if getattr(type(drafter), member, None) not in (None, getattr(DrafterBase, member)):
             found.add(name)
     return frozenset(found)
@@ -193,6 +206,12 @@ class DrafterBase:
 
     def start(self, slots: list[int], prompts: list[list[int]]) -> None:
         pass
+
+    def keep_prefixes(self, budget_bytes: int) -> None:  # (prefixes)
+        pass
+
+    def restore(self, slot: int, tokens: list[int]) -> int:  # (prefixes)
+        return 0
 
     def prefill(self, slots: list[int], pieces: list[list[int]], starts: list[int]) -> bool:
         return False

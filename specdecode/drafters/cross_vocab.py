@@ -79,7 +79,7 @@ from typing import Sequence
 import torch
 
 from specdecode.drafters.autoregressive import draft_settings
-from specdecode.drafters.base import Proposal, SequenceView, common_prefix
+from specdecode.drafters.base import DrafterBase, Proposal, SequenceView, common_prefix
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.models.base import Runner
 from specdecode.sampling import coupled_choice, race_noise, sample, warp, warp_tensors
@@ -363,6 +363,9 @@ class CrossVocabDrafter(DraftModelDrafter):
 
     name = "xvocab"
     lazy_start = True  # like the draft model: it can start late and catch up (drafters.multi)
+    # no prefix cache: its cache is in the draft's token ids, while the engine names a prompt in the target's
+    keep_prefixes = DrafterBase.keep_prefixes
+    restore = DrafterBase.restore
 
     def __init__(
         self,

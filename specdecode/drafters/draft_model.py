@@ -17,6 +17,7 @@ from specdecode.drafters.autoregressive import (
 )
 from specdecode.drafters.base import Proposal, SequenceView, common_prefix
 from specdecode.drafters.dynamic_tree import GrownTree
+from specdecode.prefix_cache import RunnerPrefixCache
 from specdecode.models.base import Runner
 from specdecode.models.device import synchronize
 
@@ -65,6 +66,20 @@ class DraftModelDrafter(AutoregressiveDrafter):
         self.vocab_size = vocab_size or runner.vocab_size
         self._cached: dict[int, list[int]] = {}
         self._floor: dict[int, int] = {}  # a length known to agree with the sequence
+        self.prefixes: RunnerPrefixCache | None = None  # finished sequences' KV (keep_prefixes)
+
+    def keep_prefixes(self, budget_bytes: int) -> None:
+        if budget_bytes > 0 and RunnerPrefixCache.supported(self.runner):
+            self.prefixes = RunnerPrefixCache(self.runner, budget_bytes)
+
+    def restore(self, slot: int, tokens: list[int]) -> int:
+        """The longest kept prefix of ``tokens`` into a slot that holds nothing yet (else 0: nothing done)."""
+        if self.prefixes is None or self._cached.get(slot):
+            return 0
+        n = self.prefixes.restore(slot, tokens, len(tokens) - 1)
+        if n:
+            self._cached[slot], self._floor[slot] = list(tokens[:n]), n
+        return n
 
     def runners(self) -> dict[str, Runner]:
         return {"draft": self.runner}
@@ -77,7 +92,9 @@ class DraftModelDrafter(AutoregressiveDrafter):
         return True
 
     def start(self, slots: list[int], prompts: list[list[int]]) -> None:
-        # what ``prefill`` cached of a prompt (in pieces) is kept; the rest is prefilled now
+        # what ``prefill`` cached of a prompt (in pieces), or the prefix cache held, is kept; the rest is prefilled now
+        for slot, p in zip(slots, prompts):
+            self.restore(slot, p)
         have = [common_prefix(self._cached.get(slot, []), p[:-1]) for slot, p in zip(slots, prompts)]
         self.runner.prefill(slots, [p[h:-1] for p, h in zip(prompts, have)], starts=have)
         for slot, p in zip(slots, prompts):
@@ -103,6 +120,7 @@ class DraftModelDrafter(AutoregressiveDrafter):
         slots, pieces, starts = [], [], []
         for s in seqs:
             self._adopt_tree(s)
+            self.restore(s.slot, s.token_ids)  # a slot first seen here: from the longest kept prefix
             cached = self._cached.setdefault(s.slot, [])  # (a slot first seen here has read nothing)
             keep = common_prefix(cached, s.token_ids, self._floor.setdefault(s.slot, 0))
             n = min(len(s.token_ids) - 1 - keep, budget)
@@ -125,6 +143,8 @@ class DraftModelDrafter(AutoregressiveDrafter):
         return tokens
 
     def release(self, slot: int) -> None:
+        if self.prefixes is not None and slot not in self._tree and self._cached.get(slot):
+            self.prefixes.save(slot, self._cached[slot])  # what this slot's cache holds, for the next prompt
         self._cached.pop(slot, None)
         self._floor.pop(slot, None)
         self._tree.pop(slot, None)

@@ -178,6 +178,10 @@ class MultiDrafter(DrafterBase):
         for d in self.parts.values():
             d.reserve(num_slots, max_len)
 
+    def keep_prefixes(self, budget_bytes: int) -> None:  # each part that keeps prefixes restores at its own start
+        for d in self.parts.values():
+            d.keep_prefixes(budget_bytes)
+
     def runners(self) -> dict[str, Runner]:
         out: dict[str, Runner] = {}
         for name, d in self.parts.items():

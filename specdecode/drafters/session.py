@@ -43,8 +43,12 @@ class DraftSession:
         after_first_token: bool = False,
         prefill_chunk: int | None = None,
         isolate_faults: bool = False,
+        prefix_cache_bytes: int = 0,
     ) -> None:
         self._guard = None
+        self._raw = drafter  # (outside its fault guard: the prefix cache is the drafter's own bookkeeping)
+        if drafter is not None and prefix_cache_bytes > 0:
+            drafter.keep_prefixes(prefix_cache_bytes)
         if drafter is not None and isolate_faults:
             from specdecode.drafters.guard import GuardedDrafter
 
@@ -161,6 +165,10 @@ class DraftSession:
         when it does nothing in pieces). The others keep decoding target-only until then. The chunk is per
         sequence, not shared, so when a request starts drafting never depends on the rest of the batch (nor,
         then, do its seeded samples)."""
+        for s in seqs:  # a prompt's first chunk starts after the longest prefix the drafter kept
+            if not s.draft.looked_up and s.draft.prefilled == 0:
+                s.draft.looked_up = True
+                s.draft.prefilled = self._raw.restore(s.slot, s.prompt_ids)
         work = [(s, min(len(s.prompt_ids) - 1 - s.draft.prefilled, self.prefill_chunk)) for s in seqs]
         work = [(s, n) for s, n in work if n > 0]
         if work:

@@ -21,3 +21,4 @@ class DraftState:
     early_features: list[TargetFeatures] = field(default_factory=list)
     eligible: bool = True  # False once a feature drafter could no longer catch up (its features were dropped)
     prefilled: int = 0  # prompt tokens the drafter cached in chunks ahead of its start (chunked prefill)
+    looked_up: bool = False  # its prompt was looked up in the drafter's prefix cache (chunked prefill)
