@@ -54,8 +54,8 @@ class IkBinding(Binding):
 
     def __init__(self) -> None:
         self._calls: dict[str, object] | None = None
-        self._log = None  # kept alive: the library holds the pointer
-        self._ggml = None
+        self._log: object = None  # kept alive: the library holds the pointer
+        self._ggml: ctypes.CDLL | None = None
 
     def __getattr__(self, name: str):
         if name.startswith("_"):
@@ -94,9 +94,10 @@ class IkBinding(Binding):
         set_data = declare(
             "llama_state_seq_set_data", [_C, ctypes.c_void_p, ctypes.c_size_t, _SEQ, _U32], ctypes.c_size_t
         )
+        log_set = declare("llama_log_set", [_LOG_TYPE, ctypes.c_void_p], None)
         calls: dict[str, object] = {
             "llama_backend_init": api.llama_backend_init,
-            "llama_log_set": declare("llama_log_set", [_LOG_TYPE, ctypes.c_void_p], None),
+            "llama_log_set": log_set,
             "llama_model_default_params": api.llama_model_default_params,
             "llama_model_load_from_file": api.llama_model_load_from_file,
             "llama_model_free": api.llama_free_model,
@@ -137,7 +138,7 @@ class IkBinding(Binding):
                 os.write(2, text)
 
         self._log = _log
-        calls["llama_log_set"](_log, None)
+        log_set(_log, None)
         self._calls = calls
         return calls
 
