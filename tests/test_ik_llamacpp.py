@@ -277,6 +277,24 @@ def test_generate_runs_on_ik_and_equals_its_target_only(tiny, capsys, monkeypatc
     assert spec["backend"] == plain["backend"] == "ik_llamacpp" and spec["token_ids"] == plain["token_ids"]
 
 
+def test_generate_batch_invariant_on_ik(tiny, capsys, monkeypatch, tmp_path):
+    """--batch-invariant on through the command: the target loads without repack, its runner says invariant,
+    and seeded coupled sampling with the draft equals coupled target-only token for token."""
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    _, _, gt, gd, _ = tiny
+    base = ["generate", "--backend", "ik_llamacpp", "--target", str(gt.path), "--prompt", "xyxyx", "--json"]
+    base += ["--max-new-tokens", "16", "--threads", "2", "--batch-invariant", "on", "--sampler", "coupled"]
+    base += ["--temperature", "0.9", "--seed", "3"]
+    code, out, err = _cli([*base, "--draft", str(gd.path)], capsys)
+    assert code == 0, err
+    spec = json.loads(out)
+    code, out, err = _cli(base, capsys)
+    assert code == 0, err
+    plain = json.loads(out)
+    assert "batch-invariant" in spec["where"]["target"] and spec["stats"]["drafted"] > 0
+    assert spec["token_ids"] == plain["token_ids"]
+
+
 def test_check_passes_on_ik(tiny, capsys, tmp_path, monkeypatch):
     """`specdecode check` end to end on the ik pair (small settings): PASS, with drafts proposed."""
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
