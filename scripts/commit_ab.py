@@ -38,21 +38,25 @@ else:
 problems = list(read_problems().values())[:n]
 prompts = [pair.tokenizer(p["prompt"], add_special_tokens=False).input_ids for p in problems]
 sp = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
-out = {}
+out, outputs = {}, {}
 for name, kk in (("target-only", 0), (f"k={k}", k)):
     cfg = EngineConfig("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b" if kk else None, num_draft_tokens=kk, dtype=dtype,
                        max_context=1024)
     engine = engine_from_pair(pair, cfg)
     engine.generate([prompts[0][:8]], SamplingParams(max_new_tokens=4))  # warm-up
     tokens = seconds = 0.0
+    ids = []
     for p in prompts:
         t0 = time.perf_counter()
         o = engine.generate([p], sp)[0]
         wall = time.perf_counter() - t0
         tokens += len(o.token_ids)
         seconds += wall - o.stats.prefill_s
+        ids.append(o.token_ids)
     out[name] = tokens / seconds
+    outputs[name] = ids
 print("RESULT " + json.dumps(out))
+print("OUTPUTS " + json.dumps(outputs))
 """
 
 
@@ -75,10 +79,16 @@ def run(tree: Path, args) -> dict[str, float]:
         text=True,
         cwd=tree,
     )
-    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if line is None:
+    lines = {
+        x.split(" ", 1)[0]: x.split(" ", 1)[1] for x in out.stdout.splitlines() if x.startswith(("RESULT ", "OUTPUTS "))
+    }
+    if "RESULT" not in lines:
         raise RuntimeError(f"measurement failed in {tree}:\n{out.stderr[-3000:]}")
-    return json.loads(line[len("RESULT ") :])
+    OUTPUTS.setdefault(str(tree), []).append(json.loads(lines.get("OUTPUTS", "{}")))
+    return json.loads(lines["RESULT"])
+
+
+OUTPUTS: dict[str, list[dict]] = {}  # tree -> each run's greedy token ids by configuration
 
 
 def main() -> int:
@@ -109,9 +119,20 @@ def main() -> int:
         new = statistics.median(x[cfg] for x in results["new"])
         summary[cfg] = {"old": old, "new": new, "new/old": new / old}
         print(f"  {cfg:12s} old {old:6.2f}  new {new:6.2f}  new/old {new / old:.3f}")
+    runs = [run for tree in (trees["old"], trees["new"]) for run in OUTPUTS.get(str(tree), [])]
+    same = all(run == runs[0] for run in runs)  # greedy: every run of both commits decodes the same tokens
+    print(f"greedy outputs identical across both commits and every round: {same}")
     if args.out:
         args.out.write_text(
-            json.dumps({"args": vars(args) | {"out": str(args.out)}, "raw": results, "summary": summary}, indent=2)
+            json.dumps(
+                {
+                    "args": vars(args) | {"out": str(args.out)},
+                    "raw": results,
+                    "summary": summary,
+                    "greedy_identical": same,
+                },
+                indent=2,
+            )
         )
     return 0
 

@@ -47,9 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prompts",
         action="append",
         default=None,
-        help="'spec-bench', 'humaneval', 'fim', 'code_edit', 'json_extract' (each with :dev / :test "
-        "halves, e.g. humaneval:test, fim:dev; docs/workloads.md) or a .jsonl path; repeatable "
-        "(default humaneval)",
+        help="'spec-bench', 'humaneval', 'fim', 'code_edit', 'json_extract', 'editor_replay' (each with :dev "
+        "/ :test halves, e.g. humaneval:test, fim:dev; editor_replay: a file typed into, a FIM request per "
+        "keystroke group; docs/workloads.md) or a .jsonl path; repeatable (default humaneval)",
     )
     p.add_argument(
         "--spec-bench-path",
