@@ -180,10 +180,12 @@ def backend_request(cfg: EngineConfig) -> Request:
     )
 
 
-def choose_backend(cfg: EngineConfig) -> Choice:
-    """The backend for ``cfg.backend`` (``auto``: the first in the registry that can run these settings)
-    and why; a clear error when the one asked for cannot. Loads nothing."""
-    return backends.choose(cfg.backend, backend_request(cfg))
+def choose_backend(cfg: EngineConfig, measured=None) -> Choice:
+    """The backend for ``cfg.backend`` (``auto``: one a cached profile measured faster on this machine, by
+    ``measured(backend, target) -> tok/s`` that a command passes (``specdecode.profile.decode_speeds``), else the
+    first in the registry that can run these settings) and why; a clear error when the one asked for cannot.
+    Loads nothing."""
+    return backends.choose(cfg.backend, backend_request(cfg), measured)
 
 
 def announce(cfg: EngineConfig, choice: Choice) -> None:
@@ -445,10 +447,11 @@ def validate_config(cfg: EngineConfig) -> None:
     same_draft_model(cfg.drafts, cfg.draft_quantization, ConfigError)
 
 
-def build_engine(cfg: EngineConfig) -> Engine:
+def build_engine(cfg: EngineConfig, measured=None) -> Engine:
+    """The engine ``cfg`` names, its models loaded (``measured``: see :func:`choose_backend`)."""
     validate_config(cfg)
     cfg = without_idle_draft(cfg)
-    choice = choose_backend(cfg)
+    choice = choose_backend(cfg, measured)
     pair = load_pair(cfg, choice.name)
     announce(cfg, choice)
     return engine_from_pair(pair, cfg)

@@ -345,3 +345,16 @@ def test_the_library_core_never_imports_the_tool():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_the_commands_hand_auto_the_cached_speeds_for_their_threads(monkeypatch):
+    """--backend auto reads the cached profile of the thread count the command runs with; a backend asked for
+    by name, or no thread count, reads nothing."""
+    from specdecode.config import EngineConfig
+    from specdecode.profile import cache
+
+    asked = []
+    monkeypatch.setattr(cache, "decode_speeds", lambda threads: asked.append(threads) or (lambda b, t: 1.0))
+    assert cache.measured_speeds(EngineConfig("toy:1", threads=3))("llamacpp", "toy:1") == 1.0 and asked == [3]
+    assert cache.measured_speeds(EngineConfig("toy:1", threads=3, backend="torch")) is None
+    assert cache.measured_speeds(EngineConfig("toy:1")) is None and asked == [3]

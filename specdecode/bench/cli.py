@@ -167,8 +167,9 @@ def main(args: argparse.Namespace) -> int:
 def _settings(args: argparse.Namespace, cfg) -> dict:
     """What the run records (meta.json): its flags, and the backend ``cfg`` (the run's engine settings) runs on."""
     from specdecode.build import announce, choose_backend
+    from specdecode.profile.cache import measured_speeds
 
-    choice = choose_backend(cfg)
+    choice = choose_backend(cfg, measured_speeds(cfg))
     announce(cfg, choice)
     return {
         "target": args.target,

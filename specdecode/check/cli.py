@@ -163,6 +163,7 @@ def main(args: argparse.Namespace) -> int:
 
     from specdecode.bench.prompts import PromptSetError
     from specdecode.build import PairError, announce, choose_backend, engine_from_pair, load_pair
+    from specdecode.profile.cache import measured_speeds
     from specdecode.build import config_from_args as engine_config
     from specdecode.check.common import TqdmProgress
     from specdecode.check.prefix import reuse_prefills
@@ -172,7 +173,7 @@ def main(args: argparse.Namespace) -> int:
         cfg = config_from_args(args)
         base = engine_config(args, "check")  # the engines' settings: each part's engine changes a few
         prompts = load_prompts(args.prompts, args.num_prompts, args.seed)
-        choice = choose_backend(base)
+        choice = choose_backend(base, measured_speeds(base))
         pair = load_pair(base, choice.name)
         announce(base, choice)
         ids = encode_prompts(pair.tokenizer, prompts, args.max_prompt_tokens)

@@ -226,6 +226,7 @@ def main(args: argparse.Namespace) -> int:
     import time
 
     from specdecode.build import build_engine, config_from_args
+    from specdecode.profile.cache import measured_speeds
     from specdecode.engine import Output, RequestError
     from specdecode.models.loading import ModelNotFoundError
     from specdecode.sampling import SamplingError, SamplingParams
@@ -260,7 +261,8 @@ def main(args: argparse.Namespace) -> int:
         params({})  # the sampling flags are checked before anything loads
         # the samples decode as one batch; streamed (the config's generate default): the first token never
         # waits for the drafter
-        engine = build_engine(config_from_args(args, "generate", max_batch_size=args.num_samples))
+        cfg = config_from_args(args, "generate", max_batch_size=args.num_samples)
+        engine = build_engine(cfg, measured_speeds(cfg))
         fim = {}
         if args.suffix is None:
             prompt = _prompt_ids(args, engine.tokenizer)

@@ -109,6 +109,14 @@ def cached(
     return replace(profile, drafts=drafts)
 
 
+def measured_speeds(cfg) -> Callable[[str, str], float | None] | None:
+    """:func:`decode_speeds` for a command's config (``--backend auto`` only, with its thread count): what the
+    commands hand :func:`specdecode.build.choose_backend`; None where nothing is to be read."""
+    if cfg.backend != "auto" or not cfg.threads:
+        return None
+    return decode_speeds(cfg.threads)
+
+
 def decode_speeds(threads: int, cache_dir: Path | None = None) -> Callable[[str, str], float | None]:
     """What ``--backend auto`` reads (``specdecode.models.backends.choose``'s ``measured``): (backend, target) ->
     the one-token decode tok/s of the cached profile with ``threads`` threads on this machine, or None."""

@@ -220,10 +220,11 @@ def main(args: argparse.Namespace) -> int:
         return replicas.main(args, server_config(args), cfg)
 
     from specdecode.build import PairError, build_engine
+    from specdecode.profile.cache import measured_speeds
     from specdecode.server.app import create_app
 
     try:
-        engine = build_engine(cfg)
+        engine = build_engine(cfg, measured_speeds(cfg))
     except (PairError, ValueError, OSError) as exc:
         print(f"specdecode serve: {exc}", file=sys.stderr)
         return 2
