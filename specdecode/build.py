@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from specdecode.config import (  # noqa: F401  (EngineConfig, ConfigError, config_from_args: re-exported)
     DEFAULTS,
@@ -25,6 +25,7 @@ from specdecode.models.backends import BackendRefused, Choice, Model, Request, S
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from specdecode.drafters.base import Drafter
     from specdecode.engine import Engine
     from specdecode.models.base import Runner
 
@@ -298,11 +299,12 @@ def engine_from_pair(pair: LoadedPair, cfg: EngineConfig) -> Engine:
     if trees:  # a backend may have a finite pool for trees (llama.cpp's sequence ids): refuse what could run out
         pair.target.check_tree(cfg.max_batch_size, cfg.tree_nodes, "the target's tree verify")
         for draft_model in {id(m): m for m in map(pair.draft_for, model_drafts(cfg))}.values():  # the ones it uses
-            draft_model.check_tree(
+            cast(Model, draft_model).check_tree(  # (load_pair loaded a model for each of these specs)
                 cfg.max_batch_size, cfg.tree_topk * cfg.num_draft_tokens + 1, "the draft model's tree growth"
             )
     target = pair.target.runner(batch_invariant=invariant, trees=trees)  # the engine sizes its cache
-    drafter, selector = None, None
+    drafter: Drafter | None = None
+    selector = None
     if cfg.draft:
         draft_settings = cfg.draft_settings(invariant)  # --batch-invariant as resolved for this target
 
@@ -391,7 +393,9 @@ def _quantized(pair: LoadedPair, spec: str) -> str:
     """``@mode`` of the draft model a spec loaded (each model's own mode, for the cost model's key)."""
     from specdecode.drafters import parse_draft
 
-    return f"@{pair.draft_for(spec).quantization}" if parse_draft(spec).loads_model and pair.draft_models() else ""
+    if not (parse_draft(spec).loads_model and pair.draft_models()):
+        return ""
+    return f"@{cast(Model, pair.draft_for(spec)).quantization}"
 
 
 def _fingerprint(name: str) -> str:
@@ -410,9 +414,10 @@ def _fingerprint(name: str) -> str:
         return name
     path = Path(spec.arg).expanduser()
     if spec.loads_model and not path.exists():  # an alias (`specdecode models fetch`)
-        path = _model_path(spec.arg)
-        if path is None:  # a hub id: its name is all we know
+        found = _model_path(spec.arg)
+        if found is None:  # a hub id: its name is all we know
             return name
+        path = found
     files = [path] if path.is_file() else sorted(p for p in path.glob("*") if p.is_file()) if path.is_dir() else []
     stats = [os.stat(f) for f in files[:64]]
     return f"{name}:{sum(st.st_size for st in stats)}:{max((st.st_mtime_ns for st in stats), default=0)}"

@@ -30,6 +30,7 @@ next start measures again.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -334,7 +335,8 @@ def calibrate(
     from specdecode.sampling import SamplingParams
 
     t_start = time.perf_counter()
-    cpu, spreads = CpuShare(), []
+    cpu = CpuShare()
+    spreads: list[float] = []
     prompt_len = max(2, min(prompt_len, max_context // 2))
     dev = target.device
     sync = torch.cuda.synchronize if getattr(dev, "type", str(dev)) == "cuda" else (lambda: None)
@@ -443,7 +445,7 @@ def calibrate(
                 if not grid[r]:
                     grow()
                     call(r, k)
-                grid[r][k] = _best(lambda r=r, k=k: call(r, k), reps, sync, grow, spreads)
+                grid[r][k] = _best(functools.partial(call, r, k), reps, sync, grow, spreads)
                 bar.update(k)
         for s in slots:
             drafter.release(s)

@@ -31,7 +31,7 @@ with a model of its own (Medusa's heads too).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable, Sequence
+from typing import Callable, Sequence, cast
 
 import torch
 
@@ -123,8 +123,11 @@ def propose_chain(
             law = warp(logits, *warp_args)
             tok = sample(law, uniforms[:, j])
             if coupled:  # the j-th draft token sits at position len(token_ids) + j
-                noise = torch.stack(
-                    [race_noise(active[i].params.seed, len(active[i].token_ids) + j, law.shape[-1]) for i in coupled]
+                noise = torch.stack(  # (the engine gives every coupled request a seed: Engine._resolve)
+                    [
+                        race_noise(cast(int, active[i].params.seed), len(active[i].token_ids) + j, law.shape[-1])
+                        for i in coupled
+                    ]
                 )
                 tok[coupled] = coupled_choice(law[coupled], noise)
             laws.append(law)
@@ -241,9 +244,8 @@ def _perturb(
     for r in rows:
         s = active[r]
         law = warp(flat[r], *(x.expand(flat.shape[1]) for x in warp_tensors([s.params])))  # [E, V]
-        noise = torch.stack([race_noise(s.params.seed, len(s.token_ids) + d, law.shape[-1]) for d in depths[r]]).to(
-            law.device
-        )
+        seed = cast(int, s.params.seed)  # the engine gives every coupled request one (Engine._resolve)
+        noise = torch.stack([race_noise(seed, len(s.token_ids) + d, law.shape[-1]) for d in depths[r]]).to(law.device)
         flat[r] = (law / noise).log().to(flat.dtype)
     return logits
 
@@ -264,6 +266,6 @@ def tree_proposal(bsz: int, rows: list[int], trees: list[GrownTree], greedy: boo
             tokens[b, :n] = torch.tensor(tree.tokens)
             parents[b, :n] = torch.tensor(tree.parents)
             if probs is not None:
-                probs[b, :n] = torch.stack(tree.laws)
+                probs[b, :n] = torch.stack(cast(list[torch.Tensor], tree.laws))  # a sampled tree's laws are set
     rule = DETERMINISTIC if greedy or probs is None else WITHOUT_REPLACEMENT
     return Proposal(tokens.to(device), probs, num.to(device), parents.to(device), rule)

@@ -13,12 +13,12 @@ again.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Sequence
+from typing import Callable, Sequence, cast
 
 import torch
 
-from specdecode.drafters.base import Drafter, DrafterBase, Proposal, SequenceView, TargetFeatures
-from specdecode.drafters.multi import merge
+from specdecode.drafters.base import Drafter, DrafterBase, KeepsHistory, Proposal, SequenceView, TargetFeatures
+from specdecode.drafters.multi import MultiDrafter, merge
 
 log = logging.getLogger("specdecode.drafters")
 
@@ -154,15 +154,15 @@ class GuardedDrafter(DrafterBase):
     def read_ahead(self, reads) -> None:
         """A plan's catch-up reads (a multi-drafter's); a failure makes the rows involved decode target-only."""
         try:
-            self.inner.read_ahead(reads)
+            cast(MultiDrafter, self.inner).read_ahead(reads)  # (only a multi-drafter's plans have reads)
         except Exception:
             self._failed("read", sorted({s.slot for r in reads for s in r.seqs} & self.live))
 
     def forget_outputs(self) -> None:
-        self.inner.forget_outputs()
+        cast(KeepsHistory, self.inner).forget_outputs()
 
     def remember(self, output: list[int]) -> None:
-        self.inner.remember(output)
+        cast(KeepsHistory, self.inner).remember(output)
 
 
 def _rng_state(seq: SequenceView):
@@ -190,15 +190,18 @@ def _merge_rows(batch: int, parts: list[tuple[list[int], Proposal]]) -> Proposal
     tokens = torch.zeros(batch, width, dtype=torch.long, device=dev)
     parents = torch.full((batch, width), -1, dtype=torch.long, device=dev)
     num = torch.zeros(batch, dtype=torch.long, device=dev)
+    first_probs = first.probs  # (None exactly when not has_probs: first is trees[0][1])
     probs = (
         None
-        if not has_probs
-        else torch.zeros(batch, width, first.probs.shape[-1], dtype=first.probs.dtype, device=first.probs.device)
+        if first_probs is None
+        else torch.zeros(batch, width, first_probs.shape[-1], dtype=first_probs.dtype, device=first_probs.device)
     )
     for rows, p in trees:
+        assert p.parents is not None  # trees only (the filter above)
         for i, b in enumerate(rows):
             n = int(p.num_tokens[i])
             tokens[b, :n], parents[b, :n], num[b] = p.tokens[i, :n], p.parents[i, :n], n
             if probs is not None:
+                assert p.probs is not None  # every tree kept has probs when the first has (has_probs)
                 probs[b, :n] = p.probs[i, :n]
     return Proposal(tokens, probs, num, parents, rule)
