@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Collection, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Collection, Mapping, Protocol, Sequence, cast
 
 from specdecode.config import default
 from specdecode.costmodel import CostModel
@@ -297,7 +297,8 @@ def candidates(
 
 def assign(est: Mapping[str, Estimate], lengths: Mapping[str, int]) -> Choice:
     """The drafter (at its length) that promises the most tokens among those in ``est``."""
-    best, gain = (None, 0), 1.0
+    best: Choice = (None, 0)
+    gain = 1.0
     for d, k in lengths.items():
         if k > 0 and d in est:
             e = expected_tokens(*est[d], k)
@@ -309,7 +310,7 @@ def assign(est: Mapping[str, Estimate], lengths: Mapping[str, int]) -> Choice:
 def plan_rate(cost: CostModel, est: Sequence[Mapping[str, Estimate]], lengths: Mapping[str, int], batch: int) -> float:
     """Expected tokens per second of a step of ``batch`` sequences (``est`` covers the drafting ones)."""
     choices = [assign(e, lengths) for e in est]
-    tokens = batch - len(est)  # sequences not planned here emit one token each
+    tokens: float = batch - len(est)  # sequences not planned here emit one token each
     tokens += sum(expected_tokens(*e[d], k) if d is not None else 1.0 for e, (d, k) in zip(est, choices))
     return tokens / max(step_seconds(cost, batch, plan_rows(choices)), 1e-12)
 
@@ -401,7 +402,7 @@ def exploration(
     settings: SelectorSettings,
     first: Collection[str] = (),
     unproven: Collection[str] = (),
-) -> tuple[Choice | None, list[str]]:
+) -> tuple[tuple[str, int] | None, list[str]]:
     """The first of ``due`` worth exploring for a sequence planned at ``choice`` (None: none), and the
     drafters passed over as unable to pay or be afforded at this load (look again later). A drafter
     whose catch-up waits while the sequence is watched stays due. ``tried``: the lengths the plan
@@ -410,7 +411,7 @@ def exploration(
     it is worth for the rest of the run; one in ``unproven`` (its cost known only from a busy machine's
     calibration, never timed in this run) whether or not that cost says it could pay, or pay back its
     catch-up."""
-    passed = []
+    passed: list[str] = []
     for d in due:
         k = lengths[d] or explore_k
         if o.looking and o.catch_up[d] > 0:
@@ -580,7 +581,8 @@ class AutoPolicy:
             state.choice = choice
             out.append(choice[1])
         self._look(seqs, plan.lengths)
-        return StepPlan(out, tuple(Read(d, tuple(rows_of), chunk) for d, rows_of in reading.items()))
+        # (reading is empty unless chunk is set: choose and the exploration above add to it only then)
+        return StepPlan(out, tuple(Read(d, tuple(rows_of), cast(int, chunk)) for d, rows_of in reading.items()))
 
     def _trace(self, seqs: list, outlooks: list[Outlook], batch: int) -> None:
         """Log each pending catch-up decision at DEBUG (what it would cost, what it would save)."""
@@ -614,6 +616,7 @@ class AutoPolicy:
         for seq in seqs:
             self._state(seq).shadow = {}
         for d in self.free:
+            assert self.parts is not None  # self.free is the parts' (empty without parts)
             rows = [seq for seq in seqs if self._state(seq).choice[0] != d]
             if not rows:
                 continue
@@ -637,7 +640,7 @@ class AutoPolicy:
                 k: (cost.verify_s(batch, k + 1) + cost.draft_s(d, 1, k)) / expected_tokens(*est, k)
                 for k in self.lengths
             }
-            best = min(per_token, key=per_token.get)
+            best = min(per_token, key=per_token.__getitem__)
             drafters[d] = {
                 "tried": d in self.tried,
                 "alpha": round(est[0], 4),

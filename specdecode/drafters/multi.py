@@ -28,17 +28,35 @@ seconds)`` reports what each catch-up cost.
 
 from __future__ import annotations
 
+import functools
 import time
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Protocol, Sequence, cast
 
 import torch
 
-from specdecode.drafters.base import Drafter, DrafterBase, Proposal, SequenceView, TargetFeatures
+from specdecode.drafters.base import (
+    CatchesUp,
+    Drafter,
+    DrafterBase,
+    KeepsHistory,
+    KeepsPrefixes,
+    OwnsRunners,
+    Proposal,
+    SequenceView,
+    TargetFeatures,
+)
 from specdecode.models.base import Runner
 from specdecode.models.device import synchronize
 
 
-class Parts(Mapping[str, Drafter]):
+class Part(Drafter, CatchesUp, OwnsRunners, KeepsHistory, KeepsPrefixes, Protocol):
+    """A part as the multi-drafter uses it: a drafter with every optional capability, each either its own or
+    :class:`DrafterBase`'s default."""
+
+    free: bool
+
+
+class Parts(Mapping[str, Part]):
     """A multi-drafter's parts by name, and for each lazy part the sequences it has not started on:
     what the selector asks of the parts (:class:`specdecode.selector.PartsView`) and what the
     multi-drafter drafts with. ``on_catch_up(name, tokens, seconds)`` hears every catch-up: a late
@@ -54,15 +72,18 @@ class Parts(Mapping[str, Drafter]):
         trees = [name for name, d in drafters.items() if d.max_tree_nodes]
         if trees:
             raise ValueError(f"the selector chooses among chains; {', '.join(trees)} drafts trees")
-        self._drafters, self.on_catch_up = dict(drafters), on_catch_up
-        self.free = tuple(name for name, d in drafters.items() if d.free)  # (see shadow)
+        # (every part has DrafterBase's defaults for the capabilities it lacks: see Part)
+        self._drafters, self.on_catch_up = cast("dict[str, Part]", dict(drafters)), on_catch_up
+        self.free = tuple(name for name, d in self._drafters.items() if d.free)  # (see shadow)
         # lazy part -> slot -> the prompt it has not read yet (see the module docstring)
-        self._waiting: dict[str, dict[int, list[int]]] = {name: {} for name, d in drafters.items() if d.lazy_start}
+        self._waiting: dict[str, dict[int, list[int]]] = {
+            name: {} for name, d in self._drafters.items() if d.lazy_start
+        }
         self.caught_up_s = 0.0  # seconds of catch-up read inside proposals so far (not drafting time)
         for name in self._waiting:
-            drafters[name].on_catch_up = lambda tokens, seconds, name=name: self._caught_up(name, tokens, seconds)
+            self._drafters[name].on_catch_up = functools.partial(self._caught_up, name)
 
-    def __getitem__(self, name: str) -> Drafter:
+    def __getitem__(self, name: str) -> Part:
         return self._drafters[name]
 
     def __iter__(self) -> Iterator[str]:
@@ -128,6 +149,7 @@ class Parts(Mapping[str, Drafter]):
         late = [s for s in seqs if waiting and s.slot in waiting]
         if not late:
             return
+        assert waiting is not None  # (late is empty without it)
         part = self._drafters[name]
         prompts = [waiting[s.slot] for s in late]
         t0 = time.perf_counter()
