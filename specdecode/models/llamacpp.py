@@ -46,6 +46,7 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Sequence
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -315,10 +316,10 @@ class LlamaCppRunner(Runner):
         self.device = torch.device("cpu")
         self.identity = model.identity
         self.eos_token_ids = set(model.eos_token_ids)
-        self.threads = model.threads
+        self.threads: int = model.threads  # (always set here: the model's count)
         self.num_slots = self.max_len = 0
         self.ctx = None
-        self._batch = None
+        self._batch: Any = None  # a llama_batch (ctypes, untyped) from ensure_capacity until freed
         self._embeddings = False
         self._length: list[int] = []  # per slot: 1 + the highest position the cache holds (0: empty)
         if num_slots and max_len:
@@ -501,7 +502,8 @@ class LlamaCppRunner(Runner):
         size = 0
 
         def flush() -> None:
-            out_l, out_f = [], []
+            out_l: list[torch.Tensor] = []
+            out_f: list[torch.Tensor] = []
             self._decode([(slot, toks, p0) for _, slot, toks, p0 in group], outputs, features, out_l, out_f)
             for k, (i, *_rest) in enumerate(group):
                 if outputs:
@@ -589,6 +591,7 @@ class LlamaCppRunner(Runner):
         ids, pos, mask = input_ids.tolist(), positions.tolist(), tree_mask.cpu()
         bsz, q = input_ids.shape
         plans = []  # (slot, where its cells end, plan)
+        assert self._tree is not None  # (forward refuses a tree forward on a runner made without trees)
         try:
             for b, slot in enumerate(slots.tolist()):
                 if not 0 <= slot < self.num_slots:
