@@ -74,7 +74,7 @@ import itertools
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Sequence, cast
 
 import torch
 
@@ -82,7 +82,7 @@ from specdecode.drafters.autoregressive import draft_settings
 from specdecode.drafters.base import DrafterBase, Proposal, SequenceView, common_prefix
 from specdecode.drafters.draft_model import DraftModelDrafter
 from specdecode.models.base import Runner
-from specdecode.sampling import coupled_choice, race_noise, sample, warp, warp_tensors
+from specdecode.sampling import SamplingParams, coupled_choice, race_noise, sample, warp, warp_tensors
 
 MODES = ("slem", "tli")
 WINDOW = 8  # target tokens of committed text re-tokenized with a SLEM proposal
@@ -175,9 +175,10 @@ class Vocab:
                 continue
             run_ids = self.encode_text(run)
             spells = [self.spell[i] for i in run_ids]
+            known = cast("list[bytes]", spells)  # (read only where None is not in spells)
             size = len(run.encode())
-            if None not in spells and sum(map(len, spells)) == size:
-                ends.extend(pos + end for end in itertools.accumulate(map(len, spells)))
+            if None not in spells and sum(map(len, known)) == size:
+                ends.extend(pos + end for end in itertools.accumulate(map(len, known)))
             elif run_ids:
                 ends.extend([-1] * (len(run_ids) - 1) + [pos + size])
             ids.extend(run_ids)
@@ -234,7 +235,7 @@ class DraftView:
 
     slot: int
     token_ids: list[int]
-    params: object
+    params: SamplingParams
     generator: torch.Generator
 
 
@@ -257,7 +258,8 @@ class Translator:
         continuing at ``d0``), the anchors inside them and the bytes owed at the end."""
         out: list[int] = []
         anchors: list[tuple[int, int]] = []
-        run, ends = bytearray(), []  # ordinary text since the last special; (target index after, byte end)
+        run = bytearray()  # ordinary text since the last special
+        ends: list[tuple[int, int]] = []  # (target index after, byte end)
 
         def flush(final: bool) -> bytes:
             tail = incomplete_tail(bytes(run)) if final else 0
@@ -325,9 +327,10 @@ class Translator:
         if cut > len(window):
             ids = self.target.encode_text(whole[:cut].decode())
             spells = [self.target.spell[i] for i in ids]
-            if None in spells or sum(map(len, spells)) != cut:  # not spelled back (a normalizer, a special): none
+            known = cast("list[bytes]", spells)  # (read only where None is not in spells)
+            if None in spells or sum(map(len, known)) != cut:  # not spelled back (a normalizer, a special): none
                 return []
-            ends = list(itertools.accumulate(map(len, spells)))
+            ends = list(itertools.accumulate(map(len, known)))
             first = next(i for i, end in enumerate(ends) if end > len(window))
             begin = ends[first - 1] if first else 0
             out = (
@@ -523,7 +526,8 @@ class CrossVocabDrafter(DraftModelDrafter):
                 law_t[:, self.to_target[shared]] = law[:, shared] / mass.clamp_min(1e-30)[:, None]
                 drawn = self.from_target[sample(law_t, uniforms[:, j])]
                 for i in coupled:
-                    noise = race_noise(params[i].seed, len(active[i].token_ids) + j, self.target_vocab_size)
+                    seed = cast(int, params[i].seed)  # the engine gives every coupled request one (Engine._resolve)
+                    noise = race_noise(seed, len(active[i].token_ids) + j, self.target_vocab_size)
                     drawn[i] = self.from_target[coupled_choice(law_t[i : i + 1], noise[None])[0]]
                 choice = torch.where(greedy, choice, drawn)
                 law_t[greedy] = 0.0
