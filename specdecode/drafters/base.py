@@ -157,6 +157,14 @@ class KeepsPrefixes(Protocol):
         but the last token at most); returns its length (0: nothing kept, nothing done)."""
 
 
+class FullDrafter(Drafter, CatchesUp, OwnsRunners, KeepsHistory, KeepsPrefixes, Protocol):
+    """A drafter with every optional capability, each its own or :class:`DrafterBase`'s default: what
+    :class:`specdecode.drafters.session.DraftSession` and a multi-drafter's parts are called with (a drafter
+    the engine gets derives from :class:`DrafterBase`)."""
+
+    free: bool  # (free)
+
+
 # optional capabilities, by the name a registry entry declares (``DrafterKind.capabilities``)
 CAPABILITIES: dict[str, str] = {
     "catch_up": "starts late and catches up on what it has not read (CatchesUp: lazy_start, lag, read, on_catch_up)",

@@ -30,33 +30,16 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Callable, Iterator, Mapping, Protocol, Sequence, cast
+from typing import Callable, Iterator, Mapping, Sequence, cast
 
 import torch
 
-from specdecode.drafters.base import (
-    CatchesUp,
-    Drafter,
-    DrafterBase,
-    KeepsHistory,
-    KeepsPrefixes,
-    OwnsRunners,
-    Proposal,
-    SequenceView,
-    TargetFeatures,
-)
+from specdecode.drafters.base import Drafter, DrafterBase, FullDrafter, Proposal, SequenceView, TargetFeatures
 from specdecode.models.base import Runner
 from specdecode.models.device import synchronize
 
 
-class Part(Drafter, CatchesUp, OwnsRunners, KeepsHistory, KeepsPrefixes, Protocol):
-    """A part as the multi-drafter uses it: a drafter with every optional capability, each either its own or
-    :class:`DrafterBase`'s default."""
-
-    free: bool
-
-
-class Parts(Mapping[str, Part]):
+class Parts(Mapping[str, FullDrafter]):
     """A multi-drafter's parts by name, and for each lazy part the sequences it has not started on:
     what the selector asks of the parts (:class:`specdecode.selector.PartsView`) and what the
     multi-drafter drafts with. ``on_catch_up(name, tokens, seconds)`` hears every catch-up: a late
@@ -72,8 +55,8 @@ class Parts(Mapping[str, Part]):
         trees = [name for name, d in drafters.items() if d.max_tree_nodes]
         if trees:
             raise ValueError(f"the selector chooses among chains; {', '.join(trees)} drafts trees")
-        # (every part has DrafterBase's defaults for the capabilities it lacks: see Part)
-        self._drafters, self.on_catch_up = cast("dict[str, Part]", dict(drafters)), on_catch_up
+        # (every part has DrafterBase's defaults for the capabilities it lacks: see FullDrafter)
+        self._drafters, self.on_catch_up = cast("dict[str, FullDrafter]", dict(drafters)), on_catch_up
         self.free = tuple(name for name, d in self._drafters.items() if d.free)  # (see shadow)
         # lazy part -> slot -> the prompt it has not read yet (see the module docstring)
         self._waiting: dict[str, dict[int, list[int]]] = {
@@ -83,7 +66,7 @@ class Parts(Mapping[str, Part]):
         for name in self._waiting:
             self._drafters[name].on_catch_up = functools.partial(self._caught_up, name)
 
-    def __getitem__(self, name: str) -> Part:
+    def __getitem__(self, name: str) -> FullDrafter:
         return self._drafters[name]
 
     def __iter__(self) -> Iterator[str]:

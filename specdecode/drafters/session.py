@@ -27,10 +27,19 @@ makes the rows involved decode target-only instead of failing the step.
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence, cast
 
-from specdecode.drafters.base import Drafter, Proposal, TargetFeatures
+from specdecode.drafters.base import Drafter, FullDrafter, Proposal, TargetFeatures
 from specdecode.models.base import Runner
+
+if TYPE_CHECKING:
+    from specdecode.drafters.guard import GuardedDrafter
+
+
+class ReadsAhead(Protocol):
+    """A drafter whose plans name catch-up reads (a multi-drafter, or a guard around one)."""
+
+    def read_ahead(self, reads: Sequence) -> None: ...
 
 
 class DraftSession:
@@ -45,17 +54,19 @@ class DraftSession:
         isolate_faults: bool = False,
         prefix_cache_bytes: int = 0,
     ) -> None:
-        self._guard = None
-        self._raw = drafter  # (outside its fault guard: the prefix cache is the drafter's own bookkeeping)
-        if drafter is not None and prefix_cache_bytes > 0:
-            drafter.keep_prefixes(prefix_cache_bytes)
-        if drafter is not None and isolate_faults:
+        self._guard: GuardedDrafter | None = None
+        # (a drafter derives from DrafterBase: it has every capability, its own or the default; see FullDrafter)
+        full = cast("FullDrafter | None", drafter)
+        self._raw = full  # (outside its fault guard: the prefix cache is the drafter's own bookkeeping)
+        if full is not None and prefix_cache_bytes > 0:
+            full.keep_prefixes(prefix_cache_bytes)
+        if full is not None and isolate_faults:
             from specdecode.drafters.guard import GuardedDrafter
 
-            drafter = self._guard = GuardedDrafter(drafter)
-        self.drafter = drafter
-        self.feature_layers: tuple[int, ...] = tuple(drafter.feature_layers) if drafter is not None else ()
-        self.max_tree_nodes = drafter.max_tree_nodes if drafter is not None else 0
+            full = self._guard = GuardedDrafter(full)
+        self.drafter = full
+        self.feature_layers: tuple[int, ...] = tuple(full.feature_layers) if full is not None else ()
+        self.max_tree_nodes = full.max_tree_nodes if full is not None else 0
         self.after_first_token = after_first_token
         self.prefill_chunk = prefill_chunk  # prompt tokens per sequence and step (None: whole prompts)
 
@@ -73,6 +84,7 @@ class DraftSession:
             return
         live = [(s, f) for s, f in zip(seqs, features) if s.draft.started]
         if live:
+            assert self.drafter is not None  # (feature_layers are empty without a drafter)
             self.drafter.observe([s.slot for s, _ in live], [f for _, f in live])
         for s, f in zip(seqs, features):
             if s.draft.started or not s.draft.eligible:
@@ -109,8 +121,8 @@ class DraftSession:
     def read_ahead(self, reads: Sequence) -> None:
         """The catch-up reads a plan asks for (:class:`specdecode.policy.Read`), before anything is proposed:
         a drafter that chooses among parts reads each part's backlog without drafting."""
-        if reads:
-            self.drafter.read_ahead(reads)
+        if reads:  # (only a multi-drafter's plans have reads)
+            cast(ReadsAhead, self.drafter).read_ahead(reads)
 
     def propose(self, seqs: Sequence, num_tokens: list[int]) -> Proposal:
         """Up to ``num_tokens[b]`` tokens for each row (trimmed: a drafter that found fewer than it was asked
@@ -123,11 +135,13 @@ class DraftSession:
     def move(self, seq, dst: int) -> None:
         """``seq`` moves from its slot to ``dst`` (the engine keeps running slots contiguous)."""
         if self._holds(seq):
+            assert self.drafter is not None  # (see _holds)
             self.drafter.move(seq.slot, dst)
 
     def release(self, seq) -> None:
         """``seq`` has finished (or was aborted): the drafter lets its slot go."""
         if self._holds(seq):
+            assert self.drafter is not None  # (see _holds)
             self.drafter.release(seq.slot)
 
     def _holds(self, seq) -> bool:
@@ -165,6 +179,7 @@ class DraftSession:
         when it does nothing in pieces). The others keep decoding target-only until then. The chunk is per
         sequence, not shared, so when a request starts drafting never depends on the rest of the batch (nor,
         then, do its seeded samples)."""
+        assert self.drafter is not None and self._raw is not None  # (catch_up calls it only with a drafter)
         for s in seqs:  # a prompt's first chunk starts after the longest prefix the drafter kept
             if not s.draft.looked_up and s.draft.prefilled == 0:
                 s.draft.looked_up = True
@@ -190,6 +205,7 @@ class DraftSession:
         order (the drafter catches up on tokens generated meanwhile at its next proposal)."""
         if not seqs:
             return
+        assert self.drafter is not None  # (its callers return first without a drafter)
         t0 = time.perf_counter()
         self.drafter.start([s.slot for s in seqs], [s.prompt_ids for s in seqs])
         for j in range(max(len(s.draft.early_features) for s in seqs)):
