@@ -40,7 +40,7 @@ import itertools
 import secrets
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, cast
 
 import torch
 
@@ -414,10 +414,10 @@ class Engine:
                 if self.feature_layers:
                     fresh[s] = TargetFeatures(s.prefilled, piece, f)
                 s.prefilled += n
-        for s, lead, n in followers:  # (n choices of one request, or equal prompts admitted together)
-            self.target.copy_slot(lead.slot, s.slot, lead.prefilled)
+        for s, source, n in followers:  # (n choices of one request, or equal prompts admitted together)
+            self.target.copy_slot(source.slot, s.slot, source.prefilled)
             if self.feature_layers:
-                fresh[s] = fresh[lead]
+                fresh[s] = fresh[source]
             s.prefilled += n
             s.stats.prefill_copied += n
         t1 = time.perf_counter()
@@ -629,7 +629,9 @@ class Engine:
     def _verify_tree(self, seqs: list[Sequence], proposal: Proposal) -> "_Verified":
         bsz, dev = len(seqs), self.device
         drafts, num_nodes = proposal.tokens.to(dev), proposal.num_tokens.to(dev)
+        assert proposal.parents is not None  # (step verifies a proposal with parents here)
         if int(num_nodes.max()) > self.max_tree_nodes:
+            assert self.drafter is not None  # (nodes were proposed: by the drafter)
             raise RuntimeError(
                 f"drafter {self.drafter.name!r} proposed a tree of {int(num_nodes.max())} nodes, more "
                 f"than the engine's max_tree_nodes={self.max_tree_nodes}"
@@ -758,14 +760,18 @@ class Engine:
             shape = (len(seqs), *(max(t.shape[d] for t in tensors) for d in range(1, tensors[0].dim())))
             out = torch.full(shape, -1 if name == "path" else 0, dtype=tensors[0].dtype, device=tensors[0].device)
             for (rows, _), t in zip(parts, tensors):
-                out[(rows.to(out.device), *(slice(0, w) for w in t.shape[1:]))] = t
+                where: tuple[torch.Tensor | slice, ...] = (rows.to(out.device), *(slice(0, w) for w in t.shape[1:]))
+                out[where] = t
             merged[name] = out
         return type(parts[0][1])(**merged)
 
     def _noise(self, seqs: list[Sequence], width: int, vocab: int) -> torch.Tensor:  # [B, width, V]
         """The coupled sampler's noise of each row's positions ``len(token_ids) .. + width - 1`` (keyed by
         its seed and those positions alone: the same in any batch, on any device)."""
-        return torch.stack([race_noises(s.params.seed, len(s.token_ids), width, vocab) for s in seqs]).to(self.device)
+        # (every coupled request has a seed: _resolve gives one)
+        return torch.stack([race_noises(cast(int, s.params.seed), len(s.token_ids), width, vocab) for s in seqs]).to(
+            self.device
+        )
 
     def _uniforms(self, seqs: list[Sequence], num_draft: list[int], k: int) -> torch.Tensor:
         """[B, k+1]: each row draws its own ``num_draft + 1`` uniforms from its own generator, so a
@@ -825,7 +831,9 @@ class Engine:
             raise ValueError("need one SamplingParams per prompt")
         for p, sp in zip(prompts, params_list):
             self.validate(p, sp)
-        queue = [(p, sp, str(i)) for i, (p, sp) in enumerate(zip(prompts, params_list))]
+        queue: list[tuple[list[int], SamplingParams, str | None]] = [
+            (p, sp, str(i)) for i, (p, sp) in enumerate(zip(prompts, params_list))
+        ]
         while queue or self.running or self.prefilling:
             if queue and self.free_slots():
                 admit, queue = queue[: self.free_slots()], queue[self.free_slots() :]
@@ -840,6 +848,7 @@ class Engine:
                 raise RuntimeError(f"request {ev.seq.request_id} failed") from ev.error
             if ev.finished:
                 s = ev.seq
+                assert s.finish_reason is not None  # (a finished sequence's event: ev.finished is s.finished)
                 done[s.request_id] = Output(
                     s.request_id, s.prompt_ids, s.output_ids, s.text.finish(), s.finish_reason, s.stats, s.logprobs
                 )
