@@ -360,7 +360,7 @@ class Engine:
         (target features it wants are kept until then), so speculation never delays the first token."""
         if self.prefix_cache is not None:  # a new prompt starts after its longest cached prefix
             for s in self.prefilling:
-                if s.prefilled == 0 and s.stats.prefill_cached == 0 and not s.cache_looked_up:
+                if not s.cache_looked_up:  # (once, before its first chunk)
                     s.cache_looked_up = True
                     s.prefilled = s.stats.prefill_cached = self.prefix_cache.restore(
                         s.slot, s.prompt_ids, len(s.prompt_ids) - 1

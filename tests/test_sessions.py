@@ -11,7 +11,7 @@ import pytest
 from fake_openai import Behaviour, FakeServer
 
 from specdecode.bench.prompts import Prompt, PromptSetError, load_prompt_set
-from specdecode.bench.sessions import needs_history, reusable_prefix, sessions, with_history
+from specdecode.bench.sessions import needs_history, sessions, with_history
 from specdecode.load.client import Target
 from specdecode.load.report import write_outputs
 from specdecode.load.runner import LoadConfig, plan_requests, plan_units, run_sweep, session_rounds
@@ -61,11 +61,6 @@ def test_chat_turns_carry_the_earlier_answer() -> None:
         load_prompt_set("chat_turns:dev")
     with pytest.raises(PromptSetError, match="bad split"):
         load_prompt_set("editor_replay:train")
-
-
-def test_reusable_prefix() -> None:
-    assert reusable_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
-    assert reusable_prefix([], [1]) == 0 and reusable_prefix([1, 2], [1, 2, 3]) == 2
 
 
 def _chat(session: str | None, turn: int, slot: bool = False) -> Prompt:

@@ -1,5 +1,6 @@
 """A session's requests at run time: which prompts go together, their answer slots filled from the
-session's earlier answers, and how much of a prompt a prefix cache holding the previous one can reuse.
+session's earlier answers, and (with :func:`specdecode.drafters.base.common_prefix`) how much of a prompt a prefix cache
+holding the previous one can reuse.
 
 The session workloads themselves (``editor_replay``, ``chat_turns``) are prompt sets
 (:func:`specdecode.bench.prompts.load_prompt_set`); a :class:`~specdecode.bench.prompts.Prompt` with a
@@ -41,13 +42,3 @@ def sessions(prompts: list[Prompt]) -> list[list[Prompt]]:
         items = list(group)
         units.extend([sorted(items, key=lambda p: p.turn)] if key is not None else [[p] for p in items])
     return units
-
-
-def reusable_prefix(previous: list[int], current: list[int]) -> int:
-    """Tokens of ``current`` a prefix cache holding ``previous`` can reuse: their common prefix."""
-    n = 0
-    for a, b in zip(previous, current):
-        if a != b:
-            break
-        n += 1
-    return n

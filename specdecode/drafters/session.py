@@ -181,7 +181,7 @@ class DraftSession:
         then, do its seeded samples)."""
         assert self.drafter is not None and self._raw is not None  # (catch_up calls it only with a drafter)
         for s in seqs:  # a prompt's first chunk starts after the longest prefix the drafter kept
-            if not s.draft.looked_up and s.draft.prefilled == 0:
+            if not s.draft.looked_up:  # (once, before its first chunk)
                 s.draft.looked_up = True
                 s.draft.prefilled = self._raw.restore(s.slot, s.prompt_ids)
         work = [(s, min(len(s.prompt_ids) - 1 - s.draft.prefilled, self.prefill_chunk)) for s in seqs]

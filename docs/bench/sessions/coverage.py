@@ -14,7 +14,8 @@ import json
 import statistics
 
 from specdecode.bench.prompts import load_prompt_set
-from specdecode.bench.sessions import reusable_prefix, sessions, with_history
+from specdecode.bench.sessions import sessions, with_history
+from specdecode.drafters.base import common_prefix
 from specdecode.fim import fim_tokens
 from transformers import AutoTokenizer
 
@@ -56,7 +57,7 @@ def main() -> None:
                 answers.append("A stand-in answer of a few sentences. " * 8)
             for name, ids in orders.items():
                 if name in prev:
-                    stats[name].append((reusable_prefix(prev[name], ids), len(ids)))
+                    stats[name].append((common_prefix(prev[name], ids), len(ids)))
                 prev[name] = ids
     out = {}
     for name, rows in stats.items():
