@@ -447,9 +447,10 @@ def validate_config(cfg: EngineConfig) -> None:
     exists) and no draft model named twice."""
     from specdecode.drafters import check_draft
 
-    for spec in cfg.drafts:
-        check_draft(spec)
+    specs = [check_draft(spec) for spec in cfg.drafts]
     same_draft_model(cfg.drafts, cfg.draft_quantization, ConfigError)
+    if cfg.draft_context and not any(s.kind == "model" for s in specs):
+        raise ConfigError("--draft-context bounds what a draft model (same vocabulary) reads: give one with --draft")
 
 
 def build_engine(cfg: EngineConfig, measured=None) -> Engine:

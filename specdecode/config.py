@@ -236,6 +236,16 @@ class EngineConfig:
         "is below P (0 = off, the default; transformers' assisted generation uses 0.4). "
         "Exact either way: only the draft length changes",
     )
+    draft_context: int = setting(
+        0,
+        "--draft-context",
+        type=int,
+        minimum=0,
+        metavar="N",
+        help="draft model: read only the last N tokens of each prompt (the target still reads and verifies "
+        "all of it, so the output is exact): a shorter draft prefill, at some cost in acceptance "
+        "(measured: docs/benchmarks.md); 0 = the whole prompt (default %(default)s)",
+    )
     verify_budget: int = setting(
         0,
         "--verify-budget",
@@ -452,7 +462,9 @@ class EngineConfig:
 
     def draft_settings(self, batch_invariant: bool = False) -> DraftSettings:
         """The drafters' slice, with ``--batch-invariant`` as resolved for the loaded target."""
-        return DraftSettings(self.draft_confidence, self.tree_topk, self.tree_nodes, batch_invariant)
+        return DraftSettings(
+            self.draft_confidence, self.tree_topk, self.tree_nodes, batch_invariant, self.draft_context
+        )
 
 
 def tool_defaults(tool: str) -> dict[str, Any]:
@@ -506,6 +518,7 @@ class DraftSettings:
     tree_topk: int = _same("tree_topk")
     tree_nodes: int = _same("tree_nodes")
     batch_invariant: bool = False  # resolved for the loaded target: the drafter's own module computes rows alike
+    draft_context: int = _same("draft_context")  # > 0: a draft model reads only the last N tokens of a prompt
 
     def __post_init__(self) -> None:
         check_fields(self)

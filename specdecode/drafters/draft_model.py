@@ -17,6 +17,7 @@ from specdecode.drafters.autoregressive import (
 )
 from specdecode.drafters.base import Proposal, SequenceView, common_prefix
 from specdecode.drafters.dynamic_tree import GrownTree
+from specdecode.drafters.window import WindowedRunner, window_start
 from specdecode.prefix_cache import RunnerPrefixCache
 from specdecode.models.base import Runner
 from specdecode.models.device import synchronize
@@ -42,6 +43,10 @@ class DraftModelDrafter(AutoregressiveDrafter):
     ``tree_nodes`` nodes, depth = the requested draft length. Tree nodes' K/V are written past the
     sequence in the draft cache; at the next ``propose`` the branch the target accepted is compacted
     into place (``Runner.compact``) instead of being fed again.
+
+    ``context`` > 0 bounds what the draft reads of a prompt to its last ``context`` tokens
+    (:mod:`specdecode.drafters.window`): the tokens before the window count as read (``_cached`` holds
+    them), and the draft runner is addressed through a :class:`WindowedRunner` that shifts positions.
     """
 
     name = "draft-model"
@@ -57,8 +62,14 @@ class DraftModelDrafter(AutoregressiveDrafter):
         confidence: float = 0.0,
         tree_topk: int = 1,
         tree_nodes: int = 0,
+        context: int = 0,
     ) -> None:
         super().__init__(confidence, tree_topk, tree_nodes)
+        if context < 0:
+            raise ValueError(f"draft context must be >= 0 (0: the whole prompt), got {context}")
+        self.context = context
+        # what positions go through: the runner itself, or shifted into each slot's window
+        self._kv: Runner | WindowedRunner = WindowedRunner(runner, context) if context else runner
         self._tree: dict[int, tuple[int, GrownTree]] = {}  # slot -> (window start, the tree last proposed)
         self.runner = runner
         # the target's vocabulary size: draft logits past it are never sampled, and the draft
@@ -73,10 +84,15 @@ class DraftModelDrafter(AutoregressiveDrafter):
             self.prefixes = RunnerPrefixCache(self.runner, budget_bytes)
 
     def restore(self, slot: int, tokens: list[int]) -> int:
-        """The longest kept prefix of ``tokens`` into a slot that holds nothing yet (else 0: nothing done)."""
-        if self.prefixes is None or self._cached.get(slot):
+        """A slot first seen with ``tokens``: the part of them it need not read, i.e. the tokens before its
+        window (:mod:`specdecode.drafters.window`) and then the longest kept prefix of the window (0: a slot
+        that holds something already, or nothing to skip)."""
+        if self._cached.get(slot):
             return 0
-        n = self.prefixes.restore(slot, tokens, len(tokens) - 1)
+        o = self._kv.begin(slot, tokens) if isinstance(self._kv, WindowedRunner) else 0
+        n = o
+        if self.prefixes is not None:
+            n += self.prefixes.restore(slot, tokens[o:], len(tokens) - 1 - o)
         if n:
             self._cached[slot], self._floor[slot] = list(tokens[:n]), n
         return n
@@ -85,7 +101,7 @@ class DraftModelDrafter(AutoregressiveDrafter):
         return {"draft": self.runner}
 
     def prefill(self, slots: list[int], pieces: list[list[int]], starts: list[int]) -> bool:
-        self.runner.prefill(slots, pieces, starts=starts)
+        self._kv.prefill(slots, pieces, starts=starts)
         for slot, piece, start in zip(slots, pieces, starts):
             self._cached[slot] = self._cached.get(slot, [])[:start] + list(piece)
             self._floor[slot] = len(self._cached[slot])
@@ -96,13 +112,13 @@ class DraftModelDrafter(AutoregressiveDrafter):
         for slot, p in zip(slots, prompts):
             self.restore(slot, p)
         have = [common_prefix(self._cached.get(slot, []), p[:-1]) for slot, p in zip(slots, prompts)]
-        self.runner.prefill(slots, [p[h:-1] for p, h in zip(prompts, have)], starts=have)
+        self._kv.prefill(slots, [p[h:-1] for p, h in zip(prompts, have)], starts=have)
         for slot, p in zip(slots, prompts):
             self._cached[slot] = list(p[:-1])
             self._floor[slot] = len(p) - 1
 
     def move(self, src: int, dst: int) -> None:
-        self.runner.copy_slot(src, dst, len(self._cached[src]))
+        self._kv.copy_slot(src, dst, len(self._cached[src]))
         self._cached[dst] = self._cached.pop(src)
         self._floor[dst] = self._floor.pop(src)
         self._tree.pop(src, None)  # its nodes were not copied: the accepted branch is fed again instead
@@ -111,7 +127,10 @@ class DraftModelDrafter(AutoregressiveDrafter):
         """Tokens the next proposal for ``seq`` must read beyond the usual one or two (the last draft
         token and the bonus token): what was generated while another drafter drafted for it."""
         cached = self._cached.get(seq.slot, [])
-        return max(0, len(seq.token_ids) - common_prefix(cached, seq.token_ids, self._floor.get(seq.slot, 0)) - 2)
+        # a slot not seen yet will skip what lies before its window
+        skip = window_start(len(seq.token_ids), self.context) if seq.slot not in self._cached else 0
+        read = max(skip, common_prefix(cached, seq.token_ids, self._floor.get(seq.slot, 0)))
+        return max(0, len(seq.token_ids) - read - 2)
 
     def read(self, seqs: Sequence[SequenceView], budget: int) -> int:
         """Read up to ``budget`` tokens, in all, of the history the cache lacks (sequences in the order given),
@@ -125,7 +144,7 @@ class DraftModelDrafter(AutoregressiveDrafter):
             keep = common_prefix(cached, s.token_ids, self._floor.setdefault(s.slot, 0))
             n = min(len(s.token_ids) - 1 - keep, budget)
             if keep < len(cached):
-                self.runner.truncate(s.slot, keep)
+                self._kv.truncate(s.slot, keep)
                 self._cached[s.slot] = cached[:keep]
             if n <= 0:
                 continue
@@ -143,8 +162,11 @@ class DraftModelDrafter(AutoregressiveDrafter):
         return tokens
 
     def release(self, slot: int) -> None:
-        if self.prefixes is not None and slot not in self._tree and self._cached.get(slot):
-            self.prefixes.save(slot, self._cached[slot])  # what this slot's cache holds, for the next prompt
+        o = self._kv.offset(slot) if isinstance(self._kv, WindowedRunner) else 0
+        if self.prefixes is not None and slot not in self._tree and len(self._cached.get(slot, [])) > o:
+            self.prefixes.save(slot, self._cached[slot][o:])  # what this slot's cache holds, for the next prompt
+        if isinstance(self._kv, WindowedRunner):
+            self._kv.release(slot)
         self._cached.pop(slot, None)
         self._floor.pop(slot, None)
         self._tree.pop(slot, None)
@@ -159,14 +181,14 @@ class DraftModelDrafter(AutoregressiveDrafter):
             self._adopt_tree(s)
             keep = common_prefix(self._cached[s.slot], s.token_ids, self._floor[s.slot])
             if keep < len(self._cached[s.slot]):
-                self.runner.truncate(s.slot, keep)
+                self._kv.truncate(s.slot, keep)
             if len(s.token_ids) - keep > CATCH_UP_WIDTH:
                 long.append((s.slot, keep, s.token_ids[keep:-1]))
                 keep = len(s.token_ids) - 1
             pending.append((keep, s.token_ids[keep:]))
         if long:
             t0 = time.perf_counter()
-            self.runner.prefill([slot for slot, _, _ in long], [p for _, _, p in long], starts=[k for _, k, _ in long])
+            self._kv.prefill([slot for slot, _, _ in long], [p for _, _, p in long], starts=[k for _, k, _ in long])
             synchronize(self.runner)
             self.on_catch_up(sum(len(p) for _, _, p in long), time.perf_counter() - t0)
         width = max(len(p) for _, p in pending)
@@ -178,7 +200,7 @@ class DraftModelDrafter(AutoregressiveDrafter):
             positions[i] = (keep + torch.arange(width)).clamp(max=self.runner.max_len - 1)
         last = torch.tensor([len(p) - 1 for _, p in pending])
         slots = torch.tensor([s.slot for s in active])
-        return self.runner.forward(slots, ids, positions).hidden[torch.arange(len(active)), last.to(self.runner.device)]
+        return self._kv.forward(slots, ids, positions).hidden[torch.arange(len(active)), last.to(self.runner.device)]
 
     def _adopt_tree(self, s: SequenceView) -> None:
         """Compact the K/V of the branch of the last tree that the sequence went on with."""
@@ -201,7 +223,7 @@ class DraftModelDrafter(AutoregressiveDrafter):
             matched.append(child)
             node = child
         if matched and self._cached[s.slot][:start] == s.token_ids[:start]:
-            self.runner.compact(s.slot, [start + tree.writes[i] for i in matched], start)
+            self._kv.compact(s.slot, [start + tree.writes[i] for i in matched], start)
             self._cached[s.slot] = s.token_ids[: start + len(matched)]
 
     @torch.inference_mode()
@@ -220,7 +242,7 @@ class DraftModelDrafter(AutoregressiveDrafter):
         starts = torch.tensor([len(s.token_ids) for s in active])  # where the first draft token goes
 
         def feed(tok: torch.Tensor, j: int) -> torch.Tensor:  # the j-th draft token [A] -> logits after it [A, V]
-            return self._logits(self.runner.forward(slots, tok[:, None], (starts + j)[:, None]).hidden[:, 0])
+            return self._logits(self._kv.forward(slots, tok[:, None], (starts + j)[:, None]).hidden[:, 0])
 
         proposal = propose_chain(bsz, rows, active, num_tokens, self._logits(hidden), feed, self.confidence)
         # remember what the cache now holds (the last proposed token was never fed)
@@ -242,7 +264,7 @@ class DraftModelDrafter(AutoregressiveDrafter):
         slots = torch.tensor([s.slot for s in active])
 
         def forward(trees, chosen, ids: torch.Tensor, positions: torch.Tensor, **tree) -> torch.Tensor:  # [A, E, V]
-            return self._logits(self.runner.forward(slots, ids, positions, **tree).hidden)
+            return self._logits(self._kv.forward(slots, ids, positions, **tree).hidden)
 
         trees = grow_tree(
             active, [num_tokens[b] for b in rows], root_logits, starts, self.tree_topk, self.tree_nodes, forward
@@ -264,4 +286,8 @@ class DraftModelDrafter(AutoregressiveDrafter):
 def build(arg: str, ctx) -> DraftModelDrafter:
     """``--draft MODEL`` (or ``model:MODEL``): the draft model ``ctx`` loaded for ``arg``; a dynamic
     tree with ``--tree-topk K > 1``."""
-    return DraftModelDrafter(ctx.draft_runner(), ctx.target.vocab_size, **draft_settings(ctx.config))
+    config = ctx.config
+    assert config is not None  # (DraftContext fills in the defaults)
+    return DraftModelDrafter(
+        ctx.draft_runner(), ctx.target.vocab_size, **draft_settings(config), context=config.draft_context
+    )
