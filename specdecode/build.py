@@ -109,6 +109,7 @@ MODEL_SETTINGS = (
     "catch_up_tokens",
     "recalibrate",
     "draft_confidence",
+    "draft_context",
     "draft_quantization",
     "target_quantization",
     "tree_topk",

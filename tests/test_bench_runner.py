@@ -288,6 +288,25 @@ def test_tree_configs_run_beside_chains_and_are_checked(models, tmp_path):
     assert "| spec-k3-t2n4 | 4 |" in (out / "report.md").read_text()
 
 
+def test_bounded_draft_contexts_run_beside_the_whole_prompt_and_are_checked(models, tmp_path):
+    out = tmp_path / "contexts"
+    assert (
+        cli.main(bench_args(models, out, "--draft-lengths", "3", "--draft-contexts", "4", "--baselines", "none")) == 0
+    )
+    runs = [r for r in read_records(out) if r["type"] == "run"]
+    assert {r["config"] for r in runs} == {"target", "spec-k3", "spec-k3-ctx4"}
+    assert sum(step[2] for r in runs if r["config"] == "spec-k3-ctx4" for step in r["steps"]) > 0  # it drafted
+    checks = [r for r in read_records(out) if r["type"] == "check" and r["config"] == "spec-k3-ctx4"]
+    assert checks and all(c["match"] for c in checks)  # greedy with the window equals target-only
+    assert [c.name for c in R.make_configs([2, 4], [], contexts=[64])] == [
+        "target",
+        "spec-k2",
+        "spec-k2-ctx64",
+        "spec-k4",
+        "spec-k4-ctx64",
+    ]
+
+
 def test_bad_tree_shapes_are_refused():
     with pytest.raises(R.BenchInputError, match="tree shape"):
         R.make_configs([3], [], ["3"])

@@ -90,6 +90,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "verified per step, e.g. 2x8,4x16 (configs spec-k<k>-t<T>n<N>)",
     )
     r.add_argument(
+        "--draft-contexts",
+        type=_csv(int),
+        default=[],
+        metavar="N,...",
+        help="also run the draft model reading only the last N tokens of each prompt, for each N, at every "
+        "draft length (configs spec-k<k>-ctx<N>; --draft-context sets it for every config instead)",
+    )
+    r.add_argument(
         "--extra-draft",
         action="append",
         default=[],
@@ -187,6 +195,8 @@ def _settings(args: argparse.Namespace, cfg) -> dict:
         "threads": args.threads,
         "draft_schedule": draft_schedule(args),
         "tree_shapes": args.tree_shapes,
+        "draft_contexts": args.draft_contexts,
+        "draft_context": args.draft_context,
         "draft_quantization": args.draft_quantization,
         "extra_drafts": args.extra_draft,
         "target_quantization": args.target_quantization,
@@ -257,6 +267,7 @@ def _configs(args: argparse.Namespace) -> tuple[list, list]:
         args.extra_draft,
         main_draft=bool(args.draft),
         auto_k=args.max_draft_tokens if args.draft_policy == "auto" else 0,
+        contexts=args.draft_contexts,
     )
     from specdecode.drafters import parse_draft
 
@@ -453,7 +464,7 @@ def make_backend(pair, args: argparse.Namespace, base, max_context: int):
         return drafts[mode]
 
     def engine_for(config):
-        key = (config.k, config.tree, config.quantization, config.draft, config.auto)
+        key = (config.k, config.tree, config.quantization, config.draft, config.auto, config.context)
         if key not in engines:
             topk, nodes = config.tree or (1, base.tree_nodes)
             cfg = replace(
@@ -465,6 +476,7 @@ def make_backend(pair, args: argparse.Namespace, base, max_context: int):
                 max_context=max_context,
                 tree_topk=topk,
                 tree_nodes=nodes,
+                draft_context=base.draft_context if config.context is None else config.context,
             )
             if config.auto:  # the selector over the main drafter and every extra one, at their own specs
                 extras = tuple(dict.fromkeys(text.split("|")[0] for text in args.extra_draft))

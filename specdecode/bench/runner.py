@@ -81,6 +81,7 @@ class RunConfig:
     quantization: str = "none"  # engine: the draft model's quantization (configs named <name>@<mode>)
     draft: str | None = None  # engine: another drafter than --draft (--extra-draft; configs named <name>[<label>])
     auto: bool = False  # engine: --draft-policy auto over --draft and every --extra-draft (config "auto", k = its cap)
+    context: int | None = None  # engine: the draft model reads this many prompt tokens (None: --draft-context)
 
 
 def parse_tree_shape(spec: str) -> tuple[int, int]:
@@ -126,11 +127,12 @@ def make_configs(
     extra_drafts: list[str] = (),
     main_draft: bool = True,
     auto_k: int = 0,
+    contexts: list[int] = (),
 ) -> list[RunConfig]:
-    """target, then for each k: the main drafter (``spec-k<k>``, trees, quantizations) and each extra
-    drafter (``spec-k<k>[<label>]`` and its trees, at its own lengths/shapes if its spec names them),
-    then, with ``auto_k``, the selector choosing among all of them (``auto``, drafts of up to
-    ``auto_k``), then the HF baselines."""
+    """target, then for each k: the main drafter (``spec-k<k>``, trees, quantizations, each bounded draft
+    context of ``contexts``: ``spec-k<k>-ctx<N>``) and each extra drafter (``spec-k<k>[<label>]`` and its
+    trees, at its own lengths/shapes if its spec names them), then, with ``auto_k``, the selector choosing
+    among all of them (``auto``, drafts of up to ``auto_k``), then the HF baselines."""
     configs = [RunConfig(TARGET, "engine")]
     shapes = [parse_tree_shape(s) for s in tree_shapes]
     extras: list[tuple[str, str, list[int], list[tuple[int, int]]]] = []
@@ -149,6 +151,9 @@ def make_configs(
             configs.append(RunConfig(f"spec-k{k}{suffix}", "engine", k, quantization=q))
             configs += [
                 RunConfig(f"spec-k{k}-t{t}n{n}{suffix}", "engine", k, tree=(t, n), quantization=q) for t, n in shapes
+            ]
+            configs += [
+                RunConfig(f"spec-k{k}-ctx{c}{suffix}", "engine", k, quantization=q, context=c) for c in contexts
             ]
         for label, spec, ks, own in extras:
             if k not in ks:
