@@ -8,7 +8,17 @@ synthetic prompt in scratch slots, the best of three repeats per grid point, the
 non-decreasing in the number of tokens — noise from a shared machine only ever adds time, and a
 step never gets cheaper with more tokens), cached as JSON per
 (models, device, dtype, backend, threads, grid) under ``<cache>/calibration`` (``--recalibrate``
-measures again), and interpolated linearly between grid points (extrapolated past the last one).
+measures again; a file of another :data:`FORMAT` is measured again, never misread).
+
+Where the selector chooses a draft length — the smallest batches, widths up to :data:`FINE_WIDTHS` —
+every width is measured (:func:`widths_at`): a verify's cost is a staircase in its width there, not a
+line (llama.cpp's repacked kernels take a matrix's columns in groups, so a width that fills a group
+costs about what the one below it does and the next one a whole group more; AMX tiles are wider
+still), and a linear model between coarse grid points would hide exactly the cheap widths. Above those
+widths and batches the grid is coarse and interpolated linearly (extrapolated past the last point);
+at a measured point it is that point. The fine rows add the widths missing from the coarse grid at
+each batch up to :data:`FINE_BATCHES`: at these widths a forward costs about one decode step, so the
+calibration takes about that many more steps times its repeats.
 
 Running conditions drift from the calibration (longer contexts, another process on the CPU), so
 the model also hears every step's measured times (:meth:`CostModel.record`) and keeps, per part
@@ -55,6 +65,8 @@ DISAGREE_AFTER = 16  # ... once a part has this many observations
 
 def _interp1(points: dict[int, float], x: float) -> float:
     """Piecewise-linear through ``points``; flat below the first, the last slope past the last."""
+    if x in points:  # measured: that point, not a curve through its neighbours
+        return points[int(x)]
     xs = sorted(points)
     if len(xs) == 1 or x <= xs[0]:
         return points[xs[0]]
@@ -195,6 +207,7 @@ class CostModel:
 
     def to_json(self) -> dict:
         return {
+            "format": FORMAT,
             "key": self.key,
             "calibration_s": self.calibration_s,
             "catch_up": dict(self.catch_up),
@@ -242,9 +255,22 @@ def grid_points(limit: int, points: tuple[int, ...]) -> list[int]:
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 WIDTHS = (1, 2, 3, 5, 9, 17, 33)
+FINE_BATCHES = 2  # batches up to this one are measured at every width ...
+FINE_WIDTHS = 9  # ... up to this one: the draft lengths the selector mostly chooses among, plus one
+FORMAT = 2  # the cached file's layout and grid: a file of another format is measured again
 DRAFT_LENGTHS = (1, 2, 4, 8, 16)
 PROMPT_LEN = 64  # tokens of context the calibration runs at
 CATCH_UP_LEN = 256  # tokens of the history a late-starting drafter reads in the calibration
+
+
+def widths_at(batch: int, max_width: int) -> list[int]:
+    """The verify widths calibrated at ``batch``: every one up to :data:`FINE_WIDTHS` at batches up to
+    :data:`FINE_BATCHES` (where a width's cost is a staircase, and the selector chooses), the coarse
+    grid above them and at larger batches."""
+    coarse = grid_points(max_width, WIDTHS)
+    if batch > FINE_BATCHES:
+        return coarse
+    return sorted({*coarse, *range(1, min(max_width, FINE_WIDTHS) + 1)})
 
 
 @dataclass
@@ -261,16 +287,17 @@ def _best(
     sync: Callable[[], None],
     prepare: Callable[[], None] = lambda: None,
     spreads: list[float] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> float:
     """The fastest of ``reps`` timed calls; ``spreads`` gets median / fastest."""
     times = []
     for _ in range(reps):
         prepare()
         sync()
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
         sync()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     if spreads is not None and min(times) > 0:
         spreads.append(statistics.median(times) / min(times))
     return min(times)
@@ -321,12 +348,14 @@ def calibrate(
     reps: int = 3,
     prompt_len: int = PROMPT_LEN,
     progress: bool = False,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> CostModel:
-    """Measure ``v(batch, width)`` of ``target`` and ``draft(name, rows, k)`` of each drafter in
-    ``drafters`` (name -> drafter) on a synthetic prompt in slots ``0 .. max_batch - 1`` with room for
-    ``max_context`` tokens, and how quiet the machine was meanwhile. The runner and drafters must hold
-    no sequences (the engine calls this before admitting any). ``progress``: one progress bar with an
-    ETA on stderr."""
+    """Measure ``v(batch, width)`` of ``target`` (at :func:`widths_at`) and ``draft(name, rows, k)`` of
+    each drafter in ``drafters`` (name -> drafter) on a synthetic prompt in slots
+    ``0 .. max_batch - 1`` with room for ``max_context`` tokens, and how quiet the machine was
+    meanwhile. The runner and drafters must hold no sequences (the engine calls this before admitting
+    any). ``progress``: one progress bar with an ETA on stderr. ``clock``: what times each call (a
+    test's fake clock)."""
     import sys
 
     from tqdm import tqdm
@@ -334,7 +363,7 @@ def calibrate(
     from specdecode.drafters.base import TargetFeatures
     from specdecode.sampling import SamplingParams
 
-    t_start = time.perf_counter()
+    t_start = clock()
     cpu = CpuShare()
     spreads: list[float] = []
     prompt_len = max(2, min(prompt_len, max_context // 2))
@@ -343,12 +372,12 @@ def calibrate(
     vocab = target.vocab_size
     prompt = [(17 + 7919 * i) % max(2, vocab - 1) for i in range(prompt_len)]  # varied, no repeated n-grams
     batches = grid_points(max_batch, BATCHES)
-    widths = grid_points(max_width, WIDTHS)
+    widths = {b: widths_at(b, max_width) for b in batches}
     slots = list(range(max_batch))
     layers = tuple(sorted({layer for d in drafters.values() for layer in d.feature_layers}))
     ks = grid_points(max_k, DRAFT_LENGTHS)
     # the bar counts tokens computed per grid point (a guess of the work: the ETA's unit)
-    work = len(batches) * sum(widths) * 2 + sum(
+    work = sum(sum(widths[b]) for b in batches) * 2 + sum(
         len(batches) * sum(ks) + (CATCH_UP_LEN if d.lazy_start else 0) for d in drafters.values()
     )
     bar = tqdm(
@@ -364,7 +393,7 @@ def calibrate(
     verify: Grid = {}
     for b in batches:
         verify[b] = {}
-        for w in widths:
+        for w in widths[b]:
             ids = torch.tensor([prompt[-1:] + prompt[: w - 1]] * b, device=dev)
             positions = (prompt_len - 1 + torch.arange(w, device=dev))[None].expand(b, w)
 
@@ -375,7 +404,7 @@ def calibrate(
                     target.truncate(slot, prompt_len - 1)
 
             step() if not verify[b] else None  # warm-up: the first call of a shape pays for allocation
-            verify[b][w] = _best(step, reps, sync, spreads=spreads)
+            verify[b][w] = _best(step, reps, sync, spreads=spreads, clock=clock)
             bar.update(2 * w)
 
     draft: dict[str, Grid] = {}
@@ -434,7 +463,9 @@ def calibrate(
             release = lambda: drafter.release(slots[0])  # noqa: E731
             release()
             drafter.start(slots[:1], [history])  # warm-up
-            catch_up[name] = _best(lambda: drafter.start(slots[:1], [history]), reps, sync, release, spreads) / (n - 1)
+            catch_up[name] = _best(lambda: drafter.start(slots[:1], [history]), reps, sync, release, spreads, clock) / (
+                n - 1
+            )
             release()
             bar.update(CATCH_UP_LEN)
         restart()
@@ -445,7 +476,7 @@ def calibrate(
                 if not grid[r]:
                     grow()
                     call(r, k)
-                grid[r][k] = _best(functools.partial(call, r, k), reps, sync, grow, spreads)
+                grid[r][k] = _best(functools.partial(call, r, k), reps, sync, grow, spreads, clock)
                 bar.update(k)
         for s in slots:
             drafter.release(s)
@@ -458,7 +489,7 @@ def calibrate(
         _monotone(verify),
         {name: _monotone(g) for name, g in draft.items()},
         catch_up,
-        calibration_s=time.perf_counter() - t_start,
+        calibration_s=clock() - t_start,
         noise=noise,
     )
 
@@ -470,8 +501,8 @@ def cached(
     recalibrate: bool = False,
     say: Callable[[str], None] = lambda line: None,
 ) -> CostModel:
-    """The cost model stored under ``key`` in ``<cache>/calibration``, else ``measure()``'s, stored only
-    when the machine was quiet while it was measured. A stored one that the run's steps contradict
+    """The cost model stored under ``key`` in ``<cache>/calibration`` (in this :data:`FORMAT`), else
+    ``measure()``'s, stored only when the machine was quiet while it was measured. A stored one that the run's steps contradict
     (:data:`DISAGREE`) is removed, so the next start measures again. ``say``: one line for the user
     on each of these events."""
     from specdecode.fsutil import make_readable
@@ -490,7 +521,7 @@ def cached(
     if path.is_file() and not recalibrate:
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
-            if data.get("key") == key:
+            if data.get("key") == key and data.get("format") == FORMAT:  # (another grid: measured again)
                 model = CostModel.from_json(data)
                 if model.trusted:
                     model.on_disagree = forget

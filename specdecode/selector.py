@@ -22,7 +22,8 @@ docs/benchmarks.md):
 * **Step cost** of a plan (:func:`step_seconds`): ``v(B, 1 + max k) + sum_d draft(d, rows_d, k_d)``.
 * **The plan** (:func:`best_lengths`, :func:`assign`): one length per drafter (``0`` = unused),
   chosen by two rounds of coordinate ascent from "nothing drafts" to maximise the batch's expected
-  tokens per second; each sequence takes the drafter that promises it most at that drafter's
+  tokens per second, on the measured cost of each verify width (a length whose width is cheap on this
+  backend wins over a longer one whose width starts a new group of columns); each sequence takes the drafter that promises it most at that drafter's
   length. Drafting is chosen only when it beats plain decoding by ``margin`` (3 %).
 * **Catch-up** (:func:`pays_back`): a drafter that must first read ``lag`` tokens of a sequence (a
   draft model starting late) is a candidate for it only if
@@ -61,7 +62,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Collection, Mapping, Protocol, Sequence, cast
 
 from specdecode.config import default
-from specdecode.costmodel import CostModel
+from specdecode.costmodel import FINE_WIDTHS, CostModel
 from specdecode.policy import Plan as StepPlan
 from specdecode.policy import Read
 
@@ -81,7 +82,9 @@ Rows = dict[tuple[str, int], int]  # (drafter, length) -> rows of the step draft
 class SelectorSettings:
     """The selector's constants (see the module docstring for what each does)."""
 
-    lengths: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16)  # chain lengths tried (those <= max_k, and max_k)
+    # chain lengths tried (those <= max_k, and max_k): every one whose verify width the calibration measures
+    # at small batches (a cheap width is then found wherever it is), sparser beyond
+    lengths: tuple[int, ...] = (*range(1, FINE_WIDTHS), 12, 16)
     margin: float = 0.03  # drafting must beat plain decoding by this share
     decay: float = 0.7  # per-observation decay of a sequence's own counts
     prior_decay: float = 0.98  # per-observation decay of a drafter's history over all sequences
