@@ -12,7 +12,7 @@ from dataclasses import fields, replace
 
 from specdecode.check.common import CheckConfig
 from specdecode.check.processors import SAMPLES as PROCESSOR_SAMPLES
-from specdecode.config import ConfigError, add_field, values_from_args
+from specdecode.config import ConfigError, add_field, add_setting, values_from_args
 
 # Short completion prompts (code and prose): cheap to prefill on a CPU, and they work for base and
 # instruct models alike. --prompts replaces them.
@@ -72,6 +72,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     for name in GENERAL:
         add_field(g, by_name[name])
+    add_setting(
+        g,
+        "prefix_cache_mb",
+        "check",
+        "; on, every speculative engine restores each prompt from it and the reference keeps none "
+        "(specdecode.check.cache_hits)",
+    )
     g.add_argument("--json", metavar="PATH", default=None, help="write the full evidence as JSON")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -136,20 +143,19 @@ def _part7(factory, prompts: list[list[int]], cfg: CheckConfig, samples: int, pr
     import time
     import traceback
 
+    from specdecode.check.cache_hits import HitCount, account, forcing_hits
     from specdecode.check.common import EnginePool, NullProgress
     from specdecode.check.processors import NAME, NUMBER, check_processors
     from specdecode.check.report import ERROR, PartResult
 
     t0 = time.perf_counter()
+    pool = EnginePool(forcing_hits(factory, prompts), cfg.num_draft_tokens)
+    count = HitCount(pool)
     try:
         result = check_processors(
-            EnginePool(factory, cfg.num_draft_tokens),
-            prompts[: cfg.law_contexts],
-            cfg.part_alpha(),
-            progress or NullProgress(),
-            samples,
-            cfg.seed,
+            pool, prompts[: cfg.law_contexts], cfg.part_alpha(), progress or NullProgress(), samples, cfg.seed
         )
+        result = account(result, count)
     except Exception as exc:
         result = PartResult(NUMBER, NAME, ERROR, f"{type(exc).__name__}: {exc}", {"traceback": traceback.format_exc()})
     result.seconds = time.perf_counter() - t0
@@ -207,6 +213,7 @@ def main(args: argparse.Namespace) -> int:
         "target_quantization": pair.target_quantization,
         "acceptance": args.acceptance,
         "sampler": args.sampler,
+        "prefix_cache_mb": base.prefix_cache_mb,  # > 0: restored from the engines' prefix caches (cache_hits)
         "batch_invariant": args.batch_invariant,  # auto | on | off, as asked (auto: on for bf16/fp16 on a CPU)
         "verified_against": (
             f"the {pair.target_quantization}-quantized target (LOSSY w.r.t. {args.target})"

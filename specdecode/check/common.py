@@ -220,6 +220,10 @@ class EnginePool:
     def target_only(self, batch: int) -> Engine:
         return self._get(0, batch)
 
+    def engines(self) -> list[Engine]:
+        """The engines built so far."""
+        return list(self._engines.values())
+
     def engine(self, k: int, batch: int) -> Engine:
         """An engine drafting ``k`` tokens (0: target-only) at ``batch``."""
         return self._get(k, batch)

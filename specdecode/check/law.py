@@ -121,7 +121,11 @@ def per_context_and_setting(
     layers = tuple(engine.drafter.feature_layers)
     for ci, context in enumerate(contexts):
         ctx = context.token_ids
-        feats = engine.target.prefill([0], [ctx[:-1]], layers)[0]
+        cached = None
+        if engine.prefix_cache is not None:  # (never with features: the engine keeps no cache then)
+            feats, cached = None, restore_context(engine, ctx)
+        else:
+            feats = engine.target.prefill([0], [ctx[:-1]], layers)[0]
         for si, setting in enumerate(cfg.law_settings):
             seed = (cfg.seed * 1000 + ci) * 100 + si
             engine.drafter.start([0], [ctx])
@@ -132,9 +136,31 @@ def per_context_and_setting(
             finally:
                 engine.drafter.release(0)
             rec = record(proposal, setting, seed)
+            rec |= {"prefix_cache": cached} if cached is not None else {}
             records.append({"context": ci, "setting": setting.name, "num_draft": size(proposal), **rec})
             progress.advance()
     return records
+
+
+@torch.inference_mode()
+def restore_context(engine, ctx: list[int]) -> dict:
+    """Slot 0 of the target gets ``ctx[:-1]`` from the engine's prefix cache (the rest prefilled on top), as an
+    admission would. The distributions part 1 tests are the target's after that restored context, so they
+    are checked against the target's own computed cold: the next-token logits must agree within the
+    tolerance of part 3 (a stale or wrong-prefix entry gives other logits)."""
+    from specdecode.check.greedy import near_tie_rel
+    from specdecode.models.base import next_token_logits
+
+    target = engine.target
+    cold = next_token_logits(target, ctx)  # (its own prefill of the whole context, in slot 0)
+    n = engine.prefix_cache.restore(0, ctx, len(ctx) - 1)
+    if len(ctx) - 1 > n:
+        target.prefill([0], [ctx[n:-1]], starts=[n])
+    pos = torch.tensor([[len(ctx) - 1]])
+    warm = target.logits(target.forward(torch.tensor([0]), torch.tensor([[ctx[-1]]]), pos).hidden)[0, 0].cpu()
+    tolerance = near_tie_rel(target) * max(1.0, float(cold.abs().max()))
+    gap = float((warm.float() - cold.float()).abs().max())
+    return {"restored": n, "logit_gap": gap, "tolerance": tolerance, "same_logits": gap <= tolerance}
 
 
 @torch.inference_mode()
@@ -306,6 +332,7 @@ def _verdict(
     tests = [t | {"context": r["context"], "setting": r["setting"]} for r in law for t in r["positions"]]
     rejected = [t for t in tests if t["rejected"]]
     greedy_bad = sum(r["num_mismatches"] for r in greedy)
+    stale = sorted({r["context"] for r in records if not r.get("prefix_cache", {}).get("same_logits", True)})
     power = {
         s.name: [r["context"] for r in law if r["setting"] == s.name and r["control_draft"]["rejected"]]
         for s in sampled
@@ -314,7 +341,7 @@ def _verdict(
     informative = [t for t in tests if t["cells"] >= 2]
     min_p = min((t["p_value"] for t in informative), default=1.0)
 
-    if rejected or greedy_bad:
+    if rejected or greedy_bad or stale:
         status = FAIL
         worst = min(rejected, key=lambda t: (-t["impossible"], t["p_value"]), default=None)
         what = []
@@ -326,6 +353,8 @@ def _verdict(
             )
         if greedy_bad:
             what.append(f"{greedy_bad} greedy verifications differ from the target argmax")
+        if stale:
+            what.append(f"contexts {stale} restored from the prefix cache give other target logits than computed cold")
         summary = "; ".join(what)
     elif sampled and not all(power.values()):
         status = WEAK

@@ -8,7 +8,9 @@ to floating-point rounding (a batched prefill may round differently from a batch
 admission of a prompt then sees one of the values the engine itself computed for it.
 
 It goes through the runner interface only (``export_kv``/``import_kv``, keyed by the runner's
-``identity``); a prefix cache inside the engine would make it unnecessary.
+``identity``). With the engine's own prefix cache on (``--prefix-cache-mb``), the speculative engines
+restore their prompts from that instead (:mod:`specdecode.check.cache_hits`): this then serves the
+reference, which keeps no cache, and the prefills the cache leaves whole.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import traceback
 
+from specdecode.check.cache_hits import HitCount, account, forcing_hits
 from specdecode.check.common import (
     OPTIONAL_PARTS,
     PART_NAMES,
@@ -45,7 +46,8 @@ def run_check(
     progress = progress or NullProgress()
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("the check needs at least one non-empty prompt")
-    pool = EnginePool(engine_factory, cfg.num_draft_tokens)
+    # engines with a prefix cache restore every prompt from it (the reference none): check.cache_hits
+    pool = EnginePool(forcing_hits(engine_factory, prompts), cfg.num_draft_tokens)
     ranked: list[Context] = []
 
     def contexts(n: int) -> list[Context]:
@@ -71,8 +73,9 @@ def run_check(
                 results.append(PartResult(number, PART_NAMES[number], SKIP, "not selected"))
             continue
         t0 = time.perf_counter()
+        count = HitCount(pool)
         try:
-            result = run()
+            result = account(run(), count)
         except Exception as exc:  # a broken engine is a finding, reported with the part's name
             result = PartResult(
                 number, PART_NAMES[number], ERROR, f"{type(exc).__name__}: {exc}", {"traceback": traceback.format_exc()}
