@@ -76,19 +76,18 @@ def _parts(*parts: int) -> CheckConfig:
 
 
 @pytest.mark.parametrize("backend", [None, LLAMACPP])
-def test_law_and_greedy_pass_with_every_prompt_restored_from_the_cache(pair, backend) -> None:
+def test_law_greedy_and_seeds_pass_with_every_prompt_restored_from_the_cache(pair, backend) -> None:
     _backend(backend)
     drafted: list[int] = []
-    report = run_check(factory_for(pair, backend, drafted=drafted), PROMPTS, _parts(1, 3))
-    assert report.part(1).status == PASS, report.part(1).summary
-    assert report.part(3).status == PASS, report.part(3).summary
-    for number in (1, 3):
+    report = run_check(factory_for(pair, backend, drafted=drafted), PROMPTS, _parts(1, 3, 5))
+    for number in (1, 3, 5):
+        assert report.part(number).status == PASS, report.part(number).summary
         hits = report.part(number).details["prefix_cache"]
         assert set(hits) == {"target", "draft"}  # both models restored from their own caches
         for role in ("target", "draft"):
             assert hits[role]["hits"] > 0 and hits[role]["hit_tokens"] > 0, (number, hits)
         assert "restored from the prefix cache" in report.part(number).summary
-    # every admission of part 3 but the one-token-short prompt's was answered from the cache
+    # every admission of part 3 was answered from the cache (the two-token prompt's by its one token)
     greedy = report.part(3).details["prefix_cache"]["target"]
     assert greedy["hits"] == greedy["lookups"]
     law = [r["prefix_cache"] for r in report.part(1).details["records"]]
@@ -98,8 +97,20 @@ def test_law_and_greedy_pass_with_every_prompt_restored_from_the_cache(pair, bac
 
 
 def test_without_the_cache_the_check_keeps_its_own_prefill_reuse(pair) -> None:
-    report = run_check(factory_for(pair, cache_mb=0), PROMPTS, _parts(3))
+    from specdecode.check.prefix import reuse_prefills
+
+    store: dict = {}
+    plain = factory_for(pair, cache_mb=0)
+
+    def factory(k: int, batch: int):
+        engine = plain(k, batch)
+        reuse_prefills(engine, store)  # (as the command's factory does)
+        return engine
+
+    report = run_check(factory, PROMPTS, _parts(3))
     assert report.part(3).status == PASS and "prefix_cache" not in report.part(3).details
+    assert "restored from the prefix cache" not in report.part(3).summary
+    assert {tokens for _, tokens in store} >= {tuple(p[:-1]) for p in PROMPTS}  # each prompt prefilled once, kept
 
 
 def test_a_cache_that_never_answers_is_an_error_not_a_pass(pair, monkeypatch) -> None:
