@@ -52,7 +52,7 @@ from specdecode.errors import UserError
 from specdecode.logprobs import TokenLogprob, token_logprobs
 from specdecode.metrics import SpecStats
 from specdecode.models.base import Runner
-from specdecode.prefix_cache import RunnerPrefixCache
+from specdecode.prefix_cache import BudgetSplit, RunnerPrefixCache
 from specdecode.policy import DraftPolicy, FixedPolicy, Plan
 from specdecode.processors import LogitsProcessor, build_processors, chain_prefixes, tree_prefixes
 from specdecode.sampling import SamplingParams, make_generator, race_noises, warp, warp_tensors
@@ -214,14 +214,17 @@ class Engine:
             after_first_token=settings.first_token_from_target,
             prefill_chunk=settings.max_num_batched_tokens,
             isolate_faults=settings.isolate_drafter_faults,
-            prefix_cache_bytes=settings.prefix_cache_mb << 20,  # the draft model's own, beside the target's
         )
+        # one --prefix-cache-mb for the target's cache and each draft model's (prefix_cache.BudgetSplit)
+        budget = BudgetSplit(settings.prefix_cache_mb << 20, target, list(self.drafts.runners().values()))
+        if settings.prefix_cache_mb:
+            self.drafts.keep_prefixes(budget)
         self.drafter = self.drafts.drafter  # (inside its fault guard when isolating faults)
         # the target's KV of earlier prompts and outputs: a prompt that begins with one is prefilled from there
         # (off where the drafter reads the target's features of every prompt token: a restored prefix has none)
         self.prefix_cache: RunnerPrefixCache | None = None
         if settings.prefix_cache_mb and not self.feature_layers and RunnerPrefixCache.supported(target):
-            self.prefix_cache = RunnerPrefixCache(target, settings.prefix_cache_mb << 20)
+            self.prefix_cache = RunnerPrefixCache(target, budget.target)
         self.running: list[Sequence] = []
         self.prefilling: list[Sequence] = []  # admitted, prompt not yet fully cached; slots after the running ones
         self._ids = itertools.count()

@@ -216,6 +216,34 @@ class RunnerPrefixCache:
         self.index.insert(tokens, state, state_nbytes(state))
 
 
+class BudgetSplit:
+    """One budget (``--prefix-cache-mb``) for the target and every draft model that keeps prefixes: a draft
+    runner that asks gets a share in proportion to what one position of its KV holds against the target's
+    and every draft runner's (:meth:`__call__`); the target takes the rest (:attr:`target`). So the caches
+    together never hold more than the budget, and each covers about as many tokens as the others."""
+
+    def __init__(self, total_bytes: int, target, drafts: Sequence = ()) -> None:
+        self.total = total_bytes
+        self._weight = sum(map(position_bytes, [target, *drafts]))
+        self.granted = 0
+
+    def __call__(self, runner) -> int:
+        share = int(self.total * position_bytes(runner) / self._weight) if self._weight else 0
+        share = min(share, self.total - self.granted)
+        self.granted += share
+        return share
+
+    @property
+    def target(self) -> int:
+        return self.total - self.granted
+
+
+def position_bytes(runner) -> float:
+    """What one position of ``runner``'s KV cache holds (its cache over its slots and positions)."""
+    positions = runner.num_slots * runner.max_len
+    return runner.kv_bytes() / positions if positions else 0.0
+
+
 def state_nbytes(state: Any) -> int:
     """The memory a runner's KV snapshot holds: its tensors, arrays and byte strings, however nested."""
     if isinstance(state, (bytes, bytearray)):

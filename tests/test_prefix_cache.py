@@ -186,6 +186,19 @@ def test_a_small_budget_evicts_and_no_cache_without_saved_state(pair) -> None:
     assert _engine(pair).prefix_cache is None  # 0 MiB: off
 
 
+def test_one_budget_is_split_between_the_target_and_the_draft_by_their_kv_per_position() -> None:
+    from specdecode.prefix_cache import position_bytes
+
+    target = make_model(V, seed=3, hidden=64, layers=3)  # a target whose KV per position is 3x the draft's
+    engine = make_engine(
+        target, TOK, make_model(V, seed=4, hidden=32, layers=2), k=3, num_slots=2, max_len=64, prefix_cache_mb=3
+    )
+    mine, theirs = engine.prefix_cache.index.budget_bytes, engine.drafter.prefixes.index.budget_bytes
+    assert mine + theirs == 3 << 20  # the flag is the budget of both caches together
+    t, d = position_bytes(engine.target), position_bytes(engine.drafter.runner)
+    assert t > d and abs(theirs / mine - d / t) < 1e-3
+
+
 # -- the server -------------------------------------------------------------------------------------------
 def test_the_server_reports_cached_tokens_and_its_cache_in_metrics() -> None:
     import httpx

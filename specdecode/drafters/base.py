@@ -149,8 +149,9 @@ class KeepsPrefixes(Protocol):
     """Capability ``prefixes``: it keeps its own model's KV of finished sequences and starts a new prompt after
     the longest prefix it kept (:class:`specdecode.prefix_cache.RunnerPrefixCache`), as the target does."""
 
-    def keep_prefixes(self, budget_bytes: int) -> None:
-        """Keep finished sequences' KV, up to ``budget_bytes`` (the engine calls this once)."""
+    def keep_prefixes(self, budget: Callable[[Runner], int]) -> None:
+        """Keep finished sequences' KV, up to ``budget(runner)`` bytes for each of its runners that keeps them
+        (the engine calls this once; :class:`specdecode.prefix_cache.BudgetSplit`)."""
 
     def restore(self, slot: int, tokens: list[int]) -> int:
         """Before a new sequence's first prefill in ``slot``: restore the longest kept prefix of ``tokens`` (all
@@ -215,7 +216,7 @@ class DrafterBase:
     def start(self, slots: list[int], prompts: list[list[int]]) -> None:
         pass
 
-    def keep_prefixes(self, budget_bytes: int) -> None:  # (prefixes)
+    def keep_prefixes(self, budget: Callable[[Runner], int]) -> None:  # (prefixes)
         pass
 
     def restore(self, slot: int, tokens: list[int]) -> int:  # (prefixes)

@@ -79,9 +79,9 @@ class DraftModelDrafter(AutoregressiveDrafter):
         self._floor: dict[int, int] = {}  # a length known to agree with the sequence
         self.prefixes: RunnerPrefixCache | None = None  # finished sequences' KV (keep_prefixes)
 
-    def keep_prefixes(self, budget_bytes: int) -> None:
-        if budget_bytes > 0 and RunnerPrefixCache.supported(self.runner):
-            self.prefixes = RunnerPrefixCache(self.runner, budget_bytes)
+    def keep_prefixes(self, budget: Callable[[Runner], int]) -> None:
+        if RunnerPrefixCache.supported(self.runner):
+            self.prefixes = RunnerPrefixCache(self.runner, budget(self.runner))
 
     def restore(self, slot: int, tokens: list[int]) -> int:
         """A slot first seen with ``tokens``: the part of them it need not read, i.e. the tokens before its

@@ -183,9 +183,9 @@ class MultiDrafter(DrafterBase):
         for d in self.parts.values():
             d.reserve(num_slots, max_len)
 
-    def keep_prefixes(self, budget_bytes: int) -> None:  # each part that keeps prefixes restores at its own start
+    def keep_prefixes(self, budget: Callable[[Runner], int]) -> None:  # each part that keeps them restores itself
         for d in self.parts.values():
-            d.keep_prefixes(budget_bytes)
+            d.keep_prefixes(budget)
 
     def runners(self) -> dict[str, Runner]:
         out: dict[str, Runner] = {}

@@ -27,7 +27,7 @@ makes the rows involved decode target-only instead of failing the step.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Protocol, Sequence, cast
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence, cast
 
 from specdecode.drafters.base import Drafter, FullDrafter, Proposal, TargetFeatures
 from specdecode.models.base import Runner
@@ -52,14 +52,11 @@ class DraftSession:
         after_first_token: bool = False,
         prefill_chunk: int | None = None,
         isolate_faults: bool = False,
-        prefix_cache_bytes: int = 0,
     ) -> None:
         self._guard: GuardedDrafter | None = None
         # (a drafter derives from DrafterBase: it has every capability, its own or the default; see FullDrafter)
         full = cast("FullDrafter | None", drafter)
         self._raw = full  # (outside its fault guard: the prefix cache is the drafter's own bookkeeping)
-        if full is not None and prefix_cache_bytes > 0:
-            full.keep_prefixes(prefix_cache_bytes)
         if full is not None and isolate_faults:
             from specdecode.drafters.guard import GuardedDrafter
 
@@ -69,6 +66,11 @@ class DraftSession:
         self.max_tree_nodes = full.max_tree_nodes if full is not None else 0
         self.after_first_token = after_first_token
         self.prefill_chunk = prefill_chunk  # prompt tokens per sequence and step (None: whole prompts)
+
+    def keep_prefixes(self, budget: Callable[[Runner], int]) -> None:
+        """The drafter keeps its models' KV of finished sequences, each runner's share of the one budget."""
+        if self._raw is not None:  # (outside its fault guard: the prefix cache is the drafter's own bookkeeping)
+            self._raw.keep_prefixes(budget)
 
     # -- the target cached tokens ---------------------------------------------------------------------
     def prompts_cached(self, seqs: Sequence) -> None:
