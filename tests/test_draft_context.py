@@ -136,12 +136,29 @@ def test_lag_counts_only_the_window_of_a_slot_not_seen_yet(pair) -> None:
     class View:
         slot, token_ids = 2, list(range(1, 31))
 
-    assert DraftModelDrafter(runner_for(draft), context=8).lag(View()) == 8 + 1 - 2
+    assert DraftModelDrafter(runner_for(draft), context=8).lag(View()) == 30 - window_start(30, 8) - 2 == 8
     assert DraftModelDrafter(runner_for(draft)).lag(View()) == 30 - 2
 
 
+def test_a_grown_prompt_restores_the_window_it_shares_from_the_drafts_prefix_cache(pair) -> None:
+    target, draft = pair
+    drafter = DraftModelDrafter(runner_for(draft), context=16)
+    engine = make_engine(target, TOK, drafter=drafter, k=3, num_slots=2, max_len=128, prefix_cache_mb=1)
+    first = PROMPTS[3][:61]  # window starts at 44 for both prompts
+    grown = first + [3, 4]
+    assert window_start(len(first), 16) == window_start(len(grown), 16) == 44
+    out = [engine.generate([p], [GREEDY])[0] for p in (first, grown)]
+    reference = make_engine(target, TOK, num_slots=2, max_len=128)
+    assert [o.token_ids for o in out] == [reference.generate([p], [GREEDY])[0].token_ids for p in (first, grown)]
+    assert drafter.prefixes is not None and drafter.prefixes.index.stats.hit_tokens >= 16
+    assert sum(o.stats.drafted for o in out) > 0
+
+
 def test_window_start() -> None:
-    assert window_start(100, 0) == 0 and window_start(5, 8) == 0 and window_start(100, 8) == 91
+    assert window_start(100, 0) == 0 and window_start(5, 8) == 0 and window_start(100, 8) == 90
+    assert window_start(1001, 256) == 704  # 744 back to a multiple of 64: 296 tokens read
+    # prompts that grow by a few tokens keep their window's start (the draft's prefix cache can match it)
+    assert len({window_start(n, 256) for n in range(1001, 1025)}) == 1
 
 
 def test_draft_context_without_a_draft_model_is_refused() -> None:

@@ -21,8 +21,17 @@ from specdecode.models.base import ForwardOutput, Runner
 
 def window_start(length: int, context: int) -> int:
     """Where the window of a sequence of ``length`` tokens starts (its last token is read by the first
-    proposal, not by the prefill): the draft reads at most ``context`` tokens of it; 0 = all."""
-    return max(0, length - 1 - context) if context > 0 else 0
+    proposal, not by the prefill): ``context`` tokens before that last one, moved back to a multiple of a
+    quarter of ``context``, so the draft reads ``context`` to 1.25 ``context`` tokens of it (0 = all).
+
+    The step is for the draft's prefix cache: it keys a window's tokens from the window's start, so an edited or
+    grown prompt (an editor's next keystroke, a chat's next turn) finds the window it shares with an earlier
+    prompt only if both start at the same token; with the start on a coarse grid, most do."""
+    start = length - 1 - context
+    if context <= 0 or start <= 0:
+        return 0
+    step = max(1, context // 4)
+    return start // step * step
 
 
 class WindowedRunner:
