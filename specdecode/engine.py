@@ -55,7 +55,7 @@ from specdecode.models.base import Runner
 from specdecode.prefix_cache import BudgetSplit, RunnerPrefixCache
 from specdecode.policy import DraftPolicy, FixedPolicy, Plan
 from specdecode.processors import LogitsProcessor, build_processors, chain_prefixes, tree_prefixes
-from specdecode.sampling import SamplingParams, make_generator, race_noises, warp, warp_tensors
+from specdecode.sampling import SamplingParams, greedy_tokens, make_generator, race_noises, warp, warp_tensors
 from specdecode.text import IncrementalText
 from specdecode.tree import tree_layout
 from specdecode.verify import Verifier
@@ -599,7 +599,7 @@ class Engine:
             logits = self.verifier.process(seqs, logits, [chain_prefixes(row, k + 1) for row in drafts.tolist()])
         faults: dict[int, BaseException] = {}
         if all(s.params.greedy for s in seqs):
-            result = self.verifier.greedy(drafts, logits.argmax(-1), num_draft)
+            result = self.verifier.greedy(drafts, greedy_tokens(logits), num_draft)
         else:
             target_probs, faults = self._warp(seqs, logits)
             if draft_probs is not None and draft_probs.shape[-1] != target_probs.shape[-1]:
@@ -665,7 +665,7 @@ class Engine:
             )
         faults: dict[int, BaseException] = {}
         if all(s.params.greedy for s in seqs):
-            result = self.verifier.tree_greedy(drafts, parents, num_nodes, logits.argmax(-1))
+            result = self.verifier.tree_greedy(drafts, parents, num_nodes, greedy_tokens(logits))
         else:
             target_probs, faults = self._warp(seqs, logits)
             draft_probs = None if proposal.probs is None else proposal.probs.to(dev)

@@ -409,6 +409,16 @@ def top_p_threshold(
     return threshold
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:  # [..., V] -> [...] long
+    """``logits.argmax(-1)``, the same indices (the first of equal maxima; a NaN counts as the largest), taken
+    by numpy for float32 CPU tensors: its vectorised row argmax is several times faster than torch's
+    reduction over a long last dimension, and it runs on the calling thread (a greedy step then wakes no
+    intra-op threads beside the backend's own)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.numel() and not logits.requires_grad:
+        return torch.from_numpy(logits.numpy().argmax(-1)).long()
+    return logits.argmax(-1)
+
+
 def sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling: ``probs`` [N, V] (need not be normalised), ``uniforms`` [N] in [0, 1).
 
