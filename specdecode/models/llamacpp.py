@@ -377,11 +377,13 @@ class LlamaCppRunner(Runner):
             self._forget_from(0, PROBE_PREFIX)
             out: list[torch.Tensor] = []
             for lo in range(PROBE_PREFIX, len(toks), width):
-                self._decode([(0, toks[lo : lo + width], lo)], True, False, out, [])
+                self._decode(
+                    [(0, toks[lo : lo + width], lo)], True, False, lambda _, x, __: out.append(torch.tensor(x))
+                )
             return torch.cat(out)
 
         self._forget_from(0, 0)
-        self._decode([(0, toks[:PROBE_PREFIX], 0)], False, False, [], [])
+        self._decode([(0, toks[:PROBE_PREFIX], 0)], False, False)
         ref, width = rows(1), 1
         for w in range(2, PROBE_WIDTH + 1):
             if not torch.equal(rows(w), ref):
@@ -461,28 +463,27 @@ class LlamaCppRunner(Runner):
         )
         return logits, embd
 
-    def _decode(
-        self, rows: list[tuple[int, list[int], int]], outputs: bool, features: bool, logits_out: list, feats_out: list
-    ) -> None:
+    def _decode(self, rows: list[tuple[int, list[int], int]], outputs: bool, features: bool, sink=None) -> None:
         """Run ``rows`` = (slot, tokens, first position), at most BATCH_TOKENS tokens in all, as one
-        llama_decode; append each row's logits [n, V] (and final states [n, H]) when ``outputs``."""
+        llama_decode; when ``outputs``, ``sink(k, logits [n, V], states [n, H] or None)`` for each row ``k``:
+        numpy views of llama.cpp's buffers, valid until the next decode, so the sink copies what it keeps
+        once, straight to where it goes."""
         logits, embd = self._submit(
             [(tok, p0 + j, (slot,)) for slot, toks, p0 in rows for j, tok in enumerate(toks)], outputs, features
         )
         for slot, toks, p0 in rows:
             self._length[slot] = p0 + len(toks)
-        if not outputs:
+        if not outputs or sink is None:
             return
         at = 0
-        for _, toks, _ in rows:
-            logits_out.append(torch.from_numpy(logits[at : at + len(toks)].copy()))
-            if features:
-                feats_out.append(torch.from_numpy(embd[at : at + len(toks)].copy()))
+        for k, (_, toks, _) in enumerate(rows):
+            sink(k, logits[at : at + len(toks)], embd[at : at + len(toks)] if features else None)
             at += len(toks)
 
-    def _run(self, rows: list[tuple[int, list[int], int]], outputs: bool, features: bool):
+    def _run(self, rows: list[tuple[int, list[int], int]], outputs: bool, features: bool, sink=None) -> None:
         """Decode ``rows`` in llama_decode calls of at most BATCH_TOKENS tokens (OUTPUT_TOKENS when logits
-        come back; a long row in pieces, in order); per row, its logits and features concatenated."""
+        come back; a long row in pieces, in order); ``sink(i, lo, logits, states)`` gets row ``i``'s outputs
+        from its token ``lo`` on (see :meth:`_decode`)."""
         for slot, _, p0 in rows:
             if not 0 <= slot < self.num_slots:
                 raise ValueError(f"slot {slot} outside 0..{self.num_slots - 1}")
@@ -492,38 +493,29 @@ class LlamaCppRunner(Runner):
                 raise ValueError(f"slot {slot} holds {self._length[slot]} positions; a forward cannot start at {p0}")
         limit = min(OUTPUT_TOKENS if outputs else BATCH_TOKENS, self.decode_width)
         pieces = [
-            (i, slot, toks[lo : lo + limit], p0 + lo)
+            (i, lo, slot, toks[lo : lo + limit], p0 + lo)
             for i, (slot, toks, p0) in enumerate(rows)
             for lo in range(0, len(toks), limit)
         ]
-        logits: list[list[torch.Tensor]] = [[] for _ in rows]
-        feats: list[list[torch.Tensor]] = [[] for _ in rows]
         group: list = []
         size = 0
 
         def flush() -> None:
-            out_l: list[torch.Tensor] = []
-            out_f: list[torch.Tensor] = []
-            self._decode([(slot, toks, p0) for _, slot, toks, p0 in group], outputs, features, out_l, out_f)
-            for k, (i, *_rest) in enumerate(group):
-                if outputs:
-                    logits[i].append(out_l[k])
-                if features:
-                    feats[i].append(out_f[k])
+            def put(k: int, logits, states) -> None:
+                i, lo = group[k][:2]
+                sink(i, lo, logits, states)
+
+            self._decode([(slot, toks, p0) for _, _, slot, toks, p0 in group], outputs, features, put)
 
         for piece in pieces:
             # a row's pieces go in order: a new group starts before a second piece of a row in this one
-            if group and (size + len(piece[2]) > limit or any(g[0] == piece[0] for g in group)):
+            if group and (size + len(piece[3]) > limit or any(g[0] == piece[0] for g in group)):
                 flush()
                 group, size = [], 0
             group.append(piece)
-            size += len(piece[2])
+            size += len(piece[3])
         if group:
             flush()
-        return (
-            [torch.cat(x) if x else torch.zeros(0, self.vocab_size) for x in logits],
-            [torch.cat(x) if x else torch.zeros(0, self.hidden_size) for x in feats],
-        )
 
     @torch.inference_mode()
     def forward(
@@ -568,14 +560,23 @@ class LlamaCppRunner(Runner):
             while n < len(ps) and ps[n] == ps[n - 1] + 1:
                 n += 1
             rows.append((slot, toks[:n], ps[0]))
-        logits, feats = self._run(rows, True, features)
         bsz, q = input_ids.shape
-        out = torch.zeros(bsz, q, self.vocab_size)
-        final = torch.zeros(bsz, q, self.hidden_size) if features else None
-        for b, (_, toks, _) in enumerate(rows):
-            out[b, : len(toks)] = logits[b]
+        # each row's logits are copied once, from llama.cpp's buffer to their place in ``out``; only the
+        # tails that are not run are zeroed (a full-vocabulary tensor per step: no zero fill, no concatenation)
+        out = torch.empty(bsz, q, self.vocab_size)
+        final = torch.empty(bsz, q, self.hidden_size) if features else None
+
+        def put(b: int, lo: int, logits, states) -> None:
+            np.copyto(out[b, lo : lo + len(logits)].numpy(), logits)
             if final is not None:
-                final[b, : len(toks)] = feats[b]
+                np.copyto(final[b, lo : lo + len(states)].numpy(), states)
+
+        self._run(rows, True, features, put)
+        for b, (_, toks, _) in enumerate(rows):
+            if len(toks) < q:
+                out[b, len(toks) :] = 0
+                if final is not None:
+                    final[b, len(toks) :] = 0
         return ForwardOutput(out, {FINAL: final} if final is not None else {})
 
     def _forward_tree(
@@ -615,8 +616,8 @@ class LlamaCppRunner(Runner):
                 self.ll.llama_memory_seq_rm(self.mem, seq, p0, -1)
             for src, dst, p1 in plan.copies:
                 self.ll.llama_memory_seq_cp(self.mem, src, dst, -1, p1)
-        out = torch.zeros(bsz, q, self.vocab_size)
-        final = torch.zeros(bsz, q, self.hidden_size) if features else None
+        out = torch.empty(bsz, q, self.vocab_size)  # (every query of every row is written below)
+        final = torch.empty(bsz, q, self.hidden_size) if features else None
         group: list[int] = []
 
         def flush() -> None:
@@ -624,10 +625,10 @@ class LlamaCppRunner(Runner):
             at = 0
             for b in group:
                 plan = plans[b][2]
-                rows = torch.tensor([at + t for t in plan.query_token])
-                out[b] = torch.from_numpy(logits)[rows]
+                rows = [at + t for t in plan.query_token]  # one copy, from llama.cpp's buffer to the row's place
+                np.take(logits, rows, axis=0, out=out[b].numpy())
                 if final is not None:
-                    final[b] = torch.from_numpy(embd)[rows]
+                    np.take(embd, rows, axis=0, out=final[b].numpy())
                 at += len(plan.tokens)
 
         try:
@@ -692,7 +693,14 @@ class LlamaCppRunner(Runner):
             if self._length[slot] != start:
                 raise ValueError(f"slot {slot} holds {self._length[slot]} positions; a prefill cannot start at {start}")
         rows = [(slot, list(p), start) for slot, p, start in zip(slots, prompts, starts) if p]
-        _, feats = self._run(rows, features, features) if rows else ([], [])
+        pieces: list[list[torch.Tensor]] = [[] for _ in rows]
+
+        def keep(i: int, lo: int, logits, states) -> None:
+            pieces[i].append(torch.from_numpy(states.copy()))
+
+        if rows:
+            self._run(rows, features, features, keep)
+        feats = [torch.cat(x) if x else torch.zeros(0, self.hidden_size) for x in pieces]
         out: list[Features] = []
         it = iter(feats)
         for p in prompts:
