@@ -5,10 +5,19 @@
 #   -DCMAKE_INSTALL_RPATH=$ORIGIN     libllama.so finds the libggml.so beside it (the sdist's build sets no RPATH)
 # The sdist is pinned by version and sha256 (below). It leaves out
 # vendor/ik_llama.cpp/common/cmake/build-info-gen-cpp.cmake, the script that writes build-info.cpp; a stand-in that
-# fills common/build-info.cpp.in with fixed values takes its place. One source line is patched (PATCH below): the
-# decode's attention window (kv_self.n) comes from llama_kv_cache_cell_max(kv_self, pad), which looks at one cell
-# per 256 and misses used cells above an empty one, so with several sequences in the cache (slots, tree paths:
-# holes where drafts were rolled back) attention skipped cells it must see; the exact scan beside it replaces it.
+# fills common/build-info.cpp.in with fixed values takes its place. Two places assume one sequence in the cache and are
+# patched, both because several sequences share ik's one KV cache (slots, tree paths; holes where drafts were rolled
+# back):
+#   PATCH     the decode's attention window (kv_self.n) comes from llama_kv_cache_cell_max(kv_self, pad), which
+#             looks at one cell per 256 and misses used cells above an empty one, so attention skipped cells it
+#             must see; the exact scan beside it replaces it.
+#   FA_PATCH  flash attention (iqk_fa_templates.h) runs a block of query rows over the key blocks up to the last
+#             one whose first cell the block's last row sees, as if every row saw a prefix of the cache that grows
+#             row by row (one causal sequence). A row of another sequence than the last row's, or a last row whose
+#             sequence's cells start inside a key block, lost key blocks it sees: wrong attention, or every key
+#             skipped and GGML_ASSERT(S > 0) aborting the process (a batched prefill of several slots). Without
+#             the scan every key block runs; the mask alone decides (fully masked blocks are handled already;
+#             the cost: a prefill chunk also runs the key blocks past its last row, all masked).
 # The wheel is kept in $SPECDECODE_CACHE/wheels (default ~/.cache/specdecode), named by version, flags, patch and
 # this CPU, so a second run installs it in seconds.
 set -euo pipefail
@@ -18,8 +27,10 @@ SHA256="33c67eb99e4dcab5e611050433243815709b8b3067753f9ce18375013cf002ad"
 export CMAKE_ARGS="${SPECDECODE_IK_LLAMACPP_CMAKE_ARGS:--DGGML_NATIVE=ON -DCMAKE_INSTALL_RPATH=\$ORIGIN}"
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
 PATCH='s/auto max_cell = llama_kv_cache_cell_max(kv_self, pad);/auto max_cell = llama_kv_cache_cell_max(kv_self);/'
+FA_SCAN='for (; ik >=0 && Mc\[ik\] != 0; ik -= k_step);'
+FA_PATCH="s/$FA_SCAN/(void)Mc;/"
 CACHE="${SPECDECODE_CACHE:-$HOME/.cache/specdecode}"
-KEY="$(cat <(echo "$VERSION $SHA256 $CMAKE_ARGS $PATCH") <(uname -m) <(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true) \
+KEY="$(cat <(echo "$VERSION $SHA256 $CMAKE_ARGS $PATCH $FA_PATCH") <(uname -m) <(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true) \
        | sha256sum | cut -c1-12)"
 WHEELS="$CACHE/wheels/ik-llama-cpp-python-$VERSION-$KEY"
 if ! ls "$WHEELS"/ik_llama_cpp_python-*.whl >/dev/null 2>&1; then
@@ -49,6 +60,11 @@ EOF
   [ "$(grep -c 'auto max_cell = llama_kv_cache_cell_max(kv_self, pad);' "$llama")" = 1 ] \
     || { echo "install-ik-llamacpp: the line to patch is not in $llama (another version?)" >&2; exit 1; }
   sed -i "$PATCH" "$llama"
+  fa="$src/vendor/ik_llama.cpp/ggml/src/iqk/fa/iqk_fa_templates.h"
+  [ "$(grep -c "$FA_SCAN" "$fa")" = 4 ] \
+    || { echo "install-ik-llamacpp: the flash-attention scans to patch are not in $fa (another version?)" >&2; exit 1; }
+  sed -i "$FA_PATCH" "$fa"
+  ! grep -q 'Mc\[ik\]' "$fa" || { echo "install-ik-llamacpp: a flash-attention scan survived the patch" >&2; exit 1; }
   ( start=$SECONDS; while sleep 10; do echo "  ... still building ik-llama-cpp-python ($((SECONDS - start)) s)" >&2; done ) &
   heartbeat=$!
   python3 -m pip wheel --quiet --no-deps "$src" -w "$work/wheel"

@@ -9,6 +9,9 @@ choice by a measured speed. Skipped where ik-llama-cpp-python is not installed (
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +33,7 @@ if not available():  # (without loading the library: a broken install fails the 
     pytest.skip("the ik_llama.cpp backend is not installed (scripts/install-ik-llamacpp.sh)", allow_module_level=True)
 
 V = 32
+WIDE = 256  # hidden size whose heads (64 wide) run ik_llama.cpp's own flash attention (the fixture's 8 do not)
 TOL = 0.05  # logits: ik_llama.cpp keeps K/V in float16, torch in float32 (as in test_llamacpp)
 PROMPTS = [[1, 2, 3, 1, 2, 3], [4, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2]]
 
@@ -115,6 +119,41 @@ def test_attention_sees_cells_above_an_empty_one(tiny):
     fresh.prefill([0], [own])
     # (float16 K/V attended over another window: ~3e-3 apart; without its own cells the row is another function)
     assert (after_hole - _fwd(fresh, [0], [[4]], [[10]])).abs().max() < 1e-2
+
+
+def _several_slots(runner) -> torch.Tensor:
+    """Four slots prefilled in one decode, then nine tokens verified in each of three slots in one decode:
+    blocks of query rows that belong to several sequences. Their logits [3, 9, V]."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, V - 1, (n,), generator=g).tolist() for n in (5, 140, 9, 3)]
+    runner.prefill([0, 1, 2, 3], prompts)
+    slots = [3, 1, 0]
+    ids = torch.randint(0, V - 1, (3, 9), generator=g)
+    pos = torch.tensor([[len(prompts[s]) + j for j in range(9)] for s in slots])
+    return runner.logits(runner.forward(torch.tensor(slots), ids, pos).hidden)
+
+
+def _ik_several_slots(gguf: str, out: str) -> None:
+    """The child process's half of the test below."""
+    torch.save(_several_slots(LlamaCppRunner(ik_model(gguf), 4, 160)), out)
+
+
+def test_flash_attention_over_several_slots_in_one_decode(tmp_path):
+    """ik_llama.cpp 0.1.5's flash attention ran a block of query rows over the key blocks up to the last one
+    whose first cell the block's last row sees (one causal sequence assumed), so a batched prefill of several
+    slots in its one KV cache skipped every key block and aborted the process (GGML_ASSERT(S > 0), `check` on
+    Qwen2.5-Coder), and rows of another sequence lost keys (scripts/install-ik-llamacpp.sh patches the scan
+    out). Heads 64 wide take that kernel; the decode runs in a child process, so an abort fails this test
+    alone. Logits equal the torch runner's on the same weights."""
+    target = make_model(V, seed=1, hidden=WIDE)
+    path, out = write_gguf_like(target, tmp_path / "wide.gguf"), tmp_path / "logits.pt"
+    code = f"from test_ik_llamacpp import _ik_several_slots; _ik_several_slots({str(path)!r}, {str(out)!r})"
+    child = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True)
+    assert child.returncode == 0, [line for line in child.stderr.splitlines() if 'GGML' in line] or child.stderr[-3000:]
+    ref = _several_slots(HFRunner(target, 4, 160))
+    got = torch.load(out)
+    assert got.shape == ref.shape == (3, 9, V)
+    assert (got - ref).abs().max() < TOL
 
 
 def test_copy_slot_export_and_import(tiny):
