@@ -20,6 +20,7 @@ V = 32
 TOK = make_tokenizer(V)
 _g = torch.Generator().manual_seed(11)
 PROMPTS = [torch.randint(1, V, (n,), generator=_g).tolist() for n in (45, 9, 30, 61)]
+P, S, M = 28, 29, 30  # FIM markers for the tests (tiny vocabulary ids)
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 
 
@@ -96,12 +97,18 @@ def test_a_bounded_draft_context_changes_no_greedy_output(pair, case) -> None:
     assert not getattr(drafter._kv, "offsets", {})  # every slot released its window
 
 
-def test_a_windowed_draft_proposes_what_a_draft_given_only_the_window_proposes(pair) -> None:
-    """The fast path (positions shifted into each slot's window) against the reference (a plain draft whose
-    prompt is the window): the same tokens and the same draft probabilities, bit for bit."""
+@pytest.mark.parametrize("fim", [False, True])
+def test_a_windowed_draft_proposes_what_a_draft_given_only_the_window_proposes(pair, fim) -> None:
+    """The fast path (positions shifted into each slot's view) against the reference (a plain draft whose
+    prompt is the view): the same tokens and the same draft probabilities, bit for bit; for plain prompts
+    (the view is their tail) and fill-in-the-middle ones (the code around the cursor)."""
+    from specdecode.drafters.window import draft_view
+
     _, draft = pair
     context = 10
-    windowed = DraftModelDrafter(runner_for(draft), context=context)
+    markers = (P, S, M) if fim else None
+    prompts = [[P, *p[: len(p) // 2], S, *p[len(p) // 2 :], M] for p in PROMPTS] if fim else PROMPTS
+    windowed = DraftModelDrafter(runner_for(draft), context=context, fim=markers)
     plain = DraftModelDrafter(runner_for(draft))
     for d in (windowed, plain):
         d.reserve(4, 128)
@@ -113,11 +120,12 @@ def test_a_windowed_draft_proposes_what_a_draft_given_only_the_window_proposes(p
             self.slot, self.token_ids, self.params = slot, ids, params
             self.generator = torch.Generator().manual_seed(9)
 
-    slots = list(range(len(PROMPTS)))
-    windows = [p[window_start(len(p), context) :] for p in PROMPTS]
-    windowed.start(slots, PROMPTS)
+    slots = list(range(len(prompts)))
+    windows = [draft_view(p, context, markers) for p in prompts]
+    assert all(len(w) < len(p) for w, p in zip(windows, prompts[:1]))
+    windowed.start(slots, prompts)
     plain.start(slots, windows)
-    a = windowed.propose([View(s, p) for s, p in zip(slots, PROMPTS)], [4] * len(slots))
+    a = windowed.propose([View(s, p) for s, p in zip(slots, prompts)], [4] * len(slots))
     b = plain.propose([View(s, w) for s, w in zip(slots, windows)], [4] * len(slots))
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.num_tokens, b.num_tokens)
     assert a.probs is not None and b.probs is not None and torch.equal(a.probs, b.probs)
@@ -125,7 +133,7 @@ def test_a_windowed_draft_proposes_what_a_draft_given_only_the_window_proposes(p
     windowed.move(3, 0)
     plain.move(3, 0)
     went_on = a.tokens[3, :2].tolist() + [5]  # two draft tokens accepted, then the target's own token
-    a2 = windowed.propose([View(0, PROMPTS[3] + went_on)], [3])
+    a2 = windowed.propose([View(0, prompts[3] + went_on)], [3])
     b2 = plain.propose([View(0, windows[3] + went_on)], [3])
     assert torch.equal(a2.tokens, b2.tokens) and torch.equal(a2.probs, b2.probs)
 
@@ -152,6 +160,42 @@ def test_a_grown_prompt_restores_the_window_it_shares_from_the_drafts_prefix_cac
     assert [o.token_ids for o in out] == [reference.generate([p], [GREEDY])[0].token_ids for p in (first, grown)]
     assert drafter.prefixes is not None and drafter.prefixes.index.stats.hit_tokens >= 16
     assert sum(o.stats.drafted for o in out) > 0
+
+
+def test_a_fim_view_keeps_the_code_around_the_cursor() -> None:
+    from specdecode.drafters.window import draft_view
+
+    prefix, suffix = list(range(100, 400)), list(range(500, 700))
+    prompt = [P, *prefix, S, *suffix, M]
+    view = draft_view(prompt, 64, (P, S, M))
+    assert view[0] == P and view[-1] == M and S in view  # a well-formed FIM prompt, ending as the prompt does
+    kept_prefix, kept_suffix = view[1 : view.index(S)], view[view.index(S) + 1 : -1]
+    assert kept_prefix == prefix[-len(kept_prefix) :] and kept_suffix == suffix[: len(kept_suffix)]
+    assert 48 <= len(kept_prefix) <= 48 + 12 and len(kept_suffix) == 16  # three quarters / a quarter of 64
+    # generated tokens after the middle marker are kept whole; a plain prompt keeps its tail
+    assert draft_view(prompt + [1, 2, 3], 64, (P, S, M))[-4:] == [M, 1, 2, 3]
+    assert draft_view(prefix, 64, (P, S, M)) == prefix[window_start(len(prefix), 64) :]
+    assert draft_view(prompt, 64, None) == prompt[window_start(len(prompt), 64) :]  # no markers: the tail
+    assert draft_view(prompt[:40], 64, (P, S, M)) == prompt[:40]  # short: all of it
+
+
+def test_fim_prompts_with_a_fim_view_change_no_greedy_output(pair) -> None:
+    target, draft = pair
+    g = torch.Generator().manual_seed(2)
+    prompts = [
+        [P, *torch.randint(1, 27, (n,), generator=g).tolist(), S, *torch.randint(1, 27, (m,), generator=g).tolist(), M]
+        for n, m in ((50, 20), (30, 40))
+    ]
+    drafter = DraftModelDrafter(runner_for(draft), context=16, fim=(P, S, M))
+    counted = _Counting(drafter.runner)
+    engine = make_engine(target, TOK, drafter=drafter, k=3, num_slots=2, max_len=128, prefix_cache_mb=1)
+    reference = make_engine(target, TOK, num_slots=2, max_len=128).generate(prompts, [GREEDY] * 2)
+    for _ in range(2):  # the second time from the draft's prefix cache (views are what it keys)
+        out = engine.generate(prompts, [GREEDY] * 2)
+        assert [o.token_ids for o in out] == [o.token_ids for o in reference]
+        assert sum(o.stats.accepted for o in out) > 0
+    assert counted.tokens < sum(len(p) for p in prompts)  # it read the views, not the prompts
+    assert drafter.prefixes is not None and drafter.prefixes.index.stats.hit_tokens > 0
 
 
 def test_window_start() -> None:

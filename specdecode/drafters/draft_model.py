@@ -17,7 +17,7 @@ from specdecode.drafters.autoregressive import (
 )
 from specdecode.drafters.base import Proposal, SequenceView, common_prefix
 from specdecode.drafters.dynamic_tree import GrownTree
-from specdecode.drafters.window import WindowedRunner, window_start
+from specdecode.drafters.window import FimMarkers, WindowedRunner, draft_view
 from specdecode.prefix_cache import RunnerPrefixCache
 from specdecode.models.base import Runner
 from specdecode.models.device import synchronize
@@ -44,9 +44,10 @@ class DraftModelDrafter(AutoregressiveDrafter):
     sequence in the draft cache; at the next ``propose`` the branch the target accepted is compacted
     into place (``Runner.compact``) instead of being fed again.
 
-    ``context`` > 0 bounds what the draft reads of a prompt to its last ``context`` tokens
-    (:mod:`specdecode.drafters.window`): the tokens before the window count as read (``_cached`` holds
-    them), and the draft runner is addressed through a :class:`WindowedRunner` that shifts positions.
+    ``context`` > 0 bounds what the draft reads of a prompt to about ``context`` tokens, its last ones, or for
+    a fill-in-the-middle prompt (``fim``: the markers' ids) the code around the cursor
+    (:mod:`specdecode.drafters.window`): every prompt token counts as read (``_cached`` holds them), and the
+    draft runner is addressed through a :class:`WindowedRunner` that holds each slot's view.
     """
 
     name = "draft-model"
@@ -63,13 +64,14 @@ class DraftModelDrafter(AutoregressiveDrafter):
         tree_topk: int = 1,
         tree_nodes: int = 0,
         context: int = 0,
+        fim: FimMarkers | None = None,
     ) -> None:
         super().__init__(confidence, tree_topk, tree_nodes)
         if context < 0:
             raise ValueError(f"draft context must be >= 0 (0: the whole prompt), got {context}")
         self.context = context
         # what positions go through: the runner itself, or shifted into each slot's window
-        self._kv: Runner | WindowedRunner = WindowedRunner(runner, context) if context else runner
+        self._kv: Runner | WindowedRunner = WindowedRunner(runner, context, fim) if context else runner
         self._tree: dict[int, tuple[int, GrownTree]] = {}  # slot -> (window start, the tree last proposed)
         self.runner = runner
         # the target's vocabulary size: draft logits past it are never sampled, and the draft
@@ -89,10 +91,10 @@ class DraftModelDrafter(AutoregressiveDrafter):
         that holds something already, or nothing to skip)."""
         if self._cached.get(slot):
             return 0
-        o = self._kv.begin(slot, tokens) if isinstance(self._kv, WindowedRunner) else 0
-        n = o
-        if self.prefixes is not None:
-            n += self.prefixes.restore(slot, tokens[o:], len(tokens) - 1 - o)
+        view = self._kv.begin(slot, tokens) if isinstance(self._kv, WindowedRunner) else tokens
+        n = len(tokens) - len(view)  # (the prompt tokens the view leaves out count as read)
+        if self.prefixes is not None:  # (a kept prefix of the view: the draft's cache holds views)
+            n += self.prefixes.restore(slot, view, len(view) - 1)
         if n:
             self._cached[slot], self._floor[slot] = list(tokens[:n]), n
         return n
@@ -127,8 +129,10 @@ class DraftModelDrafter(AutoregressiveDrafter):
         """Tokens the next proposal for ``seq`` must read beyond the usual one or two (the last draft
         token and the bonus token): what was generated while another drafter drafted for it."""
         cached = self._cached.get(seq.slot, [])
-        # a slot not seen yet will skip what lies before its window
-        skip = window_start(len(seq.token_ids), self.context) if seq.slot not in self._cached else 0
+        # a slot not seen yet will skip what its view leaves out
+        skip = 0
+        if isinstance(self._kv, WindowedRunner) and seq.slot not in self._cached:
+            skip = len(seq.token_ids) - len(draft_view(seq.token_ids, self.context, self._kv.fim))
         read = max(skip, common_prefix(cached, seq.token_ids, self._floor.get(seq.slot, 0)))
         return max(0, len(seq.token_ids) - read - 2)
 
@@ -162,9 +166,11 @@ class DraftModelDrafter(AutoregressiveDrafter):
         return tokens
 
     def release(self, slot: int) -> None:
-        o = self._kv.offset(slot) if isinstance(self._kv, WindowedRunner) else 0
-        if self.prefixes is not None and slot not in self._tree and len(self._cached.get(slot, [])) > o:
-            self.prefixes.save(slot, self._cached[slot][o:])  # what this slot's cache holds, for the next prompt
+        if self.prefixes is not None and slot not in self._tree and self._cached.get(slot):
+            held = self._cached[slot]
+            if isinstance(self._kv, WindowedRunner):
+                held = self._kv.held(slot, held)
+            self.prefixes.save(slot, held)  # what this slot's cache holds, for the next prompt
         if isinstance(self._kv, WindowedRunner):
             self._kv.release(slot)
         self._cached.pop(slot, None)
@@ -288,6 +294,15 @@ def build(arg: str, ctx) -> DraftModelDrafter:
     tree with ``--tree-topk K > 1``."""
     config = ctx.config
     assert config is not None  # (DraftContext fills in the defaults)
+    fim = None
+    if config.draft_context and ctx.tokenizer is not None:  # a FIM prompt keeps the code around the cursor
+        from specdecode.fim import FimUnsupported, fim_tokens
+
+        try:
+            markers = fim_tokens(ctx.tokenizer)
+            fim = (markers.prefix, markers.suffix, markers.middle)
+        except FimUnsupported:
+            pass
     return DraftModelDrafter(
-        ctx.draft_runner(), ctx.target.vocab_size, **draft_settings(config), context=config.draft_context
+        ctx.draft_runner(), ctx.target.vocab_size, **draft_settings(config), context=config.draft_context, fim=fim
     )
