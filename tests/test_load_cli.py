@@ -333,3 +333,21 @@ def test_ctrl_c_writes_what_finished(tmp_path: Path) -> None:
     done = len((out / "requests.jsonl").read_text().splitlines())
     assert 2 <= done < 1000 and summary["levels"][0]["completed"] == done
     assert "Interrupted" in (out / "report.md").read_text()
+
+
+def test_fim_markers_send_one_prompt_in_prefix_suffix_middle_order() -> None:
+    """For servers that ignore OpenAI's ``suffix`` (llama-server's /v1/completions): ``--fim-markers`` renders
+    a FIM request as one prompt, so every endpoint reads the same tokens; without it the suffix field goes."""
+    from specdecode.bench.prompts import Prompt
+    from specdecode.load.cli import _fim_markers
+    from specdecode.load.client import Target, request_body
+
+    fim = Prompt("f", "fim", "def f(x):\n    ", None, "completion", suffix="\n    return y\n", fim_stop="line")
+    markers = _fim_markers("<|fim_prefix|>,<|fim_suffix|>,<|fim_middle|>")
+    path, body = request_body(Target("a", "http://x", "m", fim_markers=markers), fim, 16)
+    assert path == "/v1/completions" and "suffix" not in body and body["stop"] == ["\n"]
+    assert body["prompt"] == "<|fim_prefix|>def f(x):\n    <|fim_suffix|>\n    return y\n<|fim_middle|>"
+    _, plain = request_body(Target("a", "http://x", "m"), fim, 16)
+    assert plain["prompt"] == "def f(x):\n    " and plain["suffix"] == "\n    return y\n"
+    with pytest.raises(Exception, match="three comma-separated"):
+        _fim_markers("<a>,<b>")

@@ -64,6 +64,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "line rule, nothing for the block rule",
     )
     target.add_argument(
+        "--fim-markers",
+        type=_fim_markers,
+        default=None,
+        metavar="PREFIX,SUFFIX,MIDDLE",
+        help="send a fill-in-the-middle prompt as one prompt in prefix-suffix-middle order with these "
+        "markers (e.g. '<|fim_prefix|>,<|fim_suffix|>,<|fim_middle|>' for Qwen2.5-Coder) instead of "
+        "OpenAI's suffix field, which some servers ignore (llama-server's /v1/completions completes the "
+        "prefix alone); every endpoint then reads the same tokens",
+    )
+    target.add_argument(
         "--no-response-format",
         dest="response_format",
         action="store_false",
@@ -201,9 +211,17 @@ def _targets(args: argparse.Namespace) -> list[Any]:
             extra_body={**args.extra_body, **bodies.get(label, {})},
             fim_stop=args.send_fim_stop,
             response_format=args.response_format,
+            fim_markers=args.fim_markers,
         )
         for label, url in specs
     ]
+
+
+def _fim_markers(text: str) -> tuple[str, str, str]:
+    markers = tuple(text.split(","))
+    if len(markers) != 3 or not all(markers):
+        raise argparse.ArgumentTypeError(f"expected three comma-separated markers PREFIX,SUFFIX,MIDDLE, got {text!r}")
+    return markers  # type: ignore[return-value]
 
 
 def _split_endpoint(spec: str, default_label: str) -> tuple[str, str]:

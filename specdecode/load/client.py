@@ -4,7 +4,8 @@ Chat prompts go to ``/v1/chat/completions`` (``messages``), completion prompts t
 ``/v1/completions`` (``prompt``); a fill-in-the-middle prompt (the ``fim`` workload) adds OpenAI's
 ``suffix`` field, and its editor rule as ``"stop": ["\\n"]`` where the rule is ``line`` (the portable
 spelling; the ``block`` rule has none), or, for a target with ``fim_stop`` set, as specdecode's own
-``fim_stop`` field (exact for both rules; other servers may refuse the field). Always with
+``fim_stop`` field (exact for both rules; other servers may refuse the field); with ``fim_markers`` the
+prefix and suffix go as one prompt in prefix-suffix-middle order instead (for servers that ignore ``suffix``). Always with
 ``stream: true`` and ``stream_options: {"include_usage": true}``. Server-sent ``data:`` lines are read
 until ``[DONE]``. A *content chunk* is a chunk whose first choice carries non-empty text
 (``text`` for completions, ``delta.content`` or ``delta.reasoning_content`` for chat); TTFT and
@@ -42,6 +43,8 @@ class Target:
     extra_body: dict[str, Any] = field(default_factory=dict)
     fim_stop: bool = False
     response_format: bool = True
+    # a FIM prompt sent as one prompt with these markers (prefix, suffix, middle) instead of OpenAI's suffix
+    fim_markers: tuple[str, str, str] | None = None
 
 
 def base_url(url: str) -> str:
@@ -81,7 +84,12 @@ def request_body(target: Target, prompt: Prompt, max_tokens: int) -> tuple[str, 
         path, body["messages"] = "/v1/chat/completions", prompt.messages
     else:
         path, body["prompt"] = "/v1/completions", prompt.text
-    if prompt.suffix is not None:
+    if prompt.suffix is not None and target.fim_markers is not None:
+        prefix, suffix, middle = target.fim_markers
+        body["prompt"] = f"{prefix}{prompt.text}{suffix}{prompt.suffix}{middle}"
+        if prompt.fim_stop == "line":
+            body["stop"] = ["\n"]
+    elif prompt.suffix is not None:
         body["suffix"] = prompt.suffix
         if target.fim_stop and prompt.fim_stop:
             body["fim_stop"] = prompt.fim_stop

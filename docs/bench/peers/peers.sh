@@ -15,6 +15,7 @@
 #      requests for that set), LEVELS, REQUESTS (per level and endpoint), ROUNDS, DURATION (s per level and
 #      endpoint), TIME_LIMIT (s per set), STARTUP_S (s a server may take to come up),
 #      OUTPUT_LEN (max_tokens N or LO:HI; default each prompt's own), EXTRA_BODY (JSON for every request),
+#      FIM_MARKERS (a FIM request as one prompt with these markers, load --fim-markers; empty: OpenAI's suffix),
 #      THREADS, CTX (context per slot), FIXED_DRAFT, FIXED_K, LLAMA_DRAFT_MAX, LLAMA_DRAFT_MIN,
 #      CACHE_MB (one prefix-cache budget for every server; default each server's own), ENDPOINTS, PORT (first
 #      port, the next ones after it; default: free ports the kernel hands out), OUT, TOOLS (llama.cpp tools
@@ -25,6 +26,8 @@ TARGET=${TARGET:-qwen2.5-coder-1.5b}; DRAFT=${DRAFT:-qwen2.5-coder-0.5b}
 PROMPTS=${PROMPTS:-editor_replay:test,chat_turns,humaneval:test}; LEVELS=${LEVELS:-1,4,16}
 REQUESTS=${REQUESTS:-32}; ROUNDS=${ROUNDS:-4}; DURATION=${DURATION:-1800}; TIME_LIMIT=${TIME_LIMIT:-28800}
 OUTPUT_LEN=${OUTPUT_LEN:-}; EXTRA_BODY=${EXTRA_BODY:-'{"temperature": 0}'}
+# FIM requests as one prompt with the target's markers: llama-server's /v1/completions ignores OpenAI's suffix
+FIM_MARKERS=${FIM_MARKERS-'<|fim_prefix|>,<|fim_suffix|>,<|fim_middle|>'}
 THREADS=${THREADS:-2}; CTX=${CTX:-4096}; FIXED_DRAFT=${FIXED_DRAFT:-suffix}; FIXED_K=${FIXED_K:-4}
 LLAMA_DRAFT_MAX=${LLAMA_DRAFT_MAX:-$FIXED_K}; LLAMA_DRAFT_MIN=${LLAMA_DRAFT_MIN:-}; CACHE_MB=${CACHE_MB:-}
 ALL="llama-server,llama-server-draft,llamacpp-target,llamacpp-auto,llamacpp-fixed,ik-target,ik-auto,ik-fixed"
@@ -43,7 +46,7 @@ SLOTS=$(tr ',' '\n' <<< "$LEVELS" | sort -n | tail -1)  # every level's sessions
 { pip list 2>/dev/null | grep -i -E '^(llama.cpp.python|ik.llama.cpp.python|specdecode) ' || true
   LD_LIBRARY_PATH="$TOOLS/build/bin" "$TOOLS/bin/llama-server" --version 2>&1 | grep -i version || true
 } > "$OUT/versions.txt"
-for name in TARGET DRAFT PROMPTS LEVELS REQUESTS ROUNDS DURATION TIME_LIMIT OUTPUT_LEN EXTRA_BODY THREADS CTX \
+for name in TARGET DRAFT PROMPTS LEVELS REQUESTS ROUNDS DURATION TIME_LIMIT OUTPUT_LEN EXTRA_BODY FIM_MARKERS THREADS CTX \
   FIXED_DRAFT FIXED_K LLAMA_DRAFT_MAX LLAMA_DRAFT_MIN CACHE_MB ENDPOINTS LLAMA_ARGS SERVE_ARGS; do
   echo "$name=${!name:-}"
 done > "$OUT/settings.txt"
@@ -150,7 +153,7 @@ for entry in "${SETS[@]}"; do
   echo "load: $pset, $n requests per level and endpoint -> $OUT/$dir"
   python -m specdecode.cli load "${ENDPOINT_ARGS[@]}" --prompts "$pset" --levels "$LEVELS" \
     --num-requests "$n" --rounds "$ROUNDS" --duration "$DURATION" --time-limit "$TIME_LIMIT" \
-    ${OUTPUT_LEN:+--output-len "$OUTPUT_LEN"} --extra-body "$EXTRA_BODY" --no-progress --out "$OUT/$dir" \
+    ${OUTPUT_LEN:+--output-len "$OUTPUT_LEN"} ${FIM_MARKERS:+--fim-markers "$FIM_MARKERS"} --extra-body "$EXTRA_BODY" --no-progress --out "$OUT/$dir" \
     > "$OUT/logs/load-$dir.log" 2>&1 || echo "load failed for $pset (logs/load-$dir.log)" | tee -a "$OUT/skipped.txt"
 done
 
