@@ -155,6 +155,21 @@ def test_summarize_cells():
     assert spec.decode_tok_s == pytest.approx(8 / 0.76)  # prefill excluded: steps only
     assert spec.decode_speedup == pytest.approx(8 / 0.76 / 10.0)
     assert spec.efficiency == pytest.approx(spec.decode_speedup / spec.predicted_speedup)
+    # every step drafted k = 2: the prediction over the steps is the formula's with the measured v
+    assert spec.predicted_speedup_steps == pytest.approx(spec.predicted_speedup_v)
+    assert spec.efficiency_steps == pytest.approx(spec.decode_speedup / spec.predicted_speedup_v)
+
+
+def test_prediction_over_the_steps_counts_steps_that_drafted_nothing():
+    """A lookup drafter drafts nothing where it finds no match: such a step emits one token at one target step's
+    cost, which E(alpha, k) over every step would count as k drafts' worth of tokens."""
+    alpha, c, v = 0.8, 0.05, 1.2
+    half = A.predicted_from_steps(alpha, {0: 5, 4: 5}, c, v)
+    e4 = A.expected_tokens_per_step(alpha, 4)
+    assert half == pytest.approx(((1 + e4) / 2) / (2 * c + v))
+    assert A.predicted_from_steps(alpha, {4: 10}, c, v) == pytest.approx(A.predicted_speedup(alpha, 4, c, v))
+    assert half < A.predicted_speedup(alpha, 4, c, v)
+    assert A.predicted_from_steps(alpha, {}, c, v) is None
 
 
 def test_repeats_reduce_to_medians():

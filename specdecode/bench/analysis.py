@@ -24,6 +24,10 @@ Definitions (also written into every report):
 * **predicted speedup** (Leviathan et al. 2023, eq. 1 and thm. 3.8) = E / (k·c + 1) with
   E = (1 − α^(k+1)) / (1 − α) the expected tokens per step; measured decode speedup / predicted < 1
   is overhead the formula does not model (v > 1, Python, sampling, bookkeeping).
+* **predicted from the steps** = mean over steps of E(α, n) / (mean n · c + v), n each step's drafted length:
+  the same formula for a drafter that drafts fewer than k tokens in some steps (a lookup without a match
+  drafts none, and such a step emits one token); measured decode speedup / this is the share of the
+  speculative step's time that the measured draft and verify costs account for (1: the engine adds nothing).
 * **break-even α** for k and c: the α at which E(α, k) = k·c + 1, i.e. drafting just pays for
   itself; with the measured v in place of 1 it is the *overhead-aware* break-even.
 * **tokens per step needed** (per prompt) = the decode step's wall time with speculation / target-only's
@@ -79,6 +83,17 @@ def predicted_speedup(alpha: float, k: int, c: float, v: float = 1.0) -> float:
     return expected_tokens_per_step(alpha, k) / (k * c + v)
 
 
+def predicted_from_steps(alpha: float, lengths: dict[int, int], c: float, v: float) -> float | None:
+    """The formula over the steps as drafted: mean E(α, n) / (mean n · c + v), ``lengths`` counting the steps
+    by their drafted length n (a step drafting none emits one token and costs one target step)."""
+    steps = sum(lengths.values())
+    if not steps:
+        return None
+    tokens = sum(expected_tokens_per_step(alpha, n) * s for n, s in lengths.items()) / steps
+    drafted = sum(n * s for n, s in lengths.items()) / steps
+    return tokens / (drafted * c + v)
+
+
 def break_even_alpha(k: int, c: float, v: float = 1.0, tol: float = 1e-10) -> float | None:
     """The α where E(α, k) = k·c + v; ``None`` when even α = 1 does not pay (k·c + v ≥ k + 1).
 
@@ -129,6 +144,7 @@ class Counts:
     verify_s: float = 0.0
     step_s: float = 0.0  # wall time of the decode steps (draft + verify + bookkeeping)
     nodes: int = 0  # draft tokens verified (trees: every node; chains: = drafted)
+    lengths: dict[int, int] = field(default_factory=dict)  # steps by their drafted length
     drafted_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
 
@@ -148,6 +164,7 @@ class Counts:
         _, emitted, drafted, accepted, seconds = step[:5]
         self.nodes += step[5] if len(step) > 5 else drafted  # records before trees: nodes == drafted
         self.steps += 1
+        self.lengths[drafted] = self.lengths.get(drafted, 0) + 1
         self.emitted += emitted
         self.drafted += drafted
         self.accepted += accepted
@@ -210,6 +227,8 @@ class Cell:
     predicted_speedup: float | None = None
     predicted_speedup_v: float | None = None  # E / (k·c + v)
     efficiency: float | None = None  # measured decode speedup / predicted speedup
+    predicted_speedup_steps: float | None = None  # mean E(α, n) / (mean n · c + v) over the steps' drafted lengths
+    efficiency_steps: float | None = None  # measured decode speedup / predicted from the steps
     nodes_per_step: float | None = None  # draft tokens verified per step (trees: v is v(nodes))
 
 
@@ -334,6 +353,10 @@ def fill_speculation(cell: Cell, counts: Counts, base_counts: Counts) -> None:
         cell.predicted_speedup_v = predicted_speedup(cell.alpha, cell.k, cell.c, cell.v)
         if cell.decode_speedup is not None:
             cell.efficiency = cell.decode_speedup / cell.predicted_speedup
+        if cell.v is not None:
+            cell.predicted_speedup_steps = predicted_from_steps(cell.alpha, counts.lengths, cell.c, cell.v)
+            if cell.decode_speedup is not None and cell.predicted_speedup_steps:
+                cell.efficiency_steps = cell.decode_speedup / cell.predicted_speedup_steps
 
 
 def _merge(into: Counts, other: Counts) -> None:
@@ -352,6 +375,8 @@ def _merge(into: Counts, other: Counts) -> None:
         setattr(into, name, getattr(into, name) + getattr(other, name))
     into.drafted_at = _add_lists(into.drafted_at, other.drafted_at)
     into.accepted_at = _add_lists(into.accepted_at, other.accepted_at)
+    for n, steps in other.lengths.items():
+        into.lengths[n] = into.lengths.get(n, 0) + steps
 
 
 _SPEC_RE = re.compile(r"spec-k(\d+)(?:-t(\d+)n(\d+))?(?:@(\w+))?(?:\[([\w.-]+)\])?")  # [label]: --extra-draft

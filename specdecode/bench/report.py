@@ -308,8 +308,9 @@ def _overall_table(summary: Summary, sampling: str) -> list[str]:
         "per unit of depth, nodes = draft tokens verified per step, v = v(nodes); no chain formula applies.",
         "",
         "| config | prompts | tok/s | speedup | decode speedup | acceptance | α | tokens/step | nodes/step "
-        "| E(α,k) | c | v | predicted | predicted (v) | measured / predicted |",
-        "|---" * 15 + "|",
+        "| E(α,k) | c | v | predicted | predicted (v) | measured / predicted | predicted (v, steps) "
+        "| measured / predicted (v, steps) |",
+        "|---" * 17 + "|",
     ]
     for c in summary.cells:
         if c.sampling == sampling and c.group == "overall":
@@ -319,7 +320,7 @@ def _overall_table(summary: Summary, sampling: str) -> list[str]:
                 f"| {_n(c.alpha, '.3f')} | {_n(c.tokens_per_step)} | {_n(c.nodes_per_step, '.1f')} "
                 f"| {_n(c.expected_tokens_per_step)} "
                 f"| {_n(c.c, '.3f')} | {_n(c.v)} | {_n(c.predicted_speedup)} | {_n(c.predicted_speedup_v)} "
-                f"| {_n(c.efficiency)} |"
+                f"| {_n(c.efficiency)} | {_n(c.predicted_speedup_steps)} | {_n(c.efficiency_steps)} |"
             )
     return lines
 
