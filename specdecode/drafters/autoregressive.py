@@ -40,7 +40,7 @@ from specdecode.drafters.base import DrafterBase, Proposal, SequenceView
 from specdecode.drafters.dynamic_tree import GROWTH, GrownTree, grow_trees
 from specdecode.models.base import Runner
 from specdecode.processors import process_batch, process_rows, processors_of
-from specdecode.sampling import coupled_choice, race_noise, sample, warp, warp_tensors
+from specdecode.sampling import coupled_choice, greedy_tokens, race_noise, sample, warp, warp_tensors
 from specdecode.verify.tree import DETERMINISTIC, WITHOUT_REPLACEMENT
 
 # feed(tokens [A], j) -> logits [A, V]: feed each row's j-th draft token, return the logits after it
@@ -118,7 +118,7 @@ def propose_chain(
         if processed:
             logits = process_rows(active, logits, drafted)
         if all_greedy:
-            tok = logits.argmax(-1)
+            tok = greedy_tokens(logits).to(logits.device)
         else:
             law = warp(logits, *warp_args)
             tok = sample(law, uniforms[:, j])
