@@ -23,8 +23,10 @@ if [ "${1:-}" = "-m" ] && [ "${2:-}" = "pip" ]; then
       dest=""; prev=""
       for a in "$@"; do [ "$prev" = "-d" ] && dest="$a"; prev="$a"; done
       src="$FAKE_TMP/src/$FAKE_NAME-$FAKE_VERSION"
-      mkdir -p "$src/vendor/ik_llama.cpp/src" "$src/vendor/ik_llama.cpp/common"
+      mkdir -p "$src/vendor/ik_llama.cpp/src" "$src/vendor/ik_llama.cpp/common" "$src/vendor/ik_llama.cpp/ggml/src/iqk/fa"
       echo '    auto max_cell = llama_kv_cache_cell_max(kv_self, pad);' >"$src/vendor/ik_llama.cpp/src/llama.cpp"
+      for _ in 1 2 3 4; do echo '        for (; ik >=0 && Mc[ik] != 0; ik -= k_step);'; done \
+        >"$src/vendor/ik_llama.cpp/ggml/src/iqk/fa/iqk_fa_templates.h"
       echo '' >"$src/vendor/ik_llama.cpp/common/build-info.cpp.in"
       tar -czf "$dest/$FAKE_NAME-$FAKE_VERSION.tar.gz" -C "$FAKE_TMP/src" "$FAKE_NAME-$FAKE_VERSION" ;;
     wheel)
