@@ -1,6 +1,6 @@
 """Acceptance against the draft's context (``--draft-context N``) from `specdecode bench --draft-contexts` runs.
 
-Usage: python docs/bench/draft-context/summarize.py RUN_DIR [RUN_DIR ...]   (each a bench --out folder)
+Usage: python docs/bench/draft-context/summarize.py RUN_DIR [RUN_DIR ...]   (each a bench --out folder, or runs/*)
 
 Per run folder (a workload) and configuration: prompts, mean prompt tokens, acceptance (accepted / drafted,
 pooled), tokens per target step (emitted / steps, pooled), the draft's acceptance relative to the whole-prompt
@@ -12,6 +12,7 @@ are deterministic under greedy decoding; the seconds are whatever the machine ga
 
 from __future__ import annotations
 
+import gzip
 import json
 import sys
 from collections import defaultdict
@@ -19,7 +20,8 @@ from pathlib import Path
 
 
 def summarize(folder: Path) -> list[str]:
-    with open(folder / "records.jsonl") as f:
+    path = folder / "records.jsonl"
+    with gzip.open(f"{path}.gz", "rt") if not path.exists() else open(path) as f:  # (kept gzipped in the repo)
         records = [json.loads(line) for line in f if line.strip()]
     runs = [r for r in records if r.get("type") == "run"]
     checks: dict[str, list[dict]] = defaultdict(list)
