@@ -230,3 +230,9 @@ def test_the_server_reports_cached_tokens_and_its_cache_in_metrics() -> None:
         line.startswith("specdecode_prefix_cache_entries ") and float(line.split()[-1]) >= 1
         for line in metrics.splitlines()
     )
+    # the draft model's share of the one budget is reported beside the target's
+    gauges = {
+        line.split()[0]: float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("specdecode_")
+    }
+    assert gauges["specdecode_prefix_cache_draft_bytes"] > 0 and gauges["specdecode_prefix_cache_bytes"] > 0
+    assert gauges["specdecode_prefix_cache_draft_bytes"] + gauges["specdecode_prefix_cache_bytes"] <= 1 << 20

@@ -157,6 +157,9 @@ class KeepsPrefixes(Protocol):
         """Before a new sequence's first prefill in ``slot``: restore the longest kept prefix of ``tokens`` (all
         but the last token at most); returns its length (0: nothing kept, nothing done)."""
 
+    def kept_bytes(self) -> int:
+        """Memory its kept prefixes hold now (the server's ``/metrics``)."""
+
 
 class FullDrafter(Drafter, CatchesUp, OwnsRunners, KeepsHistory, KeepsPrefixes, Protocol):
     """A drafter with every optional capability, each its own or :class:`DrafterBase`'s default: what
@@ -172,7 +175,7 @@ CAPABILITIES: dict[str, str] = {
     "free": "a proposal costs no model forward (free = True): the selector asks it what it would propose anywhere",
     "runners": "owns model runners (OwnsRunners: runners)",
     "history": "drafts from earlier requests' outputs (KeepsHistory: forget_outputs, remember)",
-    "prefixes": "keeps its model's KV of finished sequences for the next prompt (KeepsPrefixes: keep_prefixes, restore)",
+    "prefixes": "keeps its model's KV of finished sequences for the next prompt (KeepsPrefixes: keep_prefixes, restore, kept_bytes)",
 }
 
 
@@ -220,6 +223,9 @@ class DrafterBase:
         pass
 
     def restore(self, slot: int, tokens: list[int]) -> int:  # (prefixes)
+        return 0
+
+    def kept_bytes(self) -> int:  # (prefixes)
         return 0
 
     def prefill(self, slots: list[int], pieces: list[list[int]], starts: list[int]) -> bool:

@@ -85,6 +85,9 @@ class DraftModelDrafter(AutoregressiveDrafter):
         if RunnerPrefixCache.supported(self.runner):
             self.prefixes = RunnerPrefixCache(self.runner, budget(self.runner))
 
+    def kept_bytes(self) -> int:
+        return self.prefixes.index.nbytes if self.prefixes is not None else 0
+
     def restore(self, slot: int, tokens: list[int]) -> int:
         """A slot first seen with ``tokens``: the part of them it need not read, i.e. the tokens before its
         window (:mod:`specdecode.drafters.window`) and then the longest kept prefix of the window (0: a slot

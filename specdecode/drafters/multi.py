@@ -187,6 +187,9 @@ class MultiDrafter(DrafterBase):
         for d in self.parts.values():
             d.keep_prefixes(budget)
 
+    def kept_bytes(self) -> int:
+        return sum(d.kept_bytes() for d in self.parts.values())
+
     def runners(self) -> dict[str, Runner]:
         out: dict[str, Runner] = {}
         for name, d in self.parts.items():

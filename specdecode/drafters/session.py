@@ -72,6 +72,10 @@ class DraftSession:
         if self._raw is not None:  # (outside its fault guard: the prefix cache is the drafter's own bookkeeping)
             self._raw.keep_prefixes(budget)
 
+    def kept_bytes(self) -> int:
+        """Memory the drafter's kept prefixes hold (0 without a drafter, or one that keeps none)."""
+        return self._raw.kept_bytes() if self._raw is not None else 0
+
     # -- the target cached tokens ---------------------------------------------------------------------
     def prompts_cached(self, seqs: Sequence) -> None:
         """The target has cached the prompts of ``seqs`` (all but each one's pending token)."""

@@ -139,6 +139,11 @@ class ServerMetrics:
             ),
             "draft_slots_used": Gauge(p + "draft_slots_used", "slots for which the drafter holds state", registry=r),
             "prefix_cache_bytes": Gauge(p + "prefix_cache_bytes", "memory the prefix cache holds", registry=r),
+            "prefix_cache_draft_bytes": Gauge(
+                p + "prefix_cache_draft_bytes",
+                "memory the draft models' prefix caches hold (with prefix_cache_bytes: the --prefix-cache-mb budget)",
+                registry=r,
+            ),
             "prefix_cache_entries": Gauge(p + "prefix_cache_entries", "sequences the prefix cache holds", registry=r),
             "prefix_cache_evictions": Gauge(
                 p + "prefix_cache_evictions", "prefix cache entries evicted for room (so far)", registry=r

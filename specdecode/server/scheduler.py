@@ -50,7 +50,13 @@ from specdecode.server.metrics import ServerMetrics
 from specdecode.server.protocol import APIError, choice_params
 
 log = logging.getLogger("specdecode.server")
-PREFIX_CACHE_STATE = ("prefix_cache_bytes", "prefix_cache_entries", "prefix_cache_evictions", "prefix_cache_hit_rate")
+PREFIX_CACHE_STATE = (
+    "prefix_cache_bytes",
+    "prefix_cache_draft_bytes",
+    "prefix_cache_entries",
+    "prefix_cache_evictions",
+    "prefix_cache_hit_rate",
+)
 
 
 @dataclass(frozen=True)
@@ -495,6 +501,7 @@ class Scheduler:
         stats = index.stats
         return {
             "prefix_cache_bytes": float(index.nbytes),
+            "prefix_cache_draft_bytes": float(self.engine.drafts.kept_bytes()),
             "prefix_cache_entries": float(len(index)),
             "prefix_cache_evictions": float(stats.evictions),
             "prefix_cache_hit_rate": stats.hit_rate,
