@@ -393,7 +393,7 @@ class EngineConfig:
         type=int,
         minimum=0,
         metavar="MB",
-        tools={"serve": 1024},
+        tools={"serve": 1536},
         help="keep the target's KV of finished prompts and outputs, up to this many MiB, and start a request "
         "whose prompt begins with one of them from there: only the rest is prefilled (specdecode.prefix_cache; "
         "least recently used entries go first); 0 turns it off (default %(default)s)",
