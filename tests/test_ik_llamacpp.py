@@ -302,17 +302,23 @@ def _cli(args: list[str], capsys) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
+def _with_and_without_draft(base: list[str], draft, capsys) -> tuple[dict, dict]:
+    """``generate --json`` with ``--draft draft`` and without it: both must succeed; their JSON objects."""
+    runs = []
+    for args in ([*base, "--draft", str(draft)], base):
+        code, out, err = _cli(args, capsys)
+        assert code == 0, err
+        runs.append(json.loads(out))
+    return runs[0], runs[1]
+
+
 def test_generate_runs_on_ik_and_equals_its_target_only(tiny, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
     _, _, gt, gd, _ = tiny
     base = ["generate", "--backend", "ik_llamacpp", "--target", str(gt.path), "--prompt", "xyxyx"]
     base += ["--max-new-tokens", "12", "--json", "--threads", "1"]
-    code, out, err = _cli([*base, "--draft", str(gd.path)], capsys)
-    assert code == 0, err
-    spec = json.loads(out)
-    code, out, err = _cli(base, capsys)
-    assert code == 0, err
-    plain = json.loads(out)
+    spec, plain = _with_and_without_draft(base, gd.path, capsys)
+    assert spec["stats"]["drafted"] > 0
     assert spec["backend"] == plain["backend"] == "ik_llamacpp" and spec["token_ids"] == plain["token_ids"]
 
 
@@ -324,12 +330,7 @@ def test_generate_batch_invariant_on_ik(tiny, capsys, monkeypatch, tmp_path):
     base = ["generate", "--backend", "ik_llamacpp", "--target", str(gt.path), "--prompt", "xyxyx", "--json"]
     base += ["--max-new-tokens", "16", "--threads", "2", "--batch-invariant", "on", "--sampler", "coupled"]
     base += ["--temperature", "0.9", "--seed", "3"]
-    code, out, err = _cli([*base, "--draft", str(gd.path)], capsys)
-    assert code == 0, err
-    spec = json.loads(out)
-    code, out, err = _cli(base, capsys)
-    assert code == 0, err
-    plain = json.loads(out)
+    spec, plain = _with_and_without_draft(base, gd.path, capsys)
     assert "batch-invariant" in spec["where"]["target"] and spec["stats"]["drafted"] > 0
     assert spec["token_ids"] == plain["token_ids"]
 
