@@ -70,8 +70,8 @@ class DraftModelDrafter(AutoregressiveDrafter):
         if context < 0:
             raise ValueError(f"draft context must be >= 0 (0: the whole prompt), got {context}")
         self.context = context
-        # what positions go through: the runner itself, or shifted into each slot's window
-        self._kv: Runner | WindowedRunner = WindowedRunner(runner, context, fim) if context else runner
+        # what positions go through: shifted into each slot's view (unchanged without a bound)
+        self._kv = WindowedRunner(runner, context, fim)
         self._tree: dict[int, tuple[int, GrownTree]] = {}  # slot -> (window start, the tree last proposed)
         self.runner = runner
         # the target's vocabulary size: draft logits past it are never sampled, and the draft
@@ -94,7 +94,7 @@ class DraftModelDrafter(AutoregressiveDrafter):
         that holds something already, or nothing to skip)."""
         if self._cached.get(slot):
             return 0
-        view = self._kv.begin(slot, tokens) if isinstance(self._kv, WindowedRunner) else tokens
+        view = self._kv.begin(slot, tokens)
         n = len(tokens) - len(view)  # (the prompt tokens the view leaves out count as read)
         if self.prefixes is not None:  # (a kept prefix of the view: the draft's cache holds views)
             n += self.prefixes.restore(slot, view, len(view) - 1)
@@ -134,7 +134,7 @@ class DraftModelDrafter(AutoregressiveDrafter):
         cached = self._cached.get(seq.slot, [])
         # a slot not seen yet will skip what its view leaves out
         skip = 0
-        if isinstance(self._kv, WindowedRunner) and seq.slot not in self._cached:
+        if self.context and seq.slot not in self._cached:
             skip = len(seq.token_ids) - len(draft_view(seq.token_ids, self.context, self._kv.fim))
         read = max(skip, common_prefix(cached, seq.token_ids, self._floor.get(seq.slot, 0)))
         return max(0, len(seq.token_ids) - read - 2)
@@ -170,12 +170,8 @@ class DraftModelDrafter(AutoregressiveDrafter):
 
     def release(self, slot: int) -> None:
         if self.prefixes is not None and slot not in self._tree and self._cached.get(slot):
-            held = self._cached[slot]
-            if isinstance(self._kv, WindowedRunner):
-                held = self._kv.held(slot, held)
-            self.prefixes.save(slot, held)  # what this slot's cache holds, for the next prompt
-        if isinstance(self._kv, WindowedRunner):
-            self._kv.release(slot)
+            self.prefixes.save(slot, self._kv.held(slot, self._cached[slot]))  # for the next prompt
+        self._kv.release(slot)
         self._cached.pop(slot, None)
         self._floor.pop(slot, None)
         self._tree.pop(slot, None)

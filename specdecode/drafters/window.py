@@ -79,7 +79,7 @@ def _fim_view(tokens: list[int], context: int, fim: FimMarkers) -> list[int] | N
 class WindowedRunner:
     """The draft runner as a drafter with a bounded context sees it: positions are absolute, each slot's
     cache holds its view from index 0 (see the module docstring). Only what a draft model drafter calls is
-    mapped; the rest is the runner's."""
+    mapped; the rest is the runner's. With ``context`` 0 every call goes to the runner unchanged."""
 
     def __init__(self, runner: Runner, context: int, fim: FimMarkers | None = None) -> None:
         self.runner = runner
@@ -89,7 +89,10 @@ class WindowedRunner:
         self.offsets: dict[int, int] = {}  # slot -> its sequence's length less its view's (fixed)
 
     def begin(self, slot: int, tokens: Sequence[int]) -> list[int]:
-        """The slot's view, fixed the first time it is asked for (from ``tokens``: its prompt or history)."""
+        """The slot's view, fixed the first time it is asked for (from ``tokens``: its prompt or history);
+        without a bound (``context`` 0) the tokens themselves, nothing kept."""
+        if not self.context:
+            return list(tokens)
         if slot not in self.views:
             view = draft_view(tokens, self.context, self.fim)
             self.views[slot], self.offsets[slot] = view, len(tokens) - len(view)
@@ -126,6 +129,8 @@ class WindowedRunner:
             self.runner.prefill([s for s, _, _ in keep], [p for _, p, _ in keep], starts=[st for _, _, st in keep])
 
     def forward(self, slots: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, **tree) -> ForwardOutput:
+        if not self.offsets:  # (no slot has a view that leaves tokens out: the runner's positions as they are)
+            return self.runner.forward(slots, ids, positions, **tree)
         shift = torch.tensor([self.offset(int(s)) for s in slots], dtype=positions.dtype)
         if not shift.any():
             return self.runner.forward(slots, ids, positions, **tree)
